@@ -1,0 +1,3 @@
+from fibctl.cli import main
+
+main()

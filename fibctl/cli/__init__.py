@@ -1,0 +1,38 @@
+"""The `fibctl` command line. Each module here parses options, calls the library, prints.
+
+Errors a user can fix (`FibctlError`) become one red line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from fibctl.cli.common import err_console
+from fibctl.errors import FibctlError
+
+app = typer.Typer(
+    name="fibctl",
+    help="Reproduce and extend the scaled-Fibonacci sparse-attention study: queue a matrix of "
+    "runs, train them, evaluate them at any length, and report from one SQL database.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    # Imported for their side effect of adding commands to `app`.
+    from fibctl.cli import model  # noqa: F401
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app()
+    except FibctlError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)

@@ -1,0 +1,1 @@
+"""The results database: schema (public API), engine, migrations, and writers."""

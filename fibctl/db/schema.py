@@ -1,0 +1,167 @@
+"""The database schema. It is fibctl's public API: names are chosen for people writing SQL.
+
+Every metric table has a natural key (a unique constraint) so that writing the same
+metric twice replaces it instead of duplicating it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, DateTime,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    """One training run: its identity, resolved config, queue state and outcome."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    matrix: Mapped[str] = mapped_column(String(100))
+    preset: Mapped[str] = mapped_column(String(50))
+    base: Mapped[str | None] = mapped_column(String(20))  # fib | pow2; NULL for dense
+    schedule: Mapped[str] = mapped_column(String(20))  # dense | fixed | learned | stagger | coprime
+    window: Mapped[int | None] = mapped_column(Integer)  # W; NULL for dense
+    seed: Mapped[int] = mapped_column(Integer)
+    train_length: Mapped[int] = mapped_column(Integer)  # sequence length T it trains at
+    config_json: Mapped[str] = mapped_column(Text)
+    config_hash: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(20), default="queued")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    host: Mapped[str | None] = mapped_column(String(200))
+    device: Mapped[str | None] = mapped_column(String(100))
+    torch_version: Mapped[str | None] = mapped_column(String(50))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    wall_seconds: Mapped[float | None] = mapped_column(Float)
+    params_total: Mapped[int | None] = mapped_column(Integer)
+    params_non_embedding: Mapped[int | None] = mapped_column(Integer)
+    tokens_trained: Mapped[int | None] = mapped_column(Integer)
+    final_step: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    checkpoint_path: Mapped[str | None] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(String(100), default="fibctl")  # or the imported file
+
+    __table_args__ = (
+        Index("ix_runs_status_id", "status", "id"),
+        Index("ix_runs_matrix", "matrix"),
+    )
+
+
+class TrainStep(Base):
+    """Training metrics logged every `log_interval` steps."""
+
+    __tablename__ = "train_steps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    lr: Mapped[float] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    elapsed_s: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (UniqueConstraint("run_id", "step", name="uq_train_steps_run_step"),)
+
+
+class Evaluation(Base):
+    """Perplexity of one run at one step on one held-out set at one evaluation length."""
+
+    __tablename__ = "evaluations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    dataset: Mapped[str] = mapped_column(String(100))
+    eval_length: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)  # predicted tokens the mean is over
+    loss: Mapped[float] = mapped_column(Float)  # mean next-token cross-entropy, nats
+    ppl: Mapped[float] = mapped_column(Float)  # exp(loss)
+    created_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "dataset", "eval_length", name="uq_evaluations_key"),
+        Index("ix_evaluations_dataset_length", "dataset", "eval_length"),
+    )
+
+
+class PositionLoss(Base):
+    """Mean next-token loss at one position of the window, averaged over `windows` windows."""
+
+    __tablename__ = "position_losses"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    dataset: Mapped[str] = mapped_column(String(100))
+    eval_length: Mapped[int] = mapped_column(Integer)
+    position: Mapped[int] = mapped_column(Integer)  # 0-based index of the predicted token
+    mean_loss: Mapped[float] = mapped_column(Float)
+    windows: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "dataset", "eval_length", "position",
+                         name="uq_position_losses_key"),
+    )
+
+
+class Alpha(Base):
+    """The per-layer scale alpha_l of a run at a step (learned: a trajectory; static: once)."""
+
+    __tablename__ = "alphas"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    layer: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (UniqueConstraint("run_id", "step", "layer", name="uq_alphas_key"),)
+
+
+class AuxMetric(Base):
+    """Anything else measured about a run: throughput, probes, auxiliary evaluations.
+
+    `name` groups metrics (e.g. 'speed@4096', 'lambada', 'probe'), `metric` names the value
+    ('tokens_per_s', 'accuracy'); `text` holds a JSON payload where a number is not enough.
+    """
+
+    __tablename__ = "aux_metrics"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    metric: Mapped[str] = mapped_column(String(100))
+    value: Mapped[float | None] = mapped_column(Float)
+    text: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (UniqueConstraint("run_id", "name", "metric", name="uq_aux_metrics_key"),)
+
+
+class Event(Base):
+    """What happened to a run (claimed, resumed, checkpointed, failed, ...), in order."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    time: Mapped[datetime] = mapped_column(DateTime)
+    kind: Mapped[str] = mapped_column(String(50))
+    message: Mapped[str | None] = mapped_column(Text)
+    data: Mapped[dict | None] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_events_run_time", "run_id", "time"),)

@@ -1,0 +1,147 @@
+"""Scaled-Fibonacci sparse attention and the dense baseline, in three implementations.
+
+Shapes: q is (B, H, T, D) and k, v are (B, Hkv, T, D), RoPE already applied at their
+true positions. H = G * Hkv (grouped queries). A layer attends to a list of *columns*:
+
+- integer columns: distance d, key row i - d, valid iff i >= d;
+- fractional columns (learned alpha): distance t = lo + frac, key
+  (1 - frac) * k[i - lo] + frac * k[i - lo - 1] (the far row clamped to row 0), valid iff
+  i >= lo.
+
+Implementations (`impl`):
+- `reference`: a loop over columns that builds each key and value row exactly as the spec
+  states them, with the kv heads expanded. Slow and obviously correct: the yardstick.
+- `gather` (default): one `index_select` of all needed rows per query chunk, kv heads kept
+  unexpanded, cost O(T * C * D). Fractional columns interpolate the two *logits* (q.k is
+  linear in k) and split each softmax weight back onto the two value rows, which equals
+  interpolating the rows themselves.
+- `mask`: a boolean T x T mask through `scaled_dot_product_attention`, integer columns
+  only; how the study ran its fixed paths, kept for parity and benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fibctl.config import ATTENTION_IMPLS, ConfigError
+from fibctl.schedules import attended_distances, coverage  # noqa: F401  (re-exported API)
+
+NEG = -1e9  # invalid logits: large negative, never -inf, so no row is ever NaN
+GATHER_CHUNK = 2048  # queries per gather chunk: bounds memory at long lengths
+
+
+@dataclass
+class Columns:
+    """What one layer attends to at one length."""
+
+    dist: list[int]  # integer distances: the window, then integer rungs
+    lo: list[int]  # fractional rungs: floor of alpha * b_k
+    frac: torch.Tensor | None = None  # (len(lo),) alpha * b_k - lo, carries the gradient to alpha
+
+    @property
+    def n(self) -> int:
+        return len(self.dist) + len(self.lo)
+
+
+def check_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"unknown attention implementation {impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
+    return impl
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def dense_attention(q, k, v, impl: str = "gather") -> torch.Tensor:
+    """Plain causal attention."""
+    if check_impl(impl) != "reference":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    T = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, NEG).softmax(-1) @ v
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+def sparse_attention(q, k, v, cols: Columns, impl: str = "gather") -> torch.Tensor:
+    check_impl(impl)
+    if impl == "reference":
+        return _reference(q, k, v, cols)
+    if impl == "mask":
+        return _masked(q, k, v, cols)
+    return _gather(q, k, v, cols)
+
+
+def _reference(q, k, v, cols: Columns) -> torch.Tensor:
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, D)
+    i = torch.arange(T, device=q.device)
+    logits, values = [], []
+
+    def add(key, value, valid):
+        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
+        logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
+        values.append(value)
+
+    for d in cols.dist:
+        row = (i - d).clamp_min(0)
+        add(k[:, :, row], v[:, :, row], i >= d)
+    for j, lo in enumerate(cols.lo):
+        f = cols.frac[j]
+        near, far = (i - lo).clamp_min(0), (i - lo - 1).clamp_min(0)
+        key = (1 - f) * k[:, :, near] + f * k[:, :, far]
+        value = (1 - f) * v[:, :, near] + f * v[:, :, far]
+        add(key, value, i >= lo)
+    p = torch.stack(logits, -1).softmax(-1)  # (B, H, T, C)
+    return (p.unsqueeze(-1) * torch.stack(values, -2)).sum(-2)
+
+
+def _gather(q, k, v, cols: Columns) -> torch.Tensor:
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    n_int, n_frac = len(cols.dist), len(cols.lo)
+    dev = q.device
+    # Rows to fetch per query: integer columns, then the near and far row of each fractional one.
+    offsets = torch.tensor(cols.dist + cols.lo + [lo + 1 for lo in cols.lo], device=dev)
+    valid_from = torch.tensor(cols.dist + cols.lo, device=dev)  # validity follows the near row
+    qg = q.view(B, Hkv, G, T, D) * D**-0.5
+    out = []
+    for start in range(0, T, GATHER_CHUNK):
+        pos = torch.arange(start, min(T, start + GATHER_CHUNK), device=dev)
+        n = len(pos)
+        rows = (pos[:, None] - offsets[None, :]).clamp_min(0).flatten()  # (n * C',)
+        kr = k.index_select(2, rows).view(B, Hkv, n, -1, D)  # (B, Hkv, n, C', D)
+        vr = v.index_select(2, rows).view(B, Hkv, n, -1, D)
+        s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C')
+        if n_frac:
+            f = cols.frac.to(s.dtype)
+            near, far = s[..., n_int:n_int + n_frac], s[..., n_int + n_frac:]
+            s = torch.cat([s[..., :n_int], near + f * (far - near)], -1)
+        valid = pos[:, None] >= valid_from[None, :]  # (n, C)
+        p = s.masked_fill(~valid, NEG).softmax(-1)
+        if n_frac:
+            pr = p[..., n_int:]
+            p = torch.cat([p[..., :n_int], pr * (1 - f), pr * f], -1)
+        out.append(torch.einsum("bhgtc,bhtcd->bhgtd", p, vr))
+    return torch.cat(out, 3).reshape(B, H, T, D)
+
+
+def _masked(q, k, v, cols: Columns) -> torch.Tensor:
+    dist = list(cols.dist)
+    if cols.lo:
+        if cols.frac is not None and bool((cols.frac.detach() != 0).any()):
+            raise ConfigError("the `mask` implementation supports integer offsets only; use `gather` for learned alpha")
+        dist += cols.lo
+    T = q.shape[2]
+    i = torch.arange(T, device=q.device)
+    allowed = torch.isin(i[:, None] - i[None, :], torch.tensor(dist, device=q.device))  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)

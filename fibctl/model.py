@@ -1,0 +1,169 @@
+"""The decoder-only transformer of the study (SPEC section 3), top to bottom.
+
+Pre-norm RMSNorm blocks with grouped-query attention (dense or scaled-Fibonacci sparse)
+and a SwiGLU FFN; RoPE; embedding tied to the output head; no biases, no dropout.
+Nothing length-dependent is saved: RoPE tables and attended columns are rebuilt for
+whatever length the input has, so weights trained at one length load at any other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
+from fibctl.config import ModelConfig
+from fibctl.schedules import (
+    ALPHA_MIN, ALPHA_RANGE, base_sequence, fractional_rungs, integer_distances, layer_alphas,
+)
+
+LOSS_CHUNK = 1024  # positions per chunk when computing per-token losses: logits never exist in full
+
+
+def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, D/2)
+    angles = torch.cat([angles, angles], -1)  # rotate-half convention: (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, impl: str = "gather"):
+        super().__init__()
+        self.cfg, self.layer, self.impl = cfg, layer, check_impl(impl)
+        D = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * D, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * D, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * D, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * D, cfg.d_model, bias=False)
+        alpha0 = layer_alphas(cfg.schedule, cfg.n_layers)[layer]
+        if cfg.schedule == "learned":
+            self.theta = nn.Parameter(torch.zeros(()))  # the only parameter sparsity adds
+        else:
+            # a constant, not a parameter and not saved: weights stay schedule-agnostic
+            self.register_buffer("alpha_const", torch.tensor(alpha0), persistent=False)
+        self._static_cols: dict[int, Columns] = {}
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        if self.cfg.schedule == "learned":
+            return ALPHA_MIN + ALPHA_RANGE * torch.sigmoid(self.theta)
+        return self.alpha_const
+
+    def columns(self, T: int) -> Columns:
+        cfg = self.cfg
+        base = base_sequence(cfg.base, T, cfg.n_rungs)
+        if cfg.schedule != "learned":
+            if T not in self._static_cols:
+                self._static_cols[T] = Columns(integer_distances(float(self.alpha_const), base, cfg.window, T), [])
+            return self._static_cols[T]
+        alpha = self.alpha
+        rungs = fractional_rungs(float(alpha.detach()), base, cfg.window, T)
+        window = integer_distances(0.0, [], cfg.window, T)
+        lo = [r[0] for r in rungs]
+        b = torch.tensor([float(r[1]) for r in rungs], device=alpha.device)
+        return Columns(window, lo, alpha * b - torch.tensor(lo, dtype=b.dtype, device=b.device))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        cfg, D = self.cfg, self.cfg.head_dim
+        q = self.wq(x).view(B, T, cfg.n_heads, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, cfg.n_kv_heads, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(B, T, cfg.n_kv_heads, D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.schedule == "dense":
+            y = dense_attention(q, k, v, self.impl)
+        else:
+            y = sparse_attention(q, k, v, self.columns(T), self.impl)
+        return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.ffn_hidden
+        self.w1 = nn.Linear(cfg.d_model, h, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, h, bias=False)  # up
+        self.w2 = nn.Linear(h, cfg.d_model, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, impl: str):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, layer, impl)
+        self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.ffn(self.norm2(x))
+
+
+class FibLM(nn.Module):
+    """The language model. `cfg.seq_len` is the length it is built at; any length works."""
+
+    def __init__(self, cfg: ModelConfig, impl: str = "gather"):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, l, impl) for l in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        std = self.cfg.d_model**-0.5
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                residual_out = name.endswith("attn.wo.weight") or name.endswith("ffn.w2.weight")
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers) if residual_out else std)
+
+    def rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (T, str(device))
+        if key not in self._rope:
+            self._rope[key] = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, device)
+        return self._rope[key]
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states, (B, T, d_model)."""
+        cos, sin = self.rope(idx.shape[1], idx.device)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) without targets; with targets, the mean next-token loss."""
+        logits = self.hidden(idx) @ self.embed.weight.T  # tied head
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-position cross-entropy (B, T), the head applied in chunks of positions."""
+        h = self.hidden(idx)
+        out = []
+        for s in range(0, h.shape[1], LOSS_CHUNK):
+            logits = (h[:, s:s + LOSS_CHUNK] @ self.embed.weight.T).float()
+            out.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s:s + LOSS_CHUNK], reduction="none"))
+        return torch.cat(out, 1)
+
+    def alphas(self) -> list[float]:
+        return [float(b.attn.alpha.detach()) for b in self.blocks]
+
+    def param_counts(self) -> dict[str, int]:
+        total = sum(p.numel() for p in self.parameters())
+        embedding = self.embed.weight.numel()
+        return {"total": total, "embedding": embedding, "non_embedding": total - embedding}

@@ -1,0 +1,112 @@
+"""Which distances each layer attends to (SPEC sections 1-2), in plain Python.
+
+A query at position i attends to keys at distances 0..W (the local window) and to the
+rungs alpha_l * b_k of a base sequence b. Everything here is integer or float arithmetic
+on lists, so it can be read against the spec line by line.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fibctl.config import BASES, SCHEDULES, ConfigError
+
+FIB = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181, 6765]
+ALPHA_MIN, ALPHA_RANGE = 0.5, 1.0  # alpha = 0.5 + 1.0 * sigmoid(theta), in [0.5, 1.5]
+
+
+def base_sequence(base: str, seq_len: int, n_rungs: int = 15) -> list[int]:
+    """The rungs b_k. `fib` is fixed whatever the length; `pow2` is rebuilt at every length."""
+    if base == "fib":
+        if n_rungs > len(FIB):
+            raise ConfigError(f"n_rungs K={n_rungs} exceeds the {len(FIB)} Fibonacci rungs available")
+        return FIB[:n_rungs]
+    if base == "pow2":
+        out, b = [], 1
+        while b <= seq_len - 1:
+            out.append(b)
+            b *= 2
+        return out
+    raise ConfigError(f"unknown base {base!r}; allowed: {', '.join(BASES)}")
+
+
+def coprime_stride(n_layers: int) -> int | None:
+    """S: the largest integer from L/2 down to 2 coprime with L; None when there is none."""
+    for s in range(n_layers // 2, 1, -1):
+        if math.gcd(s, n_layers) == 1:
+            return s
+    return None
+
+
+def coprime_slots(n_layers: int) -> list[int]:
+    """Slot of each layer in the stagger ramp under the coprime (HDC) schedule.
+
+    For L = 3, 4, 6 no stride exists (the study's code raises); fibctl interleaves the two
+    halves of the ramp instead so that adjacent layers still differ.
+    """
+    L = n_layers
+    if L <= 2:
+        return list(range(L))
+    s = coprime_stride(L)
+    if s is None:
+        half = math.ceil(L / 2)
+        return [l // 2 + (l % 2) * half for l in range(L)]
+    return [(s * l) % L for l in range(L)]
+
+
+def layer_alphas(schedule: str, n_layers: int) -> list[float]:
+    """alpha_l for every layer (the initial values for `learned`). Dense has no rungs: 1."""
+    L = n_layers
+
+    def ramp(slot: int) -> float:
+        return 1.0 if L == 1 else 0.5 + slot / (L - 1)
+
+    if schedule in ("fixed", "learned", "dense"):
+        return [1.0] * L
+    if schedule == "stagger":
+        return [ramp(l) for l in range(L)]
+    if schedule == "coprime":
+        return [ramp(s) for s in coprime_slots(L)]
+    raise ConfigError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+
+
+def window_distances(window: int, seq_len: int) -> list[int]:
+    """0..W, capped at T-1: farther window columns would be invalid for every query."""
+    return list(range(min(window, seq_len - 1) + 1))
+
+
+def integer_distances(alpha: float, base: list[int], window: int, seq_len: int) -> list[int]:
+    """Window plus kept rungs r_k = round(alpha * b_k), W < r_k <= T-1, duplicates collapsed."""
+    rungs = sorted({r for r in (round(alpha * b) for b in base) if window < r <= seq_len - 1})
+    return window_distances(window, seq_len) + rungs
+
+
+def fractional_rungs(alpha: float, base: list[int], window: int, seq_len: int) -> list[tuple[int, int]]:
+    """(lo, b_k) for each rung the fractional (learned) path keeps at this alpha.
+
+    Skipped: round(t) <= W, lo > T-1, or lo equal to a column already used.
+    """
+    used = set(range(window + 1))
+    kept = []
+    for b in base:
+        t = alpha * b
+        lo = math.floor(t)
+        if round(t) <= window or lo > seq_len - 1 or lo in used:
+            continue
+        used.add(lo)
+        kept.append((lo, b))
+    return kept
+
+
+def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq_len: int,
+                       n_rungs: int = 15) -> list[list[int]]:
+    """Integer distances attended by each layer (learned: at its initial alpha = 1)."""
+    if schedule == "dense":
+        return [list(range(seq_len)) for _ in range(n_layers)]
+    b = base_sequence(base, seq_len, n_rungs)
+    return [integer_distances(a, b, window, seq_len) for a in layer_alphas(schedule, n_layers)]
+
+
+def coverage(per_layer: list[list[int]]) -> tuple[list[int], int]:
+    """Distinct distances per layer, and in the union over layers."""
+    return [len(set(d)) for d in per_layer], len(set().union(*map(set, per_layer)))

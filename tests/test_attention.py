@@ -1,0 +1,155 @@
+"""Every attention path matches the slow reference; causality; the schedules' definitions."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fibctl.attention import Columns, dense_attention, sparse_attention
+from fibctl.config import ModelConfig
+from fibctl.model import Attention, FibLM, apply_rope, rope_tables
+from fibctl.schedules import (
+    attended_distances, base_sequence, coprime_slots, coprime_stride, coverage, fractional_rungs,
+    integer_distances, layer_alphas,
+)
+
+torch.set_num_threads(1)
+SPARSE = ["fixed", "learned", "stagger", "coprime"]
+SCHEDULES = ["dense", *SPARSE]
+LENGTHS = [1, 2, 17, 257, 1100]
+
+
+def layer_cfg(schedule, base, window, n_layers=4):
+    return ModelConfig(vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                       seq_len=64, schedule=schedule, base=base, window=window)
+
+
+def qkv(T, seed=0, B=1, H=4, Hkv=2, D=8):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, T, D, generator=g, dtype=torch.float64).float().requires_grad_()
+    return mk(H), mk(Hkv), mk(Hkv)
+
+
+def run_attention(attn: Attention, q, k, v, impl):
+    if attn.cfg.schedule == "dense":
+        return dense_attention(q, k, v, impl)
+    return sparse_attention(q, k, v, attn.columns(q.shape[2]), impl)
+
+
+def grads(out, tensors, seed=1):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad((out * w).sum(), tensors, allow_unused=True)
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("window", [6, 8, 12])
+@pytest.mark.parametrize("base", ["fib", "pow2"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_implementations_match_reference(schedule, base, window, T):
+    if schedule == "dense" and (base, window) != ("fib", 8):
+        pytest.skip("dense has no base or window")
+    layer = 2  # a staggered layer with a non-integer alpha
+    attn = Attention(layer_cfg(schedule, base, window), layer)
+    if schedule == "learned":
+        with torch.no_grad():
+            attn.theta.fill_(0.37)  # fractional offsets at every rung
+    q, k, v = qkv(T, seed=T + window)
+    params = [q, k, v] + ([attn.theta] if schedule == "learned" else [])
+    ref = run_attention(attn, q, k, v, "reference")
+    ref_grads = grads(ref, params)
+    impls = ["gather"] + ([] if schedule == "learned" else ["mask"])
+    for impl in impls:
+        out = run_attention(attn, q, k, v, impl)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=f"{impl} output")
+        for name, a, b in zip("qkv theta".split(), grads(out, params), ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{impl} grad {name}")
+
+
+@pytest.mark.parametrize("base", ["fib", "pow2"])
+def test_learned_at_alpha_one_equals_fixed(base):
+    learned, fixed = (Attention(layer_cfg(s, base, 8), 1) for s in ("learned", "fixed"))
+    q, k, v = qkv(300)
+    a = sparse_attention(q, k, v, learned.columns(300), "gather")
+    b = sparse_attention(q, k, v, fixed.columns(300), "gather")
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # the fractional path at integer alpha is also the same function through the mask path
+    torch.testing.assert_close(sparse_attention(q, k, v, learned.columns(300), "mask"), b, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_to_theta_is_nonzero_at_init():
+    attn = Attention(layer_cfg("learned", "fib", 8), 0)
+    q, k, v = qkv(200)
+    (g,) = grads(sparse_attention(q, k, v, attn.columns(200), "gather"), [attn.theta])
+    assert g is not None and g.abs().item() > 0
+
+
+@pytest.mark.parametrize("impl", ["gather", "mask", "reference"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_causality(schedule, impl):
+    """Changing tokens after position t leaves outputs at positions <= t unchanged."""
+    if schedule == "learned" and impl == "mask":
+        pytest.skip("mask path is integer-only")
+    torch.manual_seed(0)
+    model = FibLM(dataclasses.replace(layer_cfg(schedule, "fib", 6, n_layers=3), seq_len=96), impl=impl).eval()
+    idx = torch.randint(0, 64, (2, 96))
+    t = 40
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(0, 64, (2, 96 - t - 1))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=0, rtol=0)
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+def test_first_position_attends_only_to_itself():
+    attn = Attention(layer_cfg("fixed", "fib", 8), 0)
+    q, k, v = qkv(50)
+    out = sparse_attention(q, k, v, attn.columns(50), "gather")
+    G = 2
+    torch.testing.assert_close(out[:, :, 0], v.repeat_interleave(G, 1)[:, :, 0])
+
+
+def test_coprime_is_permutation_of_stagger():
+    assert coprime_stride(16) == 7 and coprime_stride(8) == 3
+    assert sorted(layer_alphas("coprime", 16)) == sorted(layer_alphas("stagger", 16))
+    assert layer_alphas("coprime", 16) != layer_alphas("stagger", 16)
+    assert layer_alphas("stagger", 16)[0] == 0.5 and layer_alphas("stagger", 16)[-1] == 1.5
+    assert coprime_slots(4) == [0, 2, 1, 3]  # no stride exists: interleaved halves
+    assert layer_alphas("coprime", 1) == [1.0]
+
+
+def test_bases():
+    assert base_sequence("pow2", 1024) == [2**i for i in range(10)]
+    assert base_sequence("pow2", 4096) == [2**i for i in range(12)]
+    assert base_sequence("fib", 4096)[-1] == 987 and len(base_sequence("fib", 64)) == 15
+
+
+def test_rung_filtering():
+    fib = base_sequence("fib", 1024)
+    # W < round(alpha b) <= T-1, duplicates collapsed (alpha 0.5: 1,1,2,2,4,6,10,...)
+    d = integer_distances(0.5, fib, 8, 1024)
+    assert d[:9] == list(range(9)) and d[9:] == [10, 17, 28, 44, 72, 116, 188, 305, 494]
+    assert integer_distances(1.0, fib, 8, 100) == list(range(9)) + [13, 21, 34, 55, 89]
+    # fractional: skip when round(t) <= W or floor(t) already used
+    assert fractional_rungs(1.0, fib, 8, 100) == [(13, 13), (21, 21), (34, 34), (55, 55), (89, 89)]
+    assert [lo for lo, _ in fractional_rungs(0.61, fib, 8, 1024)][:2] == [12, 20]
+
+
+def test_coverage_fixed_fib_w8():
+    per_layer, union = coverage(attended_distances("fib", "fixed", 8, 16, 1024))
+    assert union == 19 and per_layer == [19] * 16
+    _, staggered = coverage(attended_distances("fib", "stagger", 8, 16, 1024))
+    assert staggered > 4 * 19
+
+
+def test_rope_rotate_half_preserves_norm_and_relative_position():
+    cos, sin = rope_tables(16, 8, 10000.0, "cpu")
+    x = torch.randn(1, 1, 16, 8)
+    torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))
+    q, k = torch.randn(8), torch.randn(8)
+    qs, ks = q.expand(16, 8)[None, None], k.expand(16, 8)[None, None]
+    rq, rk = apply_rope(qs, cos, sin)[0, 0], apply_rope(ks, cos, sin)[0, 0]
+    assert math.isclose(float(rq[5] @ rk[3]), float(rq[9] @ rk[7]), rel_tol=1e-5)

@@ -1,11 +1,31 @@
-"""Opening the results database: URL resolution, SQLite pragmas, schema upgrade on open."""
+"""Opening the results database: URL resolution, SQLite settings, schema revision checks.
+
+`connect` brings a database to the latest Alembic revision before handing it out;
+`connect_readonly` opens one whose connection itself refuses writes (for `fibctl sql`).
+A file that is not a database, or a database written by a newer fibctl, is refused with a
+`FibctlError` before anything is written to it.
+"""
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Engine, make_url
+import importlib.util
+from pathlib import Path
+from urllib.parse import quote
 
-from fibctl.db.schema import Base
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DatabaseError
+from sqlalchemy.pool import NullPool
+
+import fibctl
+from fibctl.errors import FibctlError
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+BUSY_TIMEOUT_MS = 30_000
 
 
 def resolve_url(db: str) -> str:
@@ -13,20 +33,166 @@ def resolve_url(db: str) -> str:
     return db if "://" in db else f"sqlite:///{db}"
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
+def _sqlite_path(url: str) -> Path | None:
+    """The file behind a SQLite URL; None for other dialects and in-memory databases."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    return Path(u.database)
+
+
+def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
+    if path.is_dir():
+        raise FibctlError(f"{path} is a directory, not a database file")
+    if not path.exists():
+        if must_exist:
+            raise FibctlError(f"no database at {path}")
+        if not path.parent.is_dir():
+            raise FibctlError(f"cannot create database {path}: directory {path.parent} does not exist")
+        return
+    with path.open("rb") as f:
+        header = f.read(len(SQLITE_HEADER))
+    if header and header != SQLITE_HEADER:  # an empty file is an empty SQLite database
+        raise FibctlError(f"{path} is not a SQLite database")
+
+
+def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> None:
+    """WAL, busy timeout, foreign keys; every transaction starts with BEGIN IMMEDIATE.
+
+    Taking the write lock up front means a transaction never has to upgrade a read lock,
+    which in WAL mode fails at once with "database is locked" instead of waiting.
+    Statements outside `begin()` still autobegin through the same hook.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # let SQLAlchemy, not the driver, issue BEGIN
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _engine(url: str, *, foreign_keys: bool = True, **kwargs) -> Engine:
+    engine = create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        _install_sqlite_settings(engine, foreign_keys=foreign_keys)
+    return engine
+
+
+# --- Alembic --------------------------------------------------------------------------------
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: the installed `fibctl.migrations` package, or `migrations/`
+    beside the `fibctl/` folder when running from a source checkout that is not installed."""
+    spec = importlib.util.find_spec("fibctl.migrations")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).parent
+    return Path(fibctl.__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(connection=None) -> Config:
+    """An Alembic config built in code (no alembic.ini); env.py uses `connection` if given."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's schema revision; None for a database fibctl has not written yet."""
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def _check_revision(engine: Engine, db: str) -> str | None:
+    """The current revision, after refusing foreign or newer databases (nothing written)."""
+    try:
+        rev = current_revision(engine)
+        tables = inspect(engine).get_table_names() if rev is None else []
+    except DatabaseError as e:
+        raise FibctlError(f"{db} is not a usable database: {e.orig}") from None
+    if rev is None and tables:
+        raise FibctlError(
+            f"{db} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
+            "but no fibctl schema revision")
+    if rev is not None:
+        known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+        if rev not in known:
+            raise FibctlError(
+                f"{db} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
+                "it was written by a newer fibctl; upgrade fibctl to use it")
+    return rev
+
+
+def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
+    """Bring `db` to `revision`; returns (revision before, revision after).
+
+    The whole upgrade is one transaction. SQLite runs it with foreign keys off: batch
+    migrations rebuild tables, and dropping a parent table with them on would cascade-delete
+    its children's rows.
+    """
+    url = resolve_url(db)
+    path = _sqlite_path(url)
+    if path is not None:
+        _check_sqlite_file(path, must_exist=False)
+    engine = _engine(url, foreign_keys=False, poolclass=NullPool)
+    try:
+        before = _check_revision(engine, db)
+        target = head_revision() if revision == "head" else revision
+        if before != target:
+            try:
+                with engine.begin() as conn:
+                    command.upgrade(alembic_config(conn), revision)
+            except Exception as e:  # the transaction rolled back: the database is as it was
+                raise FibctlError(f"upgrading {db} to {target} failed, nothing changed: {e}") from e
+        return before, current_revision(engine)
+    finally:
+        engine.dispose()
 
 
 def connect(db: str, *, create: bool = True) -> Engine:
-    """An engine on `db`, its schema brought to the latest revision when `create` is true."""
+    """An engine on `db`. With `create`, a missing database is created and an older schema
+    upgraded to the latest revision; without it, the database must exist and be current."""
     url = resolve_url(db)
-    engine = create_engine(url)
-    if make_url(url).get_backend_name() == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
+    path = _sqlite_path(url)
     if create:
-        Base.metadata.create_all(engine)  # TODO(db issue): replaced by the Alembic upgrade
+        upgrade(db)
+    elif path is not None:
+        _check_sqlite_file(path, must_exist=True)
+    engine = _engine(url)
+    if not create and _check_revision(engine, db) != head_revision():
+        engine.dispose()
+        raise FibctlError(f"{db} is not at the latest schema revision; run `fibctl db upgrade --db {db}`")
+    return engine
+
+
+def connect_readonly(db: str) -> Engine:
+    """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
+    transactions), for running SQL a user typed."""
+    url = resolve_url(db)
+    path = _sqlite_path(url)
+    if path is not None:
+        _check_sqlite_file(path, must_exist=True)
+        engine = create_engine(f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro&uri=true")
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            dbapi_conn.execute("PRAGMA query_only=ON")
+    elif make_url(url).get_backend_name() == "postgresql":
+        engine = create_engine(url, execution_options={"postgresql_readonly": True})
+    else:
+        raise FibctlError(f"read-only access supports SQLite and PostgreSQL databases, not {url}")
+    _check_revision(engine, db)
     return engine

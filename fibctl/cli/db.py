@@ -1,0 +1,120 @@
+"""`fibctl db`, `fibctl matrix` and `fibctl queue`: the database, run matrices, the queue."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from fibctl import queue
+from fibctl.cli import app
+from fibctl.cli.common import DEFAULT_DB, DbOption, console
+from fibctl.db import engine as db_engine
+from fibctl.matrix import load_matrix, shipped_matrices
+
+db_app = typer.Typer(help="The results database: schema revision and upgrades.", no_args_is_help=True)
+matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
+                         no_args_is_help=True)
+queue_app = typer.Typer(help="The run queue: add a matrix, list, cancel and retry runs.",
+                        no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(matrix_app, name="matrix")
+app.add_typer(queue_app, name="queue")
+
+MatrixArg = Annotated[str, typer.Argument(help="A shipped matrix name (see `fibctl matrix list`) or a .toml path.")]
+PresetOption = Annotated[str | None, typer.Option(
+    "--preset", help="Model/recipe preset for every run (paper, tiny, micro); default: the matrix's.")]
+NameArg = Annotated[str, typer.Argument(help="Run name, as shown by `fibctl queue ls`.")]
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
+    """Create the database if needed and bring its schema to the latest revision."""
+    before, after = db_engine.upgrade(db)
+    if before == after:
+        console.print(f"{db}: already at revision {after}")
+    else:
+        console.print(f"{db}: upgraded from revision {before or '(empty)'} to {after}")
+
+
+@db_app.command("current")
+def db_current(db: DbOption = DEFAULT_DB) -> None:
+    """Show the database's schema revision and the latest one this fibctl knows."""
+    engine = db_engine.connect_readonly(db)
+    rev, head = db_engine.current_revision(engine), db_engine.head_revision()
+    engine.dispose()
+    note = "up to date" if rev == head else "run `fibctl db upgrade`"
+    console.print(f"{db}: revision {rev or '(none)'}; latest {head} ({note})")
+
+
+@matrix_app.command("list")
+def matrix_list() -> None:
+    """List the matrices shipped with fibctl."""
+    table = Table("matrix", "runs", "preset", "description")
+    for name in shipped_matrices():
+        m = load_matrix(name)
+        table.add_row(name, str(len(m.entries)), m.preset, m.description)
+    console.print(table)
+
+
+@matrix_app.command("show")
+def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
+                only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob.")] = None,
+                ) -> None:
+    """Show each run of a matrix with its resolved settings and config hash."""
+    m = load_matrix(matrix)
+    configs = m.resolve(preset, only)
+    table = Table(title=f"{m.name}: {m.description}")
+    table.add_column("name", no_wrap=True)
+    for col in ("base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "config hash"):
+        table.add_column(col)
+    for c in configs:
+        dense = c.model.schedule == "dense"
+        table.add_row(c.name, "-" if dense else c.model.base, c.model.schedule,
+                      "-" if dense else str(c.model.window), str(c.seed), c.preset,
+                      str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps), c.config_hash)
+    console.print(table)
+
+
+@queue_app.command("add")
+def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption = None,
+              only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob, e.g. 'f1*'.")] = None,
+              ) -> None:
+    """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped."""
+    configs = load_matrix(matrix).resolve(preset, only)
+    engine = db_engine.connect(db)
+    added, present = queue.add_runs(engine, configs)
+    console.print(f"queued {len(added)} run(s); {len(present)} already present")
+
+
+@queue_app.command("ls")
+def queue_ls(db: DbOption = DEFAULT_DB,
+             status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
+             ) -> None:
+    """List runs in queue order with their status, attempts and worker."""
+    runs = queue.list_runs(db_engine.connect(db), status)
+    table = Table("id")
+    table.add_column("name", no_wrap=True)
+    for col in ("matrix", "preset", "status", "attempts", "worker", "heartbeat", "error"):
+        table.add_column(col)
+    for r in runs:
+        heartbeat = r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else ""
+        table.add_row(str(r["id"]), r["name"], r["matrix"], r["preset"], r["status"], str(r["attempts"]),
+                      r["worker"] or "", heartbeat, (r["error"] or "").partition("\n")[0])
+    console.print(table)
+    console.print(f"{len(runs)} run(s)")
+
+
+@queue_app.command("cancel")
+def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
+    """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
+    queue.cancel(db_engine.connect(db), name)
+    console.print(f"cancelled {name}")
+
+
+@queue_app.command("retry")
+def queue_retry(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
+    """Queue a failed or cancelled run again, its attempts reset."""
+    queue.retry(db_engine.connect(db), name)
+    console.print(f"queued {name} again")

@@ -1,0 +1,128 @@
+"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`: inspect and time the core."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from fibctl.cli import app
+from fibctl.cli.common import console
+from fibctl.config import ATTENTION_IMPLS, BASES, SCHEDULES, ConfigError, get_preset
+from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
+
+Preset = Annotated[str, typer.Option(help="Model preset: paper, tiny or micro.")]
+Schedule = Annotated[str, typer.Option(help=f"Per-layer spacing: {', '.join(SCHEDULES)}.")]
+Base = Annotated[str, typer.Option(help=f"Rung sequence: {', '.join(BASES)}.")]
+Window = Annotated[int, typer.Option(help="Local window W: distances 0..W are always attended.")]
+Length = Annotated[int | None, typer.Option(help="Sequence length to build at (default: the preset's).")]
+
+
+def _model_config(preset: str, schedule: str, base: str, window: int, length: int | None):
+    cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
+    if length is not None:
+        if length < 2:
+            raise ConfigError(f"length {length} must be >= 2")
+        cfg = cfg.with_length(length)
+    return cfg.validate()
+
+
+@app.command("model")
+def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base = "fib",
+              window: Window = 8, length: Length = None) -> None:
+    """Print a model's parameter breakdown and, per layer, alpha and the attended distances."""
+    from fibctl.model import FibLM
+
+    cfg = _model_config(preset, schedule, base, window, length)
+    with torch.device("meta"):  # shapes only: the paper model builds instantly
+        model = FibLM(cfg)
+    counts = model.param_counts()
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        key = "embedding (tied head)" if name.startswith("embed") else (
+            "attention theta" if name.endswith("theta") else
+            "attention q,k,v,o" if ".attn." in name else
+            "ffn (SwiGLU)" if ".ffn." in name else "norms")
+        groups[key] = groups.get(key, 0) + p.numel()
+    t = Table(title=f"{preset}: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
+                    f"T={cfg.seq_len} V={cfg.vocab_size} ({schedule}, {base}, W={window})")
+    t.add_column("parameters")
+    t.add_column("count", justify="right")
+    for k, v in groups.items():
+        t.add_row(k, f"{v:,}")
+    t.add_row("non-embedding", f"{counts['non_embedding']:,}", style="dim")
+    t.add_row("total", f"{counts['total']:,}", style="bold")
+    console.print(t)
+    if schedule == "dense":
+        console.print("dense: every layer attends to all previous positions")
+        return
+    per_layer = attended_distances(base, schedule, window, cfg.n_layers, cfg.seq_len, cfg.n_rungs)
+    alphas = layer_alphas(schedule, cfg.n_layers)
+    lt = Table(title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned" else ""))
+    for col in ("layer", "alpha", "distances", "attended distances (window, then rungs)"):
+        lt.add_column(col)
+    for l, (a, d) in enumerate(zip(alphas, per_layer)):
+        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{window} + " + ", ".join(map(str, d[window + 1:])))
+    console.print(lt)
+
+
+@app.command("coverage")
+def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Window = 8,
+                 layers: Annotated[int, typer.Option(help="Number of layers L.")] = 16,
+                 length: Annotated[int, typer.Option(help="Sequence length T.")] = 1024) -> None:
+    """Count the distinct distances each layer reaches, and their union over layers."""
+    cfg = _model_config("paper", schedule, base, window, length)
+    cfg = dataclasses.replace(cfg, n_layers=layers).validate()
+    per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
+    t = Table(title=f"coverage: {base} {schedule} W={window} L={layers} T={length}")
+    t.add_column("layer")
+    t.add_column("distinct distances", justify="right")
+    for l, n in enumerate(per_layer):
+        t.add_row(str(l), str(n))
+    t.add_row("union over layers", str(union), style="bold")
+    console.print(t)
+
+
+bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline measured in the same run.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("attention")
+def bench_attention_cmd(
+    length: Annotated[list[int], typer.Option("--length", help="Sequence length (repeatable).")] = [1024, 4096],
+    batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats; the median is reported.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per path.")] = 2,
+    threads: Annotated[int, typer.Option(help="torch threads (1 measured fastest on 2-core VMs).")] = 1,
+    window: Window = 8,
+    base: Base = "fib",
+) -> None:
+    """Time forward and forward+backward of the attention core (paper heads: 8 query, 2 kv, dim 64).
+
+    Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
+    and the gather path with fractional (learned) offsets. Ratios are to dense in the same run.
+    """
+    from fibctl.bench import bench_attention
+
+    if any(T < 2 for T in length):
+        raise ConfigError(f"lengths must be >= 2, got {length}")
+    torch.set_num_threads(threads)
+    with console.status("benchmarking") as status:
+        df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,
+                             progress=lambda msg: status.update(f"benchmarking {msg}"))
+    t = Table(title=f"attention core, fp32, batch {batch}, {threads} thread(s), median of {repeats}")
+    for col in ("length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"):
+        t.add_column(col, justify="right")
+    for r in df.itertuples():
+        t.add_row(str(r.length), r.path, f"{r.forward_ms:.1f}", f"{r.fwd_bwd_ms:.1f}",
+                  f"{r.forward_vs_dense:.3f}", f"{r.fwd_bwd_vs_dense:.3f}")
+    console.print(t)
+    by = df.set_index(["length", "path"])
+    for T in length:
+        g, m, l = by.loc[(T, "gather")], by.loc[(T, "mask")], by.loc[(T, "learned")]
+        console.print(f"T={T}: gather/mask forward {g.forward_ms / m.forward_ms:.3f}, "
+                      f"learned/integer gather fwd+bwd {l.fwd_bwd_ms / g.fwd_bwd_ms:.3f}")

@@ -1,0 +1,1 @@
+"""Run matrices shipped with fibctl (TOML data files; see fibctl.matrix)."""

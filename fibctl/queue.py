@@ -1,0 +1,194 @@
+"""The run queue: the `runs` table, worked off by any number of workers.
+
+A run moves queued -> running -> done | failed; `cancel` and `retry` are the user's levers.
+Claiming is one transaction (SQLite: BEGIN IMMEDIATE, see fibctl.db.engine; PostgreSQL:
+SELECT ... FOR UPDATE SKIP LOCKED), so no two workers ever get the same run. A running
+run whose heartbeat is older than the timeout is taken back by the next claim, and failed
+once it has used `max_attempts` claims.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from fibctl.config import RunConfig
+from fibctl.db.schema import RUN_STATUSES, Run
+from fibctl.db.store import add_event, utcnow
+from fibctl.errors import FibctlError
+
+LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "status",
+                "attempts", "worker", "host", "device", "heartbeat_at", "created_at", "started_at",
+                "finished_at", "error")
+
+
+@dataclass(frozen=True)
+class ClaimedRun:
+    id: int
+    name: str
+    attempts: int  # including this claim
+    config: RunConfig
+    checkpoint_path: str | None  # set when an earlier attempt saved one: resume from it
+
+
+def run_row(cfg: RunConfig) -> dict:
+    """The runs-table row of a newly queued run."""
+    dense = cfg.model.schedule == "dense"
+    return dict(
+        name=cfg.name, matrix=cfg.matrix, preset=cfg.preset,
+        base=None if dense else cfg.model.base, schedule=cfg.model.schedule,
+        window=None if dense else cfg.model.window, seed=cfg.seed,
+        train_length=cfg.model.seq_len, config_json=cfg.to_json(), config_hash=cfg.config_hash,
+        status="queued", attempts=0, created_at=utcnow(), source="fibctl",
+    )
+
+
+def add_runs(engine: Engine, configs: Sequence[RunConfig]) -> tuple[list[str], list[str]]:
+    """Queue `configs`; returns (names added, names already present with the same config).
+
+    All or nothing: a name that exists with a different config is an error naming the
+    fields that differ, and nothing is added.
+    """
+    names = [c.name for c in configs]
+    with engine.begin() as conn:
+        existing = {r.name: r for r in conn.execute(
+            select(Run.name, Run.config_json, Run.source).where(Run.name.in_(names)))}
+        conflicts = [_conflict(c, existing[c.name]) for c in configs if c.name in existing]
+        conflicts = [c for c in conflicts if c]
+        if conflicts:
+            more = f" (and {len(conflicts) - 1} more run(s))" if len(conflicts) > 1 else ""
+            raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}")
+        new = [c for c in configs if c.name not in existing]
+        if new:
+            conn.execute(insert(Run), [run_row(c) for c in new])
+    return [c.name for c in new], [n for n in names if n in existing]
+
+
+def _conflict(cfg: RunConfig, row) -> str | None:
+    try:
+        old = RunConfig.from_dict(json.loads(row.config_json))
+    except (ValueError, KeyError, TypeError):
+        return f"{cfg.name} (its stored config, source {row.source}, is not a fibctl config)"
+    fields = old.diff(cfg)
+    return f"{cfg.name} differs in {', '.join(fields)}" if fields else None
+
+
+def list_runs(engine: Engine, status: str | None = None, matrix: str | None = None) -> list[dict]:
+    """Runs in queue order (id), optionally of one status and/or matrix."""
+    if status is not None and status not in RUN_STATUSES:
+        raise FibctlError(f"unknown status {status!r}; allowed: {', '.join(RUN_STATUSES)}")
+    q = select(*(Run.__table__.c[c] for c in LIST_COLUMNS)).order_by(Run.id)
+    if status is not None:
+        q = q.where(Run.status == status)
+    if matrix is not None:
+        q = q.where(Run.matrix == matrix)
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def status_counts(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(select(Run.status, func.count()).group_by(Run.status)).all())
+
+
+def _transition(conn: Connection, name: str, allowed_from: tuple[str, ...], values: dict,
+                verb: str) -> int:
+    """Move run `name` to a new state if its status allows; returns its id."""
+    row = conn.execute(
+        update(Run).where(Run.name == name, Run.status.in_(allowed_from)).values(**values)
+        .returning(Run.id)).first()
+    if row is None:
+        status = conn.execute(select(Run.status).where(Run.name == name)).scalar()
+        if status is None:
+            raise FibctlError(f"no run named {name!r}")
+        raise FibctlError(f"cannot {verb} run {name!r}: it is {status} "
+                          f"(only {' or '.join(allowed_from)} runs can be)")
+    return row.id
+
+
+def cancel(engine: Engine, name: str) -> None:
+    """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
+    with engine.begin() as conn:
+        run_id = _transition(conn, name, ("queued", "running"),
+                             dict(status="cancelled", finished_at=utcnow()), "cancel")
+        add_event(conn, run_id, "cancelled", "cancelled by the user")
+
+
+def retry(engine: Engine, name: str) -> None:
+    """Put a failed or cancelled run back in the queue with its attempts reset."""
+    with engine.begin() as conn:
+        run_id = _transition(conn, name, ("failed", "cancelled"), dict(
+            status="queued", attempts=0, error=None, worker=None, host=None, device=None,
+            heartbeat_at=None, started_at=None, finished_at=None), "retry")
+        add_event(conn, run_id, "retried", "queued again by the user")
+
+
+def claim_next(engine: Engine, worker: str, host: str | None = None, device: str | None = None,
+               heartbeat_timeout_s: float = 600, max_attempts: int = 3) -> ClaimedRun | None:
+    """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left."""
+    now = utcnow()
+    abandoned = and_(Run.status == "running", Run.heartbeat_at < now - timedelta(seconds=heartbeat_timeout_s))
+    with engine.begin() as conn:
+        _fail_exhausted(conn, abandoned, max_attempts, heartbeat_timeout_s)
+        row = conn.execute(
+            select(Run.id, Run.status, Run.worker).where(or_(Run.status == "queued", abandoned))
+            .order_by(Run.id).limit(1).with_for_update(skip_locked=True)).first()
+        if row is None:
+            return None
+        run = conn.execute(
+            update(Run).where(Run.id == row.id).values(
+                status="running", worker=worker, host=host, device=device, heartbeat_at=now,
+                started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1)
+            .returning(Run.id, Run.name, Run.attempts, Run.config_json, Run.checkpoint_path)).one()
+        if row.status == "running":
+            add_event(conn, run.id, "reclaimed",
+                      f"taken from {row.worker} (no heartbeat for {heartbeat_timeout_s:g} s) by {worker}",
+                      {"previous_worker": row.worker, "attempt": run.attempts})
+        else:
+            add_event(conn, run.id, "claimed", f"claimed by {worker}", {"attempt": run.attempts})
+    return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts,
+                      config=RunConfig.from_dict(json.loads(run.config_json)),
+                      checkpoint_path=run.checkpoint_path)
+
+
+def _fail_exhausted(conn: Connection, abandoned, max_attempts: int, timeout_s: float) -> None:
+    """Abandoned runs that have used all their attempts become `failed`, with the reason."""
+    dead = conn.execute(
+        update(Run).where(abandoned, Run.attempts >= max_attempts).values(
+            status="failed", finished_at=utcnow(),
+            error=f"abandoned: no heartbeat for {timeout_s:g} s after {max_attempts} attempt(s)")
+        .returning(Run.id, Run.worker, Run.error)).all()
+    for run in dead:
+        add_event(conn, run.id, "abandoned", f"{run.error} (last worker {run.worker})")
+
+
+def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:
+    """Return a running run to the queue (e.g. on SIGTERM); its attempts stay counted.
+    False if it was no longer running (cancelled meanwhile: stays cancelled)."""
+    with engine.begin() as conn:
+        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
+            status="queued", worker=None, host=None, device=None, heartbeat_at=None)).rowcount
+        if done:
+            add_event(conn, run_id, "released", reason)
+    return bool(done)
+
+
+def finish(engine: Engine, run_id: int) -> None:
+    """Mark a run done."""
+    with engine.begin() as conn:
+        conn.execute(update(Run).where(Run.id == run_id).values(
+            status="done", finished_at=utcnow(), error=None))
+        add_event(conn, run_id, "finished")
+
+
+def fail(engine: Engine, run_id: int, error: str) -> None:
+    """Mark a run failed with the error text (e.g. the exception and its last lines)."""
+    with engine.begin() as conn:
+        conn.execute(update(Run).where(Run.id == run_id).values(
+            status="failed", finished_at=utcnow(), error=error))
+        add_event(conn, run_id, "failed", error.splitlines()[0] if error else None)

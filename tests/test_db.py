@@ -1,0 +1,178 @@
+"""The results database: migrations, schema, upsert writers, refusing bad files."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from fibctl.config import RunConfig
+from fibctl.db.engine import connect, connect_readonly, current_revision, head_revision, upgrade
+from fibctl.db.schema import Base
+from fibctl.db.store import RunRecorder
+from fibctl.errors import FibctlError
+from fibctl.queue import add_runs
+
+
+def _insert_rev1_run(db: str, name: str, config_json: str) -> None:
+    """A run and its metrics written the way revision 0001 stored them (plain SQL)."""
+    con = sqlite3.connect(db)
+    con.execute(
+        "INSERT INTO runs (name, matrix, preset, base, schedule, window, seed, config_json, config_hash,"
+        " status, attempts, created_at, source) VALUES (?, 'm', 'micro', 'fib', 'stagger', 8, 42, ?, 'h',"
+        " 'done', 1, '2026-01-01 00:00:00', 'fibctl')", (name, config_json))
+    run_id = con.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()[0]
+    con.execute("INSERT INTO evaluations (run_id, step, dataset, eval_length, tokens, loss, ppl)"
+                " VALUES (?, 30, 'wikipedia_val', 64, 4096, 2.0, 7.389)", (run_id,))
+    con.executemany("INSERT INTO position_losses (run_id, step, dataset, eval_length, position, mean_loss,"
+                    " windows) VALUES (?, 30, 'wikipedia_val', 64, ?, 1.5, 4)", [(run_id, p) for p in range(63)])
+    con.commit()
+    con.close()
+
+
+def test_upgrade_from_first_revision_keeps_rows(tmp_path):
+    db = str(tmp_path / "old.db")
+    upgrade(db, "0001")
+    cfg = RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8)
+    _insert_rev1_run(db, "r1", cfg.to_json())
+
+    before, after = upgrade(db)
+    assert (before, after) == ("0001", head_revision())
+    engine = connect(db)
+    with engine.connect() as conn:
+        run = conn.execute(text("SELECT id, name, status, train_length, final_step FROM runs")).one()
+        assert (run.name, run.status, run.train_length, run.final_step) == ("r1", "done", 64, None)
+        # the runs table was rebuilt: its children's rows must survive (no cascade delete)
+        assert conn.execute(text("SELECT ppl FROM evaluations WHERE run_id = :r"), {"r": run.id}).scalar() == 7.389
+        assert conn.execute(text("SELECT count(*) FROM position_losses")).scalar() == 63
+        assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0
+
+
+def test_failed_upgrade_changes_nothing(tmp_path):
+    db = str(tmp_path / "old.db")
+    upgrade(db, "0001")
+    _insert_rev1_run(db, "broken", "{}")  # no model.seq_len to fill train_length from
+    with pytest.raises(FibctlError, match="nothing changed"):
+        upgrade(db)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
+    assert "train_length" not in [r[1] for r in con.execute("PRAGMA table_info(runs)")]
+    assert con.execute("SELECT count(*) FROM position_losses").fetchone() == (63,)
+
+
+def test_migrated_schema_equals_models(tmp_path):
+    engine = connect(str(tmp_path / "new.db"))
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+    assert current_revision(engine) == head_revision()
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    engine = connect(str(tmp_path / "r.db"))
+    add_runs(engine, [RunConfig.resolve("r1", "m", "micro", schedule="fixed")])
+    return RunRecorder(engine, 1, worker="w")
+
+
+def _rows(recorder, sql):
+    with recorder.engine.connect() as conn:
+        return conn.execute(text(sql)).all()
+
+
+def test_writing_a_metric_twice_replaces_it(recorder):
+    recorder.log_step(10, 5.0, 1e-3, 1.0, 100.0, 2.0)
+    recorder.log_step(10, 4.0, 2e-3)
+    recorder.log_eval(30, "math_val", 64, 4096, 2.0)
+    recorder.log_eval(30, "math_val", 64, 4096, 1.0)
+    recorder.log_eval(30, "math_val", 128, 4096, 3.0)  # another length: another row
+    recorder.log_alphas(30, [0.5, 1.5])
+    recorder.log_alphas(30, [0.7, 1.2])
+    recorder.log_metric("speed", "tokens_per_s", 10.0)
+    recorder.log_metric("speed", "tokens_per_s", 20.0, text={"batch": 1})
+
+    assert _rows(recorder, "SELECT step, loss, lr, grad_norm FROM train_steps") == [(10, 4.0, 2e-3, None)]
+    evals = _rows(recorder, "SELECT eval_length, loss, ppl FROM evaluations ORDER BY eval_length")
+    assert [(e.eval_length, e.loss) for e in evals] == [(64, 1.0), (128, 3.0)]
+    assert evals[0].ppl == pytest.approx(2.718281828)
+    assert _rows(recorder, "SELECT layer, alpha FROM alphas ORDER BY layer") == [(0, 0.7), (1, 1.2)]
+    assert _rows(recorder, "SELECT value, text FROM aux_metrics") == [(20.0, '{"batch": 1}')]
+
+
+def test_position_losses_bulk_and_replaced(recorder):
+    recorder.log_positions(30, "fineweb_edu_val", 1024, [float(i) for i in range(1023)], windows=16)
+    assert _rows(recorder, "SELECT count(*), sum(mean_loss), min(windows) FROM position_losses") == [
+        (1023, sum(range(1023)), 16)]
+    recorder.log_positions(30, "fineweb_edu_val", 1024, [1.0, 2.0], windows=2)
+    assert _rows(recorder, "SELECT position, mean_loss, windows FROM position_losses ORDER BY position") == [
+        (0, 1.0, 2), (1, 2.0, 2)]
+
+
+def test_recorder_updates_run_and_logs_events(recorder):
+    recorder.update_run(params_total=123, tokens_trained=4096, final_step=30)
+    recorder.event("checkpoint", "saved", {"step": 30})
+    assert _rows(recorder, "SELECT params_total, tokens_trained, final_step FROM runs") == [(123, 4096, 30)]
+    assert _rows(recorder, "SELECT kind, message FROM events") == [("checkpoint", "saved")]
+    assert recorder.heartbeat() is False  # queued, not running: nothing to keep alive
+    with pytest.raises(TypeError, match="no column"):
+        recorder.update_run(nonsense=1)
+
+
+def test_garbage_file_is_refused_untouched(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database\n" * 10)
+    before = path.read_bytes()
+    for open_ in (connect, connect_readonly, upgrade):
+        with pytest.raises(FibctlError, match="not a SQLite database"):
+            open_(str(path))
+    assert path.read_bytes() == before
+
+
+def test_newer_schema_is_refused_untouched(tmp_path):
+    db = str(tmp_path / "future.db")
+    connect(db).dispose()
+    con = sqlite3.connect(db)
+    con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    con.commit()
+    for open_ in (connect, connect_readonly, upgrade):
+        with pytest.raises(FibctlError, match="newer fibctl"):
+            open_(db)
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("f00d",)]
+
+
+def test_foreign_sqlite_database_is_refused(tmp_path):
+    db = tmp_path / "other.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE metrics (x)")
+    con.commit()
+    with pytest.raises(FibctlError, match="not a fibctl database"):
+        connect(str(db))
+    assert con.execute("SELECT name FROM sqlite_master").fetchall() == [("metrics",)]
+
+
+def test_missing_database_or_directory(tmp_path):
+    with pytest.raises(FibctlError, match="does not exist"):
+        connect(str(tmp_path / "nope" / "x.db"))
+    with pytest.raises(FibctlError, match="no database at"):
+        connect(str(tmp_path / "x.db"), create=False)
+    with pytest.raises(FibctlError, match="no database at"):
+        connect_readonly(str(tmp_path / "x.db"))
+    assert not (tmp_path / "x.db").exists()
+    connect(str(tmp_path / "x.db")).dispose()  # create=True makes it
+    assert connect(str(tmp_path / "x.db"), create=False)
+
+
+def test_readonly_connection_refuses_writes(tmp_path):
+    db = str(tmp_path / "r.db")
+    add_runs(connect(db), [RunConfig.resolve("r1", "m", "micro", schedule="fixed")])
+    engine = connect_readonly(db)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT name FROM runs")).scalar() == "r1"
+        with pytest.raises(OperationalError, match="readonly|read-only"):
+            conn.execute(text("DELETE FROM runs"))
+    with connect(db).connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 1

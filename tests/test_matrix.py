@@ -1,0 +1,104 @@
+"""Run matrices: the shipped paper and demo matrices, presets, and malformed files."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fibctl.errors import FibctlError
+from fibctl.matrix import load_matrix, shipped_matrices
+from fibctl.queue import run_row
+
+# SPEC section 6, written out: name -> (base, schedule, W, seed)
+PAPER = {
+    "f01__fib_learned_w6": ("fib", "learned", 6, 42), "f02__fib_learned_w8": ("fib", "learned", 8, 42),
+    "f03__fib_learned_w10": ("fib", "learned", 10, 42), "f04__fib_learned_w12": ("fib", "learned", 12, 42),
+    "f05__fib_fixed_w6": ("fib", "fixed", 6, 42), "f06__fib_fixed_w8": ("fib", "fixed", 8, 42),
+    "f07__fib_fixed_w10": ("fib", "fixed", 10, 42), "f08__fib_fixed_w12": ("fib", "fixed", 12, 42),
+    "f09__logsparse_w8": ("pow2", "fixed", 8, 42),
+    "f10__fib_stagger_w6": ("fib", "stagger", 6, 42), "f11__fib_stagger_w8": ("fib", "stagger", 8, 42),
+    "f12__fib_stagger_w10": ("fib", "stagger", 10, 42), "f13__fib_stagger_w12": ("fib", "stagger", 12, 42),
+    "f14__fib_hdc_w6": ("fib", "coprime", 6, 42), "f15__fib_hdc_w8": ("fib", "coprime", 8, 42),
+    "f16__fib_hdc_w10": ("fib", "coprime", 10, 42), "f17__fib_hdc_w12": ("fib", "coprime", 12, 42),
+    "f18__logsparse_stagger_w6": ("pow2", "stagger", 6, 42),
+    "f19__logsparse_stagger_w8": ("pow2", "stagger", 8, 42),
+    "f20__logsparse_stagger_w10": ("pow2", "stagger", 10, 42),
+    "f21__logsparse_stagger_w12": ("pow2", "stagger", 12, 42),
+    "g01__fib_fixed_w12_s43": ("fib", "fixed", 12, 43), "g02__fib_learned_w12_s43": ("fib", "learned", 12, 43),
+    "g03__fib_stagger_w12_s43": ("fib", "stagger", 12, 43), "g04__fib_hdc_w12_s43": ("fib", "coprime", 12, 43),
+    "g05__logsparse_stagger_w12_s43": ("pow2", "stagger", 12, 43),
+    "h01__fib_fixed_w12_s44": ("fib", "fixed", 12, 44), "h02__fib_stagger_w12_s44": ("fib", "stagger", 12, 44),
+    "h03__fib_hdc_w12_s44": ("fib", "coprime", 12, 44),
+    "h04__logsparse_stagger_w12_s44": ("pow2", "stagger", 12, 44),
+    "ref_e0000__dense": (None, "dense", None, 42),
+}
+
+
+def test_paper_matrix_is_spec_section_6():
+    configs = load_matrix("paper").resolve()
+    rows = {r["name"]: (r["base"], r["schedule"], r["window"], r["seed"]) for r in map(run_row, configs)}
+    assert rows == PAPER
+    assert len(configs) == 31
+    assert {c.preset for c in configs} == {"paper"} and {c.matrix for c in configs} == {"paper"}
+    assert all(c.model.seq_len == 1024 and c.model.n_layers == 16 for c in configs)
+    assert len({c.config_hash for c in configs}) == 31  # every run trains something different
+
+
+def test_dense_run_has_no_base_or_window_in_the_runs_table():
+    (dense,) = load_matrix("paper").resolve(only="*dense")
+    assert (dense.model.schedule, dense.model.base, dense.model.window) == ("dense", "fib", 0)
+    row = run_row(dense)
+    assert (row["base"], row["window"], row["train_length"]) == (None, None, 1024)
+
+
+def test_demo_matrix_trains_tiny_models():
+    configs = load_matrix("demo").resolve()
+    assert [(c.name, c.model.schedule, c.model.window) for c in configs] == [
+        ("dense", "dense", 0), ("fib_fixed_w8", "fixed", 8), ("fib_stagger_w8", "stagger", 8),
+        ("fib_learned_w8", "learned", 8)]
+    assert {c.preset for c in configs} == {"tiny"}
+    assert set(shipped_matrices()) >= {"paper", "demo"}
+
+
+def test_preset_override_and_only_glob():
+    configs = load_matrix("paper").resolve(preset="micro", only="g*")
+    assert [c.name for c in configs] == [n for n in PAPER if n.startswith("g")]
+    assert {(c.preset, c.model.seq_len) for c in configs} == {("micro", 64)}
+    with pytest.raises(FibctlError, match="matches no run"):
+        load_matrix("paper").resolve(only="zzz*")
+
+
+def test_matrix_file_by_path_with_train_overrides(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "stagger"\nwindow = 4\n'
+                    'base = "pow2"\nseed = 7\ntrain = { steps = 3 }\n')
+    (cfg,) = load_matrix(str(path)).resolve()
+    assert (cfg.name, cfg.matrix, cfg.model.base, cfg.model.window, cfg.seed, cfg.train.steps) == (
+        "a", "mine", "pow2", 4, 7, 3)
+
+
+def test_unknown_matrix_names_the_shipped_ones():
+    with pytest.raises(FibctlError, match="unknown matrix 'nosuch'.*demo, paper"):
+        load_matrix("nosuch")
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("[[runs]\nname = 'a'", "not valid TOML"),
+    ("[matrix]\npreset = 'micro'\n", "no \\[\\[runs\\]\\] entries"),
+    ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 8\ncolour = 'red'\n", "unknown key.*colour"),
+    ("[[runs]]\nname = 'a'\nschedule = 'fixed'\n", "needs a `window`"),
+    ("[[runs]]\nname = 'a'\nschedule = 'dense'\nwindow = 8\n", "dense run has no base or window"),
+    ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 'eight'\n", "`window` must be an integer"),
+    ("[[runs]]\nname = 'a'\nschedule = 'sideways'\nwindow = 8\n", "unknown schedule 'sideways'"),
+    ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 8\n[[runs]]\nname = 'a'\nschedule = 'dense'\n",
+     "duplicate run name.*a"),
+    ("[matrix]\npreset = 'huge'\n[[runs]]\nname = 'a'\nschedule = 'dense'\n", "unknown preset 'huge'"),
+    ("[[runs]]\nname = 'a b'\nschedule = 'dense'\n", "run names use"),
+    ("[[runs]]\nname = 'a'\nschedule = 'dense'\ntrain = { stepz = 3 }\n", "unknown key.*stepz"),
+])
+def test_malformed_matrix_file_names_file_and_problem(tmp_path, body, problem):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(FibctlError, match=f"matrix file {re.escape(str(path))}: .*{problem}"):
+        load_matrix(str(path))

@@ -1,0 +1,227 @@
+"""The run queue: idempotent adds, cancel/retry, atomic claims under concurrency,
+reclaiming runs whose worker died, and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from fibctl import queue
+from fibctl.config import RunConfig
+from fibctl.db.engine import connect
+from fibctl.db.store import RunRecorder
+from fibctl.errors import FibctlError
+from fibctl.matrix import load_matrix
+
+
+def _configs(n: int, **kw) -> list[RunConfig]:
+    return [RunConfig.resolve(f"r{i:03d}", "test", "micro", schedule="fixed", seed=i, **kw) for i in range(n)]
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "q.db")
+
+
+def _events(engine, run_id):
+    with engine.connect() as conn:
+        return [r.kind for r in conn.execute(text("SELECT kind FROM events WHERE run_id = :r ORDER BY id"),
+                                              {"r": run_id})]
+
+
+def test_add_is_idempotent(db):
+    engine = connect(db)
+    configs = load_matrix("demo").resolve()
+    assert queue.add_runs(engine, configs) == ([c.name for c in configs], [])
+    assert queue.add_runs(engine, configs) == ([], [c.name for c in configs])
+    runs = queue.list_runs(engine)
+    assert [(r["name"], r["status"], r["attempts"]) for r in runs] == [(c.name, "queued", 0) for c in configs]
+    assert runs[0]["created_at"] is not None and runs[0]["base"] is None  # dense
+
+
+def test_conflicting_add_names_the_differing_fields_and_adds_nothing(db):
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    clash = [_configs(2)[1], RunConfig.resolve("r000", "test", "micro", schedule="fixed", seed=0, window=4)]
+    with pytest.raises(FibctlError, match="r000 differs in model.window"):
+        queue.add_runs(engine, clash)
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000"]  # r001 not added either
+
+
+def test_cancel_and_retry(db):
+    engine = connect(db)
+    queue.add_runs(engine, _configs(2))
+    queue.cancel(engine, "r000")
+    assert [r["name"] for r in queue.list_runs(engine, status="cancelled")] == ["r000"]
+    with pytest.raises(FibctlError, match="cannot cancel run 'r000': it is cancelled"):
+        queue.cancel(engine, "r000")
+    with pytest.raises(FibctlError, match="cannot retry run 'r001': it is queued"):
+        queue.retry(engine, "r001")
+    with pytest.raises(FibctlError, match="no run named 'nope'"):
+        queue.cancel(engine, "nope")
+    with pytest.raises(FibctlError, match="unknown status"):
+        queue.list_runs(engine, status="sleeping")
+
+    claimed = queue.claim_next(engine, "w1")
+    assert claimed.name == "r001"  # the cancelled run is skipped
+    queue.fail(engine, claimed.id, "RuntimeError: boom\ntraceback...")
+    queue.retry(engine, "r001")
+    queue.retry(engine, "r000")
+    assert queue.status_counts(engine) == {"queued": 2}
+    assert queue.list_runs(engine, status="queued")[1]["attempts"] == 0
+    assert _events(engine, claimed.id) == ["claimed", "failed", "retried"]
+
+
+def test_claim_release_finish(db):
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    run = queue.claim_next(engine, "w1", host="h", device="cpu")
+    assert (run.name, run.attempts, run.config) == ("r000", 1, _configs(1)[0])
+    assert queue.claim_next(engine, "w2") is None  # the only run is taken and alive
+    assert queue.release(engine, run.id)
+    run = queue.claim_next(engine, "w2")
+    assert (run.name, run.attempts) == ("r000", 2)
+    queue.finish(engine, run.id)
+    (row,) = queue.list_runs(engine)
+    assert (row["status"], row["worker"], row["finished_at"] is not None) == ("done", "w2", True)
+    assert queue.claim_next(engine, "w3") is None
+
+
+def _claim_all(db: str, worker: str, barrier, out_path: str) -> None:
+    """Worker process: claim until the queue is empty; write what it got, or its error."""
+    result = {"ids": [], "error": None}
+    try:
+        engine = connect(db)
+        barrier.wait()
+        while (run := queue.claim_next(engine, worker)) is not None:
+            result["ids"].append(run.id)
+    except Exception as e:  # reported to the test, which fails on it
+        result["error"] = f"{type(e).__name__}: {e}"
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def test_eight_workers_claim_each_run_exactly_once(db, tmp_path):
+    queue.add_runs(connect(db), _configs(200))
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(8)
+    outs = [str(tmp_path / f"w{i}.json") for i in range(8)]
+    procs = [ctx.Process(target=_claim_all, args=(db, f"w{i}", barrier, outs[i])) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    results = [json.load(open(o)) for o in outs]
+    assert [r["error"] for r in results] == [None] * 8
+    claimed = [i for r in results for i in r["ids"]]
+    assert sorted(claimed) == list(range(1, 201))
+    assert sum(1 for r in results if r["ids"]) > 1  # the claims really were concurrent
+    engine = connect(db)
+    assert queue.status_counts(engine) == {"running": 200}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM events WHERE kind = 'claimed'")).scalar() == 200
+
+
+def _claim_and_die(db: str) -> None:
+    queue.claim_next(connect(db), "doomed")
+    os._exit(1)  # no release, no cleanup: the run is left 'running' with a stale heartbeat
+
+
+def test_dead_worker_run_is_reclaimed_then_failed_after_max_attempts(db):
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    p = mp.get_context("fork").Process(target=_claim_and_die, args=(db,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 1
+    (row,) = queue.list_runs(engine)
+    assert (row["status"], row["worker"], row["attempts"]) == ("running", "doomed", 1)
+
+    assert queue.claim_next(engine, "w2", heartbeat_timeout_s=60) is None  # not stale yet
+    time.sleep(0.3)
+    run = queue.claim_next(engine, "w2", heartbeat_timeout_s=0.2, max_attempts=2)
+    assert (run.name, run.attempts) == ("r000", 2)
+    assert RunRecorder(engine, run.id, worker="doomed").heartbeat() is False  # not its run any more
+    assert RunRecorder(engine, run.id, worker="w2").heartbeat() is True
+
+    time.sleep(0.3)  # w2 goes silent too; two attempts are used up
+    assert queue.claim_next(engine, "w3", heartbeat_timeout_s=0.2, max_attempts=2) is None
+    (row,) = queue.list_runs(engine)
+    assert row["status"] == "failed" and "abandoned: no heartbeat" in row["error"]
+    assert _events(engine, run.id) == ["claimed", "reclaimed", "abandoned"]
+
+
+def test_cancelled_running_run_stops_its_worker(db):
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    run = queue.claim_next(engine, "w1")
+    rec = RunRecorder(engine, run.id, worker="w1")
+    assert rec.heartbeat() is True
+    queue.cancel(engine, "r000")
+    assert rec.heartbeat() is False
+    assert queue.release(engine, run.id) is False  # stays cancelled
+
+
+def test_cli_queue_add_ls_cancel(db):
+    from fibctl.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["queue", "add", "demo", "--db", db, "--preset", "micro", "--only", "fib_*"])
+    assert result.exit_code == 0, result.output
+    assert "queued 3 run(s); 0 already present" in result.output
+    result = runner.invoke(app, ["queue", "add", "demo", "--db", db, "--preset", "micro", "--only", "fib_*"])
+    assert "queued 0 run(s); 3 already present" in result.output
+    assert runner.invoke(app, ["queue", "cancel", "fib_fixed_w8", "--db", db]).exit_code == 0
+    result = runner.invoke(app, ["queue", "ls", "--db", db, "--status", "queued"])
+    assert "fib_stagger_w8" in result.output and "fib_fixed_w8" not in result.output
+    result = runner.invoke(app, ["matrix", "show", "paper"])
+    assert "f13__fib_stagger_w12" in result.output and "ref_e0000__dense" in result.output
+    result = runner.invoke(app, ["db", "current", "--db", db])
+    assert "up to date" in result.output
+
+
+def _main_exit(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """Run `fibctl ARGS` in this process through fibctl.cli.main; (exit code, stderr)."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypatch, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n")
+    future = tmp_path / "future.db"
+    connect(str(future)).dispose()
+    con = sqlite3.connect(future)
+    con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    con.commit()
+
+    cases = [
+        (("queue", "ls", "--db", str(notes)), "is not a SQLite database"),
+        (("db", "upgrade", "--db", str(future)), "newer fibctl"),
+        (("queue", "add", str(tmp_path / "missing.toml"), "--db", str(tmp_path / "x.db")), "no matrix file"),
+    ]
+    for args, message in cases:
+        code, err = _main_exit(monkeypatch, capsys, *args)
+        assert code == 2 and message in err, err
+    assert notes.read_text() == "not a database\n"
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("f00d",)]
+
+    # the real entry point, end to end
+    proc = subprocess.run([sys.executable, "-m", "fibctl", "queue", "add", "nosuch", "--db", str(tmp_path / "x.db")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown matrix 'nosuch'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.db").exists()

@@ -26,6 +26,7 @@ def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
     from fibctl.cli import model  # noqa: F401
     from fibctl.cli import db  # noqa: F401
+    from fibctl.cli import data  # noqa: F401
 
 
 _register()

@@ -1,0 +1,102 @@
+"""`fibctl data`: prepare a data recipe into a tokenizer and token streams, and inspect the result."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from fibctl.cli import app
+from fibctl.cli.common import console, err_console
+from fibctl.data.prepare import prepare
+from fibctl.data.recipe import load_recipe, shipped
+from fibctl.data.streams import DataManifest, load_manifest
+
+data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+class _RateColumn(ProgressColumn):
+    """Tokens (or chars, or packages) per second."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        unit = task.fields.get("unit", "")
+        return Text(f"{speed:,.0f} {unit}/s" if speed else "", style="progress.data.speed")
+
+
+def token_progress(quiet: bool = False) -> Progress:
+    """Progress bars with counts and rates, for `prepare(..., progress=...)`; silent when quiet."""
+    return Progress(
+        TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
+        TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
+        console=err_console, disable=quiet,
+    )
+
+
+@data_app.command("prepare")
+def prepare_cmd(
+    recipe: Annotated[str, typer.Argument(help=f"A shipped recipe ({', '.join(shipped())}) or a .toml path.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Output folder. Default: data/<recipe name>.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary; errors only.")] = False,
+) -> None:
+    """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date)."""
+    r = load_recipe(recipe)
+    out = out or Path("data") / r.name
+    start = time.perf_counter()
+    with token_progress(quiet) as progress:
+        result = prepare(r, out, progress)
+    _warn_short(result.manifest)
+    if quiet:
+        return
+    if result.reused:
+        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused")
+    else:
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+        console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})")
+    _print_manifest(result.manifest)
+
+
+@data_app.command("show")
+def show_cmd(
+    data_dir: Annotated[Path, typer.Argument(help="A folder written by `fibctl data prepare`.")],
+) -> None:
+    """Summarise a prepared data folder: vocab, hashes, tokens per split and per source."""
+    _print_manifest(load_manifest(data_dir))
+
+
+@data_app.command("recipes")
+def recipes_cmd() -> None:
+    """List the recipes shipped with fibctl."""
+    table = Table("recipe", "vocab", "train tokens", "held-out sets", "description")
+    for name in shipped():
+        r = load_recipe(name)
+        table.add_row(name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", ", ".join(r.heldout), r.description)
+    console.print(table)
+
+
+def _print_manifest(m: DataManifest) -> None:
+    console.print(f"recipe {m.recipe} ({m.recipe_hash}); vocab {m.vocab_size:,} "
+                  f"(tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); eos id {m.eos_id}")
+    splits = Table("split", "tokens", "file")
+    for split in m.splits:
+        splits.add_row(split, f"{m.tokens[split]:,}", str(m.split_path(split)))
+    console.print(splits)
+    per_source = Table("source", "kind", "train tokens", "share", "train docs", "held-out set", "held-out docs")
+    for name, s in m.sources.items():
+        per_source.add_row(name, s["kind"], f"{s['train_tokens']:,}", f"{s['train_tokens'] / m.tokens['train']:.1%}",
+                           f"{s['train_documents']:,}", s["heldout"] or "-", f"{s['heldout_documents']:,}")
+    console.print(per_source)
+
+
+def _warn_short(m: DataManifest) -> None:
+    for name, s in m.sources.items():
+        if s["exhausted"]:
+            err_console.print(f"[yellow]note:[/] source {name!r} ran out at {s['train_tokens']:,} of its "
+                              f"{s['target_tokens']:,} training tokens")

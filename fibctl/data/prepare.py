@@ -1,0 +1,266 @@
+"""`fibctl data prepare`: recipe -> byte-level BPE tokenizer -> uint16 token streams + manifest.
+
+Everything is built in a hidden sibling folder and renamed into place only when complete, so an
+interrupted or failed run (an unreachable hub, say) leaves nothing a later run could mistake for
+finished data. Same recipe and inputs -> same bytes; an up-to-date folder is reused as is.
+
+The training stream mixes the sources by tokens: the next document always comes from the source
+furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
+document cut). Held-out documents are chosen by a hash of their text, so a document (and any
+copy of it) is either held out or trained on, never both; held-out documents are kept whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.progress import Progress
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from fibctl.data import sources
+from fibctl.data.recipe import Recipe, Source
+from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
+from fibctl.errors import FibctlError
+
+ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
+FLUSH_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    manifest: DataManifest
+    reused: bool  # the folder was already up to date
+    seconds: dict[str, float]  # per phase: tokenizer, streams (empty when reused)
+
+
+def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -> PrepareResult:
+    """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`."""
+    out = Path(out)
+    progress = progress or Progress(disable=True)
+    inputs_hash = _inputs_hash(recipe)
+    existing = _existing(out)
+    if existing and existing.inputs_hash == inputs_hash and _complete(existing):
+        return PrepareResult(existing, True, {})
+    _remove_leftovers(out)
+    work = out.parent / f".{out.name}.partial-{os.getpid()}"
+    work.mkdir(parents=True)
+    try:
+        seconds = _build(recipe, inputs_hash, work, progress)
+        _swap_into_place(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return PrepareResult(load_manifest(out), False, seconds)
+
+
+def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> dict[str, float]:
+    scratch = work / "scratch"
+    scratch.mkdir()
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(recipe, scratch, progress)
+    tokenizer.save(str(work / TOKENIZER))
+    t1 = time.perf_counter()
+    tokens, per_source = _write_streams(recipe, tokenizer, work, scratch, progress)
+    t2 = time.perf_counter()
+    shutil.rmtree(scratch)
+    DataManifest(
+        data_dir=work, recipe=recipe.name, recipe_hash=recipe.recipe_hash, inputs_hash=inputs_hash,
+        vocab_size=recipe.vocab_size, tokenizer_vocab=tokenizer.get_vocab_size(),
+        tokenizer_hash=hashlib.sha256((work / TOKENIZER).read_bytes()).hexdigest()[:16],
+        eos_id=tokenizer.token_to_id(EOS), heldout=recipe.heldout, tokens=tokens, sources=per_source,
+    ).write()
+    return {"tokenizer": t1 - t0, "streams": t2 - t1}
+
+
+# ---- tokenizer -------------------------------------------------------------------------------
+
+def train_tokenizer(recipe: Recipe, scratch: Path, progress: Progress) -> Tokenizer:
+    """Byte-level BPE trained on `tokenizer_sample_chars` of training text, split by share."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe.vocab_size, special_tokens=[EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    task = progress.add_task("tokenizer sample", total=recipe.tokenizer_sample_chars, unit="chars")
+    tokenizer.train_from_iterator(_sample(recipe, scratch, progress, task), trainer)
+    sampled = next(t for t in progress.tasks if t.id == task).completed
+    progress.update(task, total=sampled)  # the sources may hold less than the sample size
+    return tokenizer
+
+
+def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator[str]:
+    for source in recipe.sources:
+        quota, taken = source.share * recipe.tokenizer_sample_chars, 0
+        for doc in sources.documents(recipe, source, scratch, progress):
+            if taken >= quota:
+                break
+            if not _held_out(source, doc):
+                taken += len(doc)
+                progress.advance(task, len(doc))
+                yield doc
+
+
+def _held_out(source: Source, text: str) -> bool:
+    if not source.heldout:
+        return False
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return h < source.heldout_fraction * 2**64
+
+
+# ---- token streams ---------------------------------------------------------------------------
+
+class _Writer:
+    """Appends token ids to a uint16 file, buffered."""
+
+    def __init__(self, path: Path):
+        self.file, self.buffer, self.tokens, self.documents = open(path, "wb"), [], 0, 0
+
+    def write(self, ids: list[int]) -> None:
+        self.buffer.extend(ids)
+        self.tokens += len(ids)
+        if len(self.buffer) >= FLUSH_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        np.asarray(self.buffer, dtype=np.uint16).tofile(self.file)
+        self.buffer = []
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+class _Feed:
+    """One source while streams are written: its documents, routed and encoded a batch at a time."""
+
+    def __init__(self, source: Source, docs: Iterator[str], tokenizer: Tokenizer, target: int, eos: int):
+        self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
+        self.queue: deque[tuple[bool, list[int]]] = deque()
+        self.train = self.train_documents = 0
+
+    def next(self) -> tuple[bool, list[int]] | None:
+        """(held out?, token ids ending in end-of-text) of the next document; None when run out."""
+        if not self.queue:
+            batch = list(itertools.islice(self.docs, ENCODE_BATCH))
+            encoded = self.tokenizer.encode_batch(batch)
+            self.queue.extend((_held_out(self.source, doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
+        return self.queue.popleft() if self.queue else None
+
+
+def _targets(recipe: Recipe) -> list[int]:
+    """Each source's training tokens: its share of train_tokens, summing exactly to it."""
+    targets = [round(s.share * recipe.train_tokens) for s in recipe.sources[:-1]]
+    return [*targets, recipe.train_tokens - sum(targets)]
+
+
+def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
+                   progress: Progress) -> tuple[dict[str, int], dict[str, dict]]:
+    eos = tokenizer.token_to_id(EOS)
+    feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos)
+             for s, target in zip(recipe.sources, _targets(recipe))]
+    train = _Writer(work / "train.bin")
+    heldout = {name: _Writer(work / f"{name}.bin") for name in recipe.heldout}
+    train_task = progress.add_task("train tokens", total=recipe.train_tokens, unit="tokens")
+    heldout_tasks = {n: progress.add_task(f"{n} tokens", total=recipe.heldout_tokens, unit="tokens")
+                     for n in heldout}
+    active = list(feeds)
+    while active:
+        feed = min(active, key=lambda f: f.train / f.target)  # the source furthest below its share
+        item = feed.next()
+        if item is None:
+            active.remove(feed)
+            continue
+        is_heldout, ids = item
+        if is_heldout:
+            writer = heldout[feed.source.heldout]
+            if writer.tokens < recipe.heldout_tokens:  # full: the document is dropped, not trained on
+                writer.write(ids)
+                writer.documents += 1
+                progress.advance(heldout_tasks[feed.source.heldout], len(ids))
+            continue
+        ids = ids[: feed.target - feed.train]
+        train.write(ids)
+        feed.train += len(ids)
+        feed.train_documents += 1
+        progress.advance(train_task, len(ids))
+        if feed.train >= feed.target:
+            active.remove(feed)
+    for writer in (train, *heldout.values()):
+        writer.close()
+    for name, task in heldout_tasks.items():
+        progress.update(task, total=heldout[name].tokens, completed=heldout[name].tokens)
+    _check_nonempty(recipe, train, heldout)
+    per_source = {
+        f.source.name: {
+            "kind": f.source.kind, "target_tokens": f.target, "train_tokens": f.train,
+            "train_documents": f.train_documents, "exhausted": f.train < f.target,
+            "heldout": f.source.heldout,
+            "heldout_tokens": heldout[f.source.heldout].tokens if f.source.heldout else 0,
+            "heldout_documents": heldout[f.source.heldout].documents if f.source.heldout else 0,
+        }
+        for f in feeds
+    }
+    tokens = {"train": train.tokens, **{n: w.tokens for n, w in heldout.items()}}
+    return tokens, per_source
+
+
+def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer]) -> None:
+    if train.tokens == 0:
+        raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
+    for s in recipe.sources:
+        if s.heldout and heldout[s.heldout].tokens == 0:
+            raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}; "
+                              f"raise its heldout_fraction ({s.heldout_fraction})")
+
+
+# ---- the output folder -----------------------------------------------------------------------
+
+def _inputs_hash(recipe: Recipe) -> str:
+    inputs = {"recipe": recipe.recipe_hash,
+              "sources": {s.name: sources.fingerprint(recipe, s) for s in recipe.sources}}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _existing(out: Path) -> DataManifest | None:
+    """The folder's manifest; None if it is absent or empty; refuse a folder of something else."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return None
+    if not (out / MANIFEST).is_file():
+        raise FibctlError(f"{out} exists and is not a fibctl data folder (no {MANIFEST}); "
+                          "choose another --out or remove it")
+    try:
+        return load_manifest(out)
+    except FibctlError:
+        return None  # an older or damaged manifest: rebuild
+
+
+def _complete(manifest: DataManifest) -> bool:
+    return manifest.tokenizer_path.is_file() and all(
+        manifest.split_path(s).is_file() and manifest.split_path(s).stat().st_size == 2 * manifest.tokens[s]
+        for s in manifest.splits)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Folders an interrupted run (killed before it could clean up) left beside `out`."""
+    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
+        for path in out.parent.glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_into_place(work: Path, out: Path) -> None:
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    work.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,209 @@
+"""Data recipes: which corpora, in what token shares, which held-out sets, which tokenizer.
+
+A recipe is a TOML file (shipped ones live in `fibctl/recipes/`). It is parsed into frozen,
+typed dataclasses and hashed; the hash identifies what `fibctl data prepare` built from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from fibctl.errors import FibctlError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+KINDS = ("hub", "local", "installed-docs", "generated")
+LOCAL_FORMATS = ("json", "parquet", "csv", "text")
+MAX_VOCAB = 65536  # token ids are stored as uint16
+MIN_VOCAB = 258  # the 256 byte tokens, the end-of-text token and one merge
+
+
+@dataclass(frozen=True)
+class Source:
+    """One corpus of the mixture. Which fields apply depends on `kind`."""
+
+    name: str
+    kind: str
+    share: float  # of the training tokens
+    heldout: str | None = None  # name of the held-out set this source's held-out documents form
+    heldout_fraction: float = 0.02  # of documents, chosen by a hash of their text
+    text: tuple[str, ...] = ("text",)  # fields joined (blank line between) into one document
+    # hub
+    dataset: str | None = None
+    configs: tuple[str, ...] = ()  # several configs are interleaved document by document
+    split: str = "train"
+    revision: str | None = None
+    # local
+    format: str | None = None
+    files: tuple[str, ...] = ()  # globs, relative to the recipe file
+    sample_by: str = "document"  # for format "text": "line", "paragraph" or "document" (per file)
+    # installed-docs
+    packages: tuple[str, ...] = ()  # empty: all of installed_docs.PACKAGES
+    # generated
+    seed: int = 0
+    documents: int = 100_000
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    vocab_size: int
+    train_tokens: int
+    heldout_tokens: int  # cap per held-out set; documents are kept whole
+    tokenizer_sample_chars: int  # the tokenizer trains on this many characters of training text
+    sources: tuple[Source, ...]
+
+    @property
+    def heldout(self) -> list[str]:
+        """Held-out set names in recipe order."""
+        return list(dict.fromkeys(s.heldout for s in self.sources if s.heldout))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def recipe_hash(self) -> str:
+        """Hash of everything that shapes the output (not the name or description)."""
+        d = self.to_dict()
+        del d["name"], d["description"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def local_files(self, source: Source) -> list[str]:
+        """The files a local source's globs match, sorted; error if none do."""
+        found = sorted({p for pattern in source.files for p in glob.glob(pattern, recursive=True)})
+        if not found:
+            raise FibctlError(f"source {source.name!r}: no files match {', '.join(source.files)}")
+        return found
+
+
+def shipped() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A shipped recipe by name (`demo`) or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = RECIPES_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise FibctlError(f"no recipe {str(name_or_path)!r}: not a file, and not a shipped recipe "
+                              f"({', '.join(shipped())})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise FibctlError(f"cannot read recipe {path}: {e}") from None
+    return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
+
+
+def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path(".")) -> Recipe:
+    """Validate a recipe's TOML data; every error names the recipe key at fault."""
+    data = dict(data)
+    raw_sources = data.pop("sources", None)
+    if not raw_sources:
+        raise FibctlError("recipe has no [[sources]]")
+    _check_keys("recipe", data, {f.name for f in dataclasses.fields(Recipe)} - {"sources"})
+    recipe = Recipe(
+        name=str(data.get("name", default_name)),
+        description=str(data.get("description", "")),
+        vocab_size=_int(data, "vocab_size", "recipe", 32768),
+        train_tokens=_int(data, "train_tokens", "recipe"),
+        heldout_tokens=_int(data, "heldout_tokens", "recipe", 1_000_000),
+        tokenizer_sample_chars=_int(data, "tokenizer_sample_chars", "recipe", 50_000_000),
+        sources=tuple(_parse_source(s, base_dir) for s in raw_sources),
+    )
+    _validate(recipe)
+    return recipe
+
+
+def _parse_source(raw: dict, base_dir: Path) -> Source:
+    name = str(raw.get("name", "?"))
+    where = f"source {name!r}"
+    _check_keys(where, raw, {f.name for f in dataclasses.fields(Source)})
+    if raw.get("kind") not in KINDS:
+        raise FibctlError(f"{where}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}")
+    fields = dict(raw)
+    for key in ("text", "configs", "files", "packages"):
+        if key in fields:
+            value = fields[key]
+            fields[key] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+    for key in ("share", "heldout_fraction"):
+        if key in fields:
+            if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool):
+                raise FibctlError(f"{where}: {key}={fields[key]!r} must be a number")
+            fields[key] = float(fields[key])
+    if "files" in fields:  # relative to the recipe, stored absolute so the hash sees where they are
+        fields["files"] = tuple(str((base_dir / f).resolve()) if not Path(f).is_absolute() else f
+                                for f in fields["files"])
+    try:
+        return Source(**fields)
+    except TypeError as e:
+        raise FibctlError(f"{where}: {e}") from None
+
+
+def _validate(r: Recipe) -> None:
+    if not MIN_VOCAB <= r.vocab_size <= MAX_VOCAB:
+        raise FibctlError(f"vocab_size {r.vocab_size:,} does not fit: token streams are uint16, so it "
+                          f"must be between {MIN_VOCAB} and {MAX_VOCAB:,}")
+    for key in ("train_tokens", "heldout_tokens", "tokenizer_sample_chars"):
+        if getattr(r, key) < 1:
+            raise FibctlError(f"recipe {key}={getattr(r, key)} must be >= 1")
+    names = [s.name for s in r.sources]
+    if len(set(names)) != len(names):
+        raise FibctlError(f"source names must be unique: {', '.join(names)}")
+    total = sum(s.share for s in r.sources)
+    if abs(total - 1.0) > 1e-6:
+        raise FibctlError(f"source shares sum to {total:g}; they must sum to 1")
+    feeders = [s.heldout for s in r.sources if s.heldout]
+    if len(set(feeders)) != len(feeders):
+        raise FibctlError(f"each held-out set takes documents from one source: {', '.join(feeders)}")
+    if "train" in feeders:
+        raise FibctlError("a held-out set may not be named 'train'")
+    for s in r.sources:
+        _validate_source(s)
+        if round(s.share * r.train_tokens) < 1:
+            raise FibctlError(f"source {s.name!r}: share {s.share} of train_tokens={r.train_tokens} is no token")
+
+
+def _validate_source(s: Source) -> None:
+    where = f"source {s.name!r}"
+    if not s.share > 0:
+        raise FibctlError(f"{where}: share {s.share} must be > 0")
+    if s.heldout and not 0 < s.heldout_fraction < 1:
+        raise FibctlError(f"{where}: heldout_fraction {s.heldout_fraction} must be between 0 and 1")
+    if s.kind == "hub" and not s.dataset:
+        raise FibctlError(f"{where}: a hub source needs dataset = \"owner/name\"")
+    if s.kind == "local":
+        if s.format not in LOCAL_FORMATS:
+            raise FibctlError(f"{where}: format {s.format!r} is not one of {', '.join(LOCAL_FORMATS)}")
+        if not s.files:
+            raise FibctlError(f"{where}: a local source needs files = [\"path/*.jsonl\", ...]")
+        if s.sample_by not in ("line", "paragraph", "document"):
+            raise FibctlError(f"{where}: sample_by {s.sample_by!r} is not line, paragraph or document")
+    if s.kind == "generated" and s.documents < 1:
+        raise FibctlError(f"{where}: documents={s.documents} must be >= 1")
+
+
+def _check_keys(where: str, data: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise FibctlError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _int(data: dict, key: str, where: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise FibctlError(f"{where}: {key} is required")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FibctlError(f"{where}: {key}={value!r} must be an integer")
+    return value

@@ -1,0 +1,107 @@
+"""Documents from each kind of source, as an iterator of strings that never holds a corpus.
+
+Hub and local sources stream through `datasets.load_dataset(..., streaming=True)` (local files
+with the `json`, `parquet`, `csv` or `text` builders); `installed-docs` and `generated` need no
+download. `fingerprint` says what else, besides the recipe, the documents depend on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from rich.progress import Progress
+
+from fibctl.data import generated, installed_docs
+from fibctl.data.recipe import Recipe, Source
+from fibctl.errors import FibctlError
+
+
+def documents(recipe: Recipe, source: Source, scratch: Path, progress: Progress | None = None) -> Iterator[str]:
+    """The source's documents in a fixed order. `scratch` holds the installed-docs harvest."""
+    if source.kind == "generated":
+        return generated.documents(source.seed, source.documents)
+    if source.kind == "installed-docs":
+        path = scratch / f"{source.name}.installed-docs.jsonl"
+        if not path.exists():  # harvested once per prepare, read for the tokenizer and the streams
+            installed_docs.harvest(path, _packages(source), progress)
+        return installed_docs.read(path)
+    if source.kind == "local":
+        return _local_documents(recipe, source)
+    return _hub_documents(source)
+
+
+def fingerprint(recipe: Recipe, source: Source) -> dict:
+    """What the documents depend on beyond the recipe: file sizes and times, package versions."""
+    if source.kind == "local":
+        return {p: [os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in recipe.local_files(source)}
+    if source.kind == "installed-docs":
+        return installed_docs.package_versions(_packages(source))
+    return {}
+
+
+def _packages(source: Source) -> tuple[str, ...]:
+    return source.packages or installed_docs.PACKAGES
+
+
+def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
+    import datasets
+
+    files = recipe.local_files(source)
+    options = {"sample_by": source.sample_by} if source.format == "text" else {}
+    try:
+        ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True, **options)
+        yield from _texts(source, ds)
+    except FibctlError:
+        raise
+    except Exception as e:
+        raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
+                          f"{', '.join(source.files)}: {_one_line(e)}") from None
+
+
+def _hub_documents(source: Source) -> Iterator[str]:
+    import datasets
+
+    try:
+        streams = [iter(_texts(source, datasets.load_dataset(
+            source.dataset, config, split=source.split, streaming=True, revision=source.revision)))
+            for config in source.configs or (None,)]
+        yield from _round_robin(streams)
+    except FibctlError:
+        raise
+    except Exception as e:
+        raise FibctlError(
+            f"cannot stream Hugging Face dataset {source.dataset!r} for source {source.name!r} "
+            f"({_one_line(e)}); offline, download its files elsewhere and point the recipe at them: "
+            f'kind = "local", format = "parquet" (or json, csv, text), files = ["path/*.parquet"]'
+        ) from None
+
+
+def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
+    """One document from each stream in turn, dropping streams as they run out."""
+    while streams:
+        alive = []
+        for stream in streams:
+            doc = next(stream, None)
+            if doc is not None:
+                alive.append(stream)
+                yield doc
+        streams = alive
+
+
+def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
+    """Join the source's text fields of each row; skip rows with no text."""
+    for row in rows:
+        missing = [f for f in source.text if f not in row]
+        if missing:
+            raise FibctlError(f"source {source.name!r}: rows have no field {', '.join(missing)}; "
+                              f"fields: {', '.join(row)}; set text = [...] in the recipe")
+        text = "\n\n".join(str(row[f]).strip() for f in source.text if row[f] is not None and str(row[f]).strip())
+        if text:
+            yield text
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

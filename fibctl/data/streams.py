@@ -1,0 +1,94 @@
+"""The reader API over a prepared data directory: its manifest and its token streams.
+
+    DIR/manifest.json     what was built: vocab, tokens per split and source, hashes
+    DIR/tokenizer.json    the byte-level BPE tokenizer (`tokenizers.Tokenizer.from_file`)
+    DIR/train.bin         uint16 token ids, documents separated by the end-of-text token
+    DIR/<heldout>.bin     one stream per held-out set, e.g. docs_val.bin
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fibctl.errors import FibctlError
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+FORMAT_VERSION = 1
+TRAIN_SPLIT = "train"
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class DataManifest:
+    data_dir: Path
+    recipe: str  # the recipe's name
+    recipe_hash: str
+    inputs_hash: str  # recipe hash plus what the sources depend on (files, package versions)
+    vocab_size: int  # the recipe's vocab: the model's embedding size
+    tokenizer_vocab: int  # tokens the trained tokenizer has (<= vocab_size on a small corpus)
+    tokenizer_hash: str
+    eos_id: int
+    heldout: list[str]  # held-out set names, recipe order
+    tokens: dict[str, int]  # per split
+    sources: dict[str, dict] = field(default_factory=dict)  # per source: train/heldout tokens, docs
+    train_split: str = TRAIN_SPLIT
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.data_dir / TOKENIZER
+
+    @property
+    def splits(self) -> list[str]:
+        return [self.train_split, *self.heldout]
+
+    def split_path(self, split: str) -> Path:
+        if split not in self.splits:
+            raise FibctlError(f"no split {split!r} in {self.data_dir}; splits: {', '.join(self.splits)}")
+        return self.data_dir / f"{split}.bin"
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT_VERSION, "recipe": self.recipe, "recipe_hash": self.recipe_hash,
+            "inputs_hash": self.inputs_hash, "vocab_size": self.vocab_size,
+            "tokenizer": TOKENIZER, "tokenizer_vocab": self.tokenizer_vocab,
+            "tokenizer_hash": self.tokenizer_hash, "eos_id": self.eos_id, "dtype": "uint16",
+            "train_split": self.train_split, "heldout": self.heldout, "tokens": self.tokens,
+            "sources": self.sources,
+        }
+
+    def write(self) -> None:
+        (self.data_dir / MANIFEST).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_manifest(data_dir: str | Path) -> DataManifest:
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST
+    if not path.is_file():
+        raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --out {data_dir}`")
+    try:
+        d = json.loads(path.read_text())
+        if d.get("format") != FORMAT_VERSION:
+            raise FibctlError(f"{path} has format {d.get('format')!r}; this fibctl reads {FORMAT_VERSION}; "
+                              "prepare the data again")
+        return DataManifest(
+            data_dir=data_dir, recipe=d["recipe"], recipe_hash=d["recipe_hash"],
+            inputs_hash=d["inputs_hash"], vocab_size=d["vocab_size"], tokenizer_vocab=d["tokenizer_vocab"],
+            tokenizer_hash=d["tokenizer_hash"], eos_id=d["eos_id"], heldout=list(d["heldout"]),
+            tokens=dict(d["tokens"]), sources=dict(d["sources"]), train_split=d["train_split"],
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise FibctlError(f"{path} is not a valid data manifest ({type(e).__name__}: {e})") from None
+
+
+def token_stream(data_dir: str | Path, split: str) -> np.memmap:
+    """The split's token ids, uint16, 1-D, read-only and memory-mapped."""
+    manifest = load_manifest(data_dir)
+    path = manifest.split_path(split)
+    if not path.is_file() or path.stat().st_size != 2 * manifest.tokens[split]:
+        raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
+    return np.memmap(path, dtype=np.uint16, mode="r")

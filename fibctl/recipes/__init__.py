@@ -1,0 +1,1 @@
+"""Shipped data recipes (TOML), read by `fibctl.data.recipe.load_recipe`."""

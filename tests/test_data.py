@@ -1,0 +1,353 @@
+"""`fibctl data prepare`: recipes -> tokenizer -> token streams, offline on files the tests write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from fibctl.data import generated, installed_docs
+from fibctl.data.prepare import prepare
+from fibctl.data.recipe import load_recipe, parse_recipe
+from fibctl.data.streams import load_manifest, token_stream
+from fibctl.errors import FibctlError
+
+WORDS = ("river stone lantern quiet number table window garden letter engine paper orbit signal "
+         "winter market bridge forest cable story method").split()
+
+
+def _text(rng: np.random.Generator, marker: str) -> str:
+    words = rng.choice(WORDS, size=int(rng.integers(40, 160)))
+    return f"{marker} " + " ".join(words) + "."
+
+
+def _write_corpora(root: Path) -> None:
+    """Two local corpora whose documents start with a marker word, so a test can tell them apart.
+
+    Each has some exact duplicates, which must land on one side of the held-out split.
+    """
+    rng = np.random.default_rng(0)
+    (root / "news").mkdir()
+    for shard in range(2):
+        docs = [_text(rng, "alpha") for _ in range(900)]
+        docs += docs[:30]  # duplicates
+        with open(root / "news" / f"part{shard}.jsonl", "w") as f:
+            for d in docs:
+                f.write(json.dumps({"body": d, "id": 1}) + "\n")
+    (root / "books").mkdir()
+    for shard in range(12):  # one paragraph per document
+        paragraphs = [_text(rng, "omega") if i % 50 else "omega duplicate book." for i in range(100)]
+        (root / "books" / f"b{shard:02d}.txt").write_text("\n\n".join(paragraphs) + "\n")
+
+
+MIXTURE = """
+name = "mixture"
+vocab_size = 512
+train_tokens = {train_tokens}
+heldout_tokens = 40000
+tokenizer_sample_chars = 300000
+
+[[sources]]
+name = "news"
+kind = "local"
+format = "json"
+files = ["news/*.jsonl"]
+text = ["body"]
+share = 0.5
+heldout = "news_val"
+heldout_fraction = 0.1
+
+[[sources]]
+name = "books"
+kind = "local"
+format = "text"
+files = ["books/*.txt"]
+sample_by = "paragraph"
+share = 0.3
+heldout = "books_val"
+heldout_fraction = 0.1
+
+[[sources]]
+name = "stories"
+kind = "generated"
+seed = 7
+share = 0.2
+"""
+
+
+def _recipe_file(root: Path, train_tokens: int = 300_000) -> Path:
+    path = root / "mixture.toml"
+    path.write_text(MIXTURE.format(train_tokens=train_tokens))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpora")
+    _write_corpora(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def built(corpora) -> Path:
+    out = corpora / "out"
+    prepare(load_recipe(_recipe_file(corpora)), out)
+    return out
+
+
+def _documents(data_dir: Path, split: str) -> list[tuple[str, int]]:
+    """(text, token count) of each document of a split, cut at the end-of-text token."""
+    manifest = load_manifest(data_dir)
+    tokenizer = Tokenizer.from_file(str(manifest.tokenizer_path))
+    ids = np.asarray(token_stream(data_dir, split))
+    cuts = np.flatnonzero(ids == manifest.eos_id)
+    pieces = np.split(ids, cuts + 1)
+    return [(tokenizer.decode(p[p != manifest.eos_id].tolist()), len(p)) for p in pieces if len(p)]
+
+
+def _source_of(text: str) -> str:
+    return "news" if text.startswith("alpha") else "books" if text.startswith("omega") else "stories"
+
+
+def test_mixture_shares_by_tokens(built):
+    """Count tokens per source from the stream itself (documents carry a marker word)."""
+    counts: Counter[str] = Counter()
+    for text, n in _documents(built, "train"):
+        counts[_source_of(text)] += n
+    total = sum(counts.values())
+    assert total == 300_000 == load_manifest(built).tokens["train"]
+    for name, share in (("news", 0.5), ("books", 0.3), ("stories", 0.2)):
+        assert abs(counts[name] / total - share) < 0.01, (name, counts)
+
+
+def test_mixture_is_interleaved_not_concatenated(built):
+    """Any stretch of the training stream mixes the sources, so a window sample sees them all."""
+    docs = _documents(built, "train")
+    assert {_source_of(t) for t, _ in docs[: len(docs) // 20]} == {"news", "books", "stories"}
+
+
+def test_heldout_is_disjoint_from_training_and_whole_documents(built, corpora):
+    train = {t for t, _ in _documents(built, "train")}
+    for split, marker in (("news_val", "alpha"), ("books_val", "omega")):
+        held = [t for t, _ in _documents(built, split)]
+        assert held and all(t.startswith(marker) for t in held)
+        assert not set(held) & train
+    # whole documents: every held-out document is a document of the source files
+    news = {json.loads(line)["body"] for p in (corpora / "news").glob("*.jsonl") for line in open(p)}
+    assert {t for t, _ in _documents(built, "news_val")} <= news
+    books = {para.strip() for p in (corpora / "books").glob("*.txt") for para in p.read_text().split("\n\n")}
+    assert {t for t, _ in _documents(built, "books_val")} <= books
+
+
+def test_manifest_and_reader_api(built):
+    m = load_manifest(built)
+    assert m.vocab_size == 512 and m.tokenizer_vocab <= 512
+    assert m.train_split == "train" and m.heldout == ["news_val", "books_val"]
+    assert m.tokenizer_path.is_file() and len(m.recipe_hash) == len(m.tokenizer_hash) == 16
+    stream = token_stream(built, "news_val")
+    assert stream.dtype == np.uint16 and stream.ndim == 1 and len(stream) == m.tokens["news_val"]
+    assert int(np.asarray(token_stream(built, "train")).max()) < m.tokenizer_vocab
+    assert m.sources["news"]["train_tokens"] == 150_000 and not m.sources["news"]["exhausted"]
+    with pytest.raises(FibctlError, match="no split 'val'.*train, news_val, books_val"):
+        token_stream(built, "val")
+
+
+def test_missing_manifest_names_the_folder(tmp_path):
+    with pytest.raises(FibctlError, match=f"no data manifest in {tmp_path}; run `fibctl data prepare"):
+        load_manifest(tmp_path)
+
+
+def test_same_recipe_same_bytes(built, corpora):
+    again = corpora / "again"
+    prepare(load_recipe(_recipe_file(corpora)), again)
+    for name in ("train.bin", "news_val.bin", "books_val.bin", "tokenizer.json", "manifest.json"):
+        assert (again / name).read_bytes() == (built / name).read_bytes(), name
+
+
+def test_rerun_reuses_and_changed_recipe_rebuilds(corpora, tmp_path):
+    out = tmp_path / "data"
+    first = prepare(load_recipe(_recipe_file(corpora, 60_000)), out)
+    assert not first.reused
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    start = time.perf_counter()
+    second = prepare(load_recipe(_recipe_file(corpora, 60_000)), out)
+    assert second.reused and time.perf_counter() - start < 1.0
+    assert (out / "train.bin").stat().st_mtime_ns == mtime
+    third = prepare(load_recipe(_recipe_file(corpora, 50_000)), out)
+    assert not third.reused and third.manifest.tokens["train"] == 50_000
+    assert third.manifest.recipe_hash != first.manifest.recipe_hash
+    # a damaged stream is not mistaken for finished data
+    (out / "train.bin").write_bytes(b"\0\0")
+    assert not prepare(load_recipe(_recipe_file(corpora, 50_000)), out).reused
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]  # no leftovers beside it
+
+
+def test_changed_local_file_rebuilds(tmp_path):
+    rng = np.random.default_rng(1)
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text("".join(json.dumps({"text": _text(rng, "alpha")}) + "\n" for _ in range(100)))
+    recipe = parse_recipe({"vocab_size": 300, "train_tokens": 2000, "tokenizer_sample_chars": 20000,
+                           "sources": [{"name": "a", "kind": "local", "format": "json",
+                                        "files": [str(corpus)], "share": 1}]})
+    assert not prepare(recipe, tmp_path / "out").reused
+    assert prepare(recipe, tmp_path / "out").reused
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "alpha new document."}) + "\n")
+    assert not prepare(recipe, tmp_path / "out").reused
+
+
+def test_refuses_a_folder_of_something_else(corpora, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FibctlError, match="not a fibctl data folder"):
+        prepare(load_recipe(_recipe_file(corpora)), tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+HUB = """
+name = "hubmix"
+vocab_size = 512
+train_tokens = 10000
+tokenizer_sample_chars = 20000
+
+[[sources]]
+name = "local"
+kind = "generated"
+share = 0.5
+
+[[sources]]
+name = "stories"
+kind = "hub"
+dataset = "roneneldan/TinyStories"
+share = 0.5
+"""
+
+
+def test_unreachable_hub_leaves_nothing_behind(tmp_path, monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'roneneldan/TinyStories' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    (tmp_path / "hub.toml").write_text(HUB)
+    with pytest.raises(FibctlError, match="'roneneldan/TinyStories'.*kind = \"local\""):
+        prepare(load_recipe(tmp_path / "hub.toml"), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub.toml"]
+
+
+def test_cli_unreachable_hub_exits_2_with_one_line(tmp_path):
+    (tmp_path / "hub.toml").write_text(HUB)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "hub.toml", "--out", "out", "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "roneneldan/TinyStories" in error[0] and "local" in error[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub.toml"]
+
+
+def test_cli_prepare_show_and_recipes(corpora, tmp_path):
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    runner = CliRunner()
+    recipe = _recipe_file(corpora, 20_000)
+    result = runner.invoke(app, ["data", "prepare", str(recipe), "--out", str(tmp_path / "d"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["data", "show", str(tmp_path / "d")])
+    assert result.exit_code == 0 and "news_val" in result.output and "20,000" in result.output
+    result = runner.invoke(app, ["data", "recipes"])
+    assert result.exit_code == 0 and all(n in result.output for n in ("demo", "paper", "quick"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 70000}, "uint16"),
+    ({"vocab_size": 100}, "between 258"),
+    ({"shards": 3}, "unknown key.*shards"),
+    ({"train_tokens": "many"}, "must be an integer"),
+])
+def test_bad_recipe_is_one_clear_error(change, message):
+    data = {"vocab_size": 512, "train_tokens": 1000, "sources": [{"name": "g", "kind": "generated", "share": 1}]}
+    with pytest.raises(FibctlError, match=message):
+        parse_recipe({**data, **change})
+
+
+def test_bad_sources_are_named():
+    base = {"vocab_size": 512, "train_tokens": 1000}
+    with pytest.raises(FibctlError, match="shares sum to 0.8"):
+        parse_recipe({**base, "sources": [{"name": "g", "kind": "generated", "share": 0.8}]})
+    with pytest.raises(FibctlError, match="source 'x': kind 'ftp'"):
+        parse_recipe({**base, "sources": [{"name": "x", "kind": "ftp", "share": 1}]})
+    with pytest.raises(FibctlError, match="no recipe 'nope'.*demo"):
+        load_recipe("nope")
+
+
+def test_missing_text_field_is_named(corpora, tmp_path):
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "news", "kind": "local", "format": "json", "files": [str(corpora / "news" / "*.jsonl")],
+         "share": 1}]})
+    with pytest.raises(FibctlError, match="no field text; fields: body, id"):
+        prepare(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_paper_recipe_is_the_spec():
+    r = load_recipe("paper")
+    assert r.vocab_size == 32768 and r.train_tokens == 426_000_000
+    assert r.heldout == ["fineweb_edu_val", "wikipedia_val", "tinystories_val", "math_val"]
+    shares = {s.name: s.share for s in r.sources}
+    assert shares["fineweb_edu"] == 0.35 and shares["wikipedia"] == 0.22 and shares["tinystories"] == 0.20
+    assert abs(shares["math"] + shares["openmathinstruct2"] - 0.23) < 1e-9
+    assert {s.dataset for s in r.sources} >= {"HuggingFaceFW/fineweb-edu", "nvidia/OpenMathInstruct-2"}
+
+
+def test_generated_is_deterministic():
+    assert list(generated.documents(3, 50)) == list(generated.documents(3, 50))
+    assert list(generated.documents(3, 50)) != list(generated.documents(4, 50))
+
+
+def test_installed_docs_are_real_documents(tmp_path):
+    """A bounded sample (the language reference and sqlalchemy): real prose, no tests, no repeats."""
+    path = tmp_path / "docs.jsonl"
+    installed_docs.harvest(path, ("pydoc_data", "sqlalchemy"))
+    docs = list(installed_docs.read(path))
+    titles = [d.split("\n\n", 1)[0] for d in docs]
+    assert len(docs) > 500 and sum(map(len, docs)) > 1_000_000
+    assert any(t == "Python language reference: for" for t in titles)
+    assert any(t.startswith("sqlalchemy.orm.") for t in titles)
+    assert not [t for t in titles if ".testing." in t or ".tests." in t]
+    assert sum(" the " in d for d in docs) > 0.8 * len(docs)
+    assert len({d.split("\n\n", 1)[1] for d in docs}) == len(docs)
+    assert " at 0x" not in "".join(docs)  # no memory addresses: same corpus on every run
+    again = tmp_path / "again.jsonl"
+    installed_docs.harvest(again, ("pydoc_data", "sqlalchemy"))
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_quick_recipe_prepares_offline(tmp_path):
+    """The recipe `fibctl demo --quick` uses: vocab 512 for the `micro` preset, a docs_val split."""
+    result = prepare(load_recipe("quick"), tmp_path / "quick")
+    m = result.manifest
+    assert m.vocab_size == 512 and m.heldout == ["docs_val"]
+    assert m.tokens["train"] == 300_000 and m.tokens["docs_val"] > 10_000
+    tokenizer = Tokenizer.from_file(str(m.tokenizer_path))
+    text = tokenizer.decode(np.asarray(token_stream(tmp_path / "quick", "docs_val"))[:400].tolist())
+    assert " the " in text
+
+
+def test_demo_recipe_fits_the_tiny_preset():
+    from fibctl.config import get_preset
+
+    r = load_recipe("demo")
+    assert r.vocab_size == get_preset("tiny").model.vocab_size
+    assert load_recipe("quick").vocab_size == get_preset("micro").model.vocab_size
+    assert [s.kind for s in r.sources] == ["installed-docs"] and r.heldout == ["docs_val"]

@@ -1,0 +1,240 @@
+"""`fibctl report`, `fibctl figure`, `fibctl sql`, `fibctl import-study`: results out of the database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.measure import Measurement
+from rich.progress import track
+from rich.table import Table as RichTable
+
+from fibctl.cli import app
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
+from fibctl.config import get_preset
+from fibctl.db.engine import connect, connect_readonly
+from fibctl.errors import FibctlError
+from fibctl.reports import figures, render, tables
+from fibctl.reports.importer import import_study as run_import
+from fibctl.reports.sql import run_query
+
+report_app = typer.Typer(
+    help="The study's tables (SPEC section 7), computed by SQL from the results database.",
+    no_args_is_help=True)
+app.add_typer(report_app, name="report")
+
+FormatOption = Annotated[str, typer.Option(
+    "--format", "-f", help="rich (terminal table), md, latex (booktabs), csv or json.")]
+ShowSqlOption = Annotated[bool, typer.Option(
+    "--show-sql", help="Print the SQL behind the table first (runnable with `fibctl sql`).")]
+MatrixOption = Annotated[str | None, typer.Option(
+    "--matrix", help="Only runs of this matrix (e.g. paper, demo); default: every run.")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.")]
+DatasetOption = Annotated[str | None, typer.Option(
+    "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
+
+
+def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
+    text = render.render(table, fmt)  # checks the format before anything is printed
+    if show_sql:
+        typer.echo(table.sql + "\n")
+    if fmt == "rich":  # as wide as the table needs: a squeezed column would hide digits
+        rich_table = render.to_rich(table)
+        needed = Measurement.get(console, console.options.update(max_width=10_000), rich_table).maximum
+        out = console if needed <= console.width else Console(
+            file=console.file, width=needed, force_terminal=console.is_terminal)
+        out.print(rich_table)
+    else:
+        typer.echo(text, nl=False)
+
+
+@report_app.command("table1")
+def report_table1(
+    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
+    seed: SeedOption = 42, matrix: MatrixOption = None,
+    compare: Annotated[str | None, typer.Option(
+        "--compare", help="A second database (e.g. the imported study): its values beside these, "
+        "with the difference; runs matched by base, schedule, window and seed.")] = None,
+) -> None:
+    """Table 1: final perplexity of every sparse run on each held-out set at its training length."""
+    other = connect_readonly(compare) if compare else None
+    table = tables.table1(connect_readonly(db), seed=seed, matrix=matrix, compare=other,
+                          compare_label=Path(compare).stem if compare else "other")
+    _show(table, fmt, show_sql)
+
+
+@report_app.command("table2")
+def report_table2(db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich",
+                  show_sql: ShowSqlOption = False) -> None:
+    """Table 2: the retrieval probe's learned-alpha range and accuracy by depth and init."""
+    _show(tables.table2(connect_readonly(db)), fmt, show_sql)
+
+
+@report_app.command("table3")
+def report_table3(
+    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
+    dataset: DatasetOption = None, seed: SeedOption = 42, matrix: MatrixOption = None,
+    all_runs: Annotated[bool, typer.Option(
+        "--all-runs", help="Every run evaluated at several lengths, not only the paper's rows.")] = False,
+) -> None:
+    """Table 3: perplexity at every evaluated length and the change at 4x the training length."""
+    engine = connect_readonly(db)
+    _show(tables.table3(engine, dataset=dataset, seed=seed, matrix=matrix, all_runs=all_runs), fmt, show_sql)
+
+
+@report_app.command("table4")
+def report_table4(
+    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
+    dataset: DatasetOption = None, seed: SeedOption = 42, matrix: MatrixOption = None,
+    window: Annotated[int, typer.Option("--window", "-w", help="Window W of the fixed/stagger pair.")] = 8,
+) -> None:
+    """Table 4: mean loss in 8 position bins for fib fixed vs stagger, and the gap."""
+    engine = connect_readonly(db)
+    _show(tables.table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix), fmt, show_sql)
+
+
+@report_app.command("table5")
+def report_table5(
+    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
+    dataset: DatasetOption = None, matrix: MatrixOption = None,
+    window: Annotated[int, typer.Option("--window", "-w", help="Window W of the replicated runs.")] = 12,
+) -> None:
+    """Table 5: perplexity per seed with mean and population std, for configurations with 2+ seeds."""
+    engine = connect_readonly(db)
+    _show(tables.table5(engine, dataset=dataset, window=window, matrix=matrix), fmt, show_sql)
+
+
+@report_app.command("all")
+def report_all(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the tables and figures into.")],
+    db: DbOption = DEFAULT_DB, seed: SeedOption = 42, matrix: MatrixOption = None,
+    dataset: DatasetOption = None,
+) -> None:
+    """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
+    engine = connect_readonly(db)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = _all_jobs(engine, out, seed, matrix, dataset)
+    written, skipped = [], []
+    for name, job in track(jobs, description="Writing tables and figures", console=err_console):
+        try:
+            written += job()
+        except FibctlError as e:
+            skipped.append((name, str(e)))
+    for name, why in skipped:
+        err_console.print(f"[yellow]skipped {name}:[/] {why}", highlight=False)
+    if not written:
+        raise FibctlError(f"nothing to report from {db}: every table and figure lacks its data")
+    console.print(f"wrote {len(written)} files to {out}/", highlight=False)
+
+
+def _all_jobs(engine, out: Path, seed: int, matrix: str | None, dataset: str | None) -> list:
+    def table_job(name: str, **kwargs):
+        def job() -> list[Path]:
+            table = tables.TABLES[name](engine, **kwargs)
+            paths = [out / f"{name}.sql"]
+            paths[0].write_text(table.sql + "\n")
+            for fmt, ext in render.EXTENSIONS.items():
+                paths.append(out / f"{name}.{ext}")
+                paths[-1].write_text(render.render(table, fmt))
+            return paths
+        return job
+
+    def figure_job(name: str, **kwargs):
+        return lambda: [figures.FIGURES[name](engine, out / f"{name}.png", **kwargs)]
+
+    preset = get_preset(figures.preset_in_use(engine)).model
+    shown = dict(seed=seed, matrix=matrix)
+    return [
+        ("table1", table_job("table1", **shown)),
+        ("table2", table_job("table2")),
+        ("table3", table_job("table3", dataset=dataset, **shown)),
+        ("table4", table_job("table4", dataset=dataset, **shown)),
+        ("table5", table_job("table5", dataset=dataset, matrix=matrix)),
+        ("extrapolation", figure_job("extrapolation", dataset=dataset, **shown)),
+        ("posloss", figure_job("posloss", dataset=dataset, **shown)),
+        ("curves", figure_job("curves", dataset=dataset, **shown)),
+        ("alphas", figure_job("alphas", matrix=matrix)),
+        ("coverage", lambda: [figures.coverage(out / "coverage.png", n_layers=preset.n_layers,
+                                               seq_len=preset.seq_len)]),
+    ]
+
+
+@app.command("figure")
+def figure(
+    name: Annotated[str, typer.Argument(
+        help="extrapolation, posloss, curves, alphas or coverage.", show_default=False)],
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
+    db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = 42,
+    matrix: MatrixOption = None,
+    window: Annotated[int, typer.Option("--window", "-w", help="posloss, coverage: window W.")] = 8,
+    run: Annotated[str | None, typer.Option("--run", help="alphas: only this run.")] = None,
+    schedule: Annotated[list[str] | None, typer.Option(
+        "--schedule", help="coverage: schedules to draw side by side (repeat); default fixed and stagger.")] = None,
+    base: Annotated[str, typer.Option("--base", help="coverage: base sequence, fib or pow2.")] = "fib",
+    preset: Annotated[str, typer.Option(
+        "--preset", help="coverage: take layers and length from this preset.")] = "paper",
+    layers: Annotated[int | None, typer.Option("--layers", help="coverage: number of layers (overrides the preset).")] = None,
+    length: Annotated[int | None, typer.Option("--length", help="coverage: sequence length T (overrides the preset).")] = None,
+) -> None:
+    """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
+    if name not in figures.FIGURES:
+        raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
+    path = figures.check_path(out or Path(f"{name}.png"))
+    if name == "coverage":
+        model = get_preset(preset).model
+        figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
+                         n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
+    else:
+        engine = connect_readonly(db)
+        kwargs = {"extrapolation": dict(dataset=dataset, seed=seed, matrix=matrix),
+                  "posloss": dict(dataset=dataset, window=window, seed=seed, matrix=matrix),
+                  "curves": dict(dataset=dataset, seed=seed, matrix=matrix),
+                  "alphas": dict(run=run, matrix=matrix)}[name]
+        figures.FIGURES[name](engine, path, **kwargs)
+    console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("sql")
+def sql(
+    query: Annotated[str, typer.Argument(help="One SQL statement, e.g. \"SELECT name, status FROM runs\".",
+                                         show_default=False)],
+    db: DbOption = DEFAULT_DB,
+    csv: Annotated[bool, typer.Option("--csv", help="Print CSV instead of a table.")] = False,
+    json: Annotated[bool, typer.Option("--json", help="Print JSON records instead of a table.")] = False,
+) -> None:
+    """Run a read-only SQL query on the results database (writes are refused by the connection)."""
+    frame = run_query(db, query)
+    if csv:
+        typer.echo(frame.to_csv(index=False), nl=False)
+    elif json:
+        typer.echo(frame.to_json(orient="records", indent=2, force_ascii=False))
+    elif frame.empty:
+        console.print("(no rows)")
+    else:
+        table = RichTable(*map(str, frame.columns))
+        for row in frame.itertuples(index=False):
+            table.add_row(*("NULL" if v is None else str(v) for v in row))
+        console.print(table)
+
+
+@app.command("import-study")
+def import_study(
+    fib_db: Annotated[Path, typer.Argument(help="The study's SQLite database (fib.db).", show_default=False)],
+    lenextrap: Annotated[Path | None, typer.Option(
+        "--lenextrap", help="The study's lenextrap.json: perplexity at 1024/2048/4096.")] = None,
+    posloss: Annotated[Path | None, typer.Option(
+        "--posloss", help="The study's posloss.json: loss at each position of a 1024 window.")] = None,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
+    engine = connect(db)
+    with console.status(f"Importing {fib_db} into {db}"):
+        s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
+    console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
+                  f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into {db}",
+                  highlight=False)
+    if s.skipped:
+        console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False)

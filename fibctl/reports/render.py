@@ -1,0 +1,115 @@
+"""Rendering a `Table`: rich (terminal), Markdown, LaTeX (booktabs), CSV, JSON.
+
+Text formats print each value with the table's formatter and bold the best value of the
+columns the paper bolds; CSV and JSON carry the raw numbers.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table as RichTable
+
+from fibctl.errors import FibctlError
+from fibctl.reports.tables import Table
+
+FORMATS = ("rich", "md", "latex", "csv", "json")
+EXTENSIONS = {"rich": "txt", "md": "md", "latex": "tex", "csv": "csv", "json": "json"}
+MISSING = "-"
+
+
+def cell(table: Table, column: str, value) -> str:
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return MISSING
+    fmt = table.formats.get(column)
+    return fmt(value) if fmt else str(value)
+
+
+def best_rows(table: Table) -> dict[str, set[int]]:
+    """Row positions holding the best value of each bolded column."""
+    out = {}
+    for column, how in table.best.items():
+        values = pd.to_numeric(table.frame[column], errors="coerce").reset_index(drop=True)
+        if values.notna().any():
+            target = values.min() if how == "min" else values.max()
+            out[column] = set(values.index[values == target])
+    return out
+
+
+def _numeric(table: Table, column: str) -> bool:
+    return pd.api.types.is_numeric_dtype(table.frame[column])
+
+
+def _cells(table: Table, bold: str, escape=lambda s: s) -> list[list[str]]:
+    """Formatted, escaped rows; the best cells wrapped in `bold` (a format string with one {})."""
+    best = best_rows(table)
+    return [[bold.format(text) if i in best.get(col, ()) else text
+             for col, text in ((c, escape(cell(table, c, v))) for c, v in zip(table.frame.columns, row))]
+            for i, row in enumerate(table.frame.itertuples(index=False))]
+
+
+def to_rich(table: Table) -> RichTable:
+    out = RichTable(title=escape(table.title), title_justify="left")
+    for c in table.frame.columns:
+        out.add_column(escape(str(c)), justify="right" if _numeric(table, c) else "left")
+    for row in _cells(table, "[bold]{}[/bold]", escape):
+        out.add_row(*row)
+    return out
+
+
+def to_text(table: Table, width: int = 200) -> str:
+    """The terminal rendering as plain text (what `report all` saves as .txt)."""
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
+    console.print(to_rich(table))
+    return console.export_text()
+
+
+def to_markdown(table: Table) -> str:
+    cols = [str(c) for c in table.frame.columns]
+    align = ["---:" if _numeric(table, c) else ":---" for c in table.frame.columns]
+    lines = [f"**{table.title}**", "", _md_row(cols), _md_row(align)]
+    lines += [_md_row(row) for row in _cells(table, "**{}**")]
+    return "\n".join(lines) + "\n"
+
+
+def _md_row(values: list[str]) -> str:
+    return "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"
+
+
+_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+          "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+          "Δ": r"$\Delta$", "α": r"$\alpha$"}
+
+
+def latex_escape(s: str) -> str:
+    return "".join(_LATEX.get(ch, ch) for ch in s)
+
+
+def to_latex(table: Table) -> str:
+    """A booktabs tabular with a caption; best values in \\textbf."""
+    spec = "".join("r" if _numeric(table, c) else "l" for c in table.frame.columns)
+    header = " & ".join(latex_escape(str(c)) for c in table.frame.columns)
+    rows = [" & ".join(row) for row in _cells(table, "\\textbf{{{}}}", latex_escape)]
+    body = "\n".join(f"{r} \\\\" for r in rows)
+    return (f"\\begin{{table}}[t]\n\\centering\n\\caption{{{latex_escape(table.title)}}}\n"
+            f"\\begin{{tabular}}{{{spec}}}\n\\toprule\n{header} \\\\\n\\midrule\n{body}\n"
+            f"\\bottomrule\n\\end{{tabular}}\n\\end{{table}}\n")
+
+
+def to_csv(table: Table) -> str:
+    return table.frame.to_csv(index=False)
+
+
+def to_json(table: Table) -> str:
+    return table.frame.to_json(orient="records", indent=2, force_ascii=False) + "\n"
+
+
+def render(table: Table, fmt: str) -> str:
+    """`table` as text in `fmt` (rich: the terminal rendering without colour)."""
+    renderers = {"rich": to_text, "md": to_markdown, "latex": to_latex, "csv": to_csv, "json": to_json}
+    if fmt not in renderers:
+        raise FibctlError(f"unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    return renderers[fmt](table)

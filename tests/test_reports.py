@@ -1,0 +1,226 @@
+"""`fibctl report`: the study's tables computed by SQL, rendered five ways, on small databases."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from datetime import datetime
+
+import numpy as np
+import pandas as pd
+import pytest
+from sqlalchemy import insert
+from typer.testing import CliRunner
+
+from fibctl.cli import app
+from fibctl.config import RunConfig
+from fibctl.db import schema
+from fibctl.db.engine import connect, connect_readonly
+from fibctl.errors import FibctlError
+from fibctl.reports import render, tables
+from fibctl.reports.sql import run_query
+from test_import import N_POS, imported, position_losses
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """The small published study, imported; a read-only engine on it."""
+    folder = tmp_path_factory.mktemp("study")
+    engine, _ = imported(folder)
+    engine.dispose()
+    return str(folder / "results.db")
+
+
+def ro(db: str):
+    return connect_readonly(db)
+
+
+def add_run(conn, name: str, schedule: str, *, base="fib", window=8, seed=42, T=128, preset="tiny",
+            matrix="demo") -> int:
+    config = RunConfig.resolve(name, matrix, preset, schedule=schedule, base=base, window=window, seed=seed)
+    dense = schedule == "dense"
+    return conn.execute(insert(schema.Run).values(
+        name=name, matrix=matrix, preset=preset, base=None if dense else base, schedule=schedule,
+        window=None if dense else window, seed=seed, train_length=T, config_json=config.to_json(),
+        config_hash=config.config_hash, status="done", attempts=1, created_at=datetime(2026, 1, 1),
+        final_step=600)).inserted_primary_key[0]
+
+
+def add_eval(conn, run_id: int, length: int, ppl: float, dataset="docs_val", step=600) -> None:
+    conn.execute(insert(schema.Evaluation).values(run_id=run_id, step=step, dataset=dataset, eval_length=length,
+                                                   tokens=1000, loss=float(np.log(ppl)), ppl=ppl))
+
+
+DEMO_PPL = {  # the demo's shape: tiny preset, T 128, evaluated at 1x..8x on its own held-out set
+    "dense": [20.0, 30.0, 60.0, 120.0], "fixed": [24.0, 23.8, 23.7, 23.9],
+    "stagger": [23.0, 22.7, 22.6, 22.6], "learned": [23.5, 23.3, 23.2, 23.4],
+}
+DEMO_LENGTHS = [128, 256, 512, 1024]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("demo") / "demo.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for schedule, ppls in DEMO_PPL.items():
+            rid = add_run(conn, f"demo_{schedule}", schedule)
+            for length, ppl in zip(DEMO_LENGTHS, ppls):
+                add_eval(conn, rid, length, ppl)
+            add_eval(conn, rid, 128, ppls[0] + 5, step=200)  # an earlier evaluation: not the final one
+            # per-position losses in 512-token windows (4x): position p has loss p / 1000
+            conn.execute(insert(schema.PositionLoss), [
+                dict(run_id=rid, step=600, dataset="docs_val", eval_length=512, position=p,
+                     mean_loss=p / 1000 + (1 if schedule == "dense" else 0), windows=4) for p in range(511)])
+    engine.dispose()
+    return db
+
+
+def test_table1_reads_each_runs_final_step_at_the_training_length(study):
+    t = tables.table1(ro(study))
+    assert list(t.frame.columns) == ["Run", "Base", "Schedule", "W", "TinyStories", "FineWeb-Edu"]
+    by_run = t.frame.set_index("Run")
+    assert by_run.loc["f13__fib_stagger_w12", "FineWeb-Edu"] == 42.0
+    assert by_run.loc["f11__fib_stagger_w8", "FineWeb-Edu"] == 42.5  # the done attempt, final step
+    # the paper's order: fib fixed, learned, stagger, coprime, then pow2 fixed, pow2 stagger
+    assert list(t.frame["Run"]) == ["f06__fib_fixed_w8", "f02__fib_learned_w8", "f11__fib_stagger_w8",
+                                    "f13__fib_stagger_w12", "f17__fib_hdc_w12", "f09__logsparse_w8",
+                                    "f21__logsparse_stagger_w12"]
+    assert "ref_e0000" not in set(t.frame["Run"])  # sparse runs only, seed 42 only
+    assert tables.table1(ro(study), seed=43).frame["Run"].tolist() == ["g03__fib_stagger_w12_s43"]
+
+
+def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):
+    other = str(tmp_path / "other.db")
+    engine = connect(other)
+    with engine.begin() as conn:
+        rid = add_run(conn, "mine_stagger_w12", "stagger", window=12, T=1024, preset="paper", matrix="paper")
+        add_eval(conn, rid, 1024, 41.0, dataset="fineweb_edu_val")
+    t = tables.table1(ro(study), compare=ro(other), compare_label="mine")
+    by_config = t.frame.set_index(["Base", "Schedule", "W"])
+    row = by_config.loc[("fib", "stagger", 12)]
+    assert (row["FineWeb-Edu"], row["FineWeb-Edu (mine)"], row["Δ FineWeb-Edu"]) == (42.0, 41.0, 1.0)
+    assert pd.isna(by_config.loc[("fib", "fixed", 8), "FineWeb-Edu (mine)"])
+    assert "Run" not in t.frame.columns  # run names differ between databases
+
+
+def test_table2_probe_alpha_range_and_mean_accuracy(study):
+    f = tables.table2(ro(study)).frame.set_index("Init")
+    assert f.loc["uniform", "α min"] == 0.928 and f.loc["uniform", "α max"] == 1.035
+    assert f.loc["staggered", "acc d=200"] == pytest.approx(0.99)
+    assert f.loc["staggered", "acc d=350"] == pytest.approx(0.1)
+    assert f.loc["uniform", "Seeds"] == 2 and f.loc["uniform", "Depth"] == 2
+
+
+def test_table3_paper_rows_and_change_at_4x(study):
+    t = tables.table3(ro(study))
+    assert list(t.frame["Run"]) == ["ref_e0000", "f13__fib_stagger_w12", "f11__fib_stagger_w8", "f06__fib_fixed_w8"]
+    dense = t.frame.iloc[0]
+    assert (dense["1024"], dense["2048"], dense["4096"], dense["Δ at 4x"]) == (30.0, 45.0, 90.0, 200.0)
+    assert pd.isna(t.frame.set_index("Run").loc["f06__fib_fixed_w8", "2048"])
+    assert render.cell(t, "Δ at 4x", 200.76) == "+201 %" and render.cell(t, "Δ at 4x", -1.34) == "-1.3 %"
+    assert "Loss past T at 4x" not in t.frame.columns  # no per-position losses at 4096
+
+
+def test_table3_demo_shows_every_run_and_the_loss_past_the_training_length(demo):
+    t = tables.table3(ro(demo))
+    assert t.title.startswith("Table 3: docs_val")
+    f = t.frame.set_index("Schedule")
+    assert list(f.index) == ["dense", "stagger", "fixed", "learned"]  # the paper's row order
+    assert [c for c in t.frame.columns if c.isdigit()] == ["128", "256", "512", "1024"]
+    assert f.loc["dense", "Δ at 4x"] == pytest.approx(200.0)  # 60 vs 20 at 512 = 4 x 128
+    assert f.loc["stagger", "Δ at 4x"] == pytest.approx((22.6 / 23.0 - 1) * 100)
+    # mean loss over positions 128..510 of the 512 windows
+    assert f.loc["fixed", "Loss past T at 4x"] == pytest.approx(np.mean(np.arange(128, 511) / 1000))
+    assert f.loc["dense", "Loss past T at 4x"] == pytest.approx(1 + np.mean(np.arange(128, 511) / 1000))
+
+
+def test_table4_bins_positions_by_sql_like_the_paper(study):
+    t = tables.table4(ro(study))
+    fixed, stagger = np.array(position_losses(0.05)), np.array(position_losses(0.0))
+    edges = np.linspace(0, N_POS, 9).astype(int)
+    expected = [stagger[a:b].mean() for a, b in zip(edges[:-1], edges[1:])]
+    f = t.frame.set_index("Row")
+    bins = [c for c in t.frame.columns if c not in ("Row", "Run")]
+    assert bins[0] == "0-126" and bins[-1] == "895-1022"
+    assert f.loc["stagger W8", bins].astype(float).tolist() == pytest.approx(expected)
+    assert f.loc["gap", bins].astype(float).tolist() == pytest.approx(
+        [(fixed[a:b] - stagger[a:b]).mean() for a, b in zip(edges[:-1], edges[1:])])
+
+
+def test_table5_seeds_mean_and_population_std(study):
+    f = tables.table5(ro(study)).frame
+    assert f[["Base", "Schedule"]].values.tolist() == [["fib", "stagger"]]  # the only one with 2+ seeds
+    values = [42.0, 41.9, 42.3]
+    row = f.iloc[0]
+    assert [row["seed 42"], row["seed 43"], row["seed 44"]] == values
+    assert row["Mean"] == pytest.approx(np.mean(values))
+    assert row["Std"] == pytest.approx(np.std(values, ddof=0))
+
+
+def test_the_shown_sql_reproduces_the_numbers(study):
+    t = tables.table5(ro(study))
+    frame = run_query(study, t.sql)
+    assert sorted(frame["ppl"]) == sorted([42.0, 41.9, 42.3, 42.7, 42.1])  # every W12 run; pivot keeps 2+ seeds
+    assert ":dataset" not in t.sql and "'fineweb_edu_val'" in t.sql
+
+
+def test_missing_data_says_what_and_which_command(study, demo, tmp_path):
+    empty = str(tmp_path / "empty.db")
+    connect(empty).dispose()
+    with pytest.raises(FibctlError, match="table1: no seed-42 sparse runs.*fibctl eval NAME"):
+        tables.table1(ro(empty))
+    with pytest.raises(FibctlError, match="table2: no probe results.*fibctl import-study"):
+        tables.table2(ro(demo))
+    with pytest.raises(FibctlError, match="table4: no per-position losses.*fib fixed and stagger W8"):
+        tables.table4(ro(demo))
+    with pytest.raises(FibctlError, match="table5: .*two or more seeds"):
+        tables.table5(ro(demo))
+    short = str(tmp_path / "short.db")
+    engine = connect(short)
+    with engine.begin() as conn:
+        add_eval(conn, add_run(conn, "only_train_length", "fixed"), 128, 25.0)
+    with pytest.raises(FibctlError, match=r"only_train_length .*`fibctl eval only_train_length --length 512`"):
+        tables.table3(ro(short))
+
+
+def test_renderings_bold_the_best_and_keep_raw_numbers(study):
+    t = tables.table1(ro(study))
+    md = render.render(t, "md")
+    assert "| f13__fib_stagger_w12 | fib | stagger | 12 | **5.30** | **42.00** |" in md
+    latex = render.render(t, "latex")
+    assert "\\toprule" in latex and "\\midrule" in latex and "\\bottomrule" in latex
+    assert "f13\\_\\_fib\\_stagger\\_w12 & fib & stagger & 12 & \\textbf{5.30} & \\textbf{42.00} \\\\" in latex
+    back = pd.read_csv(io.StringIO(render.render(t, "csv")))
+    assert back.set_index("Run").loc["f11__fib_stagger_w8", "FineWeb-Edu"] == 42.5
+    records = json.loads(render.render(t, "json"))
+    assert records[0]["Run"] == "f06__fib_fixed_w8" and records[0]["FineWeb-Edu"] == 44.0
+    text = render.render(t, "rich")
+    assert "Table 1" in text and "42.00" in text
+    with pytest.raises(FibctlError, match="unknown format 'html'"):
+        render.render(t, "html")
+
+
+def test_cli_report_formats_show_sql_and_all(study, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["report", "table3", "--db", study, "--format", "csv", "--show-sql"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("WITH final AS") and "ref_e0000,-,dense,,30.0,45.0,90.0,200.0" in r.output
+    r = runner.invoke(app, ["report", "table1", "--db", study, "--compare", study])
+    assert r.exit_code == 0 and "Δ FineWeb-Edu" in r.output and "+0.00" in r.output
+    out = tmp_path / "report"
+    r = runner.invoke(app, ["report", "all", "--db", study, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in out.iterdir()}
+    for n in range(1, 6):
+        assert {f"table{n}.{ext}" for ext in ("txt", "md", "tex", "csv", "json", "sql")} <= names
+    # the small study records no alpha trajectories for learned LM runs, only the probe's
+    assert {"extrapolation.png", "posloss.png", "curves.png", "coverage.png", "alphas.png"} <= names
+
+
+def test_cli_report_on_a_database_without_the_data_exits_2(demo):
+    r = subprocess.run([sys.executable, "-m", "fibctl", "report", "table2", "--db", demo],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "table2: no probe results" in r.stderr and "Traceback" not in r.stderr

@@ -27,6 +27,7 @@ def _register() -> None:
     from fibctl.cli import model  # noqa: F401
     from fibctl.cli import db  # noqa: F401
     from fibctl.cli import data  # noqa: F401
+    from fibctl.cli import train  # noqa: F401
     from fibctl.cli import report  # noqa: F401
 
 

@@ -1,0 +1,158 @@
+"""`fibctl train`, `fibctl worker`, `fibctl eval`: parse options, call fibctl.train and
+fibctl.evaluate, show progress."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fibctl.cli import app
+from fibctl.cli.common import DEFAULT_DB, DbOption, console
+from fibctl.db.engine import connect
+from fibctl.train import trainer
+from fibctl.train.worker import (
+    Outcome, WorkerOptions, launch_per_gpu, parse_gpus, train_named, work,
+)
+
+DataOption = Annotated[Path, typer.Option("--data", envvar="FIBCTL_DATA", show_default=True,
+                                          help="Prepared data directory (fibctl data prepare).")]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", envvar="FIBCTL_RUNS_DIR", show_default=True,
+                                             help="Where checkpoints go: one folder per run.")]
+DeviceOption = Annotated[Optional[str], typer.Option(
+    "--device", help="cpu, cuda, cuda:N; default: the first GPU if there is one, else the CPU.")]
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads for torch (default 1 on CPU: more is often slower on small machines).")]
+PlainOption = Annotated[bool, typer.Option(
+    "--plain", help="Plain log lines instead of a progress bar (automatic when not a terminal).")]
+HeartbeatOption = Annotated[float, typer.Option(
+    "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned.")]
+DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
+
+
+class RunDisplay:
+    """Per-run progress: a rich bar (step, loss, tokens/s, ETA) or a log line per interval."""
+
+    def __init__(self, plain: bool, every: int = 10):
+        self.plain = plain or not console.is_terminal
+        self.every, self.progress = every, None
+
+    def start(self, name: str, steps: int):
+        if self.plain:
+            def line(p: trainer.Progress) -> None:
+                if p.step % self.every == 0 or p.step == p.steps:
+                    console.print(f"{name} step {p.step}/{p.steps} loss {p.loss:.4f} "
+                                  f"{p.tokens_per_s:,.0f} tok/s elapsed {p.elapsed_s:.0f}s", highlight=False)
+            return line
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+        self.progress.start()
+        task = self.progress.add_task(name, total=steps, loss="-", tps="-")
+
+        def bar(p: trainer.Progress) -> None:
+            self.progress.update(task, completed=p.step, loss=f"{p.loss:.4f}", tps=f"{p.tokens_per_s:,.0f}")
+        return bar
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.progress:
+            self.progress.stop()
+            self.progress = None
+        style = {"done": "green", "released": "yellow", "failed": "red", "lost": "yellow"}[outcome.status]
+        detail = f": {outcome.error}" if outcome.error else ""
+        where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
+        console.print(f"[{style}]{outcome.name}: {outcome.status} at step {outcome.step}{detail}[/]{where}",
+                      highlight=False)
+
+
+@app.command("train")
+def train_cmd(
+    name: Annotated[str, typer.Argument(help="Run name, as in `fibctl queue ls`.")],
+    db: DbOption = DEFAULT_DB,
+    data: DataOption = DEFAULT_DATA,
+    runs_dir: RunsDirOption = DEFAULT_RUNS,
+    device: DeviceOption = None,
+    threads: ThreadsOption = None,
+    plain: PlainOption = False,
+    heartbeat_timeout: HeartbeatOption = 600,
+) -> None:
+    """Train one run of the database (resuming from its last checkpoint if it has one)."""
+    opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
+                         heartbeat_timeout_s=heartbeat_timeout)
+    outcome = train_named(connect(db), name, opts, RunDisplay(plain))
+    if outcome.status == "failed":
+        raise typer.Exit(1)
+
+
+@app.command("worker")
+def worker_cmd(
+    db: DbOption = DEFAULT_DB,
+    data: DataOption = DEFAULT_DATA,
+    runs_dir: RunsDirOption = DEFAULT_RUNS,
+    gpus: Annotated[Optional[str], typer.Option(
+        "--gpus", help="`all` or e.g. `0,2,3`: one worker process per GPU, each pinned to its device "
+        "(CPU worker when there is no CUDA).")] = None,
+    max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Stop after this many runs.")] = None,
+    max_attempts: Annotated[int, typer.Option("--max-attempts", help="Claims before an abandoned run fails.")] = 3,
+    device: DeviceOption = None,
+    threads: ThreadsOption = None,
+    plain: PlainOption = False,
+    heartbeat_timeout: HeartbeatOption = 600,
+) -> None:
+    """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues."""
+    shared = ["--db", db, "--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
+              "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
+    gpu_list = parse_gpus(gpus) if gpus else []
+    if gpu_list:
+        code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"))
+        raise typer.Exit(code)
+    opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
+                         heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
+    outcomes = work(connect(db), opts, RunDisplay(plain))
+    console.print(f"worker: {len(outcomes)} run(s): "
+                  + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"), highlight=False)
+
+
+@app.command("eval")
+def eval_cmd(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Run names (or --all).")] = None,
+    length: Annotated[list[int], typer.Option(
+        "--length", help="Evaluation length in tokens; repeat for several (e.g. --length 1024 --length 4096).")] = ...,
+    all_runs: Annotated[bool, typer.Option("--all", help="Every run that has a checkpoint.")] = False,
+    dataset: Annotated[Optional[list[str]], typer.Option(
+        "--dataset", help="Held-out set; repeat for several (default: all of the manifest's).")] = None,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", help="Token budget per set and length (default: the run's final_eval_tokens).")] = None,
+    positions: Annotated[bool, typer.Option("--positions", help="Also record the mean loss at every position.")] = False,
+    speed: Annotated[bool, typer.Option("--speed", help="Also record inference tokens/s and latency per sequence.")] = False,
+    db: DbOption = DEFAULT_DB,
+    data: DataOption = DEFAULT_DATA,
+    device: DeviceOption = None,
+    threads: ThreadsOption = None,
+) -> None:
+    """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
+    from fibctl.evaluate import evaluate
+    from fibctl.train.device import resolve_device, set_threads
+
+    set_threads(threads if threads is not None or resolve_device(device).type == "cuda" else 1)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("evaluating", total=None)
+
+        def advance(row: dict, total: int) -> None:
+            progress.update(task, advance=1, total=total, description=f"{row['run']} @ {row['eval_length']} {row['dataset']}")
+            if not console.is_terminal:
+                console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
+                              highlight=False)
+
+        df = evaluate(connect(db), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
+                      tokens=tokens, positions=positions, speed=speed, device=device, on_result=advance)
+    table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
+    for r in df.itertuples():
+        table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
+                      f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf")
+    console.print(table)

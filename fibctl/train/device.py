@@ -1,0 +1,52 @@
+"""Where a process computes: device names, threads, and the precision of the recipe
+(bf16 autocast on CUDA, fp32 on CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fibctl.errors import FibctlError
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """`auto` (or None): the first CUDA device if there is one, else the CPU."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FibctlError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FibctlError(f"device {name!r} requested but CUDA is not available on this machine")
+    return device
+
+
+def describe(device: torch.device) -> str:
+    """What the run row records, e.g. `cuda:0 NVIDIA H200` or `cpu (1 threads)`."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} {torch.cuda.get_device_name(index)}"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def set_threads(threads: int | None) -> None:
+    # On small CPUs extra intra-op threads cost more than they give (2 threads measured 3-5x
+    # slower than 1 on the development machine), hence callers default to 1 on CPU.
+    if threads is not None:
+        if threads < 1:
+            raise FibctlError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,34 @@
+"""Training batches: random windows of T+1 tokens from the training stream.
+
+The sampler owns a seeded generator, so its position in the random sequence is part of a
+checkpoint and a resumed run draws exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fibctl.errors import FibctlError
+
+
+class WindowSampler:
+    def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int):
+        if len(stream) < seq_len + 2:
+            raise FibctlError(f"training stream has {len(stream):,} tokens; a window needs {seq_len + 1:,}")
+        self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (batch_size, seq_len) int64."""
+        n_starts = len(self.stream) - self.seq_len  # a window is seq_len + 1 tokens
+        starts = torch.randint(0, n_starts, (self.batch_size,), generator=self.generator).tolist()
+        windows = np.stack([self.stream[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        batch = torch.from_numpy(windows).to(device)
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

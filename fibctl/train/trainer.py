@@ -1,0 +1,231 @@
+"""The training loop: the recipe of SPEC section 4 on one device, resumable at any checkpoint.
+
+It reports through `Reporter` (the database's `RunRecorder` implements it) and knows
+nothing of SQL or queues. Each step accumulates `grad_accum` micro-batches, clips the
+gradient norm, sets the scheduled lr and steps AdamW. Light evaluations run every
+`eval_interval` steps on `eval_tokens` per held-out set; full ones (`final_eval_tokens`)
+at every checkpoint and at the last step, which also records the per-position loss at the
+training length (Table 4). Alphas are logged at step 0 and, for `learned`, at every
+evaluation. A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
+checkpoint and returns; a NaN or infinite loss ends the run as diverged; a heartbeat that
+finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from fibctl.config import RunConfig
+from fibctl.data.streams import load_manifest, token_stream
+from fibctl.errors import FibctlError
+from fibctl.evaluate import stream_loss
+from fibctl.model import FibLM
+from fibctl.train import checkpoint as ckpt
+from fibctl.train.device import autocast
+from fibctl.train.optim import build_optimizer, lr_at, set_lr
+from fibctl.train.sampler import WindowSampler
+
+
+class Reporter(Protocol):
+    """Where the loop's measurements go (implemented by `fibctl.db.store.RunRecorder`)."""
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
+                 elapsed_s: float) -> None: ...
+
+    def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float) -> None: ...
+
+    def log_positions(self, step: int, dataset: str, eval_length: int, losses: list[float],
+                      windows: int) -> None: ...
+
+    def log_alphas(self, step: int, alphas: list[float]) -> None: ...
+
+    def heartbeat(self) -> bool: ...  # False: the run is no longer ours (cancelled, taken over)
+
+    def event(self, kind: str, message: str, data: dict | None = None) -> None: ...
+
+
+@dataclass
+class Progress:
+    """What a display shows after each step."""
+
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+    elapsed_s: float
+
+
+@dataclass
+class TrainResult:
+    status: str  # done | stopped (checkpointed, to be resumed) | diverged | lost (no longer ours)
+    step: int  # last completed step
+    checkpoint: Path | None  # the newest checkpoint
+    tokens_trained: int
+    wall_seconds: float  # training time over every attempt
+    error: str | None = None
+
+
+def check_data(config: RunConfig, data_dir: Path):
+    """The data manifest, after checking it fits the run (raises FibctlError otherwise)."""
+    manifest = load_manifest(data_dir)
+    if manifest.vocab_size != config.model.vocab_size:
+        raise FibctlError(f"run {config.name!r} (preset {config.preset}) has vocab "
+                          f"{config.model.vocab_size:,} but the tokenizer of {data_dir} has "
+                          f"{manifest.vocab_size:,}")
+    return manifest
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, data_dir: Path, run_dir: Path, reporter: Reporter, *,
+                 device: torch.device = torch.device("cpu"), stop: threading.Event | None = None,
+                 on_progress: Callable[[Progress], None] | None = None,
+                 on_checkpoint: Callable[["TrainResult"], None] | None = None):
+        self.config, self.tc = config, config.train
+        self.run_dir, self.reporter, self.device = Path(run_dir), reporter, device
+        self.stop = stop or threading.Event()
+        self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
+        self.lost = False
+        manifest = check_data(config, data_dir)
+        self.heldout = {name: token_stream(data_dir, name) for name in manifest.heldout}
+        _seed_everything(config.seed)
+        self.model = FibLM(config.model).to(device)
+        self.optimizer = build_optimizer(self.model, self.tc)
+        self.sampler = WindowSampler(token_stream(data_dir, manifest.train_split), config.model.seq_len,
+                                     self.tc.batch_size, config.seed)
+        self.step, self.elapsed_s = 0, 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tc.batch_size * self.tc.grad_accum * self.config.model.seq_len
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> TrainResult:
+        last = self.resume()
+        self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
+        if self.step == 0 and self.config.model.schedule != "dense":
+            self.reporter.log_alphas(0, self.model.alphas())
+        step_time, steps_timed = 0.0, 0  # training time since the last log line: tokens/s
+        while self.step < self.tc.steps:
+            t0 = time.perf_counter()
+            self.step += 1
+            loss, grad_norm = self.train_step()
+            if not math.isfinite(loss):
+                return self._diverged(loss)
+            step_time, steps_timed = step_time + time.perf_counter() - t0, steps_timed + 1
+            tokens_per_s = steps_timed * self.tokens_per_step / step_time
+            self._tick()
+            if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
+                self.reporter.log_step(self.step, loss, lr_at(self.step, self.tc), grad_norm,
+                                       tokens_per_s, self.elapsed_s)
+                self._heartbeat()
+                step_time, steps_timed = 0.0, 0
+            if self.on_progress:
+                self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s))
+            if not self.lost:
+                last = self._evaluate_and_checkpoint() or last
+            if self.lost:
+                return self._result("lost", last, "the run was cancelled or taken over by another worker")
+            if self.stop.is_set() and self.step < self.tc.steps:
+                if last != ckpt.checkpoint_path(self.run_dir, self.step):
+                    last = self.save()
+                self.reporter.event("stopped", f"stopped at step {self.step}; checkpoint {last}",
+                                    {"step": self.step})
+                return self._result("stopped", last)
+        return self._result("done", last)
+
+    def _tick(self) -> None:
+        """Wall seconds of training over every attempt, evaluations and checkpoints included."""
+        self.elapsed_s = self._elapsed_before + time.perf_counter() - self._attempt_start
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over grad_accum micro-batches: (mean loss, grad norm before clipping)."""
+        set_lr(self.optimizer, lr_at(self.step, self.tc))
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.tc.grad_accum):
+            x, y = self.sampler.next_batch(self.device)
+            with autocast(self.device):
+                loss = self.model(x, y) / self.tc.grad_accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total), float(grad_norm)  # one device sync per step
+
+    def _evaluate_and_checkpoint(self) -> Path | None:
+        final = self.step == self.tc.steps
+        full = final or self.step % self.tc.checkpoint_interval == 0
+        if full or self.step % self.tc.eval_interval == 0:
+            self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
+        return self.save() if full else None
+
+    def evaluate(self, tokens: int, positions: bool) -> None:
+        T = self.config.model.seq_len
+        for name, stream in self.heldout.items():
+            res = stream_loss(self.model, stream, T, tokens, self.device)
+            self.reporter.log_eval(self.step, name, T, res.tokens, res.loss)
+            if positions:
+                self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.windows)
+            self._heartbeat()
+        if self.config.model.schedule == "learned":
+            self.reporter.log_alphas(self.step, self.model.alphas())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        self._tick()
+        state = {
+            "step": self.step, "elapsed_s": self.elapsed_s, "config": self.config.to_dict(),
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(), "rng": ckpt.rng_states(),
+        }
+        path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.tc.keep_checkpoints)
+        self.reporter.event("checkpoint", f"step {self.step}: {path}", {"step": self.step, "path": str(path)})
+        if self.on_checkpoint:
+            self.on_checkpoint(self._result("running", path))
+        return path
+
+    def resume(self) -> Path | None:
+        """Load the newest checkpoint of the run, if any; returns its path."""
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            return None
+        state = ckpt.load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.restore_rng_states(state["rng"])
+        self.step, self.elapsed_s = state["step"], state["elapsed_s"]
+        self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
+        return path
+
+    def _heartbeat(self) -> None:
+        if self.reporter.heartbeat() is False:
+            self.lost = True
+
+    def _diverged(self, loss: float) -> TrainResult:
+        error = f"loss became {loss} at step {self.step}"
+        self.reporter.event("diverged", error, {"step": self.step})
+        self.step -= 1  # the failed step did not complete
+        return self._result("diverged", ckpt.latest_checkpoint(self.run_dir), error)
+
+    def _result(self, status: str, last: Path | None, error: str | None = None) -> TrainResult:
+        self._tick()
+        return TrainResult(status, self.step, last, self.step * self.tokens_per_step, self.elapsed_s, error)
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)

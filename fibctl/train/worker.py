@@ -1,0 +1,258 @@
+"""Workers: claim queued runs and train them, one process per GPU.
+
+A worker claims a run (fibctl.queue), trains it with `Trainer`, records the outcome on the
+run's row and claims the next, until the queue is empty, `max_runs` is reached or it is
+asked to stop. A stop request (SIGTERM, Ctrl-C) finishes the step in progress, writes a
+checkpoint and returns the run to the queue; a second one aborts at once (the run is then
+taken back by a later claim once its heartbeat is stale, and resumes from its last
+checkpoint). A diverged run (NaN or infinite loss) or one that raises is marked failed and
+the worker moves on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.engine import Engine
+
+from fibctl import queue
+from fibctl.config import RunConfig
+from fibctl.data.streams import load_manifest
+from fibctl.db.schema import Run
+from fibctl.db.store import RunRecorder, add_event, utcnow
+from fibctl.errors import FibctlError
+from fibctl.train.device import describe, resolve_device, set_threads
+from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # done | failed | released | lost (cancelled or taken over meanwhile)
+    step: int
+    error: str | None = None
+    checkpoint: Path | None = None
+
+
+class Display(Protocol):
+    """How a worker shows a run: `start` returns the per-step callback, `finish` the outcome."""
+
+    def start(self, name: str, steps: int) -> Callable[[Progress], None]: ...
+
+    def finish(self, outcome: Outcome) -> None: ...
+
+
+@dataclass
+class WorkerOptions:
+    data_dir: Path
+    runs_dir: Path
+    device: str | None = None  # auto: CUDA if present, else CPU
+    threads: int | None = None  # CPU intra-op threads; default 1 on CPU
+    heartbeat_timeout_s: float = 600
+    max_attempts: int = 3
+    max_runs: int | None = None
+
+
+def worker_name(device: torch.device) -> str:
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
+    return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
+
+
+def prepare_process(opts: WorkerOptions) -> torch.device:
+    device = resolve_device(opts.device)
+    set_threads(opts.threads if opts.threads is not None or device.type == "cuda" else 1)
+    return device
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event):
+    """SIGINT/SIGTERM set `stop` (graceful); a second one raises KeyboardInterrupt."""
+    def handler(signum, _frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def work(engine: Engine, opts: WorkerOptions, display: Display,
+         stop: threading.Event | None = None) -> list[Outcome]:
+    """Claim and train runs until none is queued, `max_runs` were trained, or `stop` is set."""
+    stop = stop or threading.Event()
+    load_manifest(opts.data_dir)  # no manifest: fail before claiming anything
+    device = prepare_process(opts)
+    name = worker_name(device)
+    outcomes: list[Outcome] = []
+    with stop_on_signals(stop):
+        while not stop.is_set() and (opts.max_runs is None or len(outcomes) < opts.max_runs):
+            claimed = queue.claim_next(engine, name, socket.gethostname(), describe(device),
+                                       opts.heartbeat_timeout_s, opts.max_attempts)
+            if claimed is None:
+                break
+            outcomes.append(train_claimed(engine, claimed, opts, device, name, display, stop))
+    return outcomes
+
+
+def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Display,
+                stop: threading.Event | None = None) -> Outcome:
+    """Train one run by name: queued, failed, cancelled or abandoned runs are (re)claimed."""
+    stop = stop or threading.Event()
+    device = prepare_process(opts)
+    name = worker_name(device)
+    with stop_on_signals(stop):
+        claimed = claim_named(engine, run_name, name, socket.gethostname(), describe(device),
+                              opts.heartbeat_timeout_s,
+                              check=lambda cfg: check_data(cfg, opts.data_dir))
+        return train_claimed(engine, claimed, opts, device, name, display, stop)
+
+
+def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, device: torch.device,
+                  worker: str, display: Display, stop: threading.Event) -> Outcome:
+    recorder = RunRecorder(engine, claimed.id, worker)
+    run_dir = Path(claimed.checkpoint_path).parent if claimed.checkpoint_path else opts.runs_dir / claimed.name
+    try:
+        trainer = Trainer(claimed.config, opts.data_dir, run_dir, recorder, device=device, stop=stop,
+                          on_checkpoint=lambda result: _record(recorder, result))
+        counts = trainer.model.param_counts()
+        recorder.update_run(device=describe(device), torch_version=torch.__version__,
+                            params_total=counts["total"], params_non_embedding=counts["non_embedding"])
+        trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
+        result = trainer.run()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a run that raises must not take the worker down with it
+        queue.fail(engine, claimed.id, _error_text(e))
+        outcome = Outcome(claimed.name, "failed", 0, f"{type(e).__name__}: {e}")
+    else:
+        outcome = _settle(engine, claimed, recorder, result)
+    display.finish(outcome)
+    return outcome
+
+
+def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, result: TrainResult) -> Outcome:
+    """Record the loop's result on the run's row and move it to its next state."""
+    if result.status == "lost":  # cancelled or taken over: the row is no longer ours to change
+        return Outcome(claimed.name, "lost", result.step, result.error, result.checkpoint)
+    _record(recorder, result)
+    if result.status == "done":
+        recorder.update_run(final_step=result.step)
+        queue.finish(engine, claimed.id)
+        return Outcome(claimed.name, "done", result.step, None, result.checkpoint)
+    if result.status == "stopped":
+        queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {result.checkpoint}")
+        return Outcome(claimed.name, "released", result.step, None, result.checkpoint)
+    queue.fail(engine, claimed.id, result.error)
+    return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint)
+
+
+def _record(recorder: RunRecorder, result: TrainResult) -> None:
+    recorder.update_run(tokens_trained=result.tokens_trained, wall_seconds=result.wall_seconds,
+                        checkpoint_path=str(result.checkpoint) if result.checkpoint else None)
+
+
+def _error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-6:])
+
+
+def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
+                heartbeat_timeout_s: float, check: Callable) -> queue.ClaimedRun:
+    """Claim one run by name. Raises FibctlError, changing nothing, when the run is unknown,
+    done, or running with a live heartbeat, or when `check(config)` rejects its config."""
+    runs = {r["name"]: r for r in queue.list_runs(engine)}
+    if run_name not in runs:
+        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
+    row = runs[run_name]
+    stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
+    if row["status"] == "done":
+        raise FibctlError(f"run {run_name!r} is already done")
+    if row["status"] == "running" and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
+        raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
+    with engine.connect() as conn:
+        config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
+    check(RunConfig.from_dict(json.loads(config_json)))
+    now = utcnow()
+    with engine.begin() as conn:
+        run = conn.execute(
+            update(Run).where(Run.name == run_name, or_(
+                Run.status.in_(("queued", "failed", "cancelled")),
+                (Run.status == "running") & (Run.heartbeat_at < stale)))
+            .values(status="running", worker=worker, host=host, device=device, heartbeat_at=now,
+                    started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1,
+                    error=None, finished_at=None)
+            .returning(Run.id, Run.attempts, Run.checkpoint_path)).first()
+        if run is None:
+            raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
+        add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
+    return queue.ClaimedRun(run.id, run_name, run.attempts, RunConfig.from_dict(json.loads(config_json)),
+                            run.checkpoint_path)
+
+
+# ----------------------------------------------------------------------------- one process per GPU
+
+
+def parse_gpus(spec: str) -> list[int]:
+    """`all` -> every visible CUDA device (none on a CPU machine); `0,2,3` -> those."""
+    count = torch.cuda.device_count()
+    if spec == "all":
+        return list(range(count))
+    try:
+        gpus = [int(g) for g in spec.split(",") if g.strip()]
+    except ValueError:
+        raise FibctlError(f"--gpus {spec!r}: expected `all` or a comma-separated list like 0,2,3") from None
+    bad = [g for g in gpus if not 0 <= g < count]
+    if bad or not gpus or len(set(gpus)) != len(gpus):
+        raise FibctlError(f"--gpus {spec!r}: this machine has {count} CUDA device(s)"
+                          + (f"; {bad} not among them" if bad else ""))
+    return gpus
+
+
+def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[int, int], None] | None = None) -> int:
+    """One `fibctl worker` process per GPU, each seeing only its device; waits for all.
+
+    SIGINT/SIGTERM here are forwarded to every child as SIGTERM (each checkpoints and
+    releases its run). Returns the worst child exit code.
+    """
+    children = []
+    for gpu in gpus:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        # own session: a terminal's Ctrl-C reaches the children once, through the forwarding below
+        children.append(subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--device", "cuda:0",
+                                          "--plain", *worker_args], env=env, start_new_session=True))
+        if on_start:
+            on_start(gpu, children[-1].pid)
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = [child.wait() for child in children]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return max(codes, key=abs, default=0)

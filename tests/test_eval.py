@@ -1,0 +1,105 @@
+"""Evaluation at any length: perplexity, per-position loss, speed; idempotent rows."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fibctl.cli import app
+from fibctl.config import SCHEDULES
+from fibctl.evaluate import evaluate
+from fibctl.train.worker import WorkerOptions, work
+from train_helpers import HELDOUT, micro_run, queued_db, write_data
+
+torch.set_num_threads(1)
+SHORT = dict(steps=10, eval_interval=10, checkpoint_interval=10)
+
+
+class Quiet:
+    def start(self, name, steps):
+        return lambda p: None
+
+    def finish(self, outcome):
+        assert outcome.status == "done", outcome
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short `micro` run per schedule, plus one never trained."""
+    root = tmp_path_factory.mktemp("eval")
+    data = write_data(root / "data")
+    engine = queued_db(root / "r.db", *(micro_run(s, s, **SHORT) for s in SCHEDULES))
+    work(engine, WorkerOptions(data_dir=data, runs_dir=root / "runs"), Quiet())
+    queued_db(root / "r.db", micro_run("untrained", **SHORT))
+    return engine, data, root / "r.db"
+
+
+def rows(db, sql):
+    return sqlite3.connect(db).execute(sql).fetchall()
+
+
+def test_eval_at_the_training_length_equals_the_training_time_evaluation(trained):
+    engine, data, db = trained
+    during = rows(db, "select dataset, tokens, loss from evaluations e join runs r on r.id = e.run_id "
+                      "where r.name = 'learned' and step = 10 and eval_length = 64 order by dataset")
+    positions = rows(db, "select count(*), sum(mean_loss) from position_losses p join runs r on r.id = p.run_id "
+                         "where r.name = 'learned' and eval_length = 64")
+    df = evaluate(engine, ["learned"], [64], data_dir=data, positions=True)
+    assert sorted(zip(df.dataset, df.tokens, df.loss)) == during
+    assert len(during) == len(HELDOUT) and during[0][1] == 64 * 63
+    assert rows(db, "select count(*), sum(mean_loss) from position_losses p join runs r on r.id = p.run_id "
+                    "where r.name = 'learned' and eval_length = 64") == positions
+    assert positions[0][0] == 63 * len(HELDOUT)
+
+
+def test_every_schedule_evaluates_at_four_times_the_training_length(trained):
+    engine, data, db = trained
+    df = evaluate(engine, list(SCHEDULES), [256], data_dir=data, datasets=["math_val"], tokens=2048)
+    assert list(df.run) == list(SCHEDULES)
+    assert set(df.tokens) == {8 * 255}  # the same 2048-token budget: 8 windows of 256
+    assert all(math.isfinite(p) and 1 < p < 2 * 512 for p in df.ppl)
+    assert rows(db, "select count(*) from evaluations where eval_length = 256 and step = 10") == [(5,)]
+
+
+def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained):
+    engine, data, db = trained
+    args = ["eval", "fixed", "dense", "--length", "64", "--length", "128", "--positions", "--speed",
+            "--db", str(db), "--data", str(data), "--tokens", "1024"]
+    counts = "select (select count(*) from evaluations), (select count(*) from position_losses), " \
+             "(select count(*) from aux_metrics)"
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "fixed" in result.output and "ppl" in result.output
+    first = rows(db, counts)
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert rows(db, counts) == first
+    speed = rows(db, "select a.name, metric, value from aux_metrics a join runs r on r.id = a.run_id "
+                     "where r.name = 'dense' order by a.name, metric")
+    assert [(n, m) for n, m, _ in speed] == [("speed@128", "latency_s"), ("speed@128", "tokens_per_s"),
+                                            ("speed@64", "latency_s"), ("speed@64", "tokens_per_s")]
+    assert all(v > 0 for _, _, v in speed)
+    assert rows(db, "select count(*) from position_losses p join runs r on r.id = p.run_id "
+                    "where r.name = 'dense' and eval_length = 128") == [(127 * len(HELDOUT),)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["untrained", "--length", "64"], "run 'untrained' has no checkpoint yet"),
+    (["nope", "--length", "64"], "no run named 'nope'"),
+    (["fixed", "--length", "1"], "evaluation length 1 is below 2"),
+    (["fixed", "--length", "64", "--dataset", "wiki_val"], "dataset 'wiki_val' is not in the data manifest"),
+])
+def test_bad_input_is_one_line_exit_2(trained, args, message, capsys, monkeypatch):
+    from fibctl.cli import main
+    _, data, db = trained
+    before = rows(db, "select count(*) from evaluations")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "eval", *args, "--db", str(db), "--data", str(data)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert rows(db, "select count(*) from evaluations") == before

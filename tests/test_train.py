@@ -1,0 +1,264 @@
+"""Training: the recipe, the worker and its database rows, crash-safe bit-exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fibctl.config import get_preset
+from fibctl.model import FibLM
+from fibctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from fibctl.train.optim import build_optimizer, lr_at
+from fibctl.train.sampler import WindowSampler
+from fibctl.train.trainer import Trainer
+from fibctl.train.worker import WorkerOptions, train_named, work
+from train_helpers import micro_run, queued_db, write_data
+
+REPO = Path(__file__).resolve().parent.parent
+torch.set_num_threads(1)
+
+
+class Quiet:
+    """A display that shows nothing and remembers outcomes."""
+
+    def __init__(self, on_step=None):
+        self.on_step, self.outcomes = on_step, []
+
+    def start(self, name, steps):
+        return self.on_step or (lambda p: None)
+
+    def finish(self, outcome):
+        self.outcomes.append(outcome)
+
+
+class NullReporter:
+    def __getattr__(self, name):
+        return lambda *a, **k: True
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+# A run long enough to be killed mid-way: checkpoints every 10 steps, evaluations every 50.
+LONG = dict(steps=60, eval_interval=50, checkpoint_interval=10)
+
+
+@pytest.fixture(scope="module")
+def reference_weights(data, tmp_path_factory):
+    """Final weights of an uninterrupted run of the LONG config."""
+    trainer = Trainer(micro_run("ref", **LONG), data, tmp_path_factory.mktemp("ref"), NullReporter())
+    assert trainer.run().status == "done"
+    return trainer.model.state_dict()
+
+
+def final_weights(engine, name):
+    with engine.connect() as conn:
+        path = conn.exec_driver_sql("select checkpoint_path from runs where name = ?", (name,)).scalar()
+    return load_checkpoint(Path(path))["model"]
+
+
+def assert_bit_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def opts(data, tmp_path, **kw):
+    return WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs", **kw)
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def test_lr_warms_up_linearly_then_decays_to_a_tenth_at_the_last_step():
+    tc = get_preset("paper").train
+    assert lr_at(1, tc) == pytest.approx(3e-4 / 300)
+    assert lr_at(150, tc) == pytest.approx(1.5e-4)
+    assert lr_at(300, tc) == pytest.approx(3e-4)
+    assert lr_at(13000, tc) == pytest.approx(3e-5)
+    mid = 300 + (13000 - 300) // 2
+    assert lr_at(mid, tc) == pytest.approx(3e-5 + (3e-4 - 3e-5) / 2, rel=1e-3)
+    decay = [lr_at(s, tc) for s in range(300, 13001, 100)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_weight_decay_applies_to_matrices_only():
+    cfg = micro_run("x", "learned").model
+    model = FibLM(cfg)
+    opt = build_optimizer(model, get_preset("micro").train)
+    decayed, plain = opt.param_groups
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    assert opt.defaults["betas"] == (0.9, 0.95)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dim() >= 2 for p in decayed["params"])
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert "blocks.0.attn.theta" in plain_names and "norm.weight" in plain_names
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_sampler_resumes_its_random_sequence():
+    stream = np.arange(1000, dtype=np.uint16)
+    a = WindowSampler(stream, 16, 4, seed=1)
+    a.next_batch()
+    state = a.state_dict()
+    x1, y1 = a.next_batch()
+    b = WindowSampler(stream, 16, 4, seed=1)
+    b.load_state_dict(state)
+    x2, _ = b.next_batch()
+    assert torch.equal(x1, x2) and torch.equal(y1, x1 + 1)  # targets are the next tokens
+
+
+def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    (tmp_path / "step_00000040.pt.tmp").write_bytes(b"half-written")  # a crash mid-save
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 30
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def test_worker_trains_the_queue_records_everything_and_survives_a_nan(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("fixed"), micro_run("nan", lr=1e6),
+                       micro_run("learned", "learned"))
+    display = Quiet()
+    outcomes = work(engine, opts(data, tmp_path), display)
+    assert [(o.name, o.status) for o in outcomes] == [("fixed", "done"), ("nan", "failed"), ("learned", "done")]
+    db = sqlite3.connect(tmp_path / "r.db")
+    q = lambda sql: db.execute(sql).fetchall()  # noqa: E731
+    runs = {r[0]: r[1:] for r in q("select name, status, error, final_step, tokens_trained, wall_seconds, "
+                                   "device, torch_version, params_total, checkpoint_path from runs")}
+    status, error, final_step, tokens, wall, device, version, params, ckpt = runs["fixed"]
+    assert (status, error, final_step, tokens) == ("done", None, 30, 30 * 4 * 2 * 64)
+    assert wall > 0 and device.startswith("cpu") and version == torch.__version__
+    assert params == FibLM(micro_run("x").model).param_counts()["total"]
+    assert ckpt.endswith("step_00000030.pt") and Path(ckpt).is_file()
+    assert runs["learned"][7] == params + 2  # one theta per layer
+    assert runs["nan"][0] == "failed" and "step" in runs["nan"][1] and "nan" in runs["nan"][1]
+    # training steps every log_interval, evaluations every eval_interval on both held-out sets
+    assert q("select step from train_steps where run_id = 1 order by step") == [(s,) for s in range(5, 31, 5)]
+    assert q("select count(*), min(lr) > 0 from train_steps where run_id = 1 and grad_norm > 0 "
+             "and tokens_per_s > 0") == [(6, 1)]
+    evals = q("select step, dataset, eval_length, tokens from evaluations where run_id = 1 order by step, dataset")
+    assert [(s, d) for s, d, _, _ in evals] == [(s, d) for s in (10, 20, 30) for d in ("math_val", "stories_val")]
+    assert {(L, t) for _, _, L, t in evals} == {(64, 64 * 63)}  # full budget 4096 = 64 windows of 64
+    assert q("select count(*) from position_losses where run_id = 1 and step = 30 and eval_length = 64") == [(126,)]
+    # alphas: a static schedule once, learned at every evaluation
+    assert q("select distinct step from alphas where run_id = 1") == [(0,)]
+    assert q("select distinct step from alphas where run_id = 3 order by step") == [(0,), (10,), (20,), (30,)]
+    assert q("select count(*) from alphas where run_id = 3 and alpha != 1.0") == [(6,)]
+
+
+def test_injected_stop_checkpoints_requeues_and_resumes_bit_exact(data, tmp_path, reference_weights):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    display = Quiet(on_step=lambda p: p.step == 37 and stop.set())
+    [first] = work(engine, opts(data, tmp_path), display, stop=stop)
+    assert (first.status, first.step, first.checkpoint.name) == ("released", 37, "step_00000037.pt")
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select status, checkpoint_path from runs").fetchone() == ("queued", str(first.checkpoint))
+    [second] = work(engine, opts(data, tmp_path), Quiet())
+    assert second.status == "done"
+    assert_bit_equal(final_weights(engine, "run"), reference_weights)
+    kinds = [k for (k,) in db.execute("select kind from events order by id")]
+    assert "released" in kinds and "resumed" in kinds
+
+
+def _spawn(args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "fibctl", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, proc, timeout=60):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_or_terminated_worker_resumes_bit_exact(sig, data, tmp_path, reference_weights):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    proc = _spawn(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                   "--runs-dir", str(tmp_path / "runs"), "--plain"], tmp_path)
+    _wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=60)[0]
+    db = sqlite3.connect(tmp_path / "r.db")
+    status, ckpt = db.execute("select status, checkpoint_path from runs").fetchone()
+    if sig == signal.SIGTERM:  # graceful: checkpoint at the step it stopped at, back in the queue
+        assert proc.returncode == 0, out
+        assert status == "queued" and Path(ckpt).is_file(), out
+        assert "released" in out
+        [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    else:  # killed: still marked running; a new claim takes it once its heartbeat is stale
+        assert status == "running"
+        outcome = train_named(engine, "run", opts(data, tmp_path, heartbeat_timeout_s=0), Quiet())
+    assert outcome.status == "done"
+    assert_bit_equal(final_weights(engine, "run"), reference_weights)
+    assert db.execute("select count(*) from events where kind = 'resumed'").fetchone() == (1,)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _cli(args, capsys, monkeypatch) -> tuple[int, str]:
+    """Run `fibctl ARGS` in-process: (exit code, stderr)."""
+    from fibctl.cli import main
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_exit_2_and_changes_no_row(data, tmp_path, capsys, monkeypatch):
+    from fibctl.config import RunConfig
+    queued_db(tmp_path / "r.db", micro_run("run"), RunConfig.resolve("big", "test", "tiny", schedule="fixed"))
+    (tmp_path / "empty").mkdir()
+    db = sqlite3.connect(tmp_path / "r.db")
+    before = db.execute("select * from runs").fetchall()
+    cases = {
+        "no run named 'nope'": ["train", "nope", "--data", str(data)],
+        "no data manifest": ["train", "run", "--data", str(tmp_path / "empty")],
+        "vocab 4,096": ["train", "big", "--data", str(data)],
+        "no data manifest ": ["worker", "--data", str(tmp_path / "empty")],
+    }
+    for expected, args in cases.items():
+        code, err = _cli([*args, "--db", str(tmp_path / "r.db")], capsys, monkeypatch)
+        assert code == 2, err
+        assert expected.strip() in err and len(err.strip().splitlines()) == 1, err
+    assert db.execute("select * from runs").fetchall() == before
+    assert db.execute("select count(*) from events").fetchone() == (0,)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_gpus_all_falls_back_to_the_cpu_and_a_missing_gpu_is_refused():
+    from fibctl.errors import FibctlError
+    from fibctl.train.worker import parse_gpus
+    assert parse_gpus("all") == []  # the worker then trains on the CPU in-process
+    with pytest.raises(FibctlError, match="0 CUDA device"):
+        parse_gpus("0,2")
+
+
+def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_path):
+    from fibctl.queue import cancel
+    engine = queued_db(tmp_path / "r.db", micro_run("run"))
+    display = Quiet(on_step=lambda p: p.step == 3 and cancel(engine, "run"))
+    [outcome] = work(engine, opts(data, tmp_path), display)
+    assert (outcome.status, outcome.step) == ("lost", 5)  # log_interval 5: the first heartbeat after
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status from runs").fetchone() == ("cancelled",)

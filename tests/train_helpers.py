@@ -1,0 +1,44 @@
+"""Shared by tests/test_train.py and tests/test_eval.py: a tiny prepared data directory
+and a database with queued `micro` runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fibctl.config import RunConfig
+from fibctl.data.streams import DataManifest
+from fibctl.db.engine import connect
+from fibctl.queue import add_runs
+
+HELDOUT = ("stories_val", "math_val")
+
+
+def write_data(data_dir: Path, vocab: int = 512, train_tokens: int = 40_000, heldout_tokens: int = 8_192) -> Path:
+    """Token streams with learnable structure (a noisy affine chain), in the data layout."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tokens = {}
+    for split, n in [("train", train_tokens)] + [(h, heldout_tokens) for h in HELDOUT]:
+        x = np.empty(n, dtype=np.int64)
+        x[0] = 1
+        noise = rng.integers(0, 4, n)
+        for i in range(1, n):
+            x[i] = (5 * x[i - 1] + 3 + noise[i]) % vocab
+        x.astype(np.uint16).tofile(data_dir / f"{split}.bin")
+        tokens[split] = n
+    DataManifest(data_dir=data_dir, recipe="test", recipe_hash="0" * 16, inputs_hash="0" * 16,
+                 vocab_size=vocab, tokenizer_vocab=vocab, tokenizer_hash="0" * 16, eos_id=0,
+                 heldout=list(HELDOUT), tokens=tokens).write()
+    return data_dir
+
+
+def micro_run(name: str, schedule: str = "fixed", **train) -> RunConfig:
+    return RunConfig.resolve(name, "test", "micro", schedule=schedule, window=4, seed=42, **train)
+
+
+def queued_db(path: Path, *configs: RunConfig):
+    engine = connect(str(path))
+    add_runs(engine, list(configs))
+    return engine

@@ -43,12 +43,12 @@ def token_progress(quiet: bool = False) -> Progress:
 @data_app.command("prepare")
 def prepare_cmd(
     recipe: Annotated[str, typer.Argument(help=f"A shipped recipe ({', '.join(shipped())}) or a .toml path.")],
-    out: Annotated[Path | None, typer.Option("--out", help="Output folder. Default: data/<recipe name>.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", envvar="FIBCTL_DATA", help="Output folder (where `fibctl worker --data` reads). Default: data.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary; errors only.")] = False,
 ) -> None:
     """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date)."""
     r = load_recipe(recipe)
-    out = out or Path("data") / r.name
+    out = out or Path("data")
     start = time.perf_counter()
     with token_progress(quiet) as progress:
         result = prepare(r, out, progress)

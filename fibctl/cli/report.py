@@ -16,7 +16,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
 from fibctl.config import get_preset
 from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
-from fibctl.reports import figures, render, tables
+from fibctl.reports import export, figures, render, tables
 from fibctl.reports.importer import import_study as run_import
 from fibctl.reports.sql import run_query
 
@@ -54,13 +54,14 @@ def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
 def report_table1(
     db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
     seed: SeedOption = 42, matrix: MatrixOption = None,
+    dense: Annotated[bool, typer.Option("--dense", help="Include the dense baseline (first row).")] = False,
     compare: Annotated[str | None, typer.Option(
         "--compare", help="A second database (e.g. the imported study): its values beside these, "
         "with the difference; runs matched by base, schedule, window and seed.")] = None,
 ) -> None:
     """Table 1: final perplexity of every sparse run on each held-out set at its training length."""
     other = connect_readonly(compare) if compare else None
-    table = tables.table1(connect_readonly(db), seed=seed, matrix=matrix, compare=other,
+    table = tables.table1(connect_readonly(db), seed=seed, matrix=matrix, dense=dense, compare=other,
                           compare_label=Path(compare).stem if compare else "other")
     _show(table, fmt, show_sql)
 
@@ -114,51 +115,14 @@ def report_all(
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
     engine = connect_readonly(db)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = _all_jobs(engine, out, seed, matrix, dataset)
-    written, skipped = [], []
-    for name, job in track(jobs, description="Writing tables and figures", console=err_console):
-        try:
-            written += job()
-        except FibctlError as e:
-            skipped.append((name, str(e)))
+    written, skipped = export.write_all(
+        engine, out, seed=seed, matrix=matrix, dataset=dataset,
+        track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console))
     for name, why in skipped:
         err_console.print(f"[yellow]skipped {name}:[/] {why}", highlight=False)
     if not written:
         raise FibctlError(f"nothing to report from {db}: every table and figure lacks its data")
     console.print(f"wrote {len(written)} files to {out}/", highlight=False)
-
-
-def _all_jobs(engine, out: Path, seed: int, matrix: str | None, dataset: str | None) -> list:
-    def table_job(name: str, **kwargs):
-        def job() -> list[Path]:
-            table = tables.TABLES[name](engine, **kwargs)
-            paths = [out / f"{name}.sql"]
-            paths[0].write_text(table.sql + "\n")
-            for fmt, ext in render.EXTENSIONS.items():
-                paths.append(out / f"{name}.{ext}")
-                paths[-1].write_text(render.render(table, fmt))
-            return paths
-        return job
-
-    def figure_job(name: str, **kwargs):
-        return lambda: [figures.FIGURES[name](engine, out / f"{name}.png", **kwargs)]
-
-    preset = get_preset(figures.preset_in_use(engine)).model
-    shown = dict(seed=seed, matrix=matrix)
-    return [
-        ("table1", table_job("table1", **shown)),
-        ("table2", table_job("table2")),
-        ("table3", table_job("table3", dataset=dataset, **shown)),
-        ("table4", table_job("table4", dataset=dataset, **shown)),
-        ("table5", table_job("table5", dataset=dataset, matrix=matrix)),
-        ("extrapolation", figure_job("extrapolation", dataset=dataset, **shown)),
-        ("posloss", figure_job("posloss", dataset=dataset, **shown)),
-        ("curves", figure_job("curves", dataset=dataset, **shown)),
-        ("alphas", figure_job("alphas", matrix=matrix)),
-        ("coverage", lambda: [figures.coverage(out / "coverage.png", n_layers=preset.n_layers,
-                                               seq_len=preset.seq_len)]),
-    ]
 
 
 @app.command("figure")

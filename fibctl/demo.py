@@ -1,0 +1,139 @@
+"""`fibctl demo`: the study in miniature, offline, on a CPU.
+
+data (installed-docs) -> queue (matrix `demo`) -> one sequential worker -> evaluation at
+1x, 2x, 4x, 8x the training length with per-position losses -> tables and figures.
+Everything lands in DIR/results.db; a second run resumes where the first stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from sqlalchemy import bindparam, text
+from sqlalchemy.engine import Engine
+
+from fibctl import queue
+from fibctl.errors import FibctlError
+from fibctl.matrix import load_matrix
+
+MARKER = ".fibctl-demo"  # written into DIR so that a later run knows the folder is a demo's
+LENGTH_FACTORS = (1, 2, 4, 8)
+# Any running row left by an earlier demo process is stale once the demo starts again.
+HEARTBEAT_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    recipe: str
+    preset: str
+    train_length: int
+
+    @property
+    def lengths(self) -> list[int]:
+        return [f * self.train_length for f in LENGTH_FACTORS]
+
+
+FULL = DemoPlan(recipe="demo", preset="tiny", train_length=128)
+QUICK = DemoPlan(recipe="quick", preset="micro", train_length=64)
+
+
+def plan(quick: bool) -> DemoPlan:
+    return QUICK if quick else FULL
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse a folder that holds something other than a fibctl demo; mark ours."""
+    if out.exists() and not out.is_dir():
+        raise FibctlError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise FibctlError(f"--out {out} holds files that are not a fibctl demo; "
+                          "choose an empty or new folder so results are not mixed")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by `fibctl demo`; a later `fibctl demo` resumes here\n")
+
+
+def queue_demo(engine: Engine, p: DemoPlan) -> tuple[list[str], list[str]]:
+    """Queue the `demo` matrix at the plan's preset (idempotent: finished runs stay done)."""
+    return queue.add_runs(engine, load_matrix("demo").resolve(preset=p.preset))
+
+
+def runs_to_evaluate(engine: Engine, p: DemoPlan) -> list[str]:
+    """Done runs that lack an evaluation (with per-position losses) at some demo length."""
+    sql = text("""
+        SELECT r.name FROM runs r
+        WHERE r.status = 'done' AND r.matrix = 'demo' AND (
+            (SELECT COUNT(DISTINCT e.eval_length) FROM evaluations e
+             WHERE e.run_id = r.id AND e.step = r.final_step AND e.eval_length IN :lengths) < :n
+            OR (SELECT COUNT(DISTINCT pl.eval_length) FROM position_losses pl
+                WHERE pl.run_id = r.id AND pl.step = r.final_step AND pl.eval_length IN :lengths) < :n)
+        ORDER BY r.id""").bindparams(bindparam("lengths", expanding=True))
+    with engine.connect() as conn:
+        return [row.name for row in conn.execute(sql, {"lengths": p.lengths, "n": len(p.lengths)})]
+
+
+@dataclass
+class Headline:
+    """The paper's length claim, checked on the demo's own numbers."""
+
+    dense_change: float  # % change of dense perplexity from 1x to 4x
+    sparse_change: dict[str, float]  # run -> % change 1x to 4x
+    dense_best_at_1x: bool
+
+    @property
+    def largest_sparse(self) -> float:
+        return max(abs(v) for v in self.sparse_change.values())
+
+    @property
+    def holds(self) -> bool:
+        return (self.dense_best_at_1x and self.dense_change > 10
+                and self.dense_change >= 3 * self.largest_sparse
+                and all(abs(v) <= 5 for v in self.sparse_change.values()))
+
+
+def headline(engine: Engine, dataset: str, train_length: int) -> Headline:
+    """Perplexity change 1x -> 4x per run, from the database."""
+    df = pd.read_sql(text("""
+        SELECT r.name, r.schedule, e.eval_length, e.ppl FROM runs r
+        JOIN evaluations e ON e.run_id = r.id AND e.step = r.final_step
+        WHERE r.matrix = 'demo' AND r.status = 'done' AND e.dataset = :dataset
+          AND e.eval_length IN (:t, :t4)"""), engine.connect(),
+        params={"dataset": dataset, "t": train_length, "t4": 4 * train_length})
+    wide = df.pivot(index=["name", "schedule"], columns="eval_length", values="ppl").dropna().reset_index()
+    if wide.empty or "dense" not in set(wide.schedule) or len(wide) < 2:
+        raise FibctlError("the demo's runs lack evaluations at 1x and 4x; run `fibctl demo` again to finish them")
+    wide["change"] = (wide[4 * train_length] / wide[train_length] - 1) * 100
+    dense = wide[wide.schedule == "dense"].iloc[0]
+    sparse = wide[wide.schedule != "dense"]
+    return Headline(
+        dense_change=float(dense.change),
+        sparse_change={r.name: float(r.change) for r in sparse.itertuples()},
+        dense_best_at_1x=bool(dense[train_length] <= sparse[train_length].min()),
+    )
+
+
+def describe(h: Headline) -> list[str]:
+    """The verdict in plain words, beside what was measured before fibctl existed."""
+    worst = max(h.sparse_change, key=lambda k: abs(h.sparse_change[k]))
+    lines = [
+        f"At 4x the training length the dense model's perplexity changed by {h.dense_change:+.1f} %; "
+        f"the largest change among the sparse models was {h.sparse_change[worst]:+.1f} % ({worst}).",
+        ("The dense model was the best at the training length." if h.dense_best_at_1x
+         else "The dense model was NOT the best at the training length."),
+        ("The paper's headline holds at this scale: dense rises by more than 10 % and by at least 3x the "
+         "largest sparse change, while every sparse model stays within 5 %." if h.holds else
+         "The paper's headline does NOT hold in this run (dense > +10 %, >= 3x the largest sparse change, "
+         "every sparse model within 5 %); the effect grows with training, so train longer rather than "
+         "loosen the thresholds."),
+        "Measured beforehand with a throwaway script on the same installed-docs corpus (d 192, 4 layers, "
+        "T 128, 600 steps): dense 72.4 -> 75.6 -> 83.5 at 1x/2x/4x (+15.5 %), fixed sparse 81.1 -> 81.1 -> "
+        "81.5 (+0.4 %); on other English text dense +24 % (+14 % with another seed), fixed +0.2 %, stagger +1.4 %.",
+    ]
+    return lines
+
+
+def fmt_seconds(s: float) -> str:
+    m, s = divmod(int(math.ceil(s)), 60)
+    return f"{m} min {s:02d} s" if m else f"{s} s"

@@ -1,0 +1,90 @@
+"""`fibctl demo --quick`: the whole pipeline from data to figures, and its resumption."""
+
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import text
+
+from fibctl import demo
+from fibctl.db.engine import connect
+
+
+def fibctl(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    first = fibctl("demo", "--quick", "--out", str(out), "--plain")
+    assert first.returncode == 0, first.stdout + first.stderr
+    return out, first.stdout
+
+
+def test_quick_demo_runs_the_whole_pipeline(quick_demo):
+    out, log = quick_demo
+    for heading in ("Table 1", "Table 3", "Table 4", "total time"):
+        assert heading in log
+    db = sqlite3.connect(out / "results.db")
+    runs = dict(db.execute("SELECT name, status FROM runs"))
+    assert runs == {n: "done" for n in ("dense", "fib_fixed_w8", "fib_stagger_w8", "fib_learned_w8")}
+    lengths = {r[0] for r in db.execute("SELECT DISTINCT eval_length FROM evaluations")}
+    assert lengths == {64, 128, 256, 512}
+    # per-position losses at every length, 4x included (the 'loss past T' view)
+    assert db.execute("SELECT COUNT(*) FROM position_losses WHERE eval_length = 256").fetchone()[0] == 4 * 255
+    for figure in ("extrapolation", "posloss", "curves", "alphas", "coverage"):
+        assert (out / "report" / f"{figure}.png").stat().st_size > 5000
+    assert (out / "report" / "table3.tex").read_text().count("\\midrule") == 1
+
+
+def test_second_run_resumes_and_skips_finished_work(quick_demo):
+    out, _ = quick_demo
+    before = sqlite3.connect(out / "results.db").execute("SELECT COUNT(*) FROM train_steps").fetchone()[0]
+    again = fibctl("demo", "--quick", "--out", str(out), "--plain")
+    assert again.returncode == 0, again.stderr
+    assert "queued 0 new run(s); 4 already" in again.stdout
+    assert "evaluated 0 run(s)" in again.stdout
+    after = sqlite3.connect(out / "results.db").execute("SELECT COUNT(*) FROM train_steps").fetchone()[0]
+    assert after == before
+
+
+def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path):
+    (tmp_path / "thesis.tex").write_text("precious")
+    r = fibctl("demo", "--quick", "--out", str(tmp_path))
+    assert r.returncode == 2
+    assert "holds files that are not a fibctl demo" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.tex"]
+
+
+def _db_with(tmp_path, ppl: dict[str, tuple[float, float]]):
+    """A demo database whose runs have the given perplexity at 1x and 4x (T = 128)."""
+    engine = connect(str(tmp_path / "h.db"))
+    from fibctl import queue
+    from fibctl.matrix import load_matrix
+    queue.add_runs(engine, load_matrix("demo").resolve())
+    with engine.begin() as conn:
+        for name, (p1, p4) in ppl.items():
+            run_id = conn.execute(text("SELECT id FROM runs WHERE name = :n"), {"n": name}).scalar_one()
+            conn.execute(text("UPDATE runs SET status = 'done', final_step = 600 WHERE id = :i"), {"i": run_id})
+            for length, p in ((128, p1), (512, p4)):
+                conn.execute(text("INSERT INTO evaluations (run_id, step, dataset, eval_length, tokens, loss, ppl) "
+                                  "VALUES (:i, 600, 'docs_val', :l, 1000, ln(:p), :p)"), {"i": run_id, "l": length, "p": p})
+    return engine
+
+
+def test_headline_check(tmp_path):
+    holds = demo.headline(_db_with(tmp_path, {"dense": (72.4, 83.5), "fib_fixed_w8": (81.1, 81.5),
+                                              "fib_stagger_w8": (79.0, 79.9)}), "docs_val", 128)
+    assert holds.holds and holds.dense_change == pytest.approx(15.33, abs=0.01)
+    assert "holds at this scale" in " ".join(demo.describe(holds))
+
+
+@pytest.mark.parametrize("ppl", [
+    {"dense": (72.4, 78.0), "fib_fixed_w8": (81.1, 81.5)},  # dense rises < 10 %
+    {"dense": (72.4, 83.5), "fib_fixed_w8": (81.1, 86.0)},  # a sparse model beyond 5 %
+    {"dense": (82.0, 95.0), "fib_fixed_w8": (81.1, 81.5)},  # dense not best at 1x
+])
+def test_headline_fails_when_any_condition_fails(tmp_path, ppl):
+    assert not demo.headline(_db_with(tmp_path, ppl), "docs_val", 128).holds

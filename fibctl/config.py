@@ -118,7 +118,7 @@ PRESETS: dict[str, Preset] = {
             TrainConfig(
                 steps=600, batch_size=16, grad_accum=1, lr=3e-3, warmup_steps=30, log_interval=10,
                 eval_interval=200, eval_tokens=32_768, final_eval_tokens=131_072,
-                checkpoint_interval=100, keep_checkpoints=2,
+                checkpoint_interval=200, keep_checkpoints=2,
             ),
         ),
         Preset(

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from fibctl.config import ATTENTION_IMPLS, ConfigError
-from fibctl.schedules import attended_distances, coverage  # noqa: F401  (re-exported API)
 
 NEG = -1e9  # invalid logits: large negative, never -inf, so no row is ever NaN
 GATHER_CHUNK = 1024  # queries per gather chunk: bounds memory at long lengths, stays in cache

@@ -10,7 +10,7 @@ once it has used `max_attempts` claims.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -154,6 +154,39 @@ def claim_next(engine: Engine, worker: str, host: str | None = None, device: str
     return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts,
                       config=RunConfig.from_dict(json.loads(run.config_json)),
                       checkpoint_path=run.checkpoint_path)
+
+
+def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
+                heartbeat_timeout_s: float, check: Callable[[RunConfig], object] = lambda _: None) -> ClaimedRun:
+    """Claim one run by name. Raises FibctlError, changing nothing, when the run is unknown,
+    done, or running with a live heartbeat, or when `check(config)` rejects its config."""
+    runs = {r["name"]: r for r in list_runs(engine)}
+    if run_name not in runs:
+        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
+    row = runs[run_name]
+    stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
+    if row["status"] == "done":
+        raise FibctlError(f"run {run_name!r} is already done")
+    if row["status"] == "running" and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
+        raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
+    with engine.connect() as conn:
+        config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
+    check(RunConfig.from_dict(json.loads(config_json)))
+    now = utcnow()
+    with engine.begin() as conn:
+        run = conn.execute(
+            update(Run).where(Run.name == run_name, or_(
+                Run.status.in_(("queued", "failed", "cancelled")),
+                (Run.status == "running") & (Run.heartbeat_at < stale)))
+            .values(status="running", worker=worker, host=host, device=device, heartbeat_at=now,
+                    started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1,
+                    error=None, finished_at=None)
+            .returning(Run.id, Run.attempts, Run.checkpoint_path)).first()
+        if run is None:
+            raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
+        add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
+    return ClaimedRun(run.id, run_name, run.attempts, RunConfig.from_dict(json.loads(config_json)),
+                            run.checkpoint_path)
 
 
 def _fail_exhausted(conn: Connection, abandoned, max_attempts: int, timeout_s: float) -> None:

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from fibctl.attention import Columns, dense_attention, sparse_attention
-from fibctl.config import ModelConfig
+from fibctl.attention import dense_attention, sparse_attention
+from fibctl.config import ConfigError, ModelConfig
 from fibctl.model import Attention, FibLM, apply_rope, rope_tables
 from fibctl.schedules import (
     attended_distances, base_sequence, coprime_slots, coprime_stride, coverage, fractional_rungs,
@@ -42,13 +42,13 @@ def grads(out, tensors, seed=1):
     return torch.autograd.grad((out * w).sum(), tensors, allow_unused=True)
 
 
-@pytest.mark.parametrize("T", LENGTHS)
-@pytest.mark.parametrize("window", [6, 8, 12])
-@pytest.mark.parametrize("base", ["fib", "pow2"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# dense has no base or window: one setting of them is enough
+PARITY_CASES = [(s, b, w, T) for s in SPARSE for b in ("fib", "pow2") for w in (6, 8, 12) for T in LENGTHS] \
+    + [("dense", "fib", 8, T) for T in LENGTHS]
+
+
+@pytest.mark.parametrize("schedule,base,window,T", PARITY_CASES)
 def test_implementations_match_reference(schedule, base, window, T):
-    if schedule == "dense" and (base, window) != ("fib", 8):
-        pytest.skip("dense has no base or window")
     layer = 2  # a staggered layer with a non-integer alpha
     attn = Attention(layer_cfg(schedule, base, window), layer)
     if schedule == "learned":
@@ -85,12 +85,10 @@ def test_gradient_to_theta_is_nonzero_at_init():
     assert g is not None and g.abs().item() > 0
 
 
-@pytest.mark.parametrize("impl", ["gather", "mask", "reference"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule,impl", [(s, i) for s in SCHEDULES for i in ("gather", "mask", "reference")
+                                           if (s, i) != ("learned", "mask")])  # mask: integer offsets only
 def test_causality(schedule, impl):
     """Changing tokens after position t leaves outputs at positions <= t unchanged."""
-    if schedule == "learned" and impl == "mask":
-        pytest.skip("mask path is integer-only")
     torch.manual_seed(0)
     model = FibLM(dataclasses.replace(layer_cfg(schedule, "fib", 6, n_layers=3), seq_len=96), impl=impl).eval()
     idx = torch.randint(0, 64, (2, 96))
@@ -153,3 +151,12 @@ def test_rope_rotate_half_preserves_norm_and_relative_position():
     qs, ks = q.expand(16, 8)[None, None], k.expand(16, 8)[None, None]
     rq, rk = apply_rope(qs, cos, sin)[0, 0], apply_rope(ks, cos, sin)[0, 0]
     assert math.isclose(float(rq[5] @ rk[3]), float(rq[9] @ rk[7]), rel_tol=1e-5)
+
+
+def test_mask_path_refuses_fractional_offsets():
+    attn = Attention(layer_cfg("learned", "fib", 8), 0)
+    with torch.no_grad():
+        attn.theta.fill_(0.4)
+    q, k, v = qkv(64)
+    with pytest.raises(ConfigError, match="integer offsets only"):
+        sparse_attention(q, k, v, attn.columns(64), "mask")

@@ -183,7 +183,7 @@ def test_import_aux_probe_extrapolation_and_position_losses(tmp_path):
     assert rows(engine, "SELECT e.eval_length, e.step, e.ppl, e.tokens FROM evaluations e JOIN runs r "
                         "ON r.id = e.run_id WHERE r.name = 'f11__fib_stagger_w8' AND e.dataset = 'fineweb_edu_val' "
                         "AND e.step = :s ORDER BY e.eval_length", s=FINAL) == [
-        (1024, FINAL, 42.5, 1048576), (2048, FINAL, 42.0, 0), (4096, FINAL, 41.65, 0)]
+        (1024, FINAL, 42.5, 1048576), (2048, FINAL, 42.0, None), (4096, FINAL, 41.65, None)]
     dense = rows(engine, "SELECT e.eval_length, e.ppl FROM evaluations e JOIN runs r ON r.id = e.run_id "
                          "WHERE r.name = 'ref_e0000' ORDER BY e.eval_length")
     assert dense == [(1024, 30.0), (2048, 45.0), (4096, 90.0)]

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from fibctl.cli import app
 from fibctl.cli.common import console
-from fibctl.config import ATTENTION_IMPLS, BASES, SCHEDULES, ConfigError, get_preset
+from fibctl.config import BASES, SCHEDULES, ConfigError, get_preset
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
 Preset = Annotated[str, typer.Option(help="Model preset: paper, tiny or micro.")]

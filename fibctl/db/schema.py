@@ -88,7 +88,7 @@ class Evaluation(Base):
     step: Mapped[int] = mapped_column(Integer)
     dataset: Mapped[str] = mapped_column(String(100))
     eval_length: Mapped[int] = mapped_column(Integer)
-    tokens: Mapped[int] = mapped_column(Integer)  # predicted tokens the mean is over
+    tokens: Mapped[int | None] = mapped_column(Integer)  # predicted tokens the mean is over; NULL: unknown
     loss: Mapped[float] = mapped_column(Float)  # mean next-token cross-entropy, nats
     ppl: Mapped[float] = mapped_column(Float)  # exp(loss)
     created_at: Mapped[datetime | None] = mapped_column(DateTime)

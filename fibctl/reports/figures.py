@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.attention import attended_distances, coverage as coverage_counts
+from fibctl.schedules import attended_distances, coverage as coverage_counts
 from fibctl.config import PRESETS
 from fibctl.errors import FibctlError
 from fibctl.reports.tables import (

@@ -12,7 +12,7 @@
   in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W 8,
   T 512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
   `acc_d<distance>`), and its final alphas in `alphas`.
-- `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens 0: the
+- `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens NULL: the
   file does not record them); a row already imported from `metrics` is kept.
 - `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
 
@@ -263,7 +263,7 @@ def _final_step(study: sqlite3.Connection, study_id: int) -> int:
 
 def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int) -> int:
     rows = [dict(run_id=run_id, step=r["step"], dataset=r["dataset"], eval_length=STUDY_LENGTH,
-                 tokens=r["eval_tokens"] or 0, ppl=r["ppl"],
+                 tokens=r["eval_tokens"], ppl=r["ppl"],
                  loss=r["loss"] if r["loss"] is not None else math.log(r["ppl"]),
                  created_at=_time(r["recorded_at"]))
             for r in study.execute("SELECT * FROM metrics WHERE run_id = ? AND ppl IS NOT NULL "
@@ -353,7 +353,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
                 raise FibctlError(f"{source}: {title}.{length}: expected {{length: {{dataset: ppl}}}} "
                                   "with integer lengths and positive perplexities")
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=int(length),
-                          tokens=0, ppl=float(v), loss=math.log(v), created_at=None)
+                          tokens=None, ppl=float(v), loss=math.log(v), created_at=None)
                      for ds, v in by_dataset.items()]
     summary.evaluations += _upsert(conn, schema.Evaluation.__table__, rows,
                                    ("run_id", "step", "dataset", "eval_length"), replace=False)

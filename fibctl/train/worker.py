@@ -11,7 +11,6 @@ the worker moves on.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,19 +21,15 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from sqlalchemy import func, or_, select, update
 from sqlalchemy.engine import Engine
 
 from fibctl import queue
-from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
-from fibctl.db.schema import Run
-from fibctl.db.store import RunRecorder, add_event, utcnow
+from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
 from fibctl.train.device import describe, resolve_device, set_threads
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
@@ -123,7 +118,7 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
     device = prepare_process(opts)
     name = worker_name(device)
     with stop_on_signals(stop):
-        claimed = claim_named(engine, run_name, name, socket.gethostname(), describe(device),
+        claimed = queue.claim_named(engine, run_name, name, socket.gethostname(), describe(device),
                               opts.heartbeat_timeout_s,
                               check=lambda cfg: check_data(cfg, opts.data_dir))
         return train_claimed(engine, claimed, opts, device, name, display, stop)
@@ -175,39 +170,6 @@ def _record(recorder: RunRecorder, result: TrainResult) -> None:
 
 def _error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-6:])
-
-
-def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
-                heartbeat_timeout_s: float, check: Callable) -> queue.ClaimedRun:
-    """Claim one run by name. Raises FibctlError, changing nothing, when the run is unknown,
-    done, or running with a live heartbeat, or when `check(config)` rejects its config."""
-    runs = {r["name"]: r for r in queue.list_runs(engine)}
-    if run_name not in runs:
-        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
-    row = runs[run_name]
-    stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
-    if row["status"] == "done":
-        raise FibctlError(f"run {run_name!r} is already done")
-    if row["status"] == "running" and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
-        raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
-    with engine.connect() as conn:
-        config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
-    check(RunConfig.from_dict(json.loads(config_json)))
-    now = utcnow()
-    with engine.begin() as conn:
-        run = conn.execute(
-            update(Run).where(Run.name == run_name, or_(
-                Run.status.in_(("queued", "failed", "cancelled")),
-                (Run.status == "running") & (Run.heartbeat_at < stale)))
-            .values(status="running", worker=worker, host=host, device=device, heartbeat_at=now,
-                    started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1,
-                    error=None, finished_at=None)
-            .returning(Run.id, Run.attempts, Run.checkpoint_path)).first()
-        if run is None:
-            raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
-        add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
-    return queue.ClaimedRun(run.id, run_name, run.attempts, RunConfig.from_dict(json.loads(config_json)),
-                            run.checkpoint_path)
 
 
 # ----------------------------------------------------------------------------- one process per GPU

@@ -7,7 +7,11 @@ Everything lands in DIR/results.db; a second run resumes where the first stopped
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 
 from fibctl import queue
+from fibctl.config import get_preset
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix
 
@@ -53,6 +58,37 @@ def check_out_dir(out: Path) -> None:
                           "choose an empty or new folder so results are not mixed")
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("made by `fibctl demo`; a later `fibctl demo` resumes here\n")
+
+
+def fastest_threads(preset: str, steps: int = 4) -> tuple[int, dict[int, float]]:
+    """Time a few training steps of the preset's model at 1 thread and at every core; the
+    faster layout wins. (Measured on an idle 2-core VM: 1 thread 446 ms/step, 2 threads
+    260 ms/step, two 1-thread processes side by side 450 ms/step each; under other load
+    2 threads can be far slower, hence a measurement rather than a rule.)"""
+    import torch
+
+    from fibctl.model import FibLM
+    from fibctl.train.device import keep_freed_memory
+
+    keep_freed_memory()
+    p = get_preset(preset)
+    idx = torch.randint(0, p.model.vocab_size, (p.train.batch_size, p.model.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))
+    timings = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        model = FibLM(dataclasses.replace(p.model, schedule="dense"))
+        opt = torch.optim.AdamW(model.parameters(), lr=p.train.lr)
+        times = []
+        for i in range(steps + 2):  # two warm-up steps
+            t0 = time.perf_counter()
+            model(idx[:, :-1], idx[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        timings[threads] = 1e3 * statistics.median(times)
+    return min(timings, key=timings.get), timings
 
 
 def queue_demo(engine: Engine, p: DemoPlan) -> tuple[list[str], list[str]]:

@@ -20,7 +20,7 @@ from fibctl.schedules import (
     ALPHA_MIN, ALPHA_RANGE, base_sequence, fractional_rungs, integer_distances, layer_alphas,
 )
 
-LOSS_CHUNK = 1024  # positions per chunk when computing per-token losses: logits never exist in full
+LOSS_TOKENS = 8192  # tokens per chunk when computing per-token losses: logits never exist in full
 
 
 def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,12 +152,13 @@ class FibLM(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-position cross-entropy (B, T), the head applied in chunks of positions."""
+        """Per-position cross-entropy (B, T), the head applied to about LOSS_TOKENS tokens at a time."""
         h = self.hidden(idx)
+        chunk = max(1, LOSS_TOKENS // h.shape[0])  # positions per chunk
         out = []
-        for s in range(0, h.shape[1], LOSS_CHUNK):
-            logits = (h[:, s:s + LOSS_CHUNK] @ self.embed.weight.T).float()
-            out.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s:s + LOSS_CHUNK], reduction="none"))
+        for s in range(0, h.shape[1], chunk):
+            logits = (h[:, s:s + chunk] @ self.embed.weight.T).float()
+            out.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s:s + chunk], reduction="none"))
         return torch.cat(out, 1)
 
     def alphas(self) -> list[float]:

@@ -50,7 +50,7 @@ def test_token_losses_match_full_logits_and_chunking(monkeypatch):
     idx = torch.randint(0, cfg.vocab_size, (2, 300))
     with torch.no_grad():
         full = torch.nn.functional.cross_entropy(model(idx[:, :-1]).transpose(1, 2), idx[:, 1:], reduction="none")
-        monkeypatch.setattr("fibctl.model.LOSS_CHUNK", 64)
+        monkeypatch.setattr("fibctl.model.LOSS_TOKENS", 128)
         monkeypatch.setattr("fibctl.attention.GATHER_CHUNK", 50)
         chunked = model.token_losses(idx[:, :-1], idx[:, 1:])
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)

@@ -115,18 +115,18 @@ ORDER BY r.name, e.step"""
 
 
 def alphas(engine: Engine, path: str | Path, *, run: str | None = None, matrix: str | None = None) -> Path:
-    """Learned alpha of every layer over training (or by layer, where one step was recorded)."""
+    """Alpha of every layer: learned runs over training, static schedules (recorded once) by layer."""
     check_path(path)
     run_clause = "\n  AND r.name = :run" if run else ""
     sql = f"""SELECT r.name AS run, a.step, a.layer, a.alpha
 FROM alphas a
 JOIN runs r ON r.id = a.run_id
-WHERE r.schedule = 'learned'{run_clause}{matrix_clause(matrix)}
+WHERE r.schedule <> 'dense'{run_clause}{matrix_clause(matrix)}
 ORDER BY r.name, a.layer, a.step"""
     long, _ = read_sql(engine, sql, **matrix_params(matrix, **({"run": run} if run else {})))
     if long.empty:
-        what = f"run {run!r}" if run else f"learned runs{in_matrix(matrix)}"
-        raise FibctlError(f"alphas: no alphas recorded for {what}; learned runs record them while "
+        what = f"run {run!r}" if run else f"sparse runs{in_matrix(matrix)}"
+        raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
     runs = sorted(long["run"].unique())
     ncols = min(4, len(runs))

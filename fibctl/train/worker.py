@@ -31,7 +31,7 @@ from fibctl import queue
 from fibctl.data.streams import load_manifest
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
-from fibctl.train.device import describe, resolve_device, set_threads
+from fibctl.train.device import describe, keep_freed_memory, resolve_device, set_threads
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
 
@@ -71,6 +71,8 @@ def worker_name(device: torch.device) -> str:
 def prepare_process(opts: WorkerOptions) -> torch.device:
     device = resolve_device(opts.device)
     set_threads(opts.threads if opts.threads is not None or device.type == "cuda" else 1)
+    if device.type == "cpu":
+        keep_freed_memory()
     return device
 
 

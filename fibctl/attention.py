@@ -109,29 +109,36 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     G = H // Hkv
     n_int, n_frac = len(cols.dist), len(cols.lo)
     dev = q.device
-    # Rows to fetch per query: integer columns, then the near and far row of each fractional one.
-    offsets = torch.tensor(cols.dist + cols.lo + [lo + 1 for lo in cols.lo], device=dev)
-    valid_from = torch.tensor(cols.dist + cols.lo, device=dev)  # validity follows the near row
+    dist = torch.tensor(cols.dist, device=dev)
+    lo = torch.tensor(cols.lo, device=dev, dtype=torch.long)
+    valid_from = torch.cat([dist, lo])  # fractional columns: validity follows the near row
     qg = q.view(B, Hkv, G, T, D) * D**-0.5
     out = []
     for start in range(0, T, GATHER_CHUNK):
         pos = torch.arange(start, min(T, start + GATHER_CHUNK), device=dev)
         n = len(pos)
-        rows = (pos[:, None] - offsets[None, :]).clamp_min(0).flatten()  # (n * C',)
-        kr = k.index_select(2, rows).view(B, Hkv, n, -1, D)  # (B, Hkv, n, C', D)
-        vr = v.index_select(2, rows).view(B, Hkv, n, -1, D)
-        s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C')
+        kr, vr = _rows(k, v, pos, dist)  # (B, Hkv, n, C_int, D)
         if n_frac:
-            f = cols.frac.to(s.dtype)
-            near, far = s[..., n_int:n_int + n_frac], s[..., n_int + n_frac:]
-            s = torch.cat([s[..., :n_int], near + f * (far - near)], -1)
+            # The far row of query i (i - lo - 1) is the near row of query i - 1: one gather over
+            # n + 1 queries serves both. Interpolating the rows keeps the score matmul at C columns,
+            # which with G query heads per kv head costs less than scoring both rows.
+            ext = torch.arange(start - 1, start + n, device=dev)
+            kf, vf = _rows(k, v, ext, lo)  # (B, Hkv, n + 1, C_frac, D)
+            f = cols.frac.to(q.dtype)[:, None]  # (C_frac, 1)
+            kr = torch.cat([kr, kf[:, :, 1:] + f * (kf[:, :, :-1] - kf[:, :, 1:])], 3)
+            vr = torch.cat([vr, vf[:, :, 1:] + f * (vf[:, :, :-1] - vf[:, :, 1:])], 3)
+        s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C)
         valid = pos[:, None] >= valid_from[None, :]  # (n, C)
         p = s.masked_fill(~valid, NEG).softmax(-1)
-        if n_frac:
-            pr = p[..., n_int:]
-            p = torch.cat([p[..., :n_int], pr * (1 - f), pr * f], -1)
         out.append(torch.einsum("bhgtc,bhtcd->bhgtd", p, vr))
     return torch.cat(out, 3).reshape(B, H, T, D)
+
+
+def _rows(k, v, pos, offsets):
+    """Key and value rows pos - offset (clamped to row 0) for each query, (B, Hkv, n, C, D)."""
+    rows = (pos[:, None] - offsets[None, :]).clamp_min(0).flatten()
+    shape = (k.shape[0], k.shape[1], len(pos), len(offsets), k.shape[3])
+    return k.index_select(2, rows).view(shape), v.index_select(2, rows).view(shape)
 
 
 def _masked(q, k, v, cols: Columns) -> torch.Tensor:

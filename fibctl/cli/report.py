@@ -59,7 +59,7 @@ def report_table1(
         "--compare", help="A second database (e.g. the imported study): its values beside these, "
         "with the difference; runs matched by base, schedule, window and seed.")] = None,
 ) -> None:
-    """Table 1: final perplexity of every sparse run on each held-out set at its training length."""
+    """Table 1: final perplexity of every sparse run (with --dense, the baseline too) on each held-out set at its training length."""
     other = connect_readonly(compare) if compare else None
     table = tables.table1(connect_readonly(db), seed=seed, matrix=matrix, dense=dense, compare=other,
                           compare_label=Path(compare).stem if compare else "other")

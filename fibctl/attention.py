@@ -109,7 +109,7 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    n_int, n_frac = len(cols.dist), len(cols.lo)
+    n_frac = len(cols.lo)
     dev = q.device
     dist = torch.tensor(cols.dist, device=dev)
     lo = torch.tensor(cols.lo, device=dev, dtype=torch.long)

@@ -5,6 +5,7 @@ Ratios are against dense in the same run, medians over repeats after warm-up, fp
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ def _core(path: str, T: int, window: int, base: str):
     """A closure computing one path's attention output for a layer of the paper preset."""
     cfg = get_preset("paper").model
     schedule = {"dense": "dense", "learned": "learned"}.get(path, "fixed")
-    attn = Attention(cfg.__class__(**{**cfg.__dict__, "schedule": schedule, "window": window, "base": base}), 0)
+    attn = Attention(dataclasses.replace(cfg, schedule=schedule, window=window, base=base), 0)
     if schedule == "learned":
         with torch.no_grad():
             attn.theta.fill_(0.3)  # alpha ~ 1.07: every rung fractional, the costly case

@@ -183,6 +183,7 @@ def test_cli_queue_add_ls_cancel(db):
     assert runner.invoke(app, ["queue", "cancel", "fib_fixed_w8", "--db", db]).exit_code == 0
     result = runner.invoke(app, ["queue", "ls", "--db", db, "--status", "queued"])
     assert "fib_stagger_w8" in result.output and "fib_fixed_w8" not in result.output
+    assert "1 run(s) listed" in result.output and "1 cancelled" in result.output
     result = runner.invoke(app, ["matrix", "show", "paper"])
     assert "f13__fib_stagger_w12" in result.output and "ref_e0000__dense" in result.output
     result = runner.invoke(app, ["db", "current", "--db", db])

@@ -93,7 +93,8 @@ def queue_ls(db: DbOption = DEFAULT_DB,
              status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
              ) -> None:
     """List runs in queue order with their status, attempts and worker."""
-    runs = queue.list_runs(db_engine.connect(db), status)
+    engine = db_engine.connect(db)
+    runs = queue.list_runs(engine, status)
     table = Table("id")
     table.add_column("name", no_wrap=True)
     for col in ("matrix", "preset", "status", "attempts", "worker", "heartbeat", "error"):
@@ -103,7 +104,9 @@ def queue_ls(db: DbOption = DEFAULT_DB,
         table.add_row(str(r["id"]), r["name"], r["matrix"], r["preset"], r["status"], str(r["attempts"]),
                       r["worker"] or "", heartbeat, (r["error"] or "").partition("\n")[0])
     console.print(table)
-    console.print(f"{len(runs)} run(s)")
+    counts = queue.status_counts(engine)
+    console.print(f"{len(runs)} run(s) listed; in the database: "
+                  + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
 
 
 @queue_app.command("cancel")

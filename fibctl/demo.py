@@ -135,7 +135,7 @@ def headline(engine: Engine, dataset: str, train_length: int) -> Headline:
         SELECT r.name, r.schedule, e.eval_length, e.ppl FROM runs r
         JOIN evaluations e ON e.run_id = r.id AND e.step = r.final_step
         WHERE r.matrix = 'demo' AND r.status = 'done' AND e.dataset = :dataset
-          AND e.eval_length IN (:t, :t4)"""), engine.connect(),
+          AND e.eval_length IN (:t, :t4)"""), engine,
         params={"dataset": dataset, "t": train_length, "t4": 4 * train_length})
     wide = df.pivot(index=["name", "schedule"], columns="eval_length", values="ppl").dropna().reset_index()
     if wide.empty or "dense" not in set(wide.schedule) or len(wide) < 2:

@@ -8,13 +8,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 from fibctl.errors import FibctlError
 
 SCHEDULES = ("dense", "fixed", "learned", "stagger", "coprime")
 BASES = ("fib", "pow2")
 ATTENTION_IMPLS = ("gather", "mask", "reference")
+# adamw: torch.optim.AdamW, full-precision state; adamw8bit: bitsandbytes' 8-bit AdamW (CUDA
+# only), what the study trained its published runs with
+OPTIMIZERS = ("adamw", "adamw8bit")
+SEED_MAX = 2**63 - 1
 
 
 class ConfigError(FibctlError, ValueError):
@@ -23,7 +28,7 @@ class ConfigError(FibctlError, ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the decoder-only transformer (SPEC section 3) and its attention settings."""
+    """Shape of the decoder-only transformer (docs/method.md, "The model") and its attention settings."""
 
     vocab_size: int = 32768
     d_model: int = 512
@@ -33,7 +38,7 @@ class ModelConfig:
     seq_len: int = 1024  # training length; the model can be rebuilt at any other length
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    # attention (SPEC sections 1-2)
+    # attention (docs/method.md, "The attended set" and "Schedules")
     schedule: str = "fixed"
     base: str = "fib"
     window: int = 8
@@ -74,11 +79,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training recipe (SPEC section 4). Tokens per step = batch_size * grad_accum * seq_len."""
+    """The training recipe (docs/method.md, "Training"). Tokens per step = batch_size * grad_accum * seq_len."""
 
     steps: int = 13000
-    batch_size: int = 8
-    grad_accum: int = 4
+    batch_size: int = 4  # the study's micro-batch: 4 x 8 accumulation x 1024 = 32,768 tokens
+    grad_accum: int = 8
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 300
@@ -92,6 +97,29 @@ class TrainConfig:
     final_eval_tokens: int = 1_048_576  # at checkpoints and the final step
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
+    optimizer: str = "adamw"  # one of OPTIMIZERS; the worker records the one it actually used
+
+    def validate(self) -> "TrainConfig":
+        """Raise ConfigError naming the first field that is the wrong type or out of range."""
+        at_least_one = ("steps", "batch_size", "grad_accum", "log_interval", "eval_interval",
+                        "eval_tokens", "final_eval_tokens", "checkpoint_interval", "keep_checkpoints")
+        for name in (*at_least_one, "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"train.{name} = {value!r} must be an integer")
+            if value < (1 if name in at_least_one else 0):
+                raise ConfigError(f"train.{name} = {value} must be >= {1 if name in at_least_one else 0}")
+        ranges = {"lr": (0, math.inf, False), "min_lr_ratio": (0, 1, True), "weight_decay": (0, math.inf, True),
+                  "beta1": (0, 1, True), "beta2": (0, 1, True), "grad_clip": (0, math.inf, False)}
+        for name, (low, high, low_ok) in ranges.items():
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"train.{name} = {value!r} must be a finite number")
+            if value < low or (value == low and not low_ok) or value > high or (name.startswith("beta") and value == 1):
+                raise ConfigError(f"train.{name} = {value} is out of range")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -109,7 +137,7 @@ PRESETS: dict[str, Preset] = {
             "paper",
             "The study's model and recipe: d 512, 16 layers, 8/2 heads, T 1024, 13,000 x 32,768 tokens",
             ModelConfig(),
-            TrainConfig(),
+            TrainConfig(optimizer="adamw8bit"),
         ),
         Preset(
             "tiny",
@@ -144,37 +172,62 @@ def get_preset(name: str) -> Preset:
         raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
 
 
+def check_seed(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{what} = {value!r} must be an integer from 0 to 2**63 - 1")
+    return value
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """One run of a matrix: preset + training recipe + attention settings + seed, resolved."""
+    """One run of a matrix: preset + training recipe + attention settings + seeds, resolved.
+
+    Two seeds, as the study separated them: `init_seed` draws the initial weights and
+    `data_seed` (the run's seed as the study names its replicates, 42/43/44) everything after,
+    the training batches included. The study built its model before seeding the run, so its
+    replicates share their initial weights; the `paper` matrix keeps `init_seed` fixed to match.
+    """
 
     name: str
     matrix: str
     preset: str
-    seed: int
+    init_seed: int
+    data_seed: int
     model: ModelConfig
     train: TrainConfig
-    # free-form labels that do not change what is trained (e.g. the study's run id "f13")
-    tags: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def seed(self) -> int:
+        """The replicate seed the tables group by: the data seed."""
+        return self.data_seed
 
     @classmethod
     def resolve(cls, name: str, matrix: str, preset: str, *, schedule: str, base: str = "fib",
-                window: int = 8, seed: int = 42, tags: dict | None = None, **overrides) -> "RunConfig":
+                window: int = 8, seed: int = 42, init_seed: int | None = None, **overrides) -> "RunConfig":
+        """`seed` is the data seed; `init_seed` defaults to it."""
         p = get_preset(preset)
         model = dataclasses.replace(p.model, schedule=schedule, base=base, window=window).validate()
-        train = dataclasses.replace(p.train, **overrides) if overrides else p.train
-        return cls(name=name, matrix=matrix, preset=preset, seed=seed, model=model, train=train,
-                   tags=dict(tags or {}))
+        try:
+            train = dataclasses.replace(p.train, **overrides) if overrides else p.train
+        except TypeError as e:
+            raise ConfigError(f"unknown training setting: {e}") from None
+        return cls(name=name, matrix=matrix, preset=preset, init_seed=check_seed(
+                       seed if init_seed is None else init_seed, "init_seed"),
+                   data_seed=check_seed(seed, "seed"), model=model, train=train.validate())
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "matrix": self.matrix, "preset": self.preset, "seed": self.seed,
+            "name": self.name, "matrix": self.matrix, "preset": self.preset,
+            "init_seed": self.init_seed, "data_seed": self.data_seed,
             "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        return cls(name=d["name"], matrix=d["matrix"], preset=d["preset"], seed=d["seed"],
+        # configs written before the seeds were separated have one `seed` for both
+        data_seed = d["data_seed"] if "data_seed" in d else d["seed"]
+        return cls(name=d["name"], matrix=d["matrix"], preset=d["preset"],
+                   init_seed=d.get("init_seed", data_seed), data_seed=data_seed,
                    model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]))
 
     def to_json(self) -> str:

@@ -1,12 +1,16 @@
 """Evaluation at any length: perplexity, per-position loss and inference speed.
 
-Windows are non-overlapping, `length` tokens each, read in order from the start of a
-held-out stream; a window predicts its last `length - 1` tokens (SPEC section 7: 1023
-predicted positions in a 1024 window). The token budget is the same at every length
-(`tokens // length` windows), so lengths are comparable, and the batch holds about
-`BATCH_TOKENS` tokens whatever the length, so memory stays bounded: the model computes
-attention and the loss in chunks, and dense attention goes through the fused (memory-
-linear) kernel. A length that still does not fit is reported, not crashed on.
+Windows follow the study's protocol (docs/method.md, "Evaluation"): window j feeds the
+`length` tokens x[jT : jT+T] and scores the `length` targets x[jT+1 : jT+T+1], windows at
+stride T read in order from the start of a held-out stream, so consecutive windows share
+one token (the last target of one is the first input of the next). Perplexity is
+exp(mean loss) over those targets. The per-position loss (Table 4) keeps the first T-1
+predicted positions of each window, as the study reports it (1023 positions of a 1024
+window). The token budget is the same at every length (`tokens // length` windows), so
+lengths are comparable, and the batch holds about `BATCH_TOKENS` tokens whatever the
+length, so memory stays bounded: the model computes attention and the loss in chunks, and
+dense attention goes through the fused (memory-linear) kernel. A length that still does
+not fit is reported, not crashed on.
 
 The training loop calls `stream_loss` for its own evaluations, so an evaluation here at
 the training length reproduces the training-time one exactly.
@@ -44,20 +48,21 @@ SPEED_REPEATS = 3  # timed passes per length (after one warm-up); the median is 
 @dataclass
 class StreamLoss:
     loss: float  # mean next-token cross-entropy, nats
-    tokens: int  # predicted tokens the mean is over
+    tokens: int  # predicted tokens the mean is over: windows * length
     windows: int
-    position_losses: np.ndarray  # (length - 1,) mean loss at each predicted position
+    position_losses: np.ndarray  # (length - 1,) mean loss at each of a window's first length - 1 positions
 
 
 def eval_windows(stream: np.ndarray, length: int, tokens: int) -> np.ndarray:
-    """The first `tokens // length` non-overlapping windows of the stream, (n, length)."""
+    """The first `tokens // length` windows at stride `length`, each `length + 1` tokens
+    (inputs are [:-1], targets [1:]): (n, length + 1), a view of the stream."""
     if length < 2:
         raise FibctlError(f"evaluation length {length} is below 2: a window must predict a token")
-    n = min(tokens // length, len(stream) // length)
+    n = min(tokens // length, (len(stream) - 1) // length)
     if n < 1:
-        raise FibctlError(f"no window of {length:,} tokens fits in a budget of {tokens:,} tokens "
-                          f"from a stream of {len(stream):,}")
-    return np.asarray(stream[: n * length]).reshape(n, length)
+        raise FibctlError(f"no window of {length:,} tokens (and its next token) fits in a budget of "
+                          f"{tokens:,} tokens from a stream of {len(stream):,}")
+    return np.lib.stride_tricks.sliding_window_view(stream[: n * length + 1], length + 1)[::length]
 
 
 def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int,
@@ -78,9 +83,9 @@ def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             batch //= 2
-    per_position = sums / len(windows)
-    return StreamLoss(float(per_position.mean()), len(windows) * (length - 1), len(windows),
-                      per_position.numpy())
+    per_position = sums / len(windows)  # (length,)
+    return StreamLoss(float(per_position.mean()), len(windows) * length, len(windows),
+                      per_position[:-1].numpy())
 
 
 def _out_of_memory(e: Exception) -> bool:
@@ -88,7 +93,7 @@ def _out_of_memory(e: Exception) -> bool:
 
 
 def _position_sums(model: FibLM, windows: np.ndarray, batch: int, device: torch.device) -> torch.Tensor:
-    """Loss summed over windows at each predicted position, float64 (length - 1,)."""
+    """Loss summed over windows at each of the `length` predicted positions, float64."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)

@@ -1,10 +1,11 @@
 """Run matrices: TOML files listing runs by their attention settings.
 
-A matrix file has a `[matrix]` table (`description`, `preset`) and one `[[runs]]` table per
-run: `name`, `schedule`, and for sparse runs `window` and `base` (default "fib"); `seed`
-(default 42); optional `tags` (labels that do not change training) and `train` (overrides of
-the preset's training recipe, e.g. `train = { steps = 100 }`). Shipped matrices live in
-`fibctl/matrices/`; any other file is named by its path.
+A matrix file has a `[matrix]` table (`description`, `preset`, optional `init_seed`) and one
+`[[runs]]` table per run: `name`, `schedule`, and for sparse runs `window` and `base` (default
+"fib"); `seed` (the data seed, default 42); optional `init_seed` (the seed of the initial
+weights: the run's own, else the matrix's, else the run's `seed`) and `train` (overrides of the
+preset's training recipe, e.g. `train = { steps = 100, optimizer = "adamw" }`). Shipped
+matrices live in `fibctl/matrices/`; any other file is named by its path.
 
 Dense runs carry base "fib" and window 0 in their config (unused by dense attention);
 the runs table stores NULL for both.
@@ -27,8 +28,8 @@ except ModuleNotFoundError:  # Python 3.10
 from fibctl.config import RunConfig, TrainConfig
 from fibctl.errors import FibctlError
 
-MATRIX_KEYS = {"description", "preset"}
-RUN_KEYS = {"name", "schedule", "base", "window", "seed", "tags", "train"}
+MATRIX_KEYS = {"description", "preset", "init_seed"}
+RUN_KEYS = {"name", "schedule", "base", "window", "seed", "init_seed", "train"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -39,8 +40,8 @@ class MatrixEntry:
     schedule: str
     base: str
     window: int
-    seed: int
-    tags: dict
+    seed: int  # the data seed
+    init_seed: int | None  # None: the matrix's, else `seed`
     train: dict
 
 
@@ -51,6 +52,7 @@ class Matrix:
     preset: str
     source: str  # the file it was read from
     entries: tuple[MatrixEntry, ...]
+    init_seed: int | None = None  # every run's init seed unless the run sets its own
 
     def resolve(self, preset: str | None = None, only: str | None = None) -> list[RunConfig]:
         """Each entry's resolved config, at `preset` (default: the matrix's), names matching
@@ -60,7 +62,9 @@ class Matrix:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
         return [
             RunConfig.resolve(e.name, self.name, preset or self.preset, schedule=e.schedule,
-                              base=e.base, window=e.window, seed=e.seed, tags=e.tags, **e.train)
+                              base=e.base, window=e.window, seed=e.seed,
+                              init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
+                              **e.train)
             for e in entries
         ]
 
@@ -103,8 +107,11 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise bad(f"duplicate run name(s) {', '.join(dupes)}")
+    if "init_seed" in head and not _is_int(head["init_seed"]):
+        raise bad("[matrix] `init_seed` must be an integer")
     matrix = Matrix(name=name, description=str(head.get("description", "")),
-                    preset=head.get("preset", "paper"), source=source, entries=entries)
+                    preset=head.get("preset", "paper"), source=source, entries=entries,
+                    init_seed=head.get("init_seed"))
     try:
         matrix.resolve()  # settings out of range (unknown schedule, preset, ...)
     except FibctlError as e:
@@ -133,13 +140,15 @@ def _entry(i: int, run, bad) -> MatrixEntry:
         raise bad(f"{where}: a dense run has no base or window")
     if not dense and "window" not in run:
         raise bad(f"{where} needs a `window`")
-    for key in ("window", "seed"):
-        if key in run and (not isinstance(run[key], int) or isinstance(run[key], bool)):
+    for key in ("window", "seed", "init_seed"):
+        if key in run and not _is_int(run[key]):
             raise bad(f"{where}: `{key}` must be an integer")
-    if not isinstance(run.get("tags", {}), dict):
-        raise bad(f"{where}: `tags` must be a table")
     train = run.get("train", {})
     _check_keys(train, TRAIN_FIELDS, f"{where} train", bad)
     return MatrixEntry(name=run["name"], schedule=run["schedule"], base=run.get("base", "fib"),
                        window=run.get("window", 0), seed=run.get("seed", 42),
-                       tags=dict(run.get("tags", {})), train=dict(train))
+                       init_seed=run.get("init_seed"), train=dict(train))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

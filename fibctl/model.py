@@ -1,4 +1,4 @@
-"""The decoder-only transformer of the study (SPEC section 3), top to bottom.
+"""The decoder-only transformer of the study (docs/method.md, "The model"), top to bottom.
 
 Pre-norm RMSNorm blocks with grouped-query attention (dense or scaled-Fibonacci sparse)
 and a SwiGLU FFN; RoPE; embedding tied to the output head; no biases, no dropout.
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
 from fibctl.config import ModelConfig
 from fibctl.schedules import (
-    ALPHA_MIN, ALPHA_RANGE, base_sequence, fractional_rungs, integer_distances, layer_alphas,
+    ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, fractional_rungs, layer_alphas,
+    window_distances,
 )
 
 LOSS_TOKENS = 8192  # tokens per chunk when computing per-token losses: logits never exist in full
@@ -44,33 +45,37 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * D, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * D, bias=False)
         self.wo = nn.Linear(cfg.n_heads * D, cfg.d_model, bias=False)
-        alpha0 = layer_alphas(cfg.schedule, cfg.n_layers)[layer]
         if cfg.schedule == "learned":
             self.theta = nn.Parameter(torch.zeros(()))  # the only parameter sparsity adds
-        else:
-            # a constant, not a parameter and not saved: weights stay schedule-agnostic
-            self.register_buffer("alpha_const", torch.tensor(alpha0), persistent=False)
+        # Static layers keep alpha as a Python float, never a tensor: round(alpha * b_k) must
+        # see the float64 product the study rounded (5/6 * 21 is 17.5 -> 18 there, but 17 from
+        # a float32 alpha). Nothing is saved, so weights stay schedule-agnostic.
+        self.alpha0 = layer_alphas(cfg.schedule, cfg.n_layers)[layer]
         self._static_cols: dict[int, Columns] = {}
 
     @property
-    def alpha(self) -> torch.Tensor:
+    def alpha(self) -> torch.Tensor | float:
         if self.cfg.schedule == "learned":
             return ALPHA_MIN + ALPHA_RANGE * torch.sigmoid(self.theta)
-        return self.alpha_const
+        return self.alpha0
 
     def columns(self, T: int) -> Columns:
         cfg = self.cfg
-        base = base_sequence(cfg.base, T, cfg.n_rungs)
         if cfg.schedule != "learned":
             if T not in self._static_cols:
-                self._static_cols[T] = Columns(integer_distances(float(self.alpha_const), base, cfg.window, T), [])
+                per_layer = attended_distances(cfg.base, cfg.schedule, cfg.window, cfg.n_layers, T, cfg.n_rungs)
+                self._static_cols[T] = Columns(per_layer[self.layer], [])
             return self._static_cols[T]
+        # One product t_k = alpha * b_k in the parameter's dtype gives both the rung's row
+        # (lo = floor(t_k)) and its interpolation weight (t_k - lo), as in the study.
         alpha = self.alpha
-        rungs = fractional_rungs(float(alpha.detach()), base, cfg.window, T)
-        window = integer_distances(0.0, [], cfg.window, T)
-        lo = [r[0] for r in rungs]
-        b = torch.tensor([float(r[1]) for r in rungs], device=alpha.device)
-        return Columns(window, lo, alpha * b - torch.tensor(lo, dtype=b.dtype, device=b.device))
+        base = torch.tensor(base_sequence(cfg.base, T, cfg.n_rungs), dtype=alpha.dtype, device=alpha.device)
+        targets = alpha * base
+        kept = fractional_rungs(targets.detach().tolist(), cfg.window, T)
+        idx = torch.tensor([k for k, _ in kept], dtype=torch.long, device=alpha.device)
+        lo = [lo for _, lo in kept]
+        frac = targets[idx] - torch.tensor(lo, dtype=alpha.dtype, device=alpha.device)
+        return Columns(window_distances(cfg.window, T), lo, frac)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -162,7 +167,8 @@ class FibLM(nn.Module):
         return torch.cat(out, 1)
 
     def alphas(self) -> list[float]:
-        return [float(b.attn.alpha.detach()) for b in self.blocks]
+        return [float(b.attn.alpha.detach()) if torch.is_tensor(b.attn.alpha) else b.attn.alpha
+                for b in self.blocks]
 
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())

@@ -22,9 +22,9 @@ from fibctl.db.schema import RUN_STATUSES, Run
 from fibctl.db.store import add_event, utcnow
 from fibctl.errors import FibctlError
 
-LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "status",
-                "attempts", "worker", "host", "device", "heartbeat_at", "created_at", "started_at",
-                "finished_at", "error")
+LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
+                "data_seed", "status", "attempts", "worker", "host", "device", "optimizer", "heartbeat_at",
+                "created_at", "started_at", "finished_at", "error")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ def run_row(cfg: RunConfig) -> dict:
     return dict(
         name=cfg.name, matrix=cfg.matrix, preset=cfg.preset,
         base=None if dense else cfg.model.base, schedule=cfg.model.schedule,
-        window=None if dense else cfg.model.window, seed=cfg.seed,
+        window=None if dense else cfg.model.window, seed=cfg.seed, init_seed=cfg.init_seed,
+        data_seed=cfg.data_seed,
         train_length=cfg.model.seq_len, config_json=cfg.to_json(), config_hash=cfg.config_hash,
         status="queued", attempts=0, created_at=utcnow(), source="fibctl",
     )

@@ -1,8 +1,12 @@
-"""Which distances each layer attends to (SPEC sections 1-2), in plain Python.
+"""Which distances each layer attends to (docs/method.md, "The attended set"), in plain Python.
 
 A query at position i attends to keys at distances 0..W (the local window) and to the
 rungs alpha_l * b_k of a base sequence b. Everything here is integer or float arithmetic
-on lists, so it can be read against the spec line by line.
+on lists, so it can be read against the method line by line. The model, `fibctl model`,
+`fibctl coverage` and the coverage figure all take their distances from here: a static
+layer's rungs are `round(alpha_l * b_k)` with alpha_l a Python float (float64), exactly as
+the study computed them; a learned layer passes the products it computed in its
+parameter's dtype to `fractional_rungs`.
 """
 
 from __future__ import annotations
@@ -81,26 +85,31 @@ def integer_distances(alpha: float, base: list[int], window: int, seq_len: int) 
     return window_distances(window, seq_len) + rungs
 
 
-def fractional_rungs(alpha: float, base: list[int], window: int, seq_len: int) -> list[tuple[int, int]]:
-    """(lo, b_k) for each rung the fractional (learned) path keeps at this alpha.
+def fractional_rungs(targets: list[float], window: int, seq_len: int) -> list[tuple[int, int]]:
+    """(k, lo) for each rung the fractional (learned) path keeps, given the targets t_k = alpha * b_k.
 
-    Skipped: round(t) <= W, lo > T-1, or lo equal to a column already used.
+    The caller computes the targets once, in the dtype the interpolation weights will use, so
+    that `lo = floor(t_k)` and the weight `t_k - lo` come from the same number. Skipped:
+    round(t_k) <= W, lo > T-1, or lo equal to a column already used.
     """
     used = set(range(window + 1))
     kept = []
-    for b in base:
-        t = alpha * b
+    for k, t in enumerate(targets):
         lo = math.floor(t)
         if round(t) <= window or lo > seq_len - 1 or lo in used:
             continue
         used.add(lo)
-        kept.append((lo, b))
+        kept.append((k, lo))
     return kept
 
 
 def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq_len: int,
                        n_rungs: int = 15) -> list[list[int]]:
-    """Integer distances attended by each layer (learned: at its initial alpha = 1)."""
+    """Integer distances attended by each layer (learned: at its initial alpha = 1).
+
+    The one function that decides what a static layer attends to: the model's columns,
+    `fibctl model`, `fibctl coverage` and the coverage figure all call it.
+    """
     if schedule == "dense":
         return [list(range(seq_len)) for _ in range(n_layers)]
     b = base_sequence(base, seq_len, n_rungs)

@@ -132,8 +132,8 @@ def test_rung_filtering():
     assert d[:9] == list(range(9)) and d[9:] == [10, 17, 28, 44, 72, 116, 188, 305, 494]
     assert integer_distances(1.0, fib, 8, 100) == list(range(9)) + [13, 21, 34, 55, 89]
     # fractional: skip when round(t) <= W or floor(t) already used
-    assert fractional_rungs(1.0, fib, 8, 100) == [(13, 13), (21, 21), (34, 34), (55, 55), (89, 89)]
-    assert [lo for lo, _ in fractional_rungs(0.61, fib, 8, 1024)][:2] == [12, 20]
+    assert fractional_rungs([1.0 * b for b in fib], 8, 100) == [(5, 13), (6, 21), (7, 34), (8, 55), (9, 89)]
+    assert [lo for _, lo in fractional_rungs([0.61 * b for b in fib], 8, 1024)][:2] == [12, 20]
 
 
 def test_coverage_fixed_fib_w8():

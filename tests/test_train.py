@@ -37,6 +37,9 @@ class Quiet:
     def start(self, name, steps):
         return self.on_step or (lambda p: None)
 
+    def warn(self, message):
+        pass
+
     def finish(self, outcome):
         self.outcomes.append(outcome)
 
@@ -97,7 +100,7 @@ def test_lr_warms_up_linearly_then_decays_to_a_tenth_at_the_last_step():
 def test_weight_decay_applies_to_matrices_only():
     cfg = micro_run("x", "learned").model
     model = FibLM(cfg)
-    opt = build_optimizer(model, get_preset("micro").train)
+    opt = build_optimizer(model, get_preset("micro").train).optimizer
     decayed, plain = opt.param_groups
     assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
     assert opt.defaults["betas"] == (0.9, 0.95)
@@ -154,7 +157,7 @@ def test_worker_trains_the_queue_records_everything_and_survives_a_nan(data, tmp
              "and tokens_per_s > 0") == [(6, 1)]
     evals = q("select step, dataset, eval_length, tokens from evaluations where run_id = 1 order by step, dataset")
     assert [(s, d) for s, d, _, _ in evals] == [(s, d) for s in (10, 20, 30) for d in ("math_val", "stories_val")]
-    assert {(L, t) for _, _, L, t in evals} == {(64, 64 * 63)}  # full budget 4096 = 64 windows of 64
+    assert {(L, t) for _, _, L, t in evals} == {(64, 64 * 64)}  # full budget 4096 = 64 windows of 64 targets
     assert q("select count(*) from position_losses where run_id = 1 and step = 30 and eval_length = 64") == [(126,)]
     # alphas: a static schedule once, learned at every evaluation
     assert q("select distinct step from alphas where run_id = 1") == [(0,)]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -58,6 +59,9 @@ class RunDisplay:
         def bar(p: trainer.Progress) -> None:
             self.progress.update(task, completed=p.step, loss=f"{p.loss:.4f}", tps=f"{p.tokens_per_s:,.0f}")
         return bar
+
+    def warn(self, message: str) -> None:
+        console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False)
 
     def finish(self, outcome: Outcome) -> None:
         if self.progress:

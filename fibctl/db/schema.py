@@ -32,7 +32,9 @@ class Run(Base):
     base: Mapped[str | None] = mapped_column(String(20))  # fib | pow2; NULL for dense
     schedule: Mapped[str] = mapped_column(String(20))  # dense | fixed | learned | stagger | coprime
     window: Mapped[int | None] = mapped_column(Integer)  # W; NULL for dense
-    seed: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer)  # the replicate seed the tables group by (= data_seed)
+    init_seed: Mapped[int | None] = mapped_column(Integer)  # drew the initial weights; NULL: not recorded
+    data_seed: Mapped[int | None] = mapped_column(Integer)  # drew the batches; NULL: not recorded
     train_length: Mapped[int] = mapped_column(Integer)  # sequence length T it trains at
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(64))
@@ -42,6 +44,7 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(200))
     device: Mapped[str | None] = mapped_column(String(100))
     torch_version: Mapped[str | None] = mapped_column(String(50))
+    optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     started_at: Mapped[datetime | None] = mapped_column(DateTime)

@@ -1,4 +1,4 @@
-"""Import the published study (SPEC section 8) into fibctl's schema.
+"""Import the published study (docs/method.md, "The published files") into fibctl's schema.
 
 - `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T 1024, status 'done', source =
   the file name). Names are kept (`f13__fib_stagger_w12`) and mapped to base / schedule /
@@ -38,6 +38,7 @@ from fibctl.errors import FibctlError
 
 STUDY_MATRIX = "paper"
 STUDY_LENGTH = 1024
+STUDY_INIT_SEED = 42  # the paper matrix's shared init seed, for the reproducing config
 DENSE_BASELINE = "ref_e0000"
 PROBE_MATRIX = "probe"
 PROBE_NAME = "marked_retrieval"
@@ -126,7 +127,7 @@ def _open_study(path: Path) -> sqlite3.Connection:
         if missing:
             conn.close()
             what = f"table {table!r} lacks columns {', '.join(missing)}" if have else f"no table {table!r}"
-            raise FibctlError(f"{path}: {what}; expected the study's layout (SPEC section 8): "
+            raise FibctlError(f"{path}: {what}; expected the study's layout (docs/method.md, 'The published files'): "
                               + "; ".join(f"{t}({', '.join(c)})" for t, c in EXPECTED.items()))
     return conn
 
@@ -200,9 +201,12 @@ def _put_run(conn: Connection, values: dict, replace: bool = True) -> int:
 def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
     config = RunConfig.resolve(run.name, STUDY_MATRIX, "paper", schedule=run.schedule,
                                base=run.base or "fib", window=run.window if run.window is not None else 8,
-                               seed=run.seed)
+                               seed=run.seed, init_seed=STUDY_INIT_SEED)
+    # The study seeded its runs after building the model: data_seed is its run seed, and its
+    # init seed was never recorded (NULL), though replicates shared their initial weights.
     return dict(name=run.name, matrix=STUDY_MATRIX, preset="paper", base=run.base,
-                schedule=run.schedule, window=run.window, seed=run.seed, train_length=STUDY_LENGTH,
+                schedule=run.schedule, window=run.window, seed=run.seed, init_seed=None,
+                data_seed=run.seed, train_length=STUDY_LENGTH,
                 config_json=config.to_json(), config_hash=config.config_hash, status="done",
                 final_step=final_step, source=source, **details)
 
@@ -285,11 +289,12 @@ PROBE_STEPS = 2500
 
 
 def _probe_config(name: str, depth: int, seed: int) -> RunConfig:
-    """The probe model of SPEC section 7 (Table 2)."""
+    """The probe model of docs/method.md, "Table 2" (the mechanism probe)."""
     model = ModelConfig(vocab_size=512, d_model=256, n_layers=depth, n_heads=4, n_kv_heads=2,
                         seq_len=512, schedule="learned", base="fib", window=8).validate()
     train = TrainConfig(steps=PROBE_STEPS, batch_size=2, grad_accum=1, lr=1e-3)
-    return RunConfig(name=name, matrix=PROBE_MATRIX, preset="probe", seed=seed, model=model, train=train)
+    return RunConfig(name=name, matrix=PROBE_MATRIX, preset="probe", init_seed=seed, data_seed=seed,
+                     model=model, train=train)
 
 
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
@@ -302,7 +307,7 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
         config = _probe_config(name, depth, seed)
         run_id = _put_run(conn, dict(
             name=name, matrix=PROBE_MATRIX, preset="probe", base="fib", schedule="learned", window=8,
-            seed=seed, train_length=config.model.seq_len, config_json=config.to_json(),
+            seed=seed, init_seed=None, data_seed=seed, train_length=config.model.seq_len, config_json=config.to_json(),
             config_hash=config.config_hash, status="done", final_step=PROBE_STEPS, source=source,
             created_at=_now()))
         metrics = {"depth": depth, "staggered_init": staggered,

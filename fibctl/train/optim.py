@@ -1,13 +1,23 @@
-"""The optimizer of the recipe (SPEC section 4): AdamW, weight decay on 2+-dim tensors only,
-linear warm-up then cosine decay to `min_lr_ratio` of the peak at the last step."""
+"""The optimizer of the recipe (docs/method.md, "Training"): AdamW with betas (0.9, 0.95) and
+eps 1e-8, weight decay on 2+-dim tensors only, linear warm-up then cosine decay to
+`min_lr_ratio` of the peak at the last step.
+
+`adamw8bit` is bitsandbytes' 8-bit AdamW, which the study's published runs used; it needs CUDA
+and the `gpu` extra. Where it cannot run, `build_optimizer` falls back to torch's AdamW and
+says so, and the caller records the optimizer actually used on the run.
+"""
 
 from __future__ import annotations
 
+import importlib
 import math
+from dataclasses import dataclass
 
 import torch
 
 from fibctl.config import TrainConfig
+
+EPS = 1e-8
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -29,10 +39,36 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+@dataclass
+class BuiltOptimizer:
+    optimizer: torch.optim.Optimizer
+    name: str  # the optimizer actually used: one of config.OPTIMIZERS
+    warning: str | None  # why it differs from the one the run asked for
+
+
+def eight_bit_unavailable(device: torch.device) -> str | None:
+    """Why bitsandbytes' 8-bit AdamW cannot run here, or None when it can."""
+    if device.type != "cuda":
+        return f"it needs CUDA and this run trains on {device.type}"
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception as e:  # ImportError, or a broken CUDA setup raising at import
+        return f"bitsandbytes is not importable ({type(e).__name__}); install it with pip install -e '.[gpu]'"
+    return None
+
+
+def build_optimizer(model: torch.nn.Module, tc: TrainConfig,
+                    device: torch.device = torch.device("cpu")) -> BuiltOptimizer:
     # lr is set before every step from lr_at; the value here is only the initial one
-    return torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=lr_at(1, tc),
-                             betas=(tc.beta1, tc.beta2))
+    groups, lr, betas = param_groups(model, tc.weight_decay), lr_at(1, tc), (tc.beta1, tc.beta2)
+    warning = None
+    if tc.optimizer == "adamw8bit":
+        why = eight_bit_unavailable(device)
+        if why is None:
+            bnb = importlib.import_module("bitsandbytes")
+            return BuiltOptimizer(bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=EPS), "adamw8bit", None)
+        warning = f"optimizer adamw8bit unavailable: {why}; training with adamw (full-precision state) instead"
+    return BuiltOptimizer(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS), "adamw", warning)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

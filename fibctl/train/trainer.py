@@ -1,4 +1,4 @@
-"""The training loop: the recipe of SPEC section 4 on one device, resumable at any checkpoint.
+"""The training loop: the recipe of docs/method.md ("Training") on one device, resumable at any checkpoint.
 
 It reports through `Reporter` (the database's `RunRecorder` implements it) and knows
 nothing of SQL or queues. Each step accumulates `grad_accum` micro-batches, clips the
@@ -9,6 +9,9 @@ training length (Table 4). Alphas are logged at step 0 and, for `learned`, at ev
 evaluation. A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
 checkpoint and returns; a NaN or infinite loss ends the run as diverged; a heartbeat that
 finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
+
+Seeds follow the study: the initial weights are drawn after seeding with `init_seed`, then
+everything else (the batch sampler included) is seeded with `data_seed`.
 """
 
 from __future__ import annotations
@@ -97,11 +100,13 @@ class Trainer:
         self.lost = False
         manifest = check_data(config, data_dir)
         self.heldout = {name: token_stream(data_dir, name) for name in manifest.heldout}
-        _seed_everything(config.seed)
+        _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
-        self.optimizer = build_optimizer(self.model, self.tc)
+        _seed_everything(config.data_seed)
+        built = build_optimizer(self.model, self.tc, device)
+        self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
         self.sampler = WindowSampler(token_stream(data_dir, manifest.train_split), config.model.seq_len,
-                                     self.tc.batch_size, config.seed)
+                                     self.tc.batch_size, config.data_seed)
         self.step, self.elapsed_s = 0, 0.0
 
     @property
@@ -111,6 +116,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> TrainResult:
+        if self.optimizer_warning:
+            self.reporter.event("deviation", self.optimizer_warning,
+                                {"requested": self.tc.optimizer, "used": self.optimizer_name})
         last = self.resume()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
         if self.step == 0 and self.config.model.schedule != "dense":
@@ -187,6 +195,7 @@ class Trainer:
         self._tick()
         state = {
             "step": self.step, "elapsed_s": self.elapsed_s, "config": self.config.to_dict(),
+            "optimizer_name": self.optimizer_name,
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(), "rng": ckpt.rng_states(),
         }
@@ -202,6 +211,11 @@ class Trainer:
         if path is None:
             return None
         state = ckpt.load_checkpoint(path)
+        used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
+        if used != self.optimizer_name:
+            raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
+                              f"with {self.optimizer_name}" + (f" ({self.optimizer_warning})"
+                                                               if self.optimizer_warning else ""))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])

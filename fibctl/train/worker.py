@@ -49,6 +49,8 @@ class Display(Protocol):
 
     def start(self, name: str, steps: int) -> Callable[[Progress], None]: ...
 
+    def warn(self, message: str) -> None: ...  # one line, e.g. a deviation from the run's recipe
+
     def finish(self, outcome: Outcome) -> None: ...
 
 
@@ -135,7 +137,10 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
                           on_checkpoint=lambda result: _record(recorder, result))
         counts = trainer.model.param_counts()
         recorder.update_run(device=describe(device), torch_version=torch.__version__,
-                            params_total=counts["total"], params_non_embedding=counts["non_embedding"])
+                            params_total=counts["total"], params_non_embedding=counts["non_embedding"],
+                            optimizer=trainer.optimizer_name)
+        if trainer.optimizer_warning:
+            display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         result = trainer.run()
     except KeyboardInterrupt:

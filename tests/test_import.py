@@ -1,7 +1,7 @@
 """`fibctl import-study`: the published study's files, in their own layout, into fibctl's schema.
 
 The tests build a small study (SQLite + the two JSON dumps) in the published layout
-(SPEC section 8); they never read ../shared.
+(docs/method.md, "The published files"); they never read files outside the repository.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.queue import run_row
 
-# SPEC section 6, written out: name -> (base, schedule, W, seed)
+# The paper matrix (docs/method.md, "The run matrix"), written out: name -> (base, schedule, W, seed)
 PAPER = {
     "f01__fib_learned_w6": ("fib", "learned", 6, 42), "f02__fib_learned_w8": ("fib", "learned", 8, 42),
     "f03__fib_learned_w10": ("fib", "learned", 10, 42), "f04__fib_learned_w12": ("fib", "learned", 12, 42),
@@ -35,7 +35,7 @@ PAPER = {
 }
 
 
-def test_paper_matrix_is_spec_section_6():
+def test_paper_matrix_is_the_studys():
     configs = load_matrix("paper").resolve()
     rows = {r["name"]: (r["base"], r["schedule"], r["window"], r["seed"]) for r in map(run_row, configs)}
     assert rows == PAPER

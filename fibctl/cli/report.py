@@ -21,7 +21,7 @@ from fibctl.reports.importer import import_study as run_import
 from fibctl.reports.sql import run_query
 
 report_app = typer.Typer(
-    help="The study's tables (SPEC section 7), computed by SQL from the results database.",
+    help="The study's tables (docs/method.md), computed by SQL from the results database.",
     no_args_is_help=True)
 app.add_typer(report_app, name="report")
 

@@ -52,7 +52,8 @@ def _cells(table: Table, bold: str, escape=lambda s: s) -> list[list[str]]:
 
 
 def to_rich(table: Table) -> RichTable:
-    out = RichTable(title=escape(table.title), title_justify="left")
+    caption = escape("\n".join(table.notes)) if table.notes else None
+    out = RichTable(title=escape(table.title), title_justify="left", caption=caption, caption_justify="left")
     for c in table.frame.columns:
         out.add_column(escape(str(c)), justify="right" if _numeric(table, c) else "left")
     for row in _cells(table, "[bold]{}[/bold]", escape):
@@ -72,6 +73,8 @@ def to_markdown(table: Table) -> str:
     align = ["---:" if _numeric(table, c) else ":---" for c in table.frame.columns]
     lines = [f"**{table.title}**", "", _md_row(cols), _md_row(align)]
     lines += [_md_row(row) for row in _cells(table, "**{}**")]
+    if table.notes:
+        lines += [""] + [f"_{note}_" for note in table.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -94,7 +97,8 @@ def to_latex(table: Table) -> str:
     header = " & ".join(latex_escape(str(c)) for c in table.frame.columns)
     rows = [" & ".join(row) for row in _cells(table, "\\textbf{{{}}}", latex_escape)]
     body = "\n".join(f"{r} \\\\" for r in rows)
-    return (f"\\begin{{table}}[t]\n\\centering\n\\caption{{{latex_escape(table.title)}}}\n"
+    caption = " ".join([table.title, *table.notes])
+    return (f"\\begin{{table}}[t]\n\\centering\n\\caption{{{latex_escape(caption)}}}\n"
             f"\\begin{{tabular}}{{{spec}}}\n\\toprule\n{header} \\\\\n\\midrule\n{body}\n"
             f"\\bottomrule\n\\end{{tabular}}\n\\end{{table}}\n")
 

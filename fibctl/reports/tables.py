@@ -1,4 +1,4 @@
-"""The study's tables (SPEC section 7), each computed by SQL from the results database.
+"""The study's tables (docs/method.md, "The five tables"), each computed by SQL from the results database.
 
 A table function takes an engine and returns a `Table`: the DataFrame, the SQL that
 produced its numbers (with the values bound, so it can be pasted into `fibctl sql`), and
@@ -8,6 +8,7 @@ window, seed), never by name; each run is read at its final step.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -62,6 +63,7 @@ class Table:
     sql: str
     formats: dict[str, Formatter] = field(default_factory=dict)  # column -> formatter
     best: dict[str, str] = field(default_factory=dict)  # column -> "min" | "max": bolded
+    notes: list[str] = field(default_factory=list)  # printed under the table, e.g. deviations
 
 
 def dataset_label(name: str) -> str:
@@ -108,6 +110,28 @@ def matrix_params(matrix: str | None, **params) -> dict:
 
 def in_matrix(matrix: str | None) -> str:
     return f" in matrix {matrix!r}" if matrix else ""
+
+
+def deviation_notes(engine: Engine, runs) -> list[str]:
+    """A note per optimizer that ran in place of the one a run's config asked for (an
+    `adamw8bit` run on a machine without CUDA or bitsandbytes trains with `adamw`)."""
+    names = sorted(set(runs))
+    if not names:
+        return []
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, optimizer, config_json FROM runs WHERE optimizer IS NOT NULL")).all()
+    swapped: dict[tuple[str, str], list[str]] = {}
+    for name, used, config_json in rows:
+        if name not in names:
+            continue
+        try:
+            asked = json.loads(config_json)["train"].get("optimizer", "adamw")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if asked != used:
+            swapped.setdefault((asked, used), []).append(name)
+    return [f"Deviation: {', '.join(who)} trained with {used}, not {asked} as configured."
+            for (asked, used), who in sorted(swapped.items())]
 
 
 def _sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
@@ -158,7 +182,8 @@ ORDER BY r.name, e.dataset"""
         frame, extra = _beside(frame, other, cols, compare_label)
         formats.update(extra)
         title += f", beside {compare_label}"
-    return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols})
+    notes = deviation_notes(engine, frame["Run"]) if "Run" in frame else []
+    return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
 
 
 def _table1_frame(engine: Engine, sql: str, params: dict, seed: int,
@@ -247,7 +272,7 @@ def table3(engine: Engine, *, dataset: str | None = None, seed: int = 42,
            matrix: str | None = None, all_runs: bool = False) -> Table:
     """Perplexity of the same weights at every evaluated length, and the change at 4x.
 
-    Rows: the paper's (SPEC section 7) that are present, else (or with `all_runs`) every run
+    Rows: the paper's (docs/method.md) that are present, else (or with `all_runs`) every run
     evaluated at more than one length. Where per-position losses at 4x the training length
     exist, the mean loss over the positions past the training length is shown too.
     """
@@ -299,7 +324,8 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"})
+    return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"},
+                 deviation_notes(engine, frame["Run"]))
 
 
 def _table3_rows(wide: pd.DataFrame, all_runs: bool) -> pd.DataFrame:
@@ -377,7 +403,7 @@ def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
     """Per-seed final perplexity at window W, with mean and population std (ddof 0)."""
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP}
-SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.seed, e.ppl
+SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
@@ -397,12 +423,25 @@ ORDER BY r.base, r.schedule, r.seed"""
     per_seed["Mean"] = values.mean(axis=1)
     per_seed["Std"] = values.std(axis=1, ddof=0)
     per_seed["window"] = window
+    varied = {key: _varied(group) for key, group in long.groupby(["base", "schedule"])}
+    per_seed["Varied"] = [varied[(b, s)] for b, s in zip(per_seed["base"], per_seed["schedule"])]
     frame = _sort_runs(per_seed).rename(columns={s: f"seed {s}" for s in seeds})
     frame = frame.rename(columns={"base": "Base", "schedule": "Schedule", "window": "W"})
-    frame = frame[["Base", "Schedule", "W", *(f"seed {s}" for s in seeds), "Mean", "Std"]]
+    frame = frame[["Base", "Schedule", "W", *(f"seed {s}" for s in seeds), "Mean", "Std", "Varied"]]
     formats = {f"seed {s}": ppl for s in seeds} | {"Mean": ppl, "Std": ppl}
     title = f"Table 5: {dataset_label(dataset)} perplexity across seeds (W={window})"
-    return Table("table5", title, frame, sql_text, formats, {"Mean": "min"})
+    notes = ["Varied: which seeds differ between the replicates (init: the initial weights; "
+             "data: the batches and their order)."] + deviation_notes(engine, long["run"])
+    return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
+
+
+def _varied(replicates: pd.DataFrame) -> str:
+    """Which of the two seeds differ across one configuration's replicates."""
+    data = replicates["data_seed"].fillna(replicates["seed"]).nunique() > 1
+    if replicates["init_seed"].isna().any():
+        return "data (init not recorded)" if data else "init not recorded"
+    init = replicates["init_seed"].nunique() > 1
+    return " + ".join(n for n, v in (("init", init), ("data", data)) if v) or "none"
 
 
 TABLES = {"table1": table1, "table2": table2, "table3": table3, "table4": table4, "table5": table5}

@@ -1,0 +1,266 @@
+"""fibctl computes the study's function: the distances each layer attends, the rounding of
+half-way rungs, the learned rung's row and weight, the evaluation windows, the two seeds and
+the optimizer actually used (docs/method.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fibctl.cli import app
+from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, RunConfig, get_preset
+from fibctl.errors import FibctlError
+from fibctl.evaluate import stream_loss
+from fibctl.matrix import load_matrix
+from fibctl.model import Attention, FibLM
+from fibctl.schedules import attended_distances, base_sequence, layer_alphas
+from fibctl.train.optim import build_optimizer
+from fibctl.train.trainer import Trainer
+from train_helpers import micro_run, write_data
+
+torch.set_num_threads(1)
+SPARSE = [s for s in SCHEDULES if s != "dense"]
+runner = CliRunner()
+
+
+def layer_columns(cfg, layer: int, T: int) -> list[int]:
+    """What the model's attention layer attends at length T: integer distances, then rungs."""
+    device = "cpu" if cfg.schedule == "learned" else "meta"  # learned rungs read theta's value
+    with torch.device(device):
+        attn = Attention(cfg, layer)
+    cols = attn.columns(T)
+    if cols.frac is not None:
+        assert bool((cols.frac.detach() == 0).all())  # at initialisation alpha = 1: whole distances
+    return list(cols.dist) + list(cols.lo)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("schedule", SPARSE)
+@pytest.mark.parametrize("base", BASES)
+def test_every_layer_attends_what_coverage_counts(preset, schedule, base):
+    """One function decides what a layer attends: the model's columns at T, 2T, 4T and 16T are
+    exactly attended_distances, which `fibctl model`, `fibctl coverage` and the figure print."""
+    for window in (6, 8, 10, 12):
+        cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
+        for T in (cfg.seq_len * m for m in (1, 2, 4, 16)):
+            expected = attended_distances(base, schedule, window, cfg.n_layers, T, cfg.n_rungs)
+            for layer in range(cfg.n_layers):
+                assert layer_columns(cfg, layer, T) == expected[layer], (window, T, layer)
+
+
+def test_half_way_rungs_round_from_the_float64_alpha():
+    """5/6 x 21 = 17.5 rounds to 18 in Python floats (the study) but 17 from a float32 alpha."""
+    fib = base_sequence("fib", 1024)
+    changed = {}
+    for schedule in ("stagger", "coprime"):
+        alphas = layer_alphas(schedule, 16)
+        changed[schedule] = {l for l, a in enumerate(alphas) if any(
+            round(a * b) != round(float(torch.tensor(a)) * b) and round(a * b) > 8 for b in fib)}
+    assert changed == {"stagger": {5, 6, 12}, "coprime": {3, 4, 10}}  # the cases at W = 8
+    cfg = dataclasses.replace(get_preset("paper").model, schedule="stagger")
+    assert 18 in layer_columns(cfg, 5, 1024) and 17 not in layer_columns(cfg, 5, 1024)
+    assert layer_alphas("stagger", 16)[5] * 21 == 17.5
+
+
+def test_paper_stagger_model_and_coverage_command_agree_on_133():
+    cfg = dataclasses.replace(get_preset("paper").model, schedule="stagger", window=8)
+    with torch.device("meta"):
+        model = FibLM(cfg)
+    union = set().union(*(b.attn.columns(1024).dist for b in model.blocks))
+    result = runner.invoke(app, ["coverage", "--base", "fib", "--schedule", "stagger", "--window", "8",
+                                 "--length", "1024"])
+    assert result.exit_code == 0, result.output
+    printed = re.search(r"union over layers\s*│?\s*(\d+)", result.output)
+    assert printed and int(printed.group(1)) == len(union) == 133
+
+
+def test_learned_rung_row_and_weight_come_from_one_product():
+    """At this theta, alpha * 233 is 134.0 in float32 but 133.99999... in float64: the row is
+    134 with weight 0 (from the float32 product), never 133 with weight 1."""
+    theta = torch.tensor(-2.5107600688934326)
+    alpha = 0.5 + torch.sigmoid(theta)
+    assert float(alpha * 233) == 134.0 and math.floor(float(alpha) * 233) == 133  # the trap exists
+    cfg = dataclasses.replace(get_preset("paper").model, schedule="learned", window=8)
+    attn = Attention(cfg, 0)
+    with torch.no_grad():
+        attn.theta.copy_(theta)
+    cols = attn.columns(1024)
+    targets = (attn.alpha * torch.tensor(base_sequence("fib", 1024), dtype=torch.float32)).tolist()
+    assert 134 in cols.lo and float(cols.frac[cols.lo.index(134)].detach()) == 0.0
+    assert bool(((cols.frac >= 0) & (cols.frac < 1)).all())
+    for lo, f in zip(cols.lo, cols.frac.detach().tolist()):
+        assert any(t == lo + f for t in targets)  # row + weight is exactly one float32 product
+
+
+class Echo(torch.nn.Module):
+    """A 'model' whose loss at each position is the target token's id: the mean loss says
+    exactly which tokens a window scored."""
+
+    def token_losses(self, idx, targets):
+        assert idx.shape == targets.shape
+        return targets.float()
+
+
+@pytest.mark.parametrize("n_tokens,windows", [(20, 3), (13, 3), (12, 2)])
+def test_evaluation_scores_t_targets_per_window_at_stride_t(n_tokens, windows):
+    """Inputs x[i:i+T], targets x[i+1:i+T+1], windows at stride T: with T = 4 and a budget of
+    12 tokens on the stream 0, 1, 2, ... the scored targets are 1..12 (1..8 when only 12
+    tokens exist: a third window would need a 13th)."""
+    res = stream_loss(Echo(), np.arange(n_tokens), 4, 12, torch.device("cpu"))
+    scored = list(range(1, 4 * windows + 1))
+    assert (res.windows, res.tokens) == (windows, 4 * windows)
+    assert res.loss == pytest.approx(sum(scored) / len(scored))
+    # per position (Table 4): the first T - 1 predicted positions, averaged over windows
+    expected = [np.mean([4 * w + p + 1 for w in range(windows)]) for p in range(3)]
+    assert res.position_losses.tolist() == pytest.approx(expected)
+
+
+def test_replicas_share_initial_weights_and_differ_in_data_order(tmp_path):
+    data = write_data(tmp_path / "data")
+    same_init = [dataclasses.replace(micro_run("a"), init_seed=42, data_seed=s) for s in (42, 43)]
+    other_init = dataclasses.replace(micro_run("b"), init_seed=7, data_seed=42)
+
+    def start(cfg):
+        t = Trainer(cfg, data, tmp_path / cfg.name, reporter=None)
+        return t.model.state_dict(), t.sampler.next_batch()[0]
+
+    (w1, x1), (w2, x2), (w3, x3) = map(start, [*same_init, other_init])
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert not torch.equal(x1, x2)  # another data seed: other batches
+    assert not torch.equal(w1["embed.weight"], w3["embed.weight"]) and torch.equal(x1, x3)
+
+
+def test_paper_matrix_fixes_the_init_seed_and_uses_the_study_optimizer():
+    configs = {c.name: c for c in load_matrix("paper").resolve()}
+    assert {c.init_seed for c in configs.values()} == {42}
+    assert {c.data_seed for c in configs.values()} == {42, 43, 44}
+    assert configs["h02__fib_stagger_w12_s44"].data_seed == 44
+    assert {c.train.optimizer for c in configs.values()} == {"adamw8bit"}
+    tc = configs["f06__fib_fixed_w8"].train
+    assert (tc.batch_size, tc.grad_accum) == (4, 8)  # the study's 4 x 8 x 1024 tokens per step
+
+
+def test_old_configs_with_one_seed_load_with_both_seeds_equal():
+    d = micro_run("x").to_dict()
+    d["seed"] = d.pop("init_seed")
+    del d["data_seed"], d["train"]["optimizer"]
+    old = RunConfig.from_dict(d)
+    assert (old.init_seed, old.data_seed, old.train.optimizer) == (42, 42, "adamw")
+
+
+def test_eight_bit_optimizer_falls_back_on_a_cpu_with_a_warning():
+    model = FibLM(micro_run("x").model)
+    tc = dataclasses.replace(get_preset("micro").train, optimizer="adamw8bit")
+    built = build_optimizer(model, tc, torch.device("cpu"))
+    assert built.name == "adamw" and isinstance(built.optimizer, torch.optim.AdamW)
+    assert "adamw8bit unavailable" in built.warning and "CUDA" in built.warning
+    plain = build_optimizer(model, get_preset("micro").train, torch.device("cpu"))
+    assert (plain.name, plain.warning) == ("adamw", None)
+    assert plain.optimizer.defaults["eps"] == 1e-8 and plain.optimizer.defaults["betas"] == (0.9, 0.95)
+
+
+def test_unknown_optimizer_in_a_matrix_is_one_line_exit_2_nothing_queued(tmp_path):
+    matrix = tmp_path / "m.toml"
+    matrix.write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "fixed"\n'
+                      'window = 4\ntrain = { optimizer = "sgd" }\n')
+    db = tmp_path / "r.db"
+    proc = subprocess.run([sys.executable, "-m", "fibctl", "queue", "add", str(matrix), "--db", str(db)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "unknown optimizer 'sgd'; allowed: adamw, adamw8bit" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    if db.exists():
+        assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("override,problem", [
+    ("steps = 0", "train.steps = 0 must be >= 1"),
+    ('steps = "20"', "train.steps = '20' must be an integer"),
+    ("lr = nan", "train.lr = nan must be a finite number"),
+    ("batch_size = 0", "train.batch_size = 0 must be >= 1"),
+    ("beta2 = 1.0", "train.beta2 = 1.0 is out of range"),
+])
+def test_train_overrides_are_validated_when_the_matrix_is_read(tmp_path, override, problem):
+    matrix = tmp_path / "m.toml"
+    matrix.write_text(f'[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "fixed"\n'
+                      f'window = 4\ntrain = {{ {override} }}\n')
+    with pytest.raises(FibctlError, match=re.escape(problem)):
+        load_matrix(str(matrix))
+
+
+def test_seeds_are_validated():
+    with pytest.raises(ConfigError, match="seed = -1"):
+        RunConfig.resolve("a", "m", "micro", schedule="fixed", seed=-1)
+
+
+def _replicates_db(path, init_seeds):
+    """Two W=12 replicates of one micro configuration with final evaluations; the first
+    recorded as trained with adamw though its config asks for adamw8bit."""
+    from fibctl.db.engine import connect
+    from fibctl.db.store import RunRecorder
+    from fibctl.queue import add_runs, list_runs
+
+    configs = [RunConfig.resolve(f"r{s}", "m", "micro", schedule="stagger", window=12, seed=s, init_seed=i,
+                                 optimizer="adamw8bit")
+               for s, i in zip((42, 43), init_seeds)]
+    engine = connect(str(path))
+    add_runs(engine, configs)
+    for row, ppl in zip(list_runs(engine), (40.0, 41.0)):
+        rec = RunRecorder(engine, row["id"])
+        rec.log_eval(30, "docs_val", 64, 4096, math.log(ppl))
+        rec.update_run(final_step=30, optimizer="adamw" if row["name"] == "r42" else "adamw8bit")
+    return engine
+
+
+@pytest.mark.parametrize("init_seeds,varied", [((42, 42), "data"), ((42, 43), "init + data")])
+def test_table5_says_which_seeds_varied_and_notes_the_optimizer_deviation(tmp_path, init_seeds, varied):
+    from fibctl.reports import render, tables
+
+    engine = _replicates_db(tmp_path / "r.db", init_seeds)
+    t = tables.table5(engine, dataset="docs_val")
+    assert t.frame["Varied"].tolist() == [varied]
+    assert "Deviation: r42 trained with adamw, not adamw8bit as configured." in t.notes
+    assert "Deviation: r42" in render.render(t, "md") and "Deviation: r42" in render.render(t, "rich")
+    assert "r43" not in " ".join(t.notes)
+    t1 = tables.table1(engine, seed=42)
+    assert t1.notes == ["Deviation: r42 trained with adamw, not adamw8bit as configured."]
+
+
+def test_the_worker_records_the_optimizer_it_used_and_warns(tmp_path):
+    from sqlalchemy import text
+
+    from fibctl.train.worker import WorkerOptions, work
+    from train_helpers import queued_db
+
+    class Display:
+        warnings = []
+
+        def start(self, name, steps):
+            return lambda p: None
+
+        def warn(self, message):
+            self.warnings.append(message)
+
+        def finish(self, outcome):
+            assert outcome.status == "done", outcome
+
+    data = write_data(tmp_path / "data")
+    engine = queued_db(tmp_path / "r.db", micro_run("eight", optimizer="adamw8bit", steps=4, eval_interval=4,
+                                                    checkpoint_interval=4))
+    display = Display()
+    work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs", device="cpu"), display)
+    with engine.connect() as conn:
+        used = conn.execute(text("SELECT optimizer, init_seed, data_seed FROM runs")).one()
+        events = conn.execute(text("SELECT message FROM events WHERE kind = 'deviation'")).scalars().all()
+    assert tuple(used) == ("adamw", 42, 42)
+    assert len(display.warnings) == 1 and "adamw8bit unavailable" in display.warnings[0]
+    assert events and "training with adamw" in events[0]

@@ -3,3 +3,8 @@
 
 class FibctlError(Exception):
     """Bad input: the message names the problem (and, where it helps, the fix)."""
+
+
+class WorkerError(FibctlError):
+    """The worker's setup (its data, runs folder or database) is at fault, not the run it
+    claimed: the run goes back to the queue as it was and the worker stops."""

@@ -38,7 +38,7 @@ from fibctl.db.schema import Run
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
 from fibctl.model import FibLM
-from fibctl.train.checkpoint import load_checkpoint
+from fibctl.train.checkpoint import load_checkpoint, resolve_path
 from fibctl.train.device import autocast, resolve_device, synchronize
 
 BATCH_TOKENS = 65_536  # tokens per forward pass at any length
@@ -132,8 +132,9 @@ class _Target:
     checkpoint: Path
 
 
-def find_runs(engine: Engine, names: list[str], all_runs: bool) -> list[_Target]:
-    """Runs to evaluate, each with a checkpoint; every problem is reported before any work."""
+def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None) -> list[_Target]:
+    """Runs to evaluate, each with a checkpoint; every problem is reported before any work.
+    Checkpoints are looked for under `runs_dir`, by default the folder each run trained in."""
     with engine.connect() as conn:
         if all_runs:
             rows = conn.execute(select(Run).where(Run.checkpoint_path.is_not(None)).order_by(Run.id)).all()
@@ -149,16 +150,20 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool) -> list[_Target]
         raise FibctlError("no run in the database has a checkpoint yet")
     targets = []
     for r in rows:
-        if not r.checkpoint_path or not Path(r.checkpoint_path).is_file():
+        if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
-        targets.append(_Target(r, RunConfig.from_dict(json.loads(r.config_json)), Path(r.checkpoint_path)))
+        path = resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name)
+        if not path.is_file():
+            raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
+                              "was trained in")
+        targets.append(_Target(r, RunConfig.from_dict(json.loads(r.config_json)), path))
     return targets
 
 
 def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path,
              all_runs: bool = False, datasets: list[str] | None = None, tokens: int | None = None,
              positions: bool = False, speed: bool = False, device: str | None = None,
-             on_result: Callable[[dict, int], None] | None = None) -> pd.DataFrame:
+             runs_dir: Path | None = None, on_result: Callable[[dict, int], None] | None = None) -> pd.DataFrame:
     """Evaluate runs' final checkpoints at each length on each held-out set; write the results.
 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
@@ -177,7 +182,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     if unknown:
         raise FibctlError(f"dataset {', '.join(map(repr, unknown))} is not in the data manifest; "
                           f"held-out sets: {', '.join(manifest.heldout)}")
-    targets = find_runs(engine, names, all_runs)
+    targets = find_runs(engine, names, all_runs, runs_dir)
     for t in targets:
         if t.config.model.vocab_size != manifest.vocab_size:
             raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "

@@ -5,7 +5,9 @@ A matrix file has a `[matrix]` table (`description`, `preset`, optional `init_se
 "fib"); `seed` (the data seed, default 42); optional `init_seed` (the seed of the initial
 weights: the run's own, else the matrix's, else the run's `seed`) and `train` (overrides of the
 preset's training recipe, e.g. `train = { steps = 100, optimizer = "adamw" }`). Shipped
-matrices live in `fibctl/matrices/`; any other file is named by its path.
+matrices live in `fibctl/matrices/`; any other file is named by its path (one ending in
+.toml or holding a '/'). Run names and the matrix name (the file's stem) follow
+`fibctl.names.NAME_PATTERN`.
 
 Dense runs carry base "fib" and window 0 in their config (unused by dense attention);
 the runs table stores NULL for both.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,10 +28,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 from fibctl.config import RunConfig, TrainConfig
 from fibctl.errors import FibctlError
+from fibctl.names import NAME_RULE, check_name, is_name
 
 MATRIX_KEYS = {"description", "preset", "init_seed"}
 RUN_KEYS = {"name", "schedule", "base", "window", "seed", "init_seed", "train"}
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -77,10 +78,15 @@ def shipped_matrices() -> list[str]:
 def load_matrix(name_or_path: str) -> Matrix:
     """A shipped matrix by name, or a matrix file by path; validated (errors name the file)."""
     path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
+    # a shipped name wins over a folder or file of that name in the working directory
+    if path.suffix == ".toml" or len(path.parts) > 1 or (path.is_file() and name_or_path not in shipped_matrices()):
         if not path.is_file():
             raise FibctlError(f"no matrix file {path}")
-        return parse_matrix(path.read_text(), path.stem, str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FibctlError(f"cannot read matrix file {path}: {e}") from None
+        return parse_matrix(text, check_name("matrix", path.stem), str(path))
     if name_or_path not in shipped_matrices():
         raise FibctlError(f"unknown matrix {name_or_path!r}; shipped: {', '.join(shipped_matrices())} "
                           "(or give the path of a .toml file)")
@@ -133,8 +139,8 @@ def _entry(i: int, run, bad) -> MatrixEntry:
     for key in ("name", "schedule"):
         if not isinstance(run.get(key), str):
             raise bad(f"{where} needs a string `{key}`")
-    if not NAME_RE.match(run["name"]):
-        raise bad(f"{where}: run names use letters, digits, '_', '-' and '.'")
+    if not is_name(run["name"]):
+        raise bad(f"{where}: run names use {NAME_RULE}")
     dense = run["schedule"] == "dense"
     if dense and ({"base", "window"} & set(run)):
         raise bad(f"{where}: a dense run has no base or window")

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Run
-from fibctl.db.store import add_event, utcnow
+from fibctl.db.store import add_event, utcnow, write_retrying
 from fibctl.errors import FibctlError
 
 LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
@@ -129,6 +129,15 @@ def retry(engine: Engine, name: str) -> None:
         add_event(conn, run_id, "retried", "queued again by the user")
 
 
+def retry_failed(engine: Engine) -> list[str]:
+    """Put every failed run back in the queue (as `retry` does); returns their names."""
+    with engine.begin() as conn:
+        names = list(conn.execute(select(Run.name).where(Run.status == "failed").order_by(Run.id)).scalars())
+    for name in names:
+        retry(engine, name)
+    return names
+
+
 def claim_next(engine: Engine, worker: str, host: str | None = None, device: str | None = None,
                heartbeat_timeout_s: float = 600, max_attempts: int = 3) -> ClaimedRun | None:
     """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left."""
@@ -204,25 +213,39 @@ def _fail_exhausted(conn: Connection, abandoned, max_attempts: int, timeout_s: f
 def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:
     """Return a running run to the queue (e.g. on SIGTERM); its attempts stay counted.
     False if it was no longer running (cancelled meanwhile: stays cancelled)."""
-    with engine.begin() as conn:
+    def write(conn: Connection) -> bool:
         done = conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
             status="queued", worker=None, host=None, device=None, heartbeat_at=None)).rowcount
         if done:
             add_event(conn, run_id, "released", reason)
-    return bool(done)
+        return bool(done)
+    return write_retrying(engine, write)
+
+
+def unclaim(engine: Engine, run_id: int, reason: str) -> None:
+    """Undo a claim whose worker cannot train it (its data or runs folder is wrong, not the
+    run): the run is queued again with the attempt not counted."""
+    def write(conn: Connection) -> None:
+        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
+            status="queued", worker=None, host=None, device=None, heartbeat_at=None,
+            attempts=Run.attempts - 1,
+            started_at=case((Run.attempts <= 1, None), else_=Run.started_at))).rowcount
+        if done:
+            add_event(conn, run_id, "unclaimed", reason)
+    write_retrying(engine, write)
 
 
 def finish(engine: Engine, run_id: int) -> None:
     """Mark a run done."""
-    with engine.begin() as conn:
-        conn.execute(update(Run).where(Run.id == run_id).values(
-            status="done", finished_at=utcnow(), error=None))
+    def write(conn: Connection) -> None:
+        conn.execute(update(Run).where(Run.id == run_id).values(status="done", finished_at=utcnow(), error=None))
         add_event(conn, run_id, "finished")
+    write_retrying(engine, write)
 
 
 def fail(engine: Engine, run_id: int, error: str) -> None:
     """Mark a run failed with the error text (e.g. the exception and its last lines)."""
-    with engine.begin() as conn:
-        conn.execute(update(Run).where(Run.id == run_id).values(
-            status="failed", finished_at=utcnow(), error=error))
+    def write(conn: Connection) -> None:
+        conn.execute(update(Run).where(Run.id == run_id).values(status="failed", finished_at=utcnow(), error=error))
         add_event(conn, run_id, "failed", error.splitlines()[0] if error else None)
+    write_retrying(engine, write)

@@ -66,10 +66,10 @@ def reference_weights(data, tmp_path_factory):
     return trainer.model.state_dict()
 
 
-def final_weights(engine, name):
+def final_weights(engine, name, runs_dir):
     with engine.connect() as conn:
         path = conn.exec_driver_sql("select checkpoint_path from runs where name = ?", (name,)).scalar()
-    return load_checkpoint(Path(path))["model"]
+    return load_checkpoint(runs_dir / path)["model"]
 
 
 def assert_bit_equal(a: dict, b: dict):
@@ -125,7 +125,7 @@ def test_sampler_resumes_its_random_sequence():
 
 def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
     for step in (10, 20, 30):
-        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+        save_checkpoint(tmp_path, step, {"step": step, "model": {}}, keep=2)
     (tmp_path / "step_00000040.pt.tmp").write_bytes(b"half-written")  # a crash mid-save
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
     assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 30
@@ -148,7 +148,7 @@ def test_worker_trains_the_queue_records_everything_and_survives_a_nan(data, tmp
     assert (status, error, final_step, tokens) == ("done", None, 30, 30 * 4 * 2 * 64)
     assert wall > 0 and device.startswith("cpu") and version == torch.__version__
     assert params == FibLM(micro_run("x").model).param_counts()["total"]
-    assert ckpt.endswith("step_00000030.pt") and Path(ckpt).is_file()
+    assert ckpt == "fixed/step_00000030.pt" and (tmp_path / "runs" / ckpt).is_file()  # relative to --runs-dir
     assert runs["learned"][7] == params + 2  # one theta per layer
     assert runs["nan"][0] == "failed" and "step" in runs["nan"][1] and "nan" in runs["nan"][1]
     # training steps every log_interval, evaluations every eval_interval on both held-out sets
@@ -172,10 +172,10 @@ def test_injected_stop_checkpoints_requeues_and_resumes_bit_exact(data, tmp_path
     [first] = work(engine, opts(data, tmp_path), display, stop=stop)
     assert (first.status, first.step, first.checkpoint.name) == ("released", 37, "step_00000037.pt")
     db = sqlite3.connect(tmp_path / "r.db")
-    assert db.execute("select status, checkpoint_path from runs").fetchone() == ("queued", str(first.checkpoint))
+    assert db.execute("select status, checkpoint_path from runs").fetchone() == ("queued", "run/step_00000037.pt")
     [second] = work(engine, opts(data, tmp_path), Quiet())
     assert second.status == "done"
-    assert_bit_equal(final_weights(engine, "run"), reference_weights)
+    assert_bit_equal(final_weights(engine, "run", tmp_path / "runs"), reference_weights)
     kinds = [k for (k,) in db.execute("select kind from events order by id")]
     assert "released" in kinds and "resumed" in kinds
 
@@ -206,14 +206,14 @@ def test_a_killed_or_terminated_worker_resumes_bit_exact(sig, data, tmp_path, re
     status, ckpt = db.execute("select status, checkpoint_path from runs").fetchone()
     if sig == signal.SIGTERM:  # graceful: checkpoint at the step it stopped at, back in the queue
         assert proc.returncode == 0, out
-        assert status == "queued" and Path(ckpt).is_file(), out
+        assert status == "queued" and (tmp_path / "runs" / ckpt).is_file(), out
         assert "released" in out
         [outcome] = work(engine, opts(data, tmp_path), Quiet())
     else:  # killed: still marked running; a new claim takes it once its heartbeat is stale
         assert status == "running"
         outcome = train_named(engine, "run", opts(data, tmp_path, heartbeat_timeout_s=0), Quiet())
     assert outcome.status == "done"
-    assert_bit_equal(final_weights(engine, "run"), reference_weights)
+    assert_bit_equal(final_weights(engine, "run", tmp_path / "runs"), reference_weights)
     assert db.execute("select count(*) from events where kind = 'resumed'").fetchone() == (1,)
 
 

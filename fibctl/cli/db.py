@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -11,6 +11,7 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console
 from fibctl.db import engine as db_engine
+from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 
 db_app = typer.Typer(help="The results database: schema revision and upgrades.", no_args_is_help=True)
@@ -117,7 +118,17 @@ def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
 
 
 @queue_app.command("retry")
-def queue_retry(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
-    """Queue a failed or cancelled run again, its attempts reset."""
-    queue.retry(db_engine.connect(db), name)
-    console.print(f"queued {name} again")
+def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
+                all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed run.")] = False,
+                db: DbOption = DEFAULT_DB) -> None:
+    """Queue a failed or cancelled run (or, with --all-failed, every failed one) again, attempts reset."""
+    if (name is None) == (not all_failed):
+        raise FibctlError("name a run, or pass --all-failed (not both)")
+    engine = db_engine.connect(db, must_exist=True)
+    if all_failed:
+        names = queue.retry_failed(engine)
+        console.print(f"queued {len(names)} failed run(s) again" + (f": {', '.join(names)}" if names else ""),
+                      highlight=False, markup=False)
+    else:
+        queue.retry(engine, name)
+        console.print(f"queued {name} again", highlight=False, markup=False)

@@ -15,6 +15,7 @@ from rich.table import Table
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console
 from fibctl.db.engine import connect
+from fibctl.errors import FibctlError
 from fibctl.train import trainer
 from fibctl.train.worker import (
     Outcome, WorkerOptions, launch_per_gpu, parse_gpus, train_named, work,
@@ -87,8 +88,8 @@ def train_cmd(
 ) -> None:
     """Train one run of the database (resuming from its last checkpoint if it has one)."""
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
-                         heartbeat_timeout_s=heartbeat_timeout)
-    outcome = train_named(connect(db), name, opts, RunDisplay(plain))
+                         heartbeat_timeout_s=_positive_timeout(heartbeat_timeout))
+    outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
     if outcome.status == "failed":
         raise typer.Exit(1)
 
@@ -108,7 +109,10 @@ def worker_cmd(
     plain: PlainOption = False,
     heartbeat_timeout: HeartbeatOption = 600,
 ) -> None:
-    """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues."""
+    """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
+    Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
+    or database is at fault."""
+    _positive_timeout(heartbeat_timeout)
     shared = ["--db", db, "--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
     gpu_list = parse_gpus(gpus) if gpus else []
@@ -117,9 +121,19 @@ def worker_cmd(
         raise typer.Exit(code)
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
-    outcomes = work(connect(db), opts, RunDisplay(plain))
+    outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
     console.print(f"worker: {len(outcomes)} run(s): "
-                  + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"), highlight=False)
+                  + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),
+                  highlight=False, markup=False)
+    if any(o.status == "failed" for o in outcomes):
+        raise typer.Exit(1)
+
+
+def _positive_timeout(seconds: float) -> float:
+    # 0 would count every running run as abandoned: two workers would train the same run
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds above 0")
+    return seconds
 
 
 @app.command("eval")
@@ -136,6 +150,9 @@ def eval_cmd(
     speed: Annotated[bool, typer.Option("--speed", help="Also record inference tokens/s and latency per sequence.")] = False,
     db: DbOption = DEFAULT_DB,
     data: DataOption = DEFAULT_DATA,
+    runs_dir: Annotated[Optional[Path], typer.Option(
+        "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+        help="Where the checkpoints are (default: the folder each run trained in).")] = None,
     device: DeviceOption = None,
     threads: ThreadsOption = None,
 ) -> None:
@@ -155,8 +172,9 @@ def eval_cmd(
                 console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
                               highlight=False)
 
-        df = evaluate(connect(db), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
-                      tokens=tokens, positions=positions, speed=speed, device=device, on_result=advance)
+        df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
+                      tokens=tokens, positions=positions, speed=speed, device=device, runs_dir=runs_dir,
+                      on_result=advance)
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
         table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",

@@ -2,6 +2,7 @@
 
 A recipe is a TOML file (shipped ones live in `fibctl/recipes/`). It is parsed into frozen,
 typed dataclasses and hashed; the hash identifies what `fibctl data prepare` built from it.
+Source and held-out set names become file names, so they follow `fibctl.names.NAME_PATTERN`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fibctl.errors import FibctlError
+from fibctl.names import check_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -112,6 +114,8 @@ def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path
     raw_sources = data.pop("sources", None)
     if not raw_sources:
         raise FibctlError("recipe has no [[sources]]")
+    if not isinstance(raw_sources, list) or not all(isinstance(s, dict) for s in raw_sources):
+        raise FibctlError("recipe `sources` must be [[sources]] tables, one per source")
     _check_keys("recipe", data, {f.name for f in dataclasses.fields(Recipe)} - {"sources"})
     recipe = Recipe(
         name=str(data.get("name", default_name)),
@@ -127,16 +131,26 @@ def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path
 
 
 def _parse_source(raw: dict, base_dir: Path) -> Source:
-    name = str(raw.get("name", "?"))
+    name = check_name("source", raw.get("name"))
     where = f"source {name!r}"
     _check_keys(where, raw, {f.name for f in dataclasses.fields(Source)})
+    if raw.get("heldout") is not None:
+        check_name(f"{where}: held-out set", raw["heldout"])
     if raw.get("kind") not in KINDS:
         raise FibctlError(f"{where}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}")
     fields = dict(raw)
     for key in ("text", "configs", "files", "packages"):
         if key in fields:
             value = fields[key]
-            fields[key] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+            if not isinstance(value, (str, list)) or not all(isinstance(v, str) for v in value):
+                raise FibctlError(f"{where}: {key} must be a string or a list of strings, not {value!r}")
+            fields[key] = (value,) if isinstance(value, str) else tuple(value)
+    for key in ("dataset", "split", "revision", "format", "sample_by"):
+        if key in fields and not isinstance(fields[key], str):
+            raise FibctlError(f"{where}: {key}={fields[key]!r} must be a string")
+    for key in ("seed", "documents"):
+        if key in fields and (not isinstance(fields[key], int) or isinstance(fields[key], bool)):
+            raise FibctlError(f"{where}: {key}={fields[key]!r} must be an integer")
     for key in ("share", "heldout_fraction"):
         if key in fields:
             if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool):

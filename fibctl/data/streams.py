@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fibctl.errors import FibctlError
+from fibctl.names import check_name
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -72,17 +73,38 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
         raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --out {data_dir}`")
     try:
         d = json.loads(path.read_text())
+        if not isinstance(d, dict):
+            raise TypeError(f"it holds a {type(d).__name__}, not an object")
         if d.get("format") != FORMAT_VERSION:
             raise FibctlError(f"{path} has format {d.get('format')!r}; this fibctl reads {FORMAT_VERSION}; "
                               "prepare the data again")
-        return DataManifest(
+        manifest = DataManifest(
             data_dir=data_dir, recipe=d["recipe"], recipe_hash=d["recipe_hash"],
             inputs_hash=d["inputs_hash"], vocab_size=d["vocab_size"], tokenizer_vocab=d["tokenizer_vocab"],
             tokenizer_hash=d["tokenizer_hash"], eos_id=d["eos_id"], heldout=list(d["heldout"]),
             tokens=dict(d["tokens"]), sources=dict(d["sources"]), train_split=d["train_split"],
         )
-    except (ValueError, KeyError, TypeError) as e:
+        _check(manifest)
+        return manifest
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise FibctlError(f"{path} is not a valid data manifest ({type(e).__name__}: {e})") from None
+
+
+SOURCE_KEYS = ("kind", "target_tokens", "train_tokens", "train_documents", "exhausted", "heldout",
+               "heldout_tokens", "heldout_documents")
+
+
+def _check(m: DataManifest) -> None:
+    """Types the readers rely on; split names become file names, so they must be names."""
+    if not isinstance(m.vocab_size, int) or isinstance(m.vocab_size, bool) or not 0 < m.vocab_size <= 65536:
+        raise ValueError(f"vocab_size {m.vocab_size!r} is not an integer from 1 to 65536")
+    for split in m.splits:
+        check_name("split", split)
+        if not isinstance(m.tokens.get(split), int):
+            raise KeyError(f"tokens[{split!r}]")
+    for name, source in m.sources.items():
+        if not isinstance(source, dict) or any(k not in source for k in SOURCE_KEYS):
+            raise KeyError(f"sources[{name!r}] needs {', '.join(SOURCE_KEYS)}")
 
 
 def token_stream(data_dir: str | Path, split: str) -> np.memmap:
@@ -91,4 +113,12 @@ def token_stream(data_dir: str | Path, split: str) -> np.memmap:
     path = manifest.split_path(split)
     if not path.is_file() or path.stat().st_size != 2 * manifest.tokens[split]:
         raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    if manifest.tokens[split] == 0:
+        raise FibctlError(f"{path} holds no tokens; prepare the data again")
+    stream = np.memmap(path, dtype=np.uint16, mode="r")
+    # an id past the vocabulary would index outside the embedding table mid-run
+    top = int(stream.max())
+    if top >= manifest.vocab_size:
+        raise FibctlError(f"{path} holds token id {top}, beyond the vocabulary of {manifest.vocab_size:,}; "
+                          "prepare the data again")
+    return stream

@@ -3,12 +3,14 @@
 `connect` brings a database to the latest Alembic revision before handing it out;
 `connect_readonly` opens one whose connection itself refuses writes (for `fibctl sql`).
 A file that is not a database, or a database written by a newer fibctl, is refused with a
-`FibctlError` before anything is written to it.
+`FibctlError` before anything is written to it (WAL mode included). Messages name a
+database by `shown(db)`: its URL with any password masked.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from urllib.parse import quote
 
@@ -17,8 +19,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
 import fibctl
@@ -28,17 +30,38 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 
 
-def resolve_url(db: str) -> str:
-    """A SQLAlchemy URL as given; a bare path means SQLite."""
-    return db if "://" in db else f"sqlite:///{db}"
+# the extra to install for a dialect whose driver is missing
+DRIVER_HINTS = {"postgresql": "pip install psycopg[binary] (or psycopg2-binary)",
+                "mysql": "pip install pymysql, and name it: mysql+pymysql://..."}
 
 
-def _sqlite_path(url: str) -> Path | None:
+def resolve_url(db: str) -> URL:
+    """A SQLAlchemy URL as given; a bare path means SQLite (the path taken whole: a '?' or
+    '#' in it is part of the file name, not a URL query)."""
+    if "://" not in db:
+        return URL.create("sqlite", database=db)
+    try:
+        return make_url(db)
+    except ArgumentError:
+        raise FibctlError(f"--db {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
+                          "postgresql://user@host/db) or a file path") from None
+
+
+def shown(db: str | URL) -> str:
+    """The database as messages show it: a URL's password masked."""
+    if isinstance(db, str) and "://" not in db:
+        return db
+    try:
+        return make_url(db).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(an unparsable URL)"
+
+
+def _sqlite_path(url: URL) -> Path | None:
     """The file behind a SQLite URL; None for other dialects and in-memory databases."""
-    u = make_url(url)
-    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return None
-    return Path(u.database)
+    return Path(url.database)
 
 
 def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
@@ -68,7 +91,6 @@ def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> No
     def _on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # let SQLAlchemy, not the driver, issue BEGIN
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         cur.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
         cur.close()
@@ -78,8 +100,20 @@ def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> No
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _engine(url: str, *, foreign_keys: bool = True, **kwargs) -> Engine:
-    engine = create_engine(url, **kwargs)
+def _create_engine(url: URL, **kwargs) -> Engine:
+    """`create_engine`, with a missing driver or an unknown dialect as one line."""
+    try:
+        return create_engine(url, **kwargs)
+    except NoSuchModuleError:
+        raise FibctlError(f"--db {shown(url)}: unknown database kind {url.drivername!r}; "
+                          "use a SQLite path or a postgresql:// URL") from None
+    except ImportError as e:
+        hint = DRIVER_HINTS.get(url.get_backend_name(), f"install the {url.drivername} driver")
+        raise FibctlError(f"--db {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None
+
+
+def _engine(url: URL, *, foreign_keys: bool = True, **kwargs) -> Engine:
+    engine = _create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _install_sqlite_settings(engine, foreign_keys=foreign_keys)
     return engine
@@ -121,16 +155,16 @@ def _check_revision(engine: Engine, db: str) -> str | None:
         rev = current_revision(engine)
         tables = inspect(engine).get_table_names() if rev is None else []
     except DatabaseError as e:
-        raise FibctlError(f"{db} is not a usable database: {e.orig}") from None
+        raise FibctlError(f"{shown(db)} is not a usable database: {e.orig}") from None
     if rev is None and tables:
         raise FibctlError(
-            f"{db} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
+            f"{shown(db)} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
             "but no fibctl schema revision")
     if rev is not None:
         known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
         if rev not in known:
             raise FibctlError(
-                f"{db} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
+                f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
                 "it was written by a newer fibctl; upgrade fibctl to use it")
     return rev
 
@@ -149,23 +183,37 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
     engine = _engine(url, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
+        if path is not None:  # a fibctl database (or a new one): now it may change mode
+            _set_wal(engine)
         target = head_revision() if revision == "head" else revision
         if before != target:
             try:
                 with engine.begin() as conn:
                     command.upgrade(alembic_config(conn), revision)
             except Exception as e:  # the transaction rolled back: the database is as it was
-                raise FibctlError(f"upgrading {db} to {target} failed, nothing changed: {e}") from e
+                raise FibctlError(f"upgrading {shown(db)} to {target} failed, nothing changed: {e}") from e
         return before, current_revision(engine)
     finally:
         engine.dispose()
 
 
-def connect(db: str, *, create: bool = True) -> Engine:
+def _set_wal(engine: Engine) -> None:
+    raw = engine.raw_connection()  # outside any transaction: the mode cannot change inside one
+    try:
+        raw.driver_connection.execute("PRAGMA journal_mode=WAL")
+    finally:
+        raw.close()
+
+
+def connect(db: str, *, create: bool = True, must_exist: bool = False) -> Engine:
     """An engine on `db`. With `create`, a missing database is created and an older schema
-    upgraded to the latest revision; without it, the database must exist and be current."""
+    upgraded to the latest revision; without it, the database must exist and be current.
+    `must_exist` still upgrades but creates nothing: for commands that only make sense on a
+    database with runs in it, where a mistyped path would otherwise be a new empty one."""
     url = resolve_url(db)
     path = _sqlite_path(url)
+    if path is not None and must_exist:
+        _check_sqlite_file(path, must_exist=True)
     if create:
         upgrade(db)
     elif path is not None:
@@ -173,26 +221,40 @@ def connect(db: str, *, create: bool = True) -> Engine:
     engine = _engine(url)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
-        raise FibctlError(f"{db} is not at the latest schema revision; run `fibctl db upgrade --db {db}`")
+        raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db {shown(db)}`")
     return engine
 
 
-def connect_readonly(db: str) -> Engine:
+def connect_readonly(db: str, *, current: bool = True) -> Engine:
     """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
-    transactions), for running SQL a user typed."""
+    transactions), for reports and SQL a user typed. With `current`, the database must be a
+    fibctl one at the latest revision (the reports' queries need its columns)."""
     url = resolve_url(db)
     path = _sqlite_path(url)
     if path is not None:
         _check_sqlite_file(path, must_exist=True)
-        engine = create_engine(f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro&uri=true")
+        engine = create_engine(_readonly_sqlite_url(path))
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
             dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             dbapi_conn.execute("PRAGMA query_only=ON")
-    elif make_url(url).get_backend_name() == "postgresql":
-        engine = create_engine(url, execution_options={"postgresql_readonly": True})
+    elif url.get_backend_name() == "postgresql":
+        engine = _create_engine(url, execution_options={"postgresql_readonly": True})
     else:
-        raise FibctlError(f"read-only access supports SQLite and PostgreSQL databases, not {url}")
-    _check_revision(engine, db)
+        raise FibctlError(f"read-only access supports SQLite and PostgreSQL databases, not {shown(url)}")
+    rev = _check_revision(engine, db)
+    if current and rev != head_revision():
+        engine.dispose()
+        now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"
+        raise FibctlError(f"{shown(db)} has {now}; reports need revision {head_revision()}: "
+                          f"run `fibctl db upgrade --db {shown(db)}`")
     return engine
+
+
+def _readonly_sqlite_url(path: Path) -> str:
+    """`mode=ro`; in a folder this process cannot write, `immutable=1` as well: a read-only
+    WAL database needs its -shm file, which such a folder cannot get (nothing can be
+    writing to the database there either, so reading it as immutable is safe)."""
+    immutable = "&immutable=1" if not os.access(path.resolve().parent, os.W_OK) else ""
+    return f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro{immutable}&uri=true"

@@ -55,7 +55,8 @@ class Run(Base):
     tokens_trained: Mapped[int | None] = mapped_column(Integer)
     final_step: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
-    checkpoint_path: Mapped[str | None] = mapped_column(Text)
+    checkpoint_path: Mapped[str | None] = mapped_column(Text)  # RUN/step_N.pt, under the runs folder
+    runs_dir: Mapped[str | None] = mapped_column(Text)  # the runs folder it last trained in: eval's default
     source: Mapped[str] = mapped_column(String(100), default="fibctl")  # or the imported file
 
     __table_args__ = (

@@ -3,19 +3,46 @@
 Every metric has a natural key (see schema.py); writing the same key again replaces the
 old value. Replacement is a delete and an insert in one transaction, which works on any
 database SQLAlchemy supports.
+
+A write that the database refuses for a reason that can pass (a lock held past the busy
+timeout, a full disk, a dropped connection) is tried again with growing pauses; past
+`RETRY_DELAYS_S` it raises `DatabaseUnavailable`, and the worker checkpoints and requeues.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
 from sqlalchemy import Table, and_, delete, insert, update
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import OperationalError
 
 from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, Run, TrainStep
+from fibctl.errors import WorkerError
+
+RETRY_DELAYS_S = (1, 2, 4, 8, 16)  # pauses between tries, each after the busy timeout has run out
+
+
+class DatabaseUnavailable(WorkerError):
+    """A write still failed after every retry."""
+
+
+def write_retrying(engine: Engine, write: Callable[[Connection], object]):
+    """`write(conn)` in one transaction, tried again after each pause of RETRY_DELAYS_S."""
+    for delay in (*RETRY_DELAYS_S, None):
+        try:
+            with engine.begin() as conn:
+                return write(conn)
+        except OperationalError as e:
+            if delay is None:
+                reason = str(e.orig).strip().splitlines()[0] if str(e.orig).strip() else type(e.orig).__name__
+                raise DatabaseUnavailable(f"the database refused writes {len(RETRY_DELAYS_S) + 1} times over "
+                                          f"{sum(RETRY_DELAYS_S):g} s ({reason})") from None
+            time.sleep(delay)
 
 
 def utcnow() -> datetime:
@@ -45,8 +72,7 @@ class RunRecorder:
         self.worker = worker
 
     def _replace(self, table: Table, key: dict, rows: list[dict]) -> None:
-        with self.engine.begin() as conn:
-            replace_rows(conn, table, {"run_id": self.run_id, **key}, rows)
+        write_retrying(self.engine, lambda conn: replace_rows(conn, table, {"run_id": self.run_id, **key}, rows))
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float | None = None,
                  tokens_per_s: float | None = None, elapsed_s: float | None = None) -> None:
@@ -87,17 +113,16 @@ class RunRecorder:
         cond = [Run.id == self.run_id, Run.status == "running"]
         if self.worker is not None:
             cond.append(Run.worker == self.worker)
-        with self.engine.begin() as conn:
-            return conn.execute(update(Run).where(*cond).values(heartbeat_at=utcnow())).rowcount == 1
+        return write_retrying(self.engine, lambda conn: conn.execute(
+            update(Run).where(*cond).values(heartbeat_at=utcnow())).rowcount == 1)
 
     def event(self, kind: str, message: str | None = None, data: dict | None = None) -> None:
-        with self.engine.begin() as conn:
-            add_event(conn, self.run_id, kind, message, data)
+        write_retrying(self.engine, lambda conn: add_event(conn, self.run_id, kind, message, data))
 
     def update_run(self, **columns) -> None:
         """Set columns of the run's row, e.g. params_total=..., tokens_trained=..."""
         unknown = set(columns) - set(Run.__table__.c.keys())
         if unknown:
             raise TypeError(f"runs has no column(s) {', '.join(sorted(unknown))}")
-        with self.engine.begin() as conn:
-            conn.execute(update(Run).where(Run.id == self.run_id).values(**columns))
+        write_retrying(self.engine, lambda conn: conn.execute(
+            update(Run).where(Run.id == self.run_id).values(**columns)))

@@ -1,15 +1,24 @@
 """Checkpoints: written atomically (temporary file, fsync, rename), the last few kept.
 
-A checkpoint is one `torch.save`d dict: model and optimizer state, the step, the sampler
-state and every RNG state (torch, CUDA, numpy, python), so training resumes exactly.
+A checkpoint is one `torch.save`d dict of tensors and plain Python values only: model and
+optimizer state, the step, the sampler state, every RNG state (torch, CUDA, numpy, python)
+so training resumes exactly, and the run's config, config hash and data hash so a resume
+can tell whether the checkpoint is the run's. It is read with `weights_only=True`: a file
+that would need anything else to unpickle (code, in a crafted one) is refused, not run.
+
+The database stores a checkpoint's path relative to the runs folder (`RUN/step_N.pt`) and
+resolves it against the `--runs-dir` given, so a runs folder can be named from anywhere.
+Paths written before that (absolute, or relative to the worker's directory) still resolve;
+any path that is not a `step_N.pt` file directly in a folder named after its run is refused.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import torch
@@ -17,6 +26,9 @@ import torch
 from fibctl.errors import FibctlError
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+# What checkpoints written before weights-only loading hold besides tensors: numpy's RNG
+# state, a plain uint32 array. Rebuilding an array runs no code of the file's choosing.
+_LEGACY_NUMPY = [np.dtype, np.ndarray, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -63,15 +75,60 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
+    """The checkpoint's dict, loaded weights-only; FibctlError for anything else."""
     try:
-        # our own files, holding numpy and python RNG states: not weights-only
-        return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_LEGACY_NUMPY):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FibctlError(f"checkpoint {path} does not exist") from None
+    except IsADirectoryError:
+        raise FibctlError(f"checkpoint {path} is a directory") from None
+    except pickle.UnpicklingError as e:
+        # torch's message is a page of advice; the line naming what was refused is the one to show
+        reason = next((line for line in str(e).splitlines() if "nsupported" in line), "not weights-only")
+        raise FibctlError(f"checkpoint {path} was refused: it holds more than tensors and plain values "
+                          f"({reason[:200]})") from None
+    except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
+        raise FibctlError(f"checkpoint {path} is damaged or not a checkpoint "
+                          f"({type(e).__name__}: {str(e).strip()[:200] or 'no detail'})") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise FibctlError(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
+    return state
+
+
+# ----------------------------------------------------------------------------- paths in the database
+
+
+def stored_path(path: Path, runs_dir: Path, run_name: str) -> str:
+    """What the database records for `path`: relative to the runs folder when it is in it."""
+    path = Path(path)
+    if path.parent == Path(runs_dir) / run_name:
+        return f"{run_name}/{path.name}"
+    return str(path.resolve())  # a run that resumed in the folder an older fibctl recorded
+
+
+def resolve_path(stored: str, runs_dir: Path, run_name: str) -> Path:
+    """The file a recorded checkpoint path names, after checking it is the run's own."""
+    p = PurePath(stored)
+    if _NAME.match(p.name) is None or p.parent.name != run_name or ".." in p.parts:
+        raise FibctlError(f"run {run_name!r} records checkpoint {stored!r}, which is not a step_N.pt file "
+                          f"in the run's own folder {run_name}/; refused")
+    if not p.is_absolute() and len(p.parts) == 2:
+        return Path(runs_dir) / p
+    return Path(p)  # recorded by an older fibctl: absolute, or relative to its directory
+
+
+# ----------------------------------------------------------------------------- RNG states
 
 
 def rng_states() -> dict:
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG state as tensors and plain values (what weights-only loading accepts)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+              "python": {"version": version, "state": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -79,7 +136,19 @@ def rng_states() -> dict:
 
 def restore_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
+    np.random.set_state(_numpy_state(states["numpy"]))
+    random.setstate(_python_state(states["python"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _numpy_state(s) -> tuple:
+    if not isinstance(s, dict):  # an older checkpoint: numpy's own tuple
+        return s
+    return (s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+
+
+def _python_state(s) -> tuple:
+    if not isinstance(s, dict):  # an older checkpoint: random.getstate() as it was
+        return s
+    return (s["version"], tuple(s["state"]), s["gauss_next"])

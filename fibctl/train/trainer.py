@@ -30,7 +30,7 @@ import torch
 
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest, token_stream
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, WorkerError
 from fibctl.evaluate import stream_loss
 from fibctl.model import FibLM
 from fibctl.train import checkpoint as ckpt
@@ -79,10 +79,11 @@ class TrainResult:
 
 
 def check_data(config: RunConfig, data_dir: Path):
-    """The data manifest, after checking it fits the run (raises FibctlError otherwise)."""
+    """The data manifest, after checking it fits the run (raises WorkerError otherwise: the
+    data folder given is at fault, not the run)."""
     manifest = load_manifest(data_dir)
     if manifest.vocab_size != config.model.vocab_size:
-        raise FibctlError(f"run {config.name!r} (preset {config.preset}) has vocab "
+        raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
                           f"{config.model.vocab_size:,} but the tokenizer of {data_dir} has "
                           f"{manifest.vocab_size:,}")
     return manifest
@@ -99,6 +100,7 @@ class Trainer:
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.lost = False
         manifest = check_data(config, data_dir)
+        self.data_hash = manifest.inputs_hash
         self.heldout = {name: token_stream(data_dir, name) for name in manifest.heldout}
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
@@ -191,15 +193,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> Path:
+    def write_checkpoint(self) -> Path:
+        """The checkpoint file of the current step, and nothing else (no report, no callback)."""
         self._tick()
         state = {
             "step": self.step, "elapsed_s": self.elapsed_s, "config": self.config.to_dict(),
+            "config_hash": self.config.config_hash, "data_hash": self.data_hash,
             "optimizer_name": self.optimizer_name,
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(), "rng": ckpt.rng_states(),
         }
-        path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.tc.keep_checkpoints)
+        return ckpt.save_checkpoint(self.run_dir, self.step, state, self.tc.keep_checkpoints)
+
+    def save(self) -> Path:
+        path = self.write_checkpoint()
         self.reporter.event("checkpoint", f"step {self.step}: {path}", {"step": self.step, "path": str(path)})
         if self.on_checkpoint:
             self.on_checkpoint(self._result("running", path))
@@ -211,6 +218,7 @@ class Trainer:
         if path is None:
             return None
         state = ckpt.load_checkpoint(path)
+        self._check_belongs(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:
             raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
@@ -223,6 +231,18 @@ class Trainer:
         self.step, self.elapsed_s = state["step"], state["elapsed_s"]
         self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
         return path
+
+    def _check_belongs(self, state: dict, path: Path) -> None:
+        """Refuse a checkpoint of another config or other data (a runs folder reused, say):
+        resuming from it would report its weights as this run's."""
+        theirs = state.get("config_hash") or _config_hash(state.get("config"))
+        if theirs != self.config.config_hash:
+            raise WorkerError(f"checkpoint {path} has config hash {theirs} but run {self.config.name!r} has "
+                              f"{self.config.config_hash}: it is another run's; use this run's own --runs-dir")
+        if state.get("data_hash", self.data_hash) != self.data_hash:
+            raise WorkerError(f"checkpoint {path} was trained on data {state['data_hash']} but "
+                              f"{self.config.name!r} would resume on data {self.data_hash}: use the --data it "
+                              "was trained on")
 
     def _heartbeat(self) -> None:
         if self.reporter.heartbeat() is False:
@@ -237,6 +257,13 @@ class Trainer:
     def _result(self, status: str, last: Path | None, error: str | None = None) -> TrainResult:
         self._tick()
         return TrainResult(status, self.step, last, self.step * self.tokens_per_step, self.elapsed_s, error)
+
+
+def _config_hash(config) -> str:
+    try:
+        return RunConfig.from_dict(config).config_hash
+    except (KeyError, TypeError, AttributeError):
+        return "(none recorded)"
 
 
 def _seed_everything(seed: int) -> None:

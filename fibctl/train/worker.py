@@ -7,6 +7,11 @@ checkpoint and returns the run to the queue; a second one aborts at once (the ru
 taken back by a later claim once its heartbeat is stale, and resumes from its last
 checkpoint). A diverged run (NaN or infinite loss) or one that raises is marked failed and
 the worker moves on.
+
+A failure that is the worker's, not the run's (`WorkerError`: data that does not fit, a runs
+folder without the run's checkpoint or with another run's, a database that keeps refusing
+writes), puts the run back in the queue and stops the worker with that one line: one wrong
+option must not fail a whole queue. The data and runs folder are checked before any claim.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable
@@ -29,8 +35,10 @@ from sqlalchemy.engine import Engine
 
 from fibctl import queue
 from fibctl.data.streams import load_manifest
-from fibctl.db.store import RunRecorder
-from fibctl.errors import FibctlError
+from fibctl.db.store import DatabaseUnavailable, RunRecorder
+from fibctl.errors import FibctlError, WorkerError
+from fibctl.names import check_name
+from fibctl.train import checkpoint as ckpt
 from fibctl.train.device import describe, keep_freed_memory, resolve_device, set_threads
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
@@ -70,6 +78,17 @@ def worker_name(device: torch.device) -> str:
     return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
 
 
+def check_environment(opts: WorkerOptions) -> None:
+    """Refuse, before claiming anything, a data folder without a manifest or a runs folder
+    that cannot be written."""
+    load_manifest(opts.data_dir)
+    try:
+        opts.runs_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=opts.runs_dir).close()
+    except OSError as e:
+        raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
+
+
 def prepare_process(opts: WorkerOptions) -> torch.device:
     device = resolve_device(opts.device)
     set_threads(opts.threads if opts.threads is not None or device.type == "cuda" else 1)
@@ -101,7 +120,7 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
          stop: threading.Event | None = None) -> list[Outcome]:
     """Claim and train runs until none is queued, `max_runs` were trained, or `stop` is set."""
     stop = stop or threading.Event()
-    load_manifest(opts.data_dir)  # no manifest: fail before claiming anything
+    check_environment(opts)
     device = prepare_process(opts)
     name = worker_name(device)
     outcomes: list[Outcome] = []
@@ -119,6 +138,7 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
                 stop: threading.Event | None = None) -> Outcome:
     """Train one run by name: queued, failed, cancelled or abandoned runs are (re)claimed."""
     stop = stop or threading.Event()
+    check_environment(opts)
     device = prepare_process(opts)
     name = worker_name(device)
     with stop_on_signals(stop):
@@ -131,34 +151,69 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, device: torch.device,
                   worker: str, display: Display, stop: threading.Event) -> Outcome:
     recorder = RunRecorder(engine, claimed.id, worker)
-    run_dir = Path(claimed.checkpoint_path).parent if claimed.checkpoint_path else opts.runs_dir / claimed.name
+    trainer = None
     try:
+        run_dir = _run_dir(claimed, opts)
         trainer = Trainer(claimed.config, opts.data_dir, run_dir, recorder, device=device, stop=stop,
-                          on_checkpoint=lambda result: _record(recorder, result))
+                          on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result))
         counts = trainer.model.param_counts()
         recorder.update_run(device=describe(device), torch_version=torch.__version__,
                             params_total=counts["total"], params_non_embedding=counts["non_embedding"],
-                            optimizer=trainer.optimizer_name)
+                            optimizer=trainer.optimizer_name, runs_dir=str(opts.runs_dir.resolve()))
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
-        result = trainer.run()
+        outcome = _settle(engine, claimed, recorder, opts, trainer.run())
     except KeyboardInterrupt:
         raise
+    except DatabaseUnavailable as e:
+        raise _requeue_after_database_failure(engine, claimed, trainer, e) from None
+    except WorkerError as e:
+        queue.unclaim(engine, claimed.id, str(e))
+        raise
     except Exception as e:  # a run that raises must not take the worker down with it
-        queue.fail(engine, claimed.id, _error_text(e))
-        outcome = Outcome(claimed.name, "failed", 0, f"{type(e).__name__}: {e}")
-    else:
-        outcome = _settle(engine, claimed, recorder, result)
+        step = trainer.step if trainer else 0
+        queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
+        outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
     display.finish(outcome)
     return outcome
 
 
-def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, result: TrainResult) -> Outcome:
+def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
+    """The run's checkpoint folder: its own under --runs-dir, or (a run an older fibctl
+    trained) the folder it recorded. A recorded checkpoint that is not there is the runs
+    folder's fault: training from step 0 instead would silently discard the run's progress."""
+    check_name("run", claimed.name)
+    if not claimed.checkpoint_path:
+        return opts.runs_dir / claimed.name
+    path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
+    if not path.is_file():
+        raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
+                          "exist: give the --runs-dir it was trained with")
+    return path.parent
+
+
+def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,
+                                    e: DatabaseUnavailable) -> FibctlError:
+    """Checkpoint the step in progress, put the run back in the queue; the error to stop with."""
+    saved = ""
+    if trainer is not None and trainer.step > 0:
+        path = ckpt.checkpoint_path(trainer.run_dir, trainer.step)
+        saved = f"; checkpointed step {trainer.step} to {path if path.is_file() else trainer.write_checkpoint()}"
+    try:
+        queue.release(engine, claimed.id, f"released: {e}")
+        where = "it is queued again"
+    except DatabaseUnavailable:
+        where = "it stays marked running until its heartbeat is stale, then the next worker resumes it"
+    return FibctlError(f"run {claimed.name!r}: {e}{saved}; {where}")
+
+
+def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, opts: WorkerOptions,
+            result: TrainResult) -> Outcome:
     """Record the loop's result on the run's row and move it to its next state."""
     if result.status == "lost":  # cancelled or taken over: the row is no longer ours to change
         return Outcome(claimed.name, "lost", result.step, result.error, result.checkpoint)
-    _record(recorder, result)
+    _record(recorder, opts, claimed.name, result)
     if result.status == "done":
         recorder.update_run(final_step=result.step)
         queue.finish(engine, claimed.id)
@@ -170,9 +225,10 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, re
     return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint)
 
 
-def _record(recorder: RunRecorder, result: TrainResult) -> None:
+def _record(recorder: RunRecorder, opts: WorkerOptions, name: str, result: TrainResult) -> None:
+    stored = ckpt.stored_path(result.checkpoint, opts.runs_dir, name) if result.checkpoint else None
     recorder.update_run(tokens_trained=result.tokens_trained, wall_seconds=result.wall_seconds,
-                        checkpoint_path=str(result.checkpoint) if result.checkpoint else None)
+                        checkpoint_path=stored)
 
 
 def _error_text(e: Exception) -> str:

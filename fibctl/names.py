@@ -1,0 +1,27 @@
+"""Names that become file or folder names: runs, matrices, data sources and held-out sets.
+
+A name is 1 to 100 characters: a letter or digit, then letters, digits, '_', '-' or '.'
+(`NAME_PATTERN`). That keeps every name a single path component: no '/', no '..', nothing
+absolute, so a name from a recipe, a matrix or the database cannot reach outside its folder.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fibctl.errors import FibctlError
+
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
+NAME_RULE = "1-100 letters, digits, '_', '-' or '.', starting with a letter or digit"
+_NAME = re.compile(NAME_PATTERN)
+
+
+def is_name(value) -> bool:
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
+
+def check_name(kind: str, value) -> str:
+    """`value` if it is a valid name; FibctlError naming the `kind` of name otherwise."""
+    if not is_name(value):
+        raise FibctlError(f"{kind} name {value!r} is not allowed: use {NAME_RULE}")
+    return value

@@ -1,0 +1,343 @@
+"""Issue 13: checkpoints run no code and belong to their run, runs folders resolve from
+anywhere, a worker's own failures leave the queue as it was, a database that refuses
+writes does not strand a run."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import event
+
+from fibctl.db import store
+from fibctl.db.engine import connect
+from fibctl.errors import FibctlError, WorkerError
+from fibctl.train import checkpoint as ckpt
+from fibctl.train.trainer import Trainer
+from fibctl.train.worker import WorkerOptions, work
+from train_helpers import micro_run, queued_db, write_data
+
+torch.set_num_threads(1)
+SHORT = dict(steps=10, eval_interval=10, checkpoint_interval=10)
+LONG = dict(steps=30, eval_interval=50, checkpoint_interval=10)
+
+
+class Quiet:
+    def __init__(self, on_step=None):
+        self.on_step, self.outcomes = on_step, []
+
+    def start(self, name, steps):
+        return self.on_step or (lambda p: None)
+
+    def warn(self, message):
+        pass
+
+    def finish(self, outcome):
+        self.outcomes.append(outcome)
+
+
+class NullReporter:
+    def __getattr__(self, name):
+        return lambda *a, **k: True
+
+
+class Evil:
+    """Unpickling this runs a command: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+def opts(data, runs_dir, **kw):
+    return WorkerOptions(data_dir=data, runs_dir=runs_dir, **kw)
+
+
+def runs(db):
+    return sqlite3.connect(db).execute("select name, status, attempts, started_at, error, checkpoint_path "
+                                       "from runs order by id").fetchall()
+
+
+def cli(args, capsys, monkeypatch, stream: str = "err") -> tuple[int, str]:
+    """Run `fibctl ARGS` in-process: (exit code, what it wrote to `stream`)."""
+    from fibctl.cli import main
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    return exit_.value.code, getattr(capsys.readouterr(), stream)
+
+
+# ----------------------------------------------------------------------------- 1: no code from a checkpoint
+
+
+def test_a_crafted_checkpoint_is_refused_and_its_code_never_runs(data, tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "pwned"
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    (tmp_path / "runs" / "run").mkdir(parents=True)
+    torch.save({"step": 10, "model": Evil(marker)}, tmp_path / "runs" / "run" / "step_00000010.pt")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set checkpoint_path = 'run/step_00000010.pt', status = 'done'")
+    code, err = cli(["eval", "run", "--length", "64", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs")], capsys, monkeypatch)
+    assert code == 2 and "was refused" in err and "posix.system" in err, err
+    assert len(err.strip().splitlines()) == 1 and not marker.exists()
+    # resuming from it in a worker is refused the same way
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set status = 'queued'")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "failed" and "was refused" in outcome.error and not marker.exists()
+
+
+@pytest.mark.parametrize("stored", ["../other/step_00000010.pt", "/tmp/elsewhere/step_00000010.pt",
+                                    "run/../../step_00000010.pt", "run/evil.pkl"])
+def test_a_checkpoint_path_outside_the_runs_own_folder_is_refused(stored, data, tmp_path, capsys, monkeypatch):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set checkpoint_path = ?, status = 'done'", (stored,))
+    code, err = cli(["eval", "run", "--length", "64", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs")], capsys, monkeypatch)
+    assert code == 2 and "not a step_N.pt file in the run's own folder" in err, err
+
+
+def test_checkpoints_hold_only_what_weights_only_loading_accepts_and_resume_rng(data, tmp_path):
+    trainer = Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter())
+    assert trainer.run().status == "done"
+    state = torch.load(tmp_path / "run" / "step_00000010.pt", weights_only=True)  # no extra globals allowed
+    assert state["config_hash"] == micro_run("run", **SHORT).config_hash and state["step"] == 10
+    ckpt.restore_rng_states(state["rng"])
+    import random
+
+    import numpy as np
+    first = (torch.rand(1).item(), np.random.rand(), random.random())
+    ckpt.restore_rng_states(state["rng"])
+    assert (torch.rand(1).item(), np.random.rand(), random.random()) == first
+
+
+def test_a_checkpoint_written_before_weights_only_loading_still_resumes(tmp_path):
+    import random
+
+    import numpy as np
+    legacy = {"step": 5, "model": {}, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                              "python": random.getstate()}}
+    torch.save(legacy, tmp_path / "step_00000005.pt")
+    state = ckpt.load_checkpoint(tmp_path / "step_00000005.pt")
+    expected = np.random.rand()
+    ckpt.restore_rng_states(state["rng"])
+    assert np.random.rand() == expected
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", bytes(range(256)) * 8])
+def test_an_empty_truncated_or_random_checkpoint_is_one_line(content, tmp_path):
+    path = tmp_path / "step_00000001.pt"
+    path.write_bytes(content)
+    with pytest.raises(FibctlError, match="checkpoint .*step_00000001.pt (is damaged|was refused)"):
+        ckpt.load_checkpoint(path)
+
+
+# ----------------------------------------------------------------------------- 5: a stale checkpoint
+
+
+def test_resume_refuses_another_configs_checkpoint_and_leaves_the_run_queued(data, tmp_path):
+    old = queued_db(tmp_path / "old.db", micro_run("run", **SHORT))
+    work(old, opts(data, tmp_path / "runs"), Quiet())
+    # the same name queued again with another learning rate, pointed at the old runs folder
+    new = queued_db(tmp_path / "new.db", micro_run("run", lr=1e-3, **SHORT))
+    with new.begin() as conn:  # as if an earlier attempt had recorded the (old) checkpoint
+        conn.exec_driver_sql("update runs set checkpoint_path = 'run/step_00000010.pt'")
+    before = runs(tmp_path / "new.db")
+    with pytest.raises(WorkerError) as e:
+        work(new, opts(data, tmp_path / "runs"), Quiet())
+    ours, theirs = micro_run("run", lr=1e-3, **SHORT).config_hash, micro_run("run", **SHORT).config_hash
+    assert f"config hash {theirs} but run 'run' has {ours}" in str(e.value)
+    assert runs(tmp_path / "new.db") == before  # queued, attempt not counted, nothing trained
+
+
+def test_resume_refuses_a_checkpoint_trained_on_other_data(data, tmp_path):
+    trainer = Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter())
+    trainer.run()
+    state = ckpt.load_checkpoint(tmp_path / "run" / "step_00000010.pt")
+    ckpt.save_checkpoint(tmp_path / "run", 10, {**state, "data_hash": "f" * 16}, keep=1)
+    with pytest.raises(WorkerError, match="trained on data f{16} but 'run' would resume on data 0{16}"):
+        Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter()).run()
+
+
+# ----------------------------------------------------------------------------- 6: runs folder from anywhere
+
+
+def test_a_relative_runs_dir_resumes_from_another_directory(data, tmp_path, monkeypatch):
+    (tmp_path / "A").mkdir()
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    monkeypatch.chdir(tmp_path / "A")
+    stop = threading.Event()
+    [first] = work(engine, opts(data, Path("runs")), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    assert (first.status, first.step) == ("released", 13)
+    assert runs(tmp_path / "r.db")[0][5] == "run/step_00000013.pt"
+    monkeypatch.chdir(tmp_path)
+    [second] = work(engine, opts(data, Path("A/runs")), Quiet())
+    assert second.status == "done" and not (tmp_path / "runs").exists()
+    kinds = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'").fetchall()
+    assert kinds == [("resumed from step 13: A/runs/run/step_00000013.pt",)]
+
+
+def test_a_runs_dir_without_the_recorded_checkpoint_is_refused_not_restarted(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    before = runs(tmp_path / "r.db")
+    with pytest.raises(WorkerError, match="run 'run' has checkpoint run/step_00000003.pt, but .*elsewhere.* "
+                                          "does not exist: give the --runs-dir it was trained with"):
+        work(engine, opts(data, tmp_path / "elsewhere"), Quiet())
+    assert runs(tmp_path / "r.db") == before and not (tmp_path / "elsewhere" / "run").exists()
+
+
+def test_an_absolute_path_recorded_by_an_older_fibctl_still_resumes_and_evaluates(data, tmp_path):
+    from fibctl.evaluate import evaluate
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "old"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    legacy = str(tmp_path / "old" / "run" / "step_00000003.pt")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set checkpoint_path = ?, runs_dir = null", (legacy,))
+    [outcome] = work(engine, opts(data, tmp_path / "new"), Quiet())
+    assert outcome.status == "done" and outcome.checkpoint.parent == tmp_path / "old" / "run"
+    assert runs(tmp_path / "r.db")[0][5] == str(tmp_path / "old" / "run" / "step_00000030.pt")
+    assert len(evaluate(engine, ["run"], [64], data_dir=data)) == 2
+
+
+def test_eval_finds_checkpoints_in_the_folder_the_run_trained_in(data, tmp_path, monkeypatch):
+    from fibctl.evaluate import evaluate
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    work(engine, opts(data, tmp_path / "runs"), Quiet())
+    monkeypatch.chdir(tmp_path / "runs")  # no --runs-dir: the recorded folder, whatever the directory
+    assert len(evaluate(engine, ["run"], [64], data_dir=data)) == 2
+    with pytest.raises(FibctlError, match="give the --runs-dir it was trained in"):
+        evaluate(engine, ["run"], [64], data_dir=data, runs_dir=tmp_path / "elsewhere")
+
+
+# ----------------------------------------------------------------------------- 11: the worker's own failures
+
+
+def test_wrong_data_leaves_every_run_queued_as_it_was(data, tmp_path, capsys, monkeypatch):
+    other = write_data(tmp_path / "other", vocab=1024, train_tokens=4_000, heldout_tokens=1_024)
+    queued_db(tmp_path / "r.db", *(micro_run(f"r{i}", **SHORT) for i in range(3)))
+    before = runs(tmp_path / "r.db")
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(other),
+                     "--runs-dir", str(tmp_path / "runs")], capsys, monkeypatch)
+    assert code == 2 and "vocab 512 but the tokenizer" in err and len(err.strip().splitlines()) == 1, err
+    assert runs(tmp_path / "r.db") == before
+
+
+def test_an_unwritable_runs_dir_is_refused_before_any_claim(data, tmp_path, capsys, monkeypatch):
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    (tmp_path / "afile").write_text("x")
+    before = runs(tmp_path / "r.db")
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "afile")], capsys, monkeypatch)
+    assert code == 2 and "cannot hold checkpoints" in err, err
+    assert runs(tmp_path / "r.db") == before and (tmp_path / "afile").read_text() == "x"
+
+
+def test_worker_exits_1_when_a_run_failed_and_retry_all_failed_requeues(data, tmp_path, capsys, monkeypatch):
+    queued_db(tmp_path / "r.db", micro_run("nan", lr=1e6, **SHORT), micro_run("ok", **SHORT))
+    db = str(tmp_path / "r.db")
+    code, _ = cli(["worker", "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--plain"],
+                  capsys, monkeypatch)
+    assert code == 1
+    assert [(n, s) for n, s, *_ in runs(db)] == [("nan", "failed"), ("ok", "done")]
+    assert "at step" in sqlite3.connect(db).execute("select error from runs where name = 'nan'").fetchone()[0]
+    code, out = cli(["queue", "retry", "--all-failed", "--db", db], capsys, monkeypatch, "out")
+    assert code == 0 and "queued 1 failed run(s) again: nan" in out
+    assert [(n, s) for n, s, *_ in runs(db)] == [("nan", "queued"), ("ok", "done")]
+    code, err = cli(["queue", "retry", "--db", db], capsys, monkeypatch)
+    assert code == 2 and "name a run, or pass --all-failed" in err
+
+
+def test_a_run_that_raises_records_the_step_it_failed_at(data, tmp_path, monkeypatch):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+
+    def boom(self):
+        if self.step == 7:
+            raise RuntimeError("simulated fault")
+        return original(self)
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", boom)
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert (outcome.status, outcome.step) == ("failed", 7)
+    assert runs(tmp_path / "r.db")[0][4].startswith("at step 7: RuntimeError: simulated fault")
+
+
+# ----------------------------------------------------------------------------- 10: a database that refuses writes
+
+
+def test_a_write_waits_out_a_held_lock(tmp_path, monkeypatch):
+    from fibctl.db import engine as db_engine
+    monkeypatch.setattr(db_engine, "BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.2, 0.4, 0.8))
+    engine = queued_db(tmp_path / "r.db", micro_run("run"))
+    holder = sqlite3.connect(tmp_path / "r.db", isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.5, holder.rollback).start()
+    started = time.perf_counter()
+    store.RunRecorder(engine, 1).log_step(1, 2.0, 1e-3)
+    assert time.perf_counter() - started >= 0.4
+    assert sqlite3.connect(tmp_path / "r.db").execute("select count(*) from train_steps").fetchone() == (1,)
+    holder.execute("BEGIN IMMEDIATE")  # held past every retry: one error naming the cause
+    with pytest.raises(store.DatabaseUnavailable, match=r"refused writes 4 times over 1.4 s \(database is locked\)"):
+        store.RunRecorder(engine, 1).log_step(2, 2.0, 1e-3)
+    holder.rollback()
+
+
+def test_a_database_that_keeps_refusing_writes_checkpoints_and_requeues_the_run(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    reference = Trainer(micro_run("run", **LONG), data, tmp_path / "ref", NullReporter())
+    reference.run()
+    full = threading.Event()
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def disk_full(conn, cursor, statement, *args):
+        if full.is_set() and statement.startswith(("INSERT", "UPDATE", "DELETE")):
+            raise sqlite3.OperationalError("database or disk is full")
+
+    with pytest.raises(FibctlError) as e:
+        work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 12 and full.set()))
+    assert "database or disk is full" in str(e.value) and "checkpointed step 15" in str(e.value)
+    assert "it stays marked running" in str(e.value)  # the disk is still full: it cannot be requeued
+    full.clear()
+    with engine.begin() as conn:  # the heartbeat went stale meanwhile
+        conn.exec_driver_sql("update runs set heartbeat_at = '2000-01-01 00:00:00'")
+    [outcome] = work(engine, opts(data, tmp_path / "runs", heartbeat_timeout_s=1), Quiet())
+    assert outcome.status == "done"
+    weights = ckpt.load_checkpoint(tmp_path / "runs" / "run" / "step_00000030.pt")["model"]
+    for k, v in reference.model.state_dict().items():
+        assert torch.equal(weights[k], v), k
+
+
+def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01, 0.5))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    refusals = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def locked(conn, cursor, statement, *args):
+        if statement.startswith("INSERT INTO train_steps") and len(refusals) < 4:
+            refusals.append(statement)
+            raise sqlite3.OperationalError("database is locked")
+
+    with pytest.raises(FibctlError, match="checkpointed step 5 .*; it is queued again"):
+        work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert runs(tmp_path / "r.db")[0][:3] == ("run", "queued", 1)
+    assert (tmp_path / "runs" / "run" / "step_00000005.pt").is_file()

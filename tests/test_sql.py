@@ -44,7 +44,7 @@ def test_writes_are_refused_by_the_connection_and_nothing_changes(db):
     before = _digest(db)
     for statement in ("INSERT INTO runs (name) VALUES ('x')", "DELETE FROM evaluations",
                       "UPDATE runs SET status = 'failed'", "DROP TABLE runs", "CREATE TABLE t (a INTEGER)"):
-        with pytest.raises(FibctlError, match="refused: the database is opened read-only"):
+        with pytest.raises(FibctlError, match="refused: .*nothing was written"):
             run_query(db, statement)
     assert _digest(db) == before
     assert run_query(db, "SELECT COUNT(*) AS n FROM evaluations").values.tolist() == [[2]]
@@ -75,6 +75,55 @@ def test_cli_insert_exits_2_with_one_clear_line(db):
     r = subprocess.run([sys.executable, "-m", "fibctl", "sql", "INSERT INTO runs (name) VALUES ('x')", "--db", db],
                        capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("error: refused: the database is opened read-only")
+    assert r.stderr.strip().startswith("error: refused: fibctl sql only reads")
     assert len(r.stderr.strip().splitlines()) == 1
     assert _digest(db) == before
+
+
+@pytest.mark.parametrize("statement", [
+    "ATTACH DATABASE '{out}/attached.db' AS other", "VACUUM INTO '{out}/copy.db'", "VACUUM",
+    "PRAGMA journal_mode=DELETE", "PRAGMA user_version = 7", "SELECT load_extension('x')",
+])
+def test_statements_that_create_files_or_change_settings_are_refused(db, tmp_path, statement):
+    out = tmp_path / "out"
+    out.mkdir()
+    before = _digest(db)
+    with pytest.raises(FibctlError, match="refused: fibctl sql only reads .*nothing was written"):
+        run_query(db, statement.format(out=out))
+    assert _digest(db) == before and list(out.iterdir()) == []
+    # reading PRAGMAs, with or without an argument, still work
+    assert run_query(db, "PRAGMA table_info(runs)")["name"].iloc[0] == "id"
+    assert run_query(db, "PRAGMA user_version").values.tolist() == [[0]]
+
+
+def test_rows_and_time_are_bounded(db):
+    endless = "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c) "
+    frame = run_query(db, endless + "SELECT i FROM c", max_rows=5)
+    assert frame["i"].tolist() == [1, 2, 3, 4, 5] and frame.attrs["truncated"]
+    assert not run_query(db, "SELECT 1 AS one").attrs["truncated"]
+    with pytest.raises(FibctlError, match="ran past --timeout 0.3 s"):
+        run_query(db, endless + "SELECT max(i) FROM c", timeout_s=0.3)
+    r = CliRunner().invoke(app, ["sql", endless + "SELECT i FROM c", "--db", db, "--csv", "--max-rows", "2"])
+    assert r.exit_code == 0 and r.stdout == "i\n1\n2\n" and "only the first 2 rows" in r.stderr
+
+
+def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(db, monkeypatch):
+    import os
+    from fibctl.db import engine as db_engine
+    assert run_query(db, "PRAGMA journal_mode").values.tolist() == [["wal"]]
+    for leftover in (db + "-shm", db + "-wal"):  # as a copy of the file alone would be
+        if os.path.exists(leftover):
+            os.remove(leftover)
+    # the tests run as root, for whom every folder is writable: the check is what is replaced
+    real = os.access
+    monkeypatch.setattr(db_engine.os, "access", lambda path, mode: mode != os.W_OK and real(path, mode))
+    assert run_query(db, "SELECT count(*) AS n FROM runs").values.tolist() == [[2]]
+    assert not os.path.exists(db + "-shm")
+
+
+def test_markup_and_blobs_from_data_are_printed_as_they_are(db):
+    query = "SELECT '[/]' AS a, '[bold red]boom[/bold red]' AS \"[b]\", x'00ff' AS blob"
+    r = CliRunner().invoke(app, ["sql", query, "--db", db])
+    assert r.exit_code == 0 and "[/]" in r.output and "[bold red]boom[/bold red]" in r.output and "[b]" in r.output
+    r = CliRunner().invoke(app, ["sql", query, "--db", db, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)[0]["blob"] == "x'00ff'"

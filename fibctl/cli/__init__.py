@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from fibctl.cli.common import err_console
 from fibctl.errors import FibctlError
@@ -39,5 +40,5 @@ def main() -> None:
     try:
         app()
     except FibctlError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)

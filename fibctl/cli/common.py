@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -20,3 +21,8 @@ DbOption = Annotated[
     ),
 ]
 DEFAULT_DB = "results.db"
+
+
+def plain(value) -> Text:
+    """A table cell shown as written: names, paths and errors from data are never rich markup."""
+    return Text("" if value is None else str(value))

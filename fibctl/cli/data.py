@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.markup import escape
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import console, err_console
+from fibctl.cli.common import console, err_console, plain
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
@@ -56,10 +57,11 @@ def prepare_cmd(
     if quiet:
         return
     if result.reused:
-        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused")
+        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False)
     else:
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
-        console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})")
+        console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})",
+                      markup=False)
     _print_manifest(result.manifest)
 
 
@@ -77,26 +79,27 @@ def recipes_cmd() -> None:
     table = Table("recipe", "vocab", "train tokens", "held-out sets", "description")
     for name in shipped():
         r = load_recipe(name)
-        table.add_row(name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", ", ".join(r.heldout), r.description)
+        table.add_row(name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", ", ".join(r.heldout), plain(r.description))
     console.print(table)
 
 
 def _print_manifest(m: DataManifest) -> None:
     console.print(f"recipe {m.recipe} ({m.recipe_hash}); vocab {m.vocab_size:,} "
-                  f"(tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); eos id {m.eos_id}")
+                  f"(tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); eos id {m.eos_id}", markup=False)
     splits = Table("split", "tokens", "file")
     for split in m.splits:
-        splits.add_row(split, f"{m.tokens[split]:,}", str(m.split_path(split)))
+        splits.add_row(plain(split), f"{m.tokens[split]:,}", plain(m.split_path(split)))
     console.print(splits)
     per_source = Table("source", "kind", "train tokens", "share", "train docs", "held-out set", "held-out docs")
     for name, s in m.sources.items():
-        per_source.add_row(name, s["kind"], f"{s['train_tokens']:,}", f"{s['train_tokens'] / m.tokens['train']:.1%}",
-                           f"{s['train_documents']:,}", s["heldout"] or "-", f"{s['heldout_documents']:,}")
+        share = s["train_tokens"] / m.tokens["train"] if m.tokens["train"] else 0.0
+        per_source.add_row(plain(name), plain(s["kind"]), f"{s['train_tokens']:,}", f"{share:.1%}",
+                           f"{s['train_documents']:,}", plain(s["heldout"] or "-"), f"{s['heldout_documents']:,}")
     console.print(per_source)
 
 
 def _warn_short(m: DataManifest) -> None:
     for name, s in m.sources.items():
         if s["exhausted"]:
-            err_console.print(f"[yellow]note:[/] source {name!r} ran out at {s['train_tokens']:,} of its "
+            err_console.print(f"[yellow]note:[/] source {escape(repr(name))} ran out at {s['train_tokens']:,} of its "
                               f"{s['target_tokens']:,} training tokens")

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from fibctl import queue
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, plain
 from fibctl.db import engine as db_engine
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
@@ -34,19 +34,19 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     """Create the database if needed and bring its schema to the latest revision."""
     before, after = db_engine.upgrade(db)
     if before == after:
-        console.print(f"{db}: already at revision {after}")
+        console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:
-        console.print(f"{db}: upgraded from revision {before or '(empty)'} to {after}")
+        console.print(f"{db_engine.shown(db)}: upgraded from revision {before or '(empty)'} to {after}", markup=False)
 
 
 @db_app.command("current")
 def db_current(db: DbOption = DEFAULT_DB) -> None:
     """Show the database's schema revision and the latest one this fibctl knows."""
-    engine = db_engine.connect_readonly(db)
+    engine = db_engine.connect_readonly(db, current=False)
     rev, head = db_engine.current_revision(engine), db_engine.head_revision()
     engine.dispose()
     note = "up to date" if rev == head else "run `fibctl db upgrade`"
-    console.print(f"{db}: revision {rev or '(none)'}; latest {head} ({note})")
+    console.print(f"{db_engine.shown(db)}: revision {rev or '(none)'}; latest {head} ({note})", markup=False)
 
 
 @matrix_app.command("list")
@@ -55,7 +55,7 @@ def matrix_list() -> None:
     table = Table("matrix", "runs", "preset", "description")
     for name in shipped_matrices():
         m = load_matrix(name)
-        table.add_row(name, str(len(m.entries)), m.preset, m.description)
+        table.add_row(name, str(len(m.entries)), m.preset, plain(m.description))
     console.print(table)
 
 
@@ -66,7 +66,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
     """Show each run of a matrix with its resolved settings and config hash."""
     m = load_matrix(matrix)
     configs = m.resolve(preset, only)
-    table = Table(title=f"{m.name}: {m.description}")
+    table = Table(title=plain(f"{m.name}: {m.description}"))
     table.add_column("name", no_wrap=True)
     for col in ("base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "config hash"):
         table.add_column(col)
@@ -94,7 +94,7 @@ def queue_ls(db: DbOption = DEFAULT_DB,
              status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
              ) -> None:
     """List runs in queue order with their status, attempts and worker."""
-    engine = db_engine.connect(db)
+    engine = db_engine.connect(db, must_exist=True)
     runs = queue.list_runs(engine, status)
     table = Table("id")
     table.add_column("name", no_wrap=True)
@@ -102,8 +102,8 @@ def queue_ls(db: DbOption = DEFAULT_DB,
         table.add_column(col)
     for r in runs:
         heartbeat = r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else ""
-        table.add_row(str(r["id"]), r["name"], r["matrix"], r["preset"], r["status"], str(r["attempts"]),
-                      r["worker"] or "", heartbeat, (r["error"] or "").partition("\n")[0])
+        table.add_row(str(r["id"]), plain(r["name"]), plain(r["matrix"]), plain(r["preset"]), r["status"],
+                      str(r["attempts"]), plain(r["worker"]), heartbeat, plain((r["error"] or "").partition("\n")[0]))
     console.print(table)
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
@@ -113,8 +113,8 @@ def queue_ls(db: DbOption = DEFAULT_DB,
 @queue_app.command("cancel")
 def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
     """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
-    queue.cancel(db_engine.connect(db), name)
-    console.print(f"cancelled {name}")
+    queue.cancel(db_engine.connect(db, must_exist=True), name)
+    console.print(f"cancelled {name}", markup=False)
 
 
 @queue_app.command("retry")

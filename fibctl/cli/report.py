@@ -8,17 +8,19 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.measure import Measurement
+from rich.markup import escape
 from rich.progress import track
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
 from fibctl.config import get_preset
-from fibctl.db.engine import connect, connect_readonly
+from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables
 from fibctl.reports.importer import import_study as run_import
-from fibctl.reports.sql import run_query
+from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, run_query
 
 report_app = typer.Typer(
     help="The study's tables (docs/method.md), computed by SQL from the results database.",
@@ -115,14 +117,17 @@ def report_all(
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
     engine = connect_readonly(db)
-    written, skipped = export.write_all(
-        engine, out, seed=seed, matrix=matrix, dataset=dataset,
-        track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console))
+    try:
+        written, skipped = export.write_all(
+            engine, out, seed=seed, matrix=matrix, dataset=dataset,
+            track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console))
+    except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
+        raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     for name, why in skipped:
-        err_console.print(f"[yellow]skipped {name}:[/] {why}", highlight=False)
+        err_console.print(f"[yellow]skipped {escape(name)}:[/] {escape(why)}", highlight=False)
     if not written:
-        raise FibctlError(f"nothing to report from {db}: every table and figure lacks its data")
-    console.print(f"wrote {len(written)} files to {out}/", highlight=False)
+        raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
+    console.print(f"wrote {len(written)} files to {out}/", highlight=False, markup=False)
 
 
 @app.command("figure")
@@ -147,18 +152,21 @@ def figure(
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
     path = figures.check_path(out or Path(f"{name}.png"))
-    if name == "coverage":
-        model = get_preset(preset).model
-        figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
-                         n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
-    else:
-        engine = connect_readonly(db)
-        kwargs = {"extrapolation": dict(dataset=dataset, seed=seed, matrix=matrix),
-                  "posloss": dict(dataset=dataset, window=window, seed=seed, matrix=matrix),
-                  "curves": dict(dataset=dataset, seed=seed, matrix=matrix),
-                  "alphas": dict(run=run, matrix=matrix)}[name]
-        figures.FIGURES[name](engine, path, **kwargs)
-    console.print(f"wrote {path}", highlight=False)
+    try:
+        if name == "coverage":
+            model = get_preset(preset).model
+            figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
+                             n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
+        else:
+            engine = connect_readonly(db)
+            kwargs = {"extrapolation": dict(dataset=dataset, seed=seed, matrix=matrix),
+                      "posloss": dict(dataset=dataset, window=window, seed=seed, matrix=matrix),
+                      "curves": dict(dataset=dataset, seed=seed, matrix=matrix),
+                      "alphas": dict(run=run, matrix=matrix)}[name]
+            figures.FIGURES[name](engine, path, **kwargs)
+    except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
+        raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
+    console.print(f"wrote {path}", highlight=False, markup=False)
 
 
 @app.command("sql")
@@ -168,20 +176,30 @@ def sql(
     db: DbOption = DEFAULT_DB,
     csv: Annotated[bool, typer.Option("--csv", help="Print CSV instead of a table.")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print JSON records instead of a table.")] = False,
+    max_rows: Annotated[int, typer.Option("--max-rows", help="Print at most this many rows.")] = MAX_ROWS,
+    timeout: Annotated[float, typer.Option("--timeout", help="Stop the statement after this many seconds.")]
+    = TIMEOUT_S,
 ) -> None:
-    """Run a read-only SQL query on the results database (writes are refused by the connection)."""
-    frame = run_query(db, query)
+    """Run a read-only SQL query on the results database (writes, ATTACH, VACUUM and PRAGMA
+    settings are refused; rows and time are bounded)."""
+    frame = run_query(db, query, max_rows=max_rows, timeout_s=timeout)
+    frame = frame.map(lambda v: "x'" + v.hex() + "'" if isinstance(v, (bytes, bytearray, memoryview)) else v)
     if csv:
         typer.echo(frame.to_csv(index=False), nl=False)
     elif json:
         typer.echo(frame.to_json(orient="records", indent=2, force_ascii=False))
     elif frame.empty:
         console.print("(no rows)")
-    else:
-        table = RichTable(*map(str, frame.columns))
+    else:  # Text cells: a value from the database is shown as it is, never read as markup
+        table = RichTable()
+        for column in frame.columns:
+            table.add_column(Text(str(column)))
         for row in frame.itertuples(index=False):
-            table.add_row(*("NULL" if v is None else str(v) for v in row))
+            table.add_row(*(Text("NULL" if v is None else str(v)) for v in row))
         console.print(table)
+    if frame.attrs.get("truncated"):
+        err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",
+                          markup=False, highlight=False)
 
 
 @app.command("import-study")
@@ -195,10 +213,11 @@ def import_study(
 ) -> None:
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
     engine = connect(db)
-    with console.status(f"Importing {fib_db} into {db}"):
+    with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
         s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
     console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
-                  f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into {db}",
-                  highlight=False)
+                  f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into {shown(db)}",
+                  highlight=False, markup=False)
     if s.skipped:
-        console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False)
+        console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False,
+                      markup=False)

@@ -71,8 +71,8 @@ class RunDisplay:
         style = {"done": "green", "released": "yellow", "failed": "red", "lost": "yellow"}[outcome.status]
         detail = f": {outcome.error}" if outcome.error else ""
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
-        console.print(f"[{style}]{outcome.name}: {outcome.status} at step {outcome.step}{detail}[/]{where}",
-                      highlight=False)
+        console.print(f"[{style}]{escape(outcome.name)}: {outcome.status} at step {outcome.step}{escape(detail)}[/]"
+                      f"{escape(where)}", highlight=False)
 
 
 @app.command("train")

@@ -2,9 +2,15 @@
 
 Writes are refused by the database connection itself (`fibctl.db.engine.connect_readonly`:
 SQLite `mode=ro`, PostgreSQL read-only transactions), never by inspecting the statement.
+A read-only SQLite connection can still create files (`ATTACH`, `VACUUM INTO`) and use
+unbounded memory and time, so the statement also runs under an authorizer that allows
+reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetched.
 """
 
 from __future__ import annotations
+
+import sqlite3
+import time
 
 import pandas as pd
 from sqlalchemy.exc import DBAPIError, ResourceClosedError
@@ -12,25 +18,87 @@ from sqlalchemy.exc import DBAPIError, ResourceClosedError
 from fibctl.db.engine import connect_readonly
 from fibctl.errors import FibctlError
 
+MAX_ROWS = 100_000
+TIMEOUT_S = 60.0
+HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
+PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
 
-def run_query(db: str, sql: str) -> pd.DataFrame:
-    """Run one SQL statement read-only and return its rows (an empty frame if it returns none)."""
-    engine = connect_readonly(db)
+_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+# PRAGMAs that take an argument yet only read; any other PRAGMA with an argument sets something
+_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                 "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check", "collation_list",
+                 "function_list", "pragma_list"}
+_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
+
+
+def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
+    """Run one SQL statement read-only and return up to `max_rows` of its rows (an empty
+    frame if it returns none); `frame.attrs["truncated"]` says whether more were left."""
+    if max_rows < 1 or not timeout_s > 0:
+        raise FibctlError(f"--max-rows must be >= 1 and --timeout above 0 (got {max_rows}, {timeout_s:g})")
+    engine = connect_readonly(db, current=False)
     try:
         with engine.connect() as conn:
-            result = conn.exec_driver_sql(sql)  # as written: no bind-parameter parsing
+            raw = conn.connection.driver_connection
+            if isinstance(raw, sqlite3.Connection):
+                guard = _SqliteGuard(raw, timeout_s)
+            else:  # PostgreSQL: the server enforces the deadline
+                conn.exec_driver_sql(f"SET statement_timeout = {int(timeout_s * 1000)}")
+                guard = None
             try:
-                return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
-            except ResourceClosedError:  # a statement that returns no rows
-                return pd.DataFrame()
+                result = conn.exec_driver_sql(sql)  # as written: no bind-parameter parsing
+                try:
+                    rows = result.fetchmany(max_rows + 1)
+                    frame = pd.DataFrame(rows[:max_rows], columns=list(result.keys()))
+                except ResourceClosedError:  # a statement that returns no rows
+                    rows, frame = [], pd.DataFrame()
+                frame.attrs["truncated"] = len(rows) > max_rows
+                return frame
+            finally:
+                if guard:
+                    guard.remove()
     except DBAPIError as e:
-        raise FibctlError(_sql_error(e)) from None
+        raise FibctlError(_sql_error(e, timeout_s)) from None
     finally:
         engine.dispose()
 
 
-def _sql_error(e: DBAPIError) -> str:
-    msg = str(e.orig).strip().splitlines()[0]
-    if "readonly" in msg.replace("-", "").replace(" ", "").lower():
+class _SqliteGuard:
+    """Authorizer, deadline and heap limit on one connection, for the user's statement only
+    (fibctl's own schema checks ran before it was installed)."""
+
+    def __init__(self, raw: sqlite3.Connection, timeout_s: float):
+        self.raw = raw
+        self.heap_before = raw.execute("PRAGMA hard_heap_limit").fetchone()[0]
+        raw.execute(f"PRAGMA hard_heap_limit={HEAP_LIMIT_BYTES}")
+        deadline = time.monotonic() + timeout_s
+        raw.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_OPS)
+        raw.set_authorizer(_authorize)
+
+    def remove(self) -> None:
+        self.raw.set_authorizer(None)
+        self.raw.set_progress_handler(None, PROGRESS_OPS)
+        self.raw.execute(f"PRAGMA hard_heap_limit={self.heap_before}")  # the limit is process-wide
+
+
+def _authorize(action: int, arg1, arg2, _db, _trigger) -> int:
+    if action == sqlite3.SQLITE_PRAGMA:
+        return sqlite3.SQLITE_OK if arg2 is None or arg1.lower() in _READ_PRAGMAS else sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+
+
+def _sql_error(e: DBAPIError, timeout_s: float) -> str:
+    msg = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]
+    flat = msg.replace("-", "").replace(" ", "").lower()
+    if "readonly" in flat:
         return f"refused: the database is opened read-only, nothing was written ({msg})"
+    if "notauthorized" in flat or "authorizationdenied" in flat:
+        return ("refused: fibctl sql only reads (no writes, ATTACH, VACUUM or PRAGMA settings), "
+                "nothing was written")
+    if msg == "interrupted" or "statement timeout" in msg:
+        return f"stopped: the statement ran past --timeout {timeout_s:g} s; add a LIMIT or a tighter WHERE"
+    if "out of memory" in msg:
+        return f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
     return f"SQL error: {msg}"

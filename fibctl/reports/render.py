@@ -7,6 +7,7 @@ columns the paper bolds; CSV and JSON carry the raw numbers.
 from __future__ import annotations
 
 import io
+import re
 
 import pandas as pd
 from rich.console import Console
@@ -97,7 +98,8 @@ def to_latex(table: Table) -> str:
     header = " & ".join(latex_escape(str(c)) for c in table.frame.columns)
     rows = [" & ".join(row) for row in _cells(table, "\\textbf{{{}}}", latex_escape)]
     body = "\n".join(f"{r} \\\\" for r in rows)
-    caption = " ".join([table.title, *table.notes])
+    # LaTeX numbers the table itself: "Table 3: ..." would print as "Table 1: Table 3: ..."
+    caption = " ".join([re.sub(r"^Table \d+: ", "", table.title), *table.notes])
     return (f"\\begin{{table}}[t]\n\\centering\n\\caption{{{latex_escape(caption)}}}\n"
             f"\\begin{{tabular}}{{{spec}}}\n\\toprule\n{header} \\\\\n\\midrule\n{body}\n"
             f"\\bottomrule\n\\end{{tabular}}\n\\end{{table}}\n")

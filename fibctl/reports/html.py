@@ -1,0 +1,102 @@
+"""`index.html`: every table, figure and run in one self-contained page (no network).
+
+Figures are embedded as base64 PNG; each table carries the SQL that produced it in a
+collapsible block; the run list shows status, settings and where each run trained, with its
+full config one click away. Every value from the database is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from html import escape
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from fibctl.reports import render
+from fibctl.reports.tables import Table
+
+RUN_COLUMNS = ("name", "status", "schedule", "base", "window", "seed", "init_seed", "data_seed", "optimizer",
+               "final_step", "tokens_trained", "wall_seconds", "host", "device", "torch_version", "source")
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.6em; } h2 { margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: .5em 0; font-size: 13px; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f4f4f4; } td.best { font-weight: bold; }
+img { max-width: 100%; border: 1px solid #eee; }
+section > img { max-width: 960px; }
+pre { background: #f7f7f7; padding: .6em; overflow-x: auto; font-size: 12px; }
+.note { color: #555; font-style: italic; } .skipped { color: #a33; }
+nav a { margin-right: 1em; }
+"""
+
+
+def table_html(table: Table) -> str:
+    """The table with its best values in bold, its notes, and its SQL in a <details>."""
+    best = render.best_rows(table)
+    numeric = {c: render._numeric(table, c) for c in table.frame.columns}
+    head = "".join(f"<th>{escape(str(c))}</th>" for c in table.frame.columns)
+    rows = []
+    for i, row in enumerate(table.frame.itertuples(index=False)):
+        cells = []
+        for column, value in zip(table.frame.columns, row):
+            classes = " ".join(c for c, on in (("num", numeric[column]), ("best", i in best.get(column, ())))
+                               if on)
+            cells.append(f'<td class="{classes}">{escape(render.cell(table, column, value))}</td>')
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    notes = "".join(f'<p class="note">{escape(n)}</p>' for n in table.notes)
+    return (f'<section id="{escape(table.name)}"><h2>{escape(table.title)}</h2>'
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{notes}"
+            f"<details><summary>SQL</summary><pre>{escape(table.sql)}</pre></details></section>")
+
+
+def figure_html(name: str, png: Path) -> str:
+    data = base64.b64encode(png.read_bytes()).decode("ascii")
+    return (f'<section id="figure-{escape(name)}"><h2>Figure: {escape(name)}</h2>'
+            f'<img alt="{escape(name)}" src="data:image/png;base64,{data}"></section>')
+
+
+def runs_html(engine: Engine) -> str:
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT {', '.join(_quoted(c) for c in RUN_COLUMNS)}, config_json "
+                                 "FROM runs ORDER BY id")).all()
+    head = "".join(f"<th>{escape(c)}</th>" for c in (*RUN_COLUMNS, "config"))
+    body = []
+    for row in rows:
+        values = ["" if v is None else (f"{v:,.0f}" if isinstance(v, float) else str(v)) for v in row[:-1]]
+        config = _pretty_json(row[-1])
+        body.append("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in values)
+                    + f"<td><details><summary>config</summary><pre>{escape(config)}</pre></details></td></tr>")
+    return (f'<section id="runs"><h2>Runs ({len(rows)})</h2>'
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></section>")
+
+
+def _quoted(column: str) -> str:
+    return f'"{column}"' if column == "window" else column  # an SQL keyword
+
+
+def _pretty_json(raw: str | None) -> str:
+    try:
+        return json.dumps(json.loads(raw), indent=2, sort_keys=True)
+    except (TypeError, ValueError):
+        return raw or ""
+
+
+def page(title: str, tables: list[Table], figures: dict[str, Path], runs: str,
+         skipped: list[tuple[str, str]]) -> str:
+    """The whole document."""
+    links = [(t.name, t.name) for t in tables] + [(f"figure-{n}", n) for n in figures] + [("runs", "runs")]
+    nav = "".join(f'<a href="#{escape(anchor)}">{escape(label)}</a>' for anchor, label in links)
+    missing = "".join(f'<li class="skipped">{escape(why if why.startswith(name) else f"{name}: {why}")}</li>'
+                      for name, why in skipped)
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
+             f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1><nav>{nav}</nav>",
+             f"<ul>{missing}</ul>" if missing else "",
+             *(table_html(t) for t in tables), *(figure_html(n, p) for n, p in figures.items()), runs,
+             "</body></html>"]
+    return "\n".join(parts) + "\n"

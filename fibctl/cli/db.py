@@ -94,7 +94,7 @@ def queue_ls(db: DbOption = DEFAULT_DB,
              status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
              ) -> None:
     """List runs in queue order with their status, attempts and worker."""
-    engine = db_engine.connect(db, must_exist=True)
+    engine = db_engine.connect_readonly(db)  # a listing never creates, upgrades or locks the database
     runs = queue.list_runs(engine, status)
     table = Table("id")
     table.add_column("name", no_wrap=True)

@@ -14,7 +14,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
 from fibctl.config import get_preset
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
@@ -33,7 +33,7 @@ ShowSqlOption = Annotated[bool, typer.Option(
     "--show-sql", help="Print the SQL behind the table first (runnable with `fibctl sql`).")]
 MatrixOption = Annotated[str | None, typer.Option(
     "--matrix", help="Only runs of this matrix (e.g. paper, demo); default: every run.")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=sqlite_int)]
 DatasetOption = Annotated[str | None, typer.Option(
     "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
 
@@ -91,7 +91,7 @@ def report_table3(
 def report_table4(
     db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
     dataset: DatasetOption = None, seed: SeedOption = 42, matrix: MatrixOption = None,
-    window: Annotated[int, typer.Option("--window", "-w", help="Window W of the fixed/stagger pair.")] = 8,
+    window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the fixed/stagger pair.")] = 8,
 ) -> None:
     """Table 4: mean loss in 8 position bins for fib fixed vs stagger, and the gap."""
     engine = connect_readonly(db)
@@ -102,7 +102,7 @@ def report_table4(
 def report_table5(
     db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
     dataset: DatasetOption = None, matrix: MatrixOption = None,
-    window: Annotated[int, typer.Option("--window", "-w", help="Window W of the replicated runs.")] = 12,
+    window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the replicated runs.")] = 12,
 ) -> None:
     """Table 5: perplexity per seed with mean and population std, for configurations with 2+ seeds."""
     engine = connect_readonly(db)
@@ -138,7 +138,7 @@ def figure(
         "--out", "-o", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
     db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = 42,
     matrix: MatrixOption = None,
-    window: Annotated[int, typer.Option("--window", "-w", help="posloss, coverage: window W.")] = 8,
+    window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="posloss, coverage: window W.")] = 8,
     run: Annotated[str | None, typer.Option("--run", help="alphas: only this run.")] = None,
     schedule: Annotated[list[str] | None, typer.Option(
         "--schedule", help="coverage: schedules to draw side by side (repeat); default fixed and stagger.")] = None,

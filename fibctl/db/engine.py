@@ -107,6 +107,9 @@ def _create_engine(url: URL, **kwargs) -> Engine:
     except NoSuchModuleError:
         raise FibctlError(f"--db {shown(url)}: unknown database kind {url.drivername!r}; "
                           "use a SQLite path or a postgresql:// URL") from None
+    except ArgumentError as e:
+        raise FibctlError(f"--db {shown(url)} is not a usable database URL: "
+                          f"{str(e).strip().splitlines()[0]}") from None
     except ImportError as e:
         hint = DRIVER_HINTS.get(url.get_backend_name(), f"install the {url.drivername} driver")
         raise FibctlError(f"--db {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None

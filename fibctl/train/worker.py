@@ -34,7 +34,7 @@ import torch
 from sqlalchemy.engine import Engine
 
 from fibctl import queue
-from fibctl.data.streams import load_manifest
+from fibctl.data.streams import load_manifest, token_stream
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
@@ -79,9 +79,13 @@ def worker_name(device: torch.device) -> str:
 
 
 def check_environment(opts: WorkerOptions) -> None:
-    """Refuse, before claiming anything, a data folder without a manifest or a runs folder
-    that cannot be written."""
-    load_manifest(opts.data_dir)
+    """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
+    or a runs folder that cannot be written: such a worker would fail every run it claims."""
+    try:
+        for split in load_manifest(opts.data_dir).splits:
+            token_stream(opts.data_dir, split)
+    except FibctlError as e:
+        raise WorkerError(str(e)) from None
     try:
         opts.runs_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=opts.runs_dir).close()

@@ -1,0 +1,240 @@
+"""Issue 13, item 12 (and 2, 4, 7, 9): every class of bad input the audit found, fed to the
+CLI. Each must end in one line naming the problem, exit code 2, no traceback, and no file
+changed or created (checksums of the whole folder before and after)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fibctl.db.engine import connect, upgrade
+from train_helpers import micro_run, queued_db, write_data
+
+RECIPE = """vocab_size = 512
+train_tokens = 1000
+
+[[sources]]
+name = {name}
+kind = "generated"
+share = 1.0
+{source}
+"""
+
+
+def recipe(tmp: Path, file: str, *, name='"g"', source="") -> str:
+    path = tmp / file
+    path.write_text(RECIPE.format(name=name, source=source))
+    return str(path)
+
+
+def matrix(tmp: Path, file: str, train: str) -> str:
+    path = tmp / file
+    path.write_text(f'[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r"\nschedule = "fixed"\nwindow = 4\n'
+                    f"train = {{ {train} }}\n")
+    return str(path)
+
+
+def checkpoint_db(tmp: Path, name: str, content: bytes, data: Path) -> str:
+    """A database whose one run records a checkpoint holding `content`."""
+    db = tmp / f"{name}.db"
+    engine = queued_db(db, micro_run("run"))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set status = 'done', checkpoint_path = 'run/step_00000010.pt', "
+                             "runs_dir = ?", (str(tmp / f"{name}_runs"),))
+    engine.dispose()
+    (tmp / f"{name}_runs" / "run").mkdir(parents=True)
+    (tmp / f"{name}_runs" / "run" / "step_00000010.pt").write_bytes(content)
+    return str(db)
+
+
+def build(tmp: Path) -> dict[str, str]:
+    """Every bad input, written once; names -> paths."""
+    p = {}
+    data = write_data(tmp / "data")
+    p["data"] = str(data)
+    p["good_db"] = str(tmp / "good.db")
+    queued_db(tmp / "good.db", micro_run("run")).dispose()
+    (tmp / "empty.db").write_bytes(b"")
+    p["empty_db"] = str(tmp / "empty.db")
+    corrupt = bytearray((tmp / "good.db").read_bytes())
+    corrupt[100:4096 * 3] = os.urandom(4096 * 3 - 100)  # the header survives, the pages do not
+    (tmp / "corrupt.db").write_bytes(bytes(corrupt))
+    p["corrupt_db"] = str(tmp / "corrupt.db")
+    upgrade(str(tmp / "old.db"), "0001")
+    p["old_db"] = str(tmp / "old.db")
+    for kind, content in {"zero": b"", "truncated": b"PK\x03\x04\x14\x00\x00\x00\x08\x00",
+                          "random": np.random.default_rng(0).bytes(5000)}.items():
+        p[f"{kind}_ckpt_db"] = checkpoint_db(tmp, kind, content, data)
+    for kind, text in {"list": "[1, 2, 3]", "nokey": '{"format": 1, "recipe": "x"}'}.items():
+        (tmp / f"manifest_{kind}").mkdir()
+        (tmp / f"manifest_{kind}" / "manifest.json").write_text(text)
+        p[f"manifest_{kind}"] = str(tmp / f"manifest_{kind}")
+    big = write_data(tmp / "bigids", train_tokens=4_000, heldout_tokens=1_024)
+    stream = np.fromfile(big / "math_val.bin", dtype=np.uint16)
+    stream[5] = 60_000  # beyond the vocabulary of 512
+    stream.tofile(big / "math_val.bin")
+    p["bigids"] = str(big)
+    (tmp / "sources_str.toml").write_text('vocab_size = 512\ntrain_tokens = 1000\nsources = "oops"\n')
+    p["sources_str"] = str(tmp / "sources_str.toml")
+    p["text_int"] = recipe(tmp, "text_int.toml", source="text = 5")
+    p["heldout_up"] = recipe(tmp, "heldout_up.toml", source='heldout = "../victim/train"')
+    p["heldout_abs"] = recipe(tmp, "heldout_abs.toml", source=f'heldout = "{tmp}/abs"')
+    p["source_up"] = recipe(tmp, "source_up.toml", name='"../../x"')
+    (tmp / "victim").mkdir()
+    (tmp / "victim" / "train.bin").write_bytes(b"someone else's data")
+    (tmp / "afile").write_text("a file, not a folder\n")
+    for label, train in {"steps0": "steps = 0", "steps_neg": "steps = -5", "steps_str": 'steps = "20"',
+                         "ckpt0": "checkpoint_interval = 0", "log0": "log_interval = 0", "batch0": "batch_size = 0",
+                         "lr_nan": "lr = nan"}.items():
+        p[f"m_{label}"] = matrix(tmp, f"m_{label}.toml", train)
+    (tmp / "m seed.toml").write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r"\nschedule = "dense"\n'
+                                     "seed = -1\n")
+    p["m_seed"] = str(tmp / "m seed.toml")
+    return p
+
+
+# (args, words the one line must contain); {name} is filled from build()
+CASES = [
+    # a read command on an empty, corrupt or old-schema database
+    (["queue", "ls", "--db", "{empty_db}"], "no fibctl schema"),
+    (["report", "table1", "--db", "{empty_db}"], "no fibctl schema"),
+    (["figure", "curves", "--db", "{empty_db}", "--out", "{tmp}/c.png"], "no fibctl schema"),
+    (["queue", "ls", "--db", "{corrupt_db}"], "database"),
+    (["report", "table3", "--db", "{corrupt_db}"], "database"),
+    (["sql", "select count(*) from events", "--db", "{corrupt_db}"], "database"),
+    (["queue", "ls", "--db", "{old_db}"], "schema revision 0001"),
+    (["report", "table1", "--db", "{old_db}"], "schema revision 0001"),
+    (["figure", "posloss", "--db", "{old_db}", "--out", "{tmp}/p.png"], "schema revision 0001"),
+    (["report", "table4", "--db", "{good_db}", "--window", "99999999999999999999"], "--window"),
+    # a mistyped database
+    (["queue", "ls", "--db", "{tmp}/typo.db"], "no database at"),
+    (["worker", "--db", "{tmp}/typo.db", "--data", "{data}", "--runs-dir", "{tmp}/runs"], "no database at"),
+    (["queue", "retry", "run", "--db", "{tmp}/typo.db"], "no database at"),
+    # drivers and URLs
+    (["queue", "ls", "--db", "postgresql://fib:s3cret@localhost/fib"], "driver is not installed"),
+    (["sql", "select 1", "--db", "postgresql://fib:s3cret@localhost/fib"], "driver is not installed"),
+    (["queue", "add", "demo", "--db", "nosuchdb://x/y"], "unknown database kind"),
+    (["queue", "ls", "--db", "nosuchdb://x/y"], "supports SQLite and PostgreSQL"),
+    (["queue", "ls", "--db", "sqlite://x:y:z@@/"], "database"),
+    # checkpoints: empty, truncated, random
+    (["eval", "run", "--length", "64", "--db", "{zero_ckpt_db}", "--data", "{data}"], "damaged or not a checkpoint"),
+    (["eval", "run", "--length", "64", "--db", "{truncated_ckpt_db}", "--data", "{data}"], "damaged or not a"),
+    (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{data}"], "checkpoint"),
+    # manifests and token streams
+    (["data", "show", "{manifest_list}"], "not a valid data manifest"),
+    (["data", "show", "{manifest_nokey}"], "not a valid data manifest"),
+    (["worker", "--db", "{good_db}", "--data", "{manifest_list}", "--runs-dir", "{tmp}/runs"], "not a valid data"),
+    (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{manifest_nokey}"], "not a valid data"),
+    (["worker", "--db", "{good_db}", "--data", "{bigids}", "--runs-dir", "{tmp}/runs"], "beyond the vocabulary"),
+    (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
+    # recipes: wrong types, names that would leave --out
+    (["data", "prepare", "{sources_str}", "--out", "{tmp}/out"], "[[sources]] tables"),
+    (["data", "prepare", "{text_int}", "--out", "{tmp}/out"], "text must be a string or a list"),
+    (["data", "prepare", "{heldout_up}", "--out", "{tmp}/out"], "held-out set name '../victim/train'"),
+    (["data", "prepare", "{heldout_abs}", "--out", "{tmp}/out"], "held-out set name"),
+    (["data", "prepare", "{source_up}", "--out", "{tmp}/out"], "source name '../../x' is not allowed"),
+    # reports into a file
+    (["report", "all", "--db", "{good_db}", "--out", "{tmp}/afile"], "cannot write the report into"),
+    (["figure", "coverage", "--out", "{tmp}/afile/cov.png"], "cannot write"),
+    # integers too large for SQLite
+    (["report", "table1", "--db", "{good_db}", "--seed", "99999999999999999999"], "--seed"),
+    (["figure", "extrapolation", "--db", "{good_db}", "--seed", "-99999999999999999999",
+      "--out", "{tmp}/e.png"], "--seed"),
+    (["report", "table3", "--db", "{good_db}", "--seed", "9223372036854775808"], "--seed"),
+    # matrix overrides and names, option values
+    (["queue", "add", "{m_steps0}", "--db", "{good_db}"], "train.steps = 0 must be >= 1"),
+    (["queue", "add", "{m_steps_neg}", "--db", "{good_db}"], "train.steps = -5"),
+    (["queue", "add", "{m_steps_str}", "--db", "{good_db}"], "must be an integer"),
+    (["queue", "add", "{m_ckpt0}", "--db", "{good_db}"], "train.checkpoint_interval = 0"),
+    (["queue", "add", "{m_log0}", "--db", "{good_db}"], "train.log_interval = 0"),
+    (["queue", "add", "{m_batch0}", "--db", "{good_db}"], "train.batch_size = 0"),
+    (["queue", "add", "{m_lr_nan}", "--db", "{good_db}"], "train.lr = nan must be a finite number"),
+    (["queue", "add", "{m_seed}", "--db", "{good_db}"], "matrix name 'm seed' is not allowed"),
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
+    (["train", "run", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "-1"], "--heartbeat-timeout"),
+    (["sql", "select 1", "--db", "{good_db}", "--max-rows", "0"], "--max-rows"),
+]
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """Every file's checksum, but for SQLite's shared-memory index and an empty write-ahead log:
+    a reader's connection makes those (a test's stay open until it ends), and they hold no data."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.endswith("-shm")
+            and not (p.name.endswith("-wal") and p.stat().st_size == 0)}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    paths = build(tmp)
+    return tmp, {**paths, "tmp": str(tmp)}
+
+
+@pytest.mark.parametrize("args, words", CASES, ids=[" ".join(a[:2]) + f" {i}" for i, (a, _) in enumerate(CASES)])
+def test_bad_input_is_one_line_exit_2_no_traceback_nothing_changed(args, words, inputs, capsys, monkeypatch):
+    from fibctl.cli import main
+    tmp, paths = inputs
+    before = _digests(tmp)
+    monkeypatch.chdir(tmp)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *(a.format(**paths) for a in args)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 2, out
+    assert "Traceback" not in out.err + out.out
+    assert len(out.err.strip().splitlines()) == 1 and words in out.err, out.err
+    assert "s3cret" not in out.err + out.out  # item 4: passwords are masked
+    assert _digests(tmp) == before
+
+
+def test_the_real_entry_point_prints_no_traceback_either(inputs):
+    import subprocess
+    tmp, paths = inputs
+    chosen = [next(c for c in CASES if c[1] == words)
+              for words in ("no fibctl schema", "damaged or not a checkpoint", "driver is not installed")]
+    for args, words in chosen:
+        proc = subprocess.run([sys.executable, "-m", "fibctl", *(a.format(**paths) for a in args)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and words in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- item 9: paths and names
+
+
+def test_a_database_path_with_url_characters_is_taken_whole(tmp_path, monkeypatch, capsys):
+    from fibctl.cli import main
+    folder = tmp_path / "a?b#c"
+    folder.mkdir()
+    db = str(folder / "x.db")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "add", "demo", "--db", db, "--preset", "micro"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0, capsys.readouterr()
+    assert sqlite3.connect(db).execute("select count(*) from runs").fetchone() == (3,)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_refused_foreign_database_is_not_switched_to_wal(tmp_path):
+    from fibctl.errors import FibctlError
+    db = tmp_path / "other.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE metrics (x)")
+    con.commit()
+    con.close()
+    with pytest.raises(FibctlError, match="not a fibctl database"):
+        connect(str(db))
+    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone() == ("delete",)
+
+
+def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monkeypatch):
+    from fibctl.matrix import load_matrix
+    (tmp_path / "demo").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_matrix("demo").source == "fibctl/matrices/demo.toml"

@@ -238,3 +238,53 @@ def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monke
     (tmp_path / "demo").mkdir()
     monkeypatch.chdir(tmp_path)
     assert load_matrix("demo").source == "fibctl/matrices/demo.toml"
+
+
+# ----------------------------------------------------------------------------- items 4 and 8: what is printed
+
+
+def test_passwords_are_masked_in_messages_and_kept_off_command_lines(monkeypatch):
+    from fibctl.db.engine import shown
+    from fibctl.train import worker
+    assert shown("postgresql://fib:s3cret@db.example/fib") == "postgresql://fib:***@db.example/fib"
+    assert shown("runs/a?b.db") == "runs/a?b.db"
+    started = []
+
+    class Child:
+        def __init__(self, args, env, start_new_session):
+            started.append((args, env))
+            self.pid = 1
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(worker.subprocess, "Popen", Child)
+    assert worker.launch_per_gpu([0, 1], ["--data", "d"], env={"FIBCTL_DB": "postgresql://fib:s3cret@h/fib"}) == 0
+    assert all("s3cret" not in " ".join(args) and env["FIBCTL_DB"].endswith("@h/fib") for args, env in started)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["0", "1"]
+
+
+def test_markup_in_input_and_data_is_printed_as_it_is(tmp_path, capsys, monkeypatch):
+    from fibctl.cli import common, main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        return exit_.value.code, capsys.readouterr()
+
+    code, out = run("data", "show", "[/]")
+    assert code == 2 and "no data manifest in [/]" in out.err
+    (tmp_path / "m.toml").write_text("[matrix]\ndescription = 'none'\n")
+    code, out = run("matrix", "show", str(tmp_path / "m.toml"))
+    assert code == 2 and "no [[runs]] entries" in out.err, out.err
+    monkeypatch.setattr(common.console, "_width", 300)  # the whole error on one table line
+    db = tmp_path / "r.db"
+    engine = queued_db(db, micro_run("run"))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("update runs set status = 'failed', error = '[bold red]boom[/bold red] in [[runs]]'")
+    code, out = run("queue", "ls", "--db", str(db))
+    assert code == 0 and "[bold red]boom[/bold red] in [[runs]]" in out.out

@@ -341,3 +341,23 @@ def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, 
         work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert runs(tmp_path / "r.db")[0][:3] == ("run", "queued", 1)
     assert (tmp_path / "runs" / "run" / "step_00000005.pt").is_file()
+
+
+def test_queue_ls_answers_while_a_worker_holds_the_write_lock(tmp_path, capsys, monkeypatch):
+    queued_db(tmp_path / "r.db", micro_run("run"))
+    holder = sqlite3.connect(tmp_path / "r.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("UPDATE runs SET status = 'running'")  # not committed: readers see the last commit
+    started = time.perf_counter()
+    code, out = cli(["queue", "ls", "--db", str(tmp_path / "r.db")], capsys, monkeypatch, "out")
+    assert code == 0 and "1 queued" in out and time.perf_counter() - started < 5
+    holder.rollback()
+
+
+def test_a_run_name_that_would_leave_the_runs_folder_is_refused(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    with engine.begin() as conn:  # not through a matrix, which refuses such names: an imported row, say
+        conn.exec_driver_sql("update runs set name = '../escaped'")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "failed" and "run name '../escaped' is not allowed" in outcome.error
+    assert not (tmp_path / "escaped").exists() and list((tmp_path / "runs").iterdir()) == []

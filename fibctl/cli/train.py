@@ -113,11 +113,12 @@ def worker_cmd(
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault."""
     _positive_timeout(heartbeat_timeout)
-    shared = ["--db", db, "--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
+    shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
     gpu_list = parse_gpus(gpus) if gpus else []
     if gpu_list:
-        code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"))
+        code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),
+                              env={"FIBCTL_DB": db})
         raise typer.Exit(code)
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)

@@ -258,18 +258,21 @@ def parse_gpus(spec: str) -> list[int]:
     return gpus
 
 
-def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[int, int], None] | None = None) -> int:
+def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[int, int], None] | None = None,
+                   env: dict[str, str] | None = None) -> int:
     """One `fibctl worker` process per GPU, each seeing only its device; waits for all.
+    `env` is added to each child's environment (the database URL goes there, not on a
+    command line every user of the machine can read).
 
     SIGINT/SIGTERM here are forwarded to every child as SIGTERM (each checkpoints and
     releases its run). Returns the worst child exit code.
     """
     children = []
     for gpu in gpus:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        child_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": str(gpu)}
         # own session: a terminal's Ctrl-C reaches the children once, through the forwarding below
         children.append(subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--device", "cuda:0",
-                                          "--plain", *worker_args], env=env, start_new_session=True))
+                                          "--plain", *worker_args], env=child_env, start_new_session=True))
         if on_start:
             on_start(gpu, children[-1].pid)
 

@@ -361,3 +361,30 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused(data, tmp_path):
     [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert outcome.status == "failed" and "run name '../escaped' is not allowed" in outcome.error
     assert not (tmp_path / "escaped").exists() and list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    from fibctl.db import engine as db_engine
+    queued_db(tmp_path / "r.db", micro_run("run"))
+    monkeypatch.setattr(db_engine, "BUSY_TIMEOUT_MS", 100)
+    holder = sqlite3.connect(tmp_path / "r.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    code, err = cli(["queue", "cancel", "run", "--db", str(tmp_path / "r.db")], capsys, monkeypatch)
+    holder.rollback()
+    assert code == 2 and "r.db is locked by another process: waited 0.1 s" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert runs(tmp_path / "r.db")[0][1] == "queued"
+
+
+def test_a_database_error_mid_command_is_one_line_without_the_statement(tmp_path, capsys, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    from fibctl import queue
+
+    def full(engine, name):
+        raise OperationalError("UPDATE runs SET status=? -- secret parameters", ("x",),
+                               sqlite3.OperationalError("database or disk is full"))
+    queued_db(tmp_path / "r.db", micro_run("run"))
+    monkeypatch.setattr(queue, "cancel", full)
+    code, err = cli(["queue", "cancel", "run", "--db", str(tmp_path / "r.db")], capsys, monkeypatch)
+    assert code == 2 and err.strip() == "error: the database refused the operation: database or disk is full", err

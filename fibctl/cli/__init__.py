@@ -1,6 +1,8 @@
 """The `fibctl` command line. Each module here parses options, calls the library, prints.
 
-Errors a user can fix (`FibctlError`) become one red line on stderr and exit code 2.
+Errors a user can fix (`FibctlError`) become one red line on stderr and exit code 2; so
+does a database that refuses an operation (locked past its busy timeout, full, gone), which
+the user fixes by waiting or freeing space, not by reading a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import sys
 
 import typer
 from rich.markup import escape
+from sqlalchemy.exc import OperationalError
 
 from fibctl.cli.common import err_console
 from fibctl.errors import FibctlError
@@ -40,5 +43,12 @@ def main() -> None:
     try:
         app()
     except FibctlError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _fail(str(e))
+    except OperationalError as e:
+        # the driver's message, never the statement and parameters SQLAlchemy appends
+        _fail(f"the database refused the operation: {(str(e.orig).strip().splitlines() or ['?'])[0]}")
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(2)

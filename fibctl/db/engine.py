@@ -158,6 +158,9 @@ def _check_revision(engine: Engine, db: str) -> str | None:
         rev = current_revision(engine)
         tables = inspect(engine).get_table_names() if rev is None else []
     except DatabaseError as e:
+        if "locked" in str(e.orig):
+            raise FibctlError(f"{shown(db)} is locked by another process: waited {BUSY_TIMEOUT_MS / 1000:g} s "
+                              "for its write lock; try again when it is done") from None
         raise FibctlError(f"{shown(db)} is not a usable database: {e.orig}") from None
     if rev is None and tables:
         raise FibctlError(

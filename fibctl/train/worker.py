@@ -171,7 +171,10 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     except KeyboardInterrupt:
         raise
     except DatabaseUnavailable as e:
-        raise _requeue_after_database_failure(engine, claimed, trainer, e) from None
+        error = _requeue_after_database_failure(engine, claimed, trainer, e)
+        # the progress display ends here; the error the worker stops with says why
+        display.finish(Outcome(claimed.name, "released", trainer.step if trainer else 0))
+        raise error from None
     except WorkerError as e:
         queue.unclaim(engine, claimed.id, str(e))
         raise

@@ -157,4 +157,5 @@ def _entry(i: int, run, bad) -> MatrixEntry:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer that fits the database's 64-bit columns."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63

@@ -93,6 +93,9 @@ def build(tmp: Path) -> dict[str, str]:
                          "ckpt0": "checkpoint_interval = 0", "log0": "log_interval = 0", "batch0": "batch_size = 0",
                          "lr_nan": "lr = nan"}.items():
         p[f"m_{label}"] = matrix(tmp, f"m_{label}.toml", train)
+    (tmp / "m_window_big.toml").write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r"\n'
+                                          'schedule = "fixed"\nwindow = 99999999999999999999\n')
+    p["m_window_big"] = str(tmp / "m_window_big.toml")
     (tmp / "m seed.toml").write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r"\nschedule = "dense"\n'
                                      "seed = -1\n")
     p["m_seed"] = str(tmp / "m seed.toml")
@@ -159,6 +162,12 @@ CASES = [
     (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
     (["train", "run", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "-1"], "--heartbeat-timeout"),
     (["sql", "select 1", "--db", "{good_db}", "--max-rows", "0"], "--max-rows"),
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--max-runs", "-1"], "--max-runs (-1) must be >= 1"),
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--max-attempts", "0"], "--max-attempts (0)"),
+    (["queue", "add", "{m_window_big}", "--db", "{good_db}"], "`window` must be an integer"),
+    (["figure", "coverage", "--layers", "0", "--out", "{tmp}/cov.png"], "coverage needs --layers >= 1"),
+    (["figure", "coverage", "--window", "-1", "--out", "{tmp}/cov.png"], "coverage needs"),
+    (["bench", "attention", "--length", "8", "--repeats", "0"], "--repeats 0 must be >= 1"),
 ]
 
 

@@ -110,6 +110,10 @@ def bench_attention_cmd(
 
     if any(T < 2 for T in length):
         raise ConfigError(f"lengths must be >= 2, got {length}")
+    for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
+                               ("threads", threads, 1)):
+        if value < least:
+            raise ConfigError(f"--{name} {value} must be >= {least}")
     torch.set_num_threads(threads)
     with console.status("benchmarking") as status:
         df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,

@@ -155,6 +155,9 @@ def figure(
     try:
         if name == "coverage":
             model = get_preset(preset).model
+            if (layers is not None and layers < 1) or (length is not None and length < 2) or window < 0:
+                raise FibctlError(f"coverage needs --layers >= 1, --length >= 2 and --window >= 0 "
+                                  f"(got {layers}, {length}, {window})")
             figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:

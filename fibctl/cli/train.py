@@ -113,6 +113,8 @@ def worker_cmd(
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault."""
     _positive_timeout(heartbeat_timeout)
+    if max_attempts < 1 or (max_runs is not None and max_runs < 1):
+        raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
     shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
     gpu_list = parse_gpus(gpus) if gpus else []

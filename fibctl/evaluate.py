@@ -38,7 +38,7 @@ from fibctl.db.schema import Run
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
 from fibctl.model import FibLM
-from fibctl.train.checkpoint import load_checkpoint, resolve_path
+from fibctl.train.checkpoint import load_checkpoint, stored_config_hash, resolve_path
 from fibctl.train.device import autocast, resolve_device, synchronize
 
 BATCH_TOKENS = 65_536  # tokens per forward pass at any length
@@ -206,6 +206,10 @@ def load_model(config: RunConfig, state: dict, length: int, device: torch.device
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
+    theirs = stored_config_hash(ckpt)
+    if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
+        raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "
+                          f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     recorder = RunRecorder(engine, t.run.id)
     rows = []

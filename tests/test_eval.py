@@ -106,3 +106,25 @@ def test_bad_input_is_one_line_exit_2(trained, args, message, capsys, monkeypatc
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert rows(db, "select count(*) from evaluations") == before
+
+
+def test_eval_refuses_a_checkpoint_of_another_config(trained, tmp_path):
+    """A runs folder reused by a run of another config: eval names both hashes, writes nothing."""
+    import json
+
+    from fibctl.db.engine import connect
+    from fibctl.errors import FibctlError
+
+    engine, data, db = trained
+    copy = tmp_path / "copy.db"
+    con = sqlite3.connect(copy)
+    sqlite3.connect(db).backup(con)  # the WAL's pages included
+    config = json.loads(con.execute("select config_json from runs where name = 'fixed'").fetchone()[0])
+    config["data_seed"] = 7  # the same name queued again with another seed
+    con.execute("update runs set config_json = ?, config_hash = 'other' where name = 'fixed'", (json.dumps(config),))
+    con.commit()
+    before = con.execute("select count(*) from evaluations").fetchone()
+    con.close()
+    with pytest.raises(FibctlError, match="has config hash .* it is another run's"):
+        evaluate(connect(str(copy)), ["fixed"], [128], data_dir=data)
+    assert sqlite3.connect(copy).execute("select count(*) from evaluations").fetchone() == before

@@ -224,3 +224,12 @@ def test_cli_report_on_a_database_without_the_data_exits_2(demo):
     r = subprocess.run([sys.executable, "-m", "fibctl", "report", "table2", "--db", demo],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "table2: no probe results" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_report_tables_print_markup_in_their_data_as_written():
+    """Rich markup in a title, column name, cell or note is text, not styling (audit item 8)."""
+    t = tables.Table("t", "[bold red]title[/bold red] [/]", pd.DataFrame({"[b]x[/b]": ["[/]", "\\[y]"]}),
+                     "SELECT 1", notes=["[/] note"])
+    text = render.to_text(t, 80)
+    for shown in ("[bold red]title[/bold red] [/]", "[b]x[/b]", "[/]", "\\[y]", "[/] note"):
+        assert shown in text

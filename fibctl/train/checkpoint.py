@@ -23,6 +23,7 @@ from pathlib import Path, PurePath
 import numpy as np
 import torch
 
+from fibctl.config import RunConfig
 from fibctl.errors import FibctlError
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
@@ -152,3 +153,13 @@ def _python_state(s) -> tuple:
     if not isinstance(s, dict):  # an older checkpoint: random.getstate() as it was
         return s
     return (s["version"], tuple(s["state"]), s["gauss_next"])
+
+
+def stored_config_hash(state: dict) -> str:
+    """The config hash a checkpoint records (before hashes were stored: its config's)."""
+    if state.get("config_hash"):
+        return state["config_hash"]
+    try:
+        return RunConfig.from_dict(state.get("config")).config_hash
+    except (KeyError, TypeError, AttributeError):
+        return "(none recorded)"

@@ -235,7 +235,7 @@ class Trainer:
     def _check_belongs(self, state: dict, path: Path) -> None:
         """Refuse a checkpoint of another config or other data (a runs folder reused, say):
         resuming from it would report its weights as this run's."""
-        theirs = state.get("config_hash") or _config_hash(state.get("config"))
+        theirs = ckpt.stored_config_hash(state)
         if theirs != self.config.config_hash:
             raise WorkerError(f"checkpoint {path} has config hash {theirs} but run {self.config.name!r} has "
                               f"{self.config.config_hash}: it is another run's; use this run's own --runs-dir")
@@ -257,13 +257,6 @@ class Trainer:
     def _result(self, status: str, last: Path | None, error: str | None = None) -> TrainResult:
         self._tick()
         return TrainResult(status, self.step, last, self.step * self.tokens_per_step, self.elapsed_s, error)
-
-
-def _config_hash(config) -> str:
-    try:
-        return RunConfig.from_dict(config).config_hash
-    except (KeyError, TypeError, AttributeError):
-        return "(none recorded)"
 
 
 def _seed_everything(seed: int) -> None:

@@ -228,8 +228,8 @@ def test_cli_report_on_a_database_without_the_data_exits_2(demo):
 
 def test_report_tables_print_markup_in_their_data_as_written():
     """Rich markup in a title, column name, cell or note is text, not styling (audit item 8)."""
-    t = tables.Table("t", "[bold red]title[/bold red] [/]", pd.DataFrame({"[b]x[/b]": ["[/]", "\\[y]"]}),
+    t = tables.Table("t", "[i]t[/i]", pd.DataFrame({"[b]x[/b]": ["[/]", "\\[y]", "[bold red]boom[/bold red]"]}),
                      "SELECT 1", notes=["[/] note"])
     text = render.to_text(t, 80)
-    for shown in ("[bold red]title[/bold red] [/]", "[b]x[/b]", "[/]", "\\[y]", "[/] note"):
+    for shown in ("[i]t[/i]", "[b]x[/b]", "[/]", "\\[y]", "[bold red]boom[/bold red]", "[/] note"):
         assert shown in text

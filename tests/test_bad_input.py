@@ -254,7 +254,7 @@ def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monke
 
 def test_passwords_are_masked_in_messages_and_kept_off_command_lines(monkeypatch):
     from fibctl.db.engine import shown
-    from fibctl.train import worker
+    from fibctl.flows import worker
     assert shown("postgresql://fib:s3cret@db.example/fib") == "postgresql://fib:***@db.example/fib"
     assert shown("runs/a?b.db") == "runs/a?b.db"
     started = []

@@ -7,7 +7,7 @@ import sys
 import pytest
 from sqlalchemy import text
 
-from fibctl import demo
+from fibctl.flows import demo
 from fibctl.db.engine import connect
 
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from fibctl.cli import app
 from fibctl.config import SCHEDULES
-from fibctl.evaluate import evaluate
-from fibctl.train.worker import WorkerOptions, work
+from fibctl.flows.evaluation import evaluate
+from fibctl.flows.worker import WorkerOptions, work
 from train_helpers import HELDOUT, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)

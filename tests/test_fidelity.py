@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from fibctl.cli import app
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, RunConfig, get_preset
 from fibctl.errors import FibctlError
-from fibctl.evaluate import stream_loss
+from fibctl.metrics import stream_loss
 from fibctl.matrix import load_matrix
 from fibctl.model import Attention, FibLM
 from fibctl.schedules import attended_distances, base_sequence, layer_alphas
@@ -238,7 +238,7 @@ def test_table5_says_which_seeds_varied_and_notes_the_optimizer_deviation(tmp_pa
 def test_the_worker_records_the_optimizer_it_used_and_warns(tmp_path):
     from sqlalchemy import text
 
-    from fibctl.train.worker import WorkerOptions, work
+    from fibctl.flows.worker import WorkerOptions, work
     from train_helpers import queued_db
 
     class Display:

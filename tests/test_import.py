@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
-from fibctl.reports.importer import import_study, study_run
+from fibctl.db.importer import import_study, study_run
 
 STUDY_SCHEMA = """
 CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL, run_dir TEXT NOT NULL,

@@ -21,7 +21,7 @@ from fibctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_ch
 from fibctl.train.optim import build_optimizer, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
-from fibctl.train.worker import WorkerOptions, train_named, work
+from fibctl.flows.worker import WorkerOptions, train_named, work
 from train_helpers import micro_run, queued_db, write_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -252,7 +252,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_no_row(data, tmp_path, capsys,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_gpus_all_falls_back_to_the_cpu_and_a_missing_gpu_is_refused():
     from fibctl.errors import FibctlError
-    from fibctl.train.worker import parse_gpus
+    from fibctl.flows.worker import parse_gpus
     assert parse_gpus("all") == []  # the worker then trains on the CPU in-process
     with pytest.raises(FibctlError, match="0 CUDA device"):
         parse_gpus("0,2")

@@ -19,7 +19,7 @@ from fibctl.db.engine import connect
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
-from fibctl.train.worker import WorkerOptions, work
+from fibctl.flows.worker import WorkerOptions, work
 from train_helpers import micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
@@ -204,7 +204,7 @@ def test_a_runs_dir_without_the_recorded_checkpoint_is_refused_not_restarted(dat
 
 
 def test_an_absolute_path_recorded_by_an_older_fibctl_still_resumes_and_evaluates(data, tmp_path):
-    from fibctl.evaluate import evaluate
+    from fibctl.flows.evaluation import evaluate
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()
     work(engine, opts(data, tmp_path / "old"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
@@ -218,7 +218,7 @@ def test_an_absolute_path_recorded_by_an_older_fibctl_still_resumes_and_evaluate
 
 
 def test_eval_finds_checkpoints_in_the_folder_the_run_trained_in(data, tmp_path, monkeypatch):
-    from fibctl.evaluate import evaluate
+    from fibctl.flows.evaluation import evaluate
     engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
     work(engine, opts(data, tmp_path / "runs"), Quiet())
     monkeypatch.chdir(tmp_path / "runs")  # no --runs-dir: the recorded folder, whatever the directory

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fibctl import demo
+from fibctl.flows import demo
 from fibctl.cli import app
 from fibctl.cli.common import console
 from fibctl.cli.data import token_progress
@@ -17,9 +17,9 @@ from fibctl.cli.train import RunDisplay
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe
 from fibctl.db.engine import connect
-from fibctl.evaluate import evaluate
+from fibctl.flows.evaluation import evaluate
 from fibctl.reports import export, render, tables
-from fibctl.train.worker import WorkerOptions, work
+from fibctl.flows.worker import WorkerOptions, work
 
 
 @app.command("demo")

@@ -106,7 +106,7 @@ def bench_attention_cmd(
     Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
     and the gather path with fractional (learned) offsets. Ratios are to dense in the same run.
     """
-    from fibctl.bench import bench_attention
+    from fibctl.flows.bench import bench_attention
 
     if any(T < 2 for T in length):
         raise ConfigError(f"lengths must be >= 2, got {length}")

@@ -19,7 +19,7 @@ from fibctl.config import get_preset
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables
-from fibctl.reports.importer import import_study as run_import
+from fibctl.db.importer import import_study as run_import
 from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, run_query
 
 report_app = typer.Typer(

@@ -1,5 +1,5 @@
 """`fibctl train`, `fibctl worker`, `fibctl eval`: parse options, call fibctl.train and
-fibctl.evaluate, show progress."""
+fibctl.flows, show progress."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
 from fibctl.train import trainer
-from fibctl.train.worker import (
+from fibctl.flows.worker import (
     Outcome, WorkerOptions, launch_per_gpu, parse_gpus, train_named, work,
 )
 
@@ -160,11 +160,10 @@ def eval_cmd(
     threads: ThreadsOption = None,
 ) -> None:
     """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
-    from fibctl.evaluate import evaluate
-    from fibctl.train.device import keep_freed_memory, resolve_device, set_threads
+    from fibctl.device import setup_process
+    from fibctl.flows.evaluation import evaluate
 
-    set_threads(threads if threads is not None or resolve_device(device).type == "cuda" else 1)
-    keep_freed_memory()
+    setup_process(device, threads)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as progress:
         task = progress.add_task("evaluating", total=None)

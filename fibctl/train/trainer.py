@@ -31,10 +31,10 @@ import torch
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest, token_stream
 from fibctl.errors import FibctlError, WorkerError
-from fibctl.evaluate import stream_loss
+from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
 from fibctl.train import checkpoint as ckpt
-from fibctl.train.device import autocast
+from fibctl.device import autocast
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 from fibctl.train.sampler import WindowSampler
 

@@ -68,7 +68,7 @@ def fastest_threads(preset: str, steps: int = 4) -> tuple[int, dict[int, float]]
     import torch
 
     from fibctl.model import FibLM
-    from fibctl.train.device import keep_freed_memory
+    from fibctl.device import keep_freed_memory
 
     keep_freed_memory()
     p = get_preset(preset)

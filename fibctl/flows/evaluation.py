@@ -1,32 +1,19 @@
-"""Evaluation at any length: perplexity, per-position loss and inference speed.
+"""The evaluation runner: a run's final checkpoint, rebuilt at each length, measured by
+`fibctl.metrics` on each held-out set; the results written to the database.
 
-Windows follow the study's protocol (docs/method.md, "Evaluation"): window j feeds the
-`length` tokens x[jT : jT+T] and scores the `length` targets x[jT+1 : jT+T+1], windows at
-stride T read in order from the start of a held-out stream, so consecutive windows share
-one token (the last target of one is the first input of the next). Perplexity is
-exp(mean loss) over those targets. The per-position loss (Table 4) keeps the first T-1
-predicted positions of each window, as the study reports it (1023 positions of a 1024
-window). The token budget is the same at every length (`tokens // length` windows), so
-lengths are comparable, and the batch holds about `BATCH_TOKENS` tokens whatever the
-length, so memory stays bounded: the model computes attention and the loss in chunks, and
-dense attention goes through the fused (memory-linear) kernel. A length that still does
-not fit is reported, not crashed on.
-
-The training loop calls `stream_loss` for its own evaluations, so an evaluation here at
-the training length reproduces the training-time one exactly.
+Perplexity rows replace earlier ones with the same (run, step, dataset, length) key, so
+evaluating again never duplicates. Every problem (an unknown run, a run without a
+checkpoint, a vocabulary that does not match the data) is reported before any work.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from sqlalchemy import select
@@ -36,93 +23,10 @@ from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest, token_stream
 from fibctl.db.schema import Run
 from fibctl.db.store import RunRecorder
+from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
-from fibctl.model import FibLM
-from fibctl.train.checkpoint import load_checkpoint, stored_config_hash, resolve_path
-from fibctl.train.device import autocast, resolve_device, synchronize
-
-BATCH_TOKENS = 65_536  # tokens per forward pass at any length
-SPEED_REPEATS = 3  # timed passes per length (after one warm-up); the median is recorded
-
-
-@dataclass
-class StreamLoss:
-    loss: float  # mean next-token cross-entropy, nats
-    tokens: int  # predicted tokens the mean is over: windows * length
-    windows: int
-    position_losses: np.ndarray  # (length - 1,) mean loss at each of a window's first length - 1 positions
-
-
-def eval_windows(stream: np.ndarray, length: int, tokens: int) -> np.ndarray:
-    """The first `tokens // length` windows at stride `length`, each `length + 1` tokens
-    (inputs are [:-1], targets [1:]): (n, length + 1), a view of the stream."""
-    if length < 2:
-        raise FibctlError(f"evaluation length {length} is below 2: a window must predict a token")
-    n = min(tokens // length, (len(stream) - 1) // length)
-    if n < 1:
-        raise FibctlError(f"no window of {length:,} tokens (and its next token) fits in a budget of "
-                          f"{tokens:,} tokens from a stream of {len(stream):,}")
-    return np.lib.stride_tricks.sliding_window_view(stream[: n * length + 1], length + 1)[::length]
-
-
-def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int,
-                device: torch.device, batch_tokens: int = BATCH_TOKENS) -> StreamLoss:
-    """Loss of `model` on the stream's first windows of `length` tokens."""
-    windows = eval_windows(stream, length, tokens)
-    batch = max(1, batch_tokens // length)
-    while True:
-        try:
-            sums = _position_sums(model, windows, batch, device)
-            break
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not _out_of_memory(e):
-                raise
-            if batch == 1:
-                raise FibctlError(f"length {length:,} is out of reach on {device}: out of memory "
-                                  "with a single window") from None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            batch //= 2
-    per_position = sums / len(windows)  # (length,)
-    return StreamLoss(float(per_position.mean()), len(windows) * length, len(windows),
-                      per_position[:-1].numpy())
-
-
-def _out_of_memory(e: Exception) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
-
-
-def _position_sums(model: FibLM, windows: np.ndarray, batch: int, device: torch.device) -> torch.Tensor:
-    """Loss summed over windows at each of the `length` predicted positions, float64."""
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
-    with torch.no_grad(), autocast(device):
-        for s in range(0, len(windows), batch):
-            chunk = torch.from_numpy(windows[s:s + batch].astype(np.int64)).to(device)
-            sums += model.token_losses(chunk[:, :-1], chunk[:, 1:]).double().sum(0).cpu()
-    model.train(was_training)
-    return sums
-
-
-def inference_speed(model: FibLM, window: np.ndarray, device: torch.device) -> dict[str, float]:
-    """Latency of one forward pass over one sequence (batch 1) and the tokens/s it implies."""
-    x = torch.from_numpy(window[None, :-1].astype(np.int64)).to(device)
-    y = torch.from_numpy(window[None, 1:].astype(np.int64)).to(device)
-    times = []
-    with torch.no_grad(), autocast(device):
-        for i in range(SPEED_REPEATS + 1):
-            synchronize(device)
-            t0 = time.perf_counter()
-            model.token_losses(x, y)
-            synchronize(device)
-            if i:  # the first pass warms caches and kernels
-                times.append(time.perf_counter() - t0)
-    latency = statistics.median(times)
-    return {"latency_s": latency, "tokens_per_s": x.shape[1] / latency}
-
-
-# ----------------------------------------------------------------------------- runs
+from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
+from fibctl.train.checkpoint import load_checkpoint, resolve_path, stored_config_hash
 
 
 @dataclass
@@ -195,13 +99,6 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     for t in targets:
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl"])
-
-
-def load_model(config: RunConfig, state: dict, length: int, device: torch.device) -> FibLM:
-    """The run's trained weights in a model built at `length`."""
-    model = FibLM(config.model.with_length(length))
-    model.load_state_dict(state)
-    return model.to(device)
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result) -> list[dict]:

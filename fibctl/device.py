@@ -33,12 +33,22 @@ def describe(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
+def setup_process(device: str | None = None, threads: int | None = None) -> torch.device:
+    """The one process setup of training and evaluation: the device, the CPU threads (1 by
+    default on CPU, so that several processes can share a machine) and the allocator."""
+    resolved = resolve_device(device)
+    set_threads(threads if threads is not None or resolved.type == "cuda" else 1)
+    if resolved.type == "cpu":
+        keep_freed_memory()
+    return resolved
+
+
 def keep_freed_memory() -> None:
     """Ask glibc to reuse freed memory instead of returning it to the system.
 
     Activations and logits of tens of MB are allocated and freed every step; by default glibc
-    gives such blocks back to the OS, and touching fresh pages again cost a quarter of a CPU
-    training step in page faults (measured: `tiny` 506 -> 446 ms/step, system time 64 -> 1 ms).
+    gives such blocks back to the OS, and touching fresh pages again costs a large part of a
+    CPU training step in page faults (docs/benchmarks.md).
     """
     if sys.platform.startswith("linux"):
         try:
@@ -50,8 +60,6 @@ def keep_freed_memory() -> None:
 
 
 def set_threads(threads: int | None) -> None:
-    # Callers default to 1 thread on CPU so that several workers can share a machine;
-    # `fibctl demo` measures 1 thread against all cores and takes the faster.
     if threads is not None:
         if threads < 1:
             raise FibctlError(f"--threads must be >= 1, got {threads}")

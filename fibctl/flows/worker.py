@@ -39,7 +39,7 @@ from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
 from fibctl.train import checkpoint as ckpt
-from fibctl.train.device import describe, keep_freed_memory, resolve_device, set_threads
+from fibctl.device import describe, setup_process
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
 
@@ -93,14 +93,6 @@ def check_environment(opts: WorkerOptions) -> None:
         raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
 
 
-def prepare_process(opts: WorkerOptions) -> torch.device:
-    device = resolve_device(opts.device)
-    set_threads(opts.threads if opts.threads is not None or device.type == "cuda" else 1)
-    if device.type == "cpu":
-        keep_freed_memory()
-    return device
-
-
 @contextmanager
 def stop_on_signals(stop: threading.Event):
     """SIGINT/SIGTERM set `stop` (graceful); a second one raises KeyboardInterrupt."""
@@ -125,7 +117,7 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
     """Claim and train runs until none is queued, `max_runs` were trained, or `stop` is set."""
     stop = stop or threading.Event()
     check_environment(opts)
-    device = prepare_process(opts)
+    device = setup_process(opts.device, opts.threads)
     name = worker_name(device)
     outcomes: list[Outcome] = []
     with stop_on_signals(stop):
@@ -143,7 +135,7 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
     """Train one run by name: queued, failed, cancelled or abandoned runs are (re)claimed."""
     stop = stop or threading.Event()
     check_environment(opts)
-    device = prepare_process(opts)
+    device = setup_process(opts.device, opts.threads)
     name = worker_name(device)
     with stop_on_signals(stop):
         claimed = queue.claim_named(engine, run_name, name, socket.gethostname(), describe(device),

@@ -1,0 +1,112 @@
+"""Optional metric back-ends beside the database: TensorBoard and Weights & Biases.
+
+The database always gets every metric (it is what the reports read); `--log-to tensorboard`
+and `--log-to wandb` also send the training loss, learning rate, gradient norm, throughput,
+evaluations and alphas to the tools researchers already watch. `Tee` wraps the run's
+database reporter and forwards each call to every back-end. Both back-ends are extras
+(`pip install -e '.[tensorboard]'`, `'.[wandb]'`); W&B runs offline unless WANDB_MODE or an
+API key says otherwise, so it works without an account.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from pathlib import Path
+
+from fibctl.errors import FibctlError
+
+LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def check_loggers(names) -> tuple[str, ...]:
+    """The back-ends asked for, each importable; else one line naming the extra to install."""
+    names = tuple(dict.fromkeys(names))
+    for name in names:
+        if name not in LOGGERS:
+            raise FibctlError(f"--log-to {name!r}: allowed: {', '.join(LOGGERS)}")
+        module, extra = LOGGERS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise FibctlError(f"--log-to {name} needs the {extra} package: pip install -e '.[{extra}]'") from None
+    return names
+
+
+class TensorBoardSink:
+    """Event files under RUN_DIR/tensorboard (`tensorboard --logdir runs`)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run named after the fibctl run, its files under RUN_DIR/wandb; offline by default.
+    The run id is the fibctl run's name, so a resumed run continues the same W&B run."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict):
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name, id=name,
+                              resume="allow", dir=str(run_dir), config=config, mode=mode, reinit=True)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+
+
+class Tee:
+    """A Reporter that writes to the database reporter and copies the metrics to back-ends."""
+
+    def __init__(self, reporter, sinks: list):
+        self.reporter, self.sinks = reporter, sinks
+
+    def _copy(self, step: int, values: dict) -> None:
+        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+        for sink in self.sinks:
+            sink.log(step, finite)
+
+    def log_step(self, step, loss, lr, grad_norm, tokens_per_s, elapsed_s) -> None:
+        self.reporter.log_step(step, loss, lr, grad_norm, tokens_per_s, elapsed_s)
+        self._copy(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                          "train/tokens_per_s": tokens_per_s})
+
+    def log_eval(self, step, dataset, eval_length, tokens, loss) -> None:
+        self.reporter.log_eval(step, dataset, eval_length, tokens, loss)
+        self._copy(step, {f"eval/{dataset}@{eval_length}/loss": loss,
+                          f"eval/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
+
+    def log_alphas(self, step, alphas) -> None:
+        self.reporter.log_alphas(step, alphas)
+        self._copy(step, {f"alpha/layer{layer}": a for layer, a in enumerate(alphas)})
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def __getattr__(self, name):  # positions, events, heartbeats, run updates: the database only
+        return getattr(self.reporter, name)
+
+
+def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
+    return [SINKS[n](run_dir, name, config) for n in names]

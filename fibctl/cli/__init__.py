@@ -11,7 +11,6 @@ import sys
 
 import typer
 from rich.markup import escape
-from sqlalchemy.exc import OperationalError
 
 from fibctl.cli.common import err_console
 from fibctl.errors import FibctlError
@@ -44,9 +43,13 @@ def main() -> None:
         app()
     except FibctlError as e:
         _fail(str(e))
-    except OperationalError as e:
-        # the driver's message, never the statement and parameters SQLAlchemy appends
-        _fail(f"the database refused the operation: {(str(e.orig).strip().splitlines() or ['?'])[0]}")
+    except Exception as e:
+        from fibctl.db.engine import refusal
+
+        message = refusal(e)
+        if message is None:
+            raise
+        _fail(message)
 
 
 def _fail(message: str) -> None:

@@ -20,7 +20,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 import fibctl
@@ -264,3 +264,12 @@ def _readonly_sqlite_url(path: Path) -> str:
     writing to the database there either, so reading it as immutable is safe)."""
     immutable = "&immutable=1" if not os.access(path.resolve().parent, os.W_OK) else ""
     return f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro{immutable}&uri=true"
+
+
+def refusal(e: BaseException) -> str | None:
+    """One line for a database that refused an operation (locked past its busy timeout, full,
+    gone): the driver's message, never the statement and parameters SQLAlchemy appends.
+    None for any other exception."""
+    if not isinstance(e, OperationalError):
+        return None
+    return f"the database refused the operation: {(str(e.orig).strip().splitlines() or ['?'])[0]}"

@@ -71,3 +71,86 @@ def test_wandb_offline_run_folder(tmp_path, monkeypatch):
 def test_unknown_back_end_is_refused_naming_the_allowed_ones():
     with pytest.raises(FibctlError, match="--log-to 'mlflow': allowed: tensorboard, wandb"):
         check_loggers(["mlflow"])
+
+
+# ----------------------------------------------------------------------------- through the commands
+
+
+def _fibctl(args, monkeypatch, capsys):
+    import sys
+
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    return code, capsys.readouterr()
+
+
+def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeypatch, capsys):
+    """A micro run trained by `fibctl worker --log-to tensorboard` leaves event files under
+    runs/<name>/tensorboard with the training loss of every logged step and its evaluations;
+    `fibctl eval --log-to tensorboard` adds the evaluation at another length; `fibctl train
+    --log-to wandb` leaves a W&B offline run folder (no API key, WANDB_MODE unset)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import sqlite3
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from train_helpers import micro_run, queued_db, write_data
+
+    data, runs, db = write_data(tmp_path / "data"), tmp_path / "runs", str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("tb_run"), micro_run("wb_run")).dispose()
+    common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
+    code, out = _fibctl(["worker", *common, "--max-runs", "1", "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 0, out.err
+
+    events = EventAccumulator(str(runs / "tb_run" / "tensorboard"))
+    events.Reload()
+    stored = sqlite3.connect(db).execute(
+        "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'tb_run' ORDER BY step").fetchall()
+    assert [s for s, _ in stored] == [5, 10, 15, 20, 25, 30]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in stored]
+    assert [e.step for e in events.Scalars("eval/stories_val@64/loss")] == [10, 20, 30]
+
+    code, out = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
+                         "--db", db, "--data", str(data), "--runs-dir", str(runs), "--log-to", "tensorboard"],
+                        monkeypatch, capsys)
+    assert code == 0, out.err
+    events = EventAccumulator(str(runs / "tb_run" / "tensorboard"))
+    events.Reload()
+    [ppl] = events.Scalars("eval/stories_val@128/ppl")
+    stored = sqlite3.connect(db).execute("SELECT step, ppl FROM evaluations WHERE eval_length = 128").fetchone()
+    assert (ppl.step, ppl.value) == (stored[0], pytest.approx(stored[1], rel=1e-5))
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    code, out = _fibctl(["train", "wb_run", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 0, out.err
+    [folder] = (runs / "wb_run" / "wandb").glob("offline-run-*-wb_run")
+    assert list(folder.glob("*.wandb")) and (folder / "files").is_dir()
+    assert not (runs / "wb_run" / "tensorboard").exists() and not (runs / "tb_run" / "wandb").exists()
+
+
+def test_a_back_end_that_is_not_installed_is_refused_before_any_claim(tmp_path, monkeypatch, capsys):
+    import sqlite3
+    import sys
+
+    from train_helpers import micro_run, queued_db, write_data
+
+    data, db = write_data(tmp_path / "data", train_tokens=2_000, heldout_tokens=1_000), str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("run")).dispose()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    for command in (["worker"], ["train", "run"], ["eval", "run", "--length", "64"]):
+        code, out = _fibctl([*command, "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                             "--log-to", "wandb"], monkeypatch, capsys)
+        assert code == 2 and out.err.strip().splitlines() == [
+            "error: --log-to wandb needs the wandb package: pip install -e '.[wandb]'"], out.err
+    code, out = _fibctl(["worker", "--db", db, "--data", str(data), "--log-to", "mlflow"], monkeypatch, capsys)
+    assert code == 2 and "--log-to 'mlflow': allowed: tensorboard, wandb" in out.err
+    assert sqlite3.connect(db).execute("SELECT status, attempts FROM runs").fetchall() == [("queued", 0)]
+    assert not (tmp_path / "runs").exists()

@@ -127,3 +127,29 @@ def test_markup_and_blobs_from_data_are_printed_as_they_are(db):
     assert r.exit_code == 0 and "[/]" in r.output and "[bold red]boom[/bold red]" in r.output and "[b]" in r.output
     r = CliRunner().invoke(app, ["sql", query, "--db", db, "--json"])
     assert r.exit_code == 0 and json.loads(r.output)[0]["blob"] == "x'00ff'"
+
+
+def test_values_are_written_as_the_database_returns_them(db):
+    """NULL is NULL (not nan), an integer column beside a NULL stays integers, slashes are
+    not escaped; --format is the one name, --csv and --json its older spellings."""
+    runner = CliRunner()
+    query = ("SELECT id, CASE WHEN id = 1 THEN NULL ELSE 8 END AS steps, 'runs/a/step_1.pt' AS path, 2.5 AS x "
+             "FROM runs ORDER BY id")
+    r = runner.invoke(app, ["sql", query, "--db", db])
+    assert r.exit_code == 0, r.output
+    assert "NULL" in r.output and "nan" not in r.output and "8.0" not in r.output and "runs/a/step_1.pt" in r.output
+    for args in (["--csv"], ["--format", "csv"]):
+        r = runner.invoke(app, ["sql", query, "--db", db, *args])
+        assert r.exit_code == 0 and r.stdout == "id,steps,path,x\n1,,runs/a/step_1.pt,2.5\n2,8,runs/a/step_1.pt,2.5\n"
+    for args in (["--json"], ["--format", "json"]):
+        r = runner.invoke(app, ["sql", query, "--db", db, *args])
+        assert r.exit_code == 0 and "runs/a/step_1.pt" in r.stdout and "\\/" not in r.stdout
+        assert json.loads(r.stdout) == [{"id": 1, "steps": None, "path": "runs/a/step_1.pt", "x": 2.5},
+                                        {"id": 2, "steps": 8, "path": "runs/a/step_1.pt", "x": 2.5}]
+    frame = run_query(db, query)
+    assert frame.values.tolist() == [[1, None, "runs/a/step_1.pt", 2.5], [2, 8, "runs/a/step_1.pt", 2.5]]
+    assert all(type(v) is int for v in frame["id"])
+    for args, message in ((["--format", "xml"], "--format 'xml': allowed: table, csv, json"),
+                          (["--csv", "--json"], "give one output format")):
+        r = runner.invoke(app, ["sql", "SELECT 1", "--db", db, *args])
+        assert r.exit_code != 0 and message in str(r.exception), r.output

@@ -249,13 +249,21 @@ def test_bad_input_is_one_line_exit_2_and_changes_no_row(data, tmp_path, capsys,
     assert db.execute("select count(*) from events").fetchone() == (0,)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
-def test_gpus_all_falls_back_to_the_cpu_and_a_missing_gpu_is_refused():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_gpus_all_without_cuda_is_one_line_exit_2_and_a_missing_gpu_is_refused(data, tmp_path, capsys,
+                                                                              monkeypatch):
     from fibctl.errors import FibctlError
     from fibctl.flows.worker import parse_gpus
-    assert parse_gpus("all") == []  # the worker then trains on the CPU in-process
+    with pytest.raises(FibctlError, match="--gpus all: this machine has no CUDA device"):
+        parse_gpus("all")  # not a silent CPU worker
     with pytest.raises(FibctlError, match="0 CUDA device"):
         parse_gpus("0,2")
+    queued_db(tmp_path / "r.db", micro_run("run"))
+    code, err = _cli(["worker", "--gpus", "all", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                      "--runs-dir", str(tmp_path / "runs")], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no CUDA device" in err and "--device cpu" in err
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchall() == [
+        ("queued", 0)]
 
 
 def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_path):

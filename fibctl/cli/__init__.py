@@ -15,6 +15,33 @@ from rich.markup import escape
 from fibctl.cli.common import err_console
 from fibctl.errors import FibctlError
 
+
+def _help_fixes() -> None:
+    """Two fixes to typer 0.29's help: a boolean flag shows as a flag (typer prints `<bool>`
+    after every flag, `--help` included), and a paragraph after the first is wrapped to the
+    terminal like the first (typer keeps its source line breaks: half-empty lines at 80
+    columns)."""
+    from typer import rich_utils
+    from typer.core import TyperOption
+
+    if getattr(TyperOption, "_fibctl_fixed", False):
+        return
+    shown_type = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown_type(self, ctx)
+
+    def fix_linebreaks(paragraphs, markup_mode):
+        return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
+
+    TyperOption.display_type_rich = display_type_rich
+    if hasattr(rich_utils, "_fix_linebreaks"):
+        rich_utils._fix_linebreaks = fix_linebreaks
+    TyperOption._fibctl_fixed = True
+
+
+_help_fixes()
+
 app = typer.Typer(
     name="fibctl",
     help="Reproduce and extend the scaled-Fibonacci sparse-attention study: queue a matrix of "

@@ -14,7 +14,6 @@ from rich.text import Text
 
 from fibctl.cli import app
 from fibctl.cli.common import console, err_console, plain
-from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
 
@@ -32,30 +31,34 @@ class _RateColumn(ProgressColumn):
         return Text(f"{speed:,.0f} {unit}/s" if speed else "", style="progress.data.speed")
 
 
-def token_progress(quiet: bool = False) -> Progress:
-    """Progress bars with counts and rates, for `prepare(..., progress=...)`; silent when quiet."""
+def token_progress(plain: bool = False) -> Progress:
+    """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain."""
     return Progress(
         TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
-        console=err_console, disable=quiet,
+        console=err_console, disable=plain,
     )
 
 
 @data_app.command("prepare")
 def prepare_cmd(
     recipe: Annotated[str, typer.Argument(help=f"A shipped recipe ({', '.join(shipped())}) or a .toml path.")],
-    out: Annotated[Path | None, typer.Option("--out", envvar="FIBCTL_DATA", help="Output folder (where `fibctl worker --data` reads). Default: data.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary; errors only.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--data", "--out", envvar="FIBCTL_DATA",
+        help="Data folder to write (where `fibctl worker --data` reads); --out is an older name. Default: data.")]
+    = None,
+    plain: Annotated[bool, typer.Option(
+        "--plain", "--quiet", "-q", help="No progress bars: the summary only (--quiet, -q: older names).")] = False,
 ) -> None:
     """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date)."""
+    from fibctl.data.prepare import prepare  # tokenizers and datasets load when a recipe is prepared
+
     r = load_recipe(recipe)
     out = out or Path("data")
     start = time.perf_counter()
-    with token_progress(quiet) as progress:
+    with token_progress(plain) as progress:
         result = prepare(r, out, progress)
     _warn_short(result.manifest)
-    if quiet:
-        return
     if result.reused:
         console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False)
     else:

@@ -9,17 +9,10 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fibctl.flows import demo
 from fibctl.cli import app
 from fibctl.cli.common import console
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import RunDisplay
-from fibctl.data.prepare import prepare
-from fibctl.data.recipe import load_recipe
-from fibctl.db.engine import connect
-from fibctl.flows.evaluation import evaluate
-from fibctl.reports import export, render, tables
-from fibctl.flows.worker import WorkerOptions, work
 
 
 @app.command("demo")
@@ -37,13 +30,22 @@ def demo_cmd(
     measurement finds faster. Running it again resumes: finished runs are skipped and an
     interrupted one continues from its checkpoint.
     """
+    # torch, pandas and matplotlib load here, not when the command line starts
+    from fibctl.data.prepare import prepare
+    from fibctl.data.recipe import load_recipe
+    from fibctl.db.engine import connect
+    from fibctl.flows import demo
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.flows.worker import WorkerOptions, work
+    from fibctl.reports import export, render, tables
+
     started = time.perf_counter()
     p = demo.plan(quick)
     demo.check_out_dir(out)
     data_dir, db = out / "data", str(out / "results.db")
 
     console.rule(f"1/5 data: recipe {p.recipe!r} (documentation installed on this machine)")
-    with token_progress(quiet=plain) as progress:
+    with token_progress(plain) as progress:
         prepared = prepare(load_recipe(p.recipe), data_dir, progress)
     console.print(f"data ready in {data_dir} ({'reused' if prepared.reused else 'built'})", highlight=False)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-import torch
 import typer
 from rich.table import Table
 
@@ -34,6 +33,8 @@ def _model_config(preset: str, schedule: str, base: str, window: int, length: in
 def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base = "fib",
               window: Window = 8, length: Length = None) -> None:
     """Print a model's parameter breakdown and, per layer, alpha and the attended distances."""
+    import torch
+
     from fibctl.model import FibLM
 
     cfg = _model_config(preset, schedule, base, window, length)
@@ -106,6 +107,8 @@ def bench_attention_cmd(
     Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
     and the gather path with fractional (learned) offsets. Ratios are to dense in the same run.
     """
+    import torch
+
     from fibctl.flows.bench import bench_attention
 
     if any(T < 2 for T in length):

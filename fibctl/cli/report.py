@@ -18,9 +18,10 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite
 from fibctl.config import get_preset
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
-from fibctl.reports import export, figures, render, tables
+from fibctl.reports import render, tables  # export and figures (matplotlib) load when used
 from fibctl.db.importer import import_study as run_import
 from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, run_query
+from fibctl.reports.sql import cell as sql_cell
 
 report_app = typer.Typer(
     help="The study's tables (docs/method.md), computed by SQL from the results database.",
@@ -116,6 +117,8 @@ def report_all(
     dataset: DatasetOption = None,
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
+    from fibctl.reports import export
+
     engine = connect_readonly(db)
     try:
         written, skipped = export.write_all(
@@ -149,6 +152,8 @@ def figure(
     length: Annotated[int | None, typer.Option("--length", help="coverage: sequence length T (overrides the preset).")] = None,
 ) -> None:
     """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
+    from fibctl.reports import figures
+
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
     path = figures.check_path(out or Path(f"{name}.png"))
@@ -172,33 +177,45 @@ def figure(
     console.print(f"wrote {path}", highlight=False, markup=False)
 
 
+SQL_FORMATS = ("table", "csv", "json")
+
+
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="One SQL statement, e.g. \"SELECT name, status FROM runs\".",
                                          show_default=False)],
     db: DbOption = DEFAULT_DB,
-    csv: Annotated[bool, typer.Option("--csv", help="Print CSV instead of a table.")] = False,
-    json: Annotated[bool, typer.Option("--json", help="Print JSON records instead of a table.")] = False,
+    fmt: Annotated[str, typer.Option(
+        "--format", "-f", help="table (default), csv (NULL as an empty field) or json (NULL as null).")] = "table",
+    csv: Annotated[bool, typer.Option("--csv", help="The same as --format csv.")] = False,
+    json: Annotated[bool, typer.Option("--json", help="The same as --format json.")] = False,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Print at most this many rows.")] = MAX_ROWS,
     timeout: Annotated[float, typer.Option("--timeout", help="Stop the statement after this many seconds.")]
     = TIMEOUT_S,
 ) -> None:
     """Run a read-only SQL query on the results database (writes, ATTACH, VACUUM and PRAGMA
-    settings are refused; rows and time are bounded)."""
+    settings are refused; rows and time are bounded). Values are printed as the database
+    returns them: NULL as NULL, integers as integers."""
+    from fibctl.reports.sql import to_csv, to_json
+
+    if fmt not in SQL_FORMATS:
+        raise FibctlError(f"--format {fmt!r}: allowed: {', '.join(SQL_FORMATS)}")
+    if csv + json > 1 or ((csv or json) and fmt != "table"):
+        raise FibctlError("give one output format: --format table|csv|json (--csv and --json are its older names)")
+    fmt = "csv" if csv else "json" if json else fmt
     frame = run_query(db, query, max_rows=max_rows, timeout_s=timeout)
-    frame = frame.map(lambda v: "x'" + v.hex() + "'" if isinstance(v, (bytes, bytearray, memoryview)) else v)
-    if csv:
-        typer.echo(frame.to_csv(index=False), nl=False)
-    elif json:
-        typer.echo(frame.to_json(orient="records", indent=2, force_ascii=False))
+    if fmt == "csv":
+        typer.echo(to_csv(frame), nl=False)
+    elif fmt == "json":
+        typer.echo(to_json(frame))
     elif frame.empty:
         console.print("(no rows)")
     else:  # Text cells: a value from the database is shown as it is, never read as markup
         table = RichTable()
         for column in frame.columns:
-            table.add_column(Text(str(column)))
+            table.add_column(Text(str(column)), overflow="fold")
         for row in frame.itertuples(index=False):
-            table.add_row(*(Text("NULL" if v is None else str(v)) for v in row))
+            table.add_row(*(Text("NULL" if v is None else str(sql_cell(v))) for v in row))
         console.print(table)
     if frame.attrs.get("truncated"):
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -16,10 +16,11 @@ from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
-from fibctl.train import trainer
-from fibctl.flows.worker import (
-    Outcome, WorkerOptions, launch_per_gpu, parse_gpus, train_named, work,
-)
+from fibctl.train.loggers import LOGGERS, check_loggers
+
+if TYPE_CHECKING:  # torch loads when a command trains or evaluates, not when the CLI starts
+    from fibctl.flows.worker import Outcome
+    from fibctl.train import trainer
 
 DataOption = Annotated[Path, typer.Option("--data", envvar="FIBCTL_DATA", show_default=True,
                                           help="Prepared data directory (fibctl data prepare).")]
@@ -32,6 +33,9 @@ ThreadsOption = Annotated[Optional[int], typer.Option(
     "one worker alone on an idle 2-core VM measured 1.9x faster with --threads 2).")]
 PlainOption = Annotated[bool, typer.Option(
     "--plain", help="Plain log lines instead of a progress bar (automatic when not a terminal).")]
+LogToOption = Annotated[Optional[list[str]], typer.Option(
+    "--log-to", help=f"Also send the metrics to {' or '.join(LOGGERS)} (repeatable), under the run's folder; "
+    "the database always gets them. Needs the extra: pip install -e '.[tensorboard]' or '.[wandb]'.")]
 HeartbeatOption = Annotated[float, typer.Option(
     "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned.")]
 DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
@@ -85,10 +89,14 @@ def train_cmd(
     threads: ThreadsOption = None,
     plain: PlainOption = False,
     heartbeat_timeout: HeartbeatOption = 600,
+    log_to: LogToOption = None,
 ) -> None:
     """Train one run of the database (resuming from its last checkpoint if it has one)."""
+    from fibctl.flows.worker import WorkerOptions, train_named
+
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
-                         heartbeat_timeout_s=_positive_timeout(heartbeat_timeout))
+                         heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
+                         log_to=check_loggers(log_to or ()))
     outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -101,29 +109,35 @@ def worker_cmd(
     runs_dir: RunsDirOption = DEFAULT_RUNS,
     gpus: Annotated[Optional[str], typer.Option(
         "--gpus", help="`all` or e.g. `0,2,3`: one worker process per GPU, each pinned to its device "
-        "(CPU worker when there is no CUDA).")] = None,
+        "(refused on a machine without CUDA: use --device cpu).")] = None,
     max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Stop after this many runs.")] = None,
     max_attempts: Annotated[int, typer.Option("--max-attempts", help="Claims before an abandoned run fails.")] = 3,
     device: DeviceOption = None,
     threads: ThreadsOption = None,
     plain: PlainOption = False,
     heartbeat_timeout: HeartbeatOption = 600,
+    log_to: LogToOption = None,
 ) -> None:
     """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault."""
+    from fibctl.flows.worker import WorkerOptions, launch_per_gpu, parse_gpus, work
+
     _positive_timeout(heartbeat_timeout)
     if max_attempts < 1 or (max_runs is not None and max_runs < 1):
         raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
+    log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
     shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
+    shared += [arg for name in log_to for arg in ("--log-to", name)]
     gpu_list = parse_gpus(gpus) if gpus else []
     if gpu_list:
         code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),
                               env={"FIBCTL_DB": db})
         raise typer.Exit(code)
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
-                         heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
+                         heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs,
+                         log_to=log_to)
     outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
     console.print(f"worker: {len(outcomes)} run(s): "
                   + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),
@@ -158,8 +172,10 @@ def eval_cmd(
         help="Where the checkpoints are (default: the folder each run trained in).")] = None,
     device: DeviceOption = None,
     threads: ThreadsOption = None,
+    log_to: LogToOption = None,
 ) -> None:
     """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
+    log_to = check_loggers(log_to or ())
     from fibctl.device import setup_process
     from fibctl.flows.evaluation import evaluate
 
@@ -176,7 +192,7 @@ def eval_cmd(
 
         df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
                       tokens=tokens, positions=positions, speed=speed, device=device, runs_dir=runs_dir,
-                      on_result=advance)
+                      on_result=advance, log_to=log_to)
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
         table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
@@ -25,6 +24,7 @@ from fibctl.db.schema import Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
+from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.train.checkpoint import load_checkpoint, resolve_path, stored_config_hash
 
@@ -67,14 +67,17 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
 def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path,
              all_runs: bool = False, datasets: list[str] | None = None, tokens: int | None = None,
              positions: bool = False, speed: bool = False, device: str | None = None,
-             runs_dir: Path | None = None, on_result: Callable[[dict, int], None] | None = None) -> pd.DataFrame:
+             runs_dir: Path | None = None, on_result: Callable[[dict, int], None] | None = None,
+             log_to: tuple[str, ...] | list[str] = ()) -> pd.DataFrame:
     """Evaluate runs' final checkpoints at each length on each held-out set; write the results.
 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
     Returns one row per run x length x dataset; `on_result(row, total)` sees each as it is
-    written, with the number of rows to expect.
+    written, with the number of rows to expect. `log_to` back-ends (fibctl.train.loggers) get
+    a copy of each result, their files in the folder of the run's checkpoint.
     """
+    log_to = loggers.check_loggers(log_to)
     for length in lengths:
         if length < 2:
             raise FibctlError(f"evaluation length {length} is below 2: a window must predict a token")
@@ -97,11 +100,12 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     report = (lambda row: on_result(row, total)) if on_result else None
     rows = []
     for t in targets:
-        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report)
+        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl"])
 
 
-def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result) -> list[dict]:
+def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
+                  log_to: tuple[str, ...] = ()) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
@@ -109,9 +113,22 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
                           f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     recorder = RunRecorder(engine, t.run.id)
+    if not log_to:
+        return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
+                        on_result)
+    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict()))
+    try:
+        return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
+                        on_result)
+    finally:
+        tee.close()
+
+
+def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams, positions, speed, device,
+             on_result) -> list[dict]:
     rows = []
     for length in lengths:
-        model = load_model(t.config, ckpt["model"], length, device)
+        model = load_model(t.config, weights, length, device)
         for dataset, stream in streams.items():
             res = stream_loss(model, stream, length, budget, device)
             recorder.log_eval(step, dataset, length, res.tokens, res.loss)

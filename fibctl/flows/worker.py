@@ -39,6 +39,7 @@ from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
 from fibctl.train import checkpoint as ckpt
+from fibctl.train import loggers
 from fibctl.device import describe, setup_process
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
@@ -71,6 +72,7 @@ class WorkerOptions:
     heartbeat_timeout_s: float = 600
     max_attempts: int = 3
     max_runs: int | None = None
+    log_to: tuple[str, ...] = ()  # metric back-ends beside the database (fibctl.train.loggers)
 
 
 def worker_name(device: torch.device) -> str:
@@ -80,7 +82,9 @@ def worker_name(device: torch.device) -> str:
 
 def check_environment(opts: WorkerOptions) -> None:
     """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
-    or a runs folder that cannot be written: such a worker would fail every run it claims."""
+    or a runs folder that cannot be written, or a --log-to back-end that is not installed:
+    such a worker would fail every run it claims."""
+    loggers.check_loggers(opts.log_to)
     try:
         for split in load_manifest(opts.data_dir).splits:
             token_stream(opts.data_dir, split)
@@ -146,10 +150,13 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
 
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, device: torch.device,
                   worker: str, display: Display, stop: threading.Event) -> Outcome:
-    recorder = RunRecorder(engine, claimed.id, worker)
-    trainer = None
+    recorder: RunRecorder | loggers.Tee = RunRecorder(engine, claimed.id, worker)
+    trainer, tee = None, None
     try:
         run_dir = _run_dir(claimed, opts)
+        if opts.log_to:  # copies of the metrics beside the database, under the run's folder
+            tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
+                                                                      claimed.config.to_dict()))
         trainer = Trainer(claimed.config, opts.data_dir, run_dir, recorder, device=device, stop=stop,
                           on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result))
         counts = trainer.model.param_counts()
@@ -174,6 +181,9 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         step = trainer.step if trainer else 0
         queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
         outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
+    finally:
+        if tee is not None:
+            tee.close()
     display.finish(outcome)
     return outcome
 
@@ -238,9 +248,13 @@ def _error_text(e: Exception) -> str:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """`all` -> every visible CUDA device (none on a CPU machine); `0,2,3` -> those."""
+    """`all` -> every visible CUDA device; `0,2,3` -> those. A machine without CUDA is refused
+    (a silent CPU worker would train a GPU study for weeks): `--device cpu` says so explicitly."""
     count = torch.cuda.device_count()
     if spec == "all":
+        if not count:
+            raise FibctlError("--gpus all: this machine has no CUDA device (torch "
+                              f"{torch.__version__}); to train on the CPU, drop --gpus or pass --device cpu")
         return list(range(count))
     try:
         gpus = [int(g) for g in spec.split(",") if g.strip()]

@@ -33,7 +33,8 @@ _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
 
 def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
     """Run one SQL statement read-only and return up to `max_rows` of its rows (an empty
-    frame if it returns none); `frame.attrs["truncated"]` says whether more were left."""
+    frame if it returns none) with object columns holding the values as the database
+    returned them; `frame.attrs["truncated"]` says whether more were left."""
     if max_rows < 1 or not timeout_s > 0:
         raise FibctlError(f"--max-rows must be >= 1 and --timeout above 0 (got {max_rows}, {timeout_s:g})")
     engine = connect_readonly(db, current=False)
@@ -49,7 +50,10 @@ def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float =
                 result = conn.exec_driver_sql(sql)  # as written: no bind-parameter parsing
                 try:
                     rows = result.fetchmany(max_rows + 1)
-                    frame = pd.DataFrame(rows[:max_rows], columns=list(result.keys()))
+                    # object columns: each value as the driver returned it (an integer stays an
+                    # integer beside a NULL, a NULL stays None), never coerced to float or NaN
+                    frame = pd.DataFrame([tuple(r) for r in rows[:max_rows]], columns=list(result.keys()),
+                                         dtype=object)
                 except ResourceClosedError:  # a statement that returns no rows
                     rows, frame = [], pd.DataFrame()
                 frame.attrs["truncated"] = len(rows) > max_rows
@@ -87,6 +91,40 @@ def _authorize(action: int, arg1, arg2, _db, _trigger) -> int:
     if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+
+
+def cell(value):
+    """A value for text output: blobs as SQL hex literals, everything else as it is."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "x'" + bytes(value).hex() + "'"
+    return value
+
+
+def to_csv(frame: pd.DataFrame) -> str:
+    """CSV with the values as the database returned them; NULL is an empty field."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([str(c) for c in frame.columns])
+    for row in frame.itertuples(index=False):
+        writer.writerow(["" if v is None else cell(v) for v in row])
+    return out.getvalue()
+
+
+def to_json(frame: pd.DataFrame) -> str:
+    """JSON records: NULL as null, integers as integers, slashes as they are; a non-finite
+    float (which JSON cannot hold) as its name, e.g. "inf"."""
+    import json
+    import math
+
+    def value(v):
+        v = cell(v)
+        return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+    records = [{str(k): value(v) for k, v in zip(frame.columns, row)} for row in frame.itertuples(index=False)]
+    return json.dumps(records, indent=2, ensure_ascii=False, default=str)
 
 
 def _sql_error(e: DBAPIError, timeout_s: float) -> str:

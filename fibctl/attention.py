@@ -42,10 +42,6 @@ class Columns:
     lo: list[int]  # fractional rungs: floor of alpha * b_k
     frac: torch.Tensor | None = None  # (len(lo),) alpha * b_k - lo, carries the gradient to alpha
 
-    @property
-    def n(self) -> int:
-        return len(self.dist) + len(self.lo)
-
 
 def check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:

@@ -18,7 +18,7 @@ from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
-from fibctl.db.schema import RUN_STATUSES, Run
+from fibctl.db.schema import RUN_STATUSES, Run, RunStatus
 from fibctl.db.store import add_event, utcnow, write_retrying
 from fibctl.errors import FibctlError
 
@@ -45,7 +45,7 @@ def run_row(cfg: RunConfig) -> dict:
         window=None if dense else cfg.model.window, seed=cfg.seed, init_seed=cfg.init_seed,
         data_seed=cfg.data_seed,
         train_length=cfg.model.seq_len, config_json=cfg.to_json(), config_hash=cfg.config_hash,
-        status="queued", attempts=0, created_at=utcnow(), source="fibctl",
+        status=RunStatus.QUEUED, attempts=0, created_at=utcnow(), source="fibctl",
     )
 
 
@@ -79,15 +79,13 @@ def _conflict(cfg: RunConfig, row) -> str | None:
     return f"{cfg.name} differs in {', '.join(fields)}" if fields else None
 
 
-def list_runs(engine: Engine, status: str | None = None, matrix: str | None = None) -> list[dict]:
-    """Runs in queue order (id), optionally of one status and/or matrix."""
+def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
+    """Runs in queue order (id), optionally of one status."""
     if status is not None and status not in RUN_STATUSES:
         raise FibctlError(f"unknown status {status!r}; allowed: {', '.join(RUN_STATUSES)}")
     q = select(*(Run.__table__.c[c] for c in LIST_COLUMNS)).order_by(Run.id)
     if status is not None:
         q = q.where(Run.status == status)
-    if matrix is not None:
-        q = q.where(Run.matrix == matrix)
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q)]
 
@@ -115,16 +113,16 @@ def _transition(conn: Connection, name: str, allowed_from: tuple[str, ...], valu
 def cancel(engine: Engine, name: str) -> None:
     """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
     with engine.begin() as conn:
-        run_id = _transition(conn, name, ("queued", "running"),
-                             dict(status="cancelled", finished_at=utcnow()), "cancel")
+        run_id = _transition(conn, name, (RunStatus.QUEUED, RunStatus.RUNNING),
+                             dict(status=RunStatus.CANCELLED, finished_at=utcnow()), "cancel")
         add_event(conn, run_id, "cancelled", "cancelled by the user")
 
 
 def retry(engine: Engine, name: str) -> None:
     """Put a failed or cancelled run back in the queue with its attempts reset."""
     with engine.begin() as conn:
-        run_id = _transition(conn, name, ("failed", "cancelled"), dict(
-            status="queued", attempts=0, error=None, worker=None, host=None, device=None,
+        run_id = _transition(conn, name, (RunStatus.FAILED, RunStatus.CANCELLED), dict(
+            status=RunStatus.QUEUED, attempts=0, error=None, worker=None, host=None, device=None,
             heartbeat_at=None, started_at=None, finished_at=None), "retry")
         add_event(conn, run_id, "retried", "queued again by the user")
 
@@ -132,7 +130,7 @@ def retry(engine: Engine, name: str) -> None:
 def retry_failed(engine: Engine) -> list[str]:
     """Put every failed run back in the queue (as `retry` does); returns their names."""
     with engine.begin() as conn:
-        names = list(conn.execute(select(Run.name).where(Run.status == "failed").order_by(Run.id)).scalars())
+        names = list(conn.execute(select(Run.name).where(Run.status == RunStatus.FAILED).order_by(Run.id)).scalars())
     for name in names:
         retry(engine, name)
     return names
@@ -142,20 +140,20 @@ def claim_next(engine: Engine, worker: str, host: str | None = None, device: str
                heartbeat_timeout_s: float = 600, max_attempts: int = 3) -> ClaimedRun | None:
     """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left."""
     now = utcnow()
-    abandoned = and_(Run.status == "running", Run.heartbeat_at < now - timedelta(seconds=heartbeat_timeout_s))
+    abandoned = and_(Run.status == RunStatus.RUNNING, Run.heartbeat_at < now - timedelta(seconds=heartbeat_timeout_s))
     with engine.begin() as conn:
         _fail_exhausted(conn, abandoned, max_attempts, heartbeat_timeout_s)
         row = conn.execute(
-            select(Run.id, Run.status, Run.worker).where(or_(Run.status == "queued", abandoned))
+            select(Run.id, Run.status, Run.worker).where(or_(Run.status == RunStatus.QUEUED, abandoned))
             .order_by(Run.id).limit(1).with_for_update(skip_locked=True)).first()
         if row is None:
             return None
         run = conn.execute(
             update(Run).where(Run.id == row.id).values(
-                status="running", worker=worker, host=host, device=device, heartbeat_at=now,
+                status=RunStatus.RUNNING, worker=worker, host=host, device=device, heartbeat_at=now,
                 started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1)
             .returning(Run.id, Run.name, Run.attempts, Run.config_json, Run.checkpoint_path)).one()
-        if row.status == "running":
+        if row.status == RunStatus.RUNNING:
             add_event(conn, run.id, "reclaimed",
                       f"taken from {row.worker} (no heartbeat for {heartbeat_timeout_s:g} s) by {worker}",
                       {"previous_worker": row.worker, "attempt": run.attempts})
@@ -175,9 +173,9 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
     row = runs[run_name]
     stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
-    if row["status"] == "done":
+    if row["status"] == RunStatus.DONE:
         raise FibctlError(f"run {run_name!r} is already done")
-    if row["status"] == "running" and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
+    if row["status"] == RunStatus.RUNNING and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
         raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
     with engine.connect() as conn:
         config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
@@ -186,9 +184,9 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
     with engine.begin() as conn:
         run = conn.execute(
             update(Run).where(Run.name == run_name, or_(
-                Run.status.in_(("queued", "failed", "cancelled")),
-                (Run.status == "running") & (Run.heartbeat_at < stale)))
-            .values(status="running", worker=worker, host=host, device=device, heartbeat_at=now,
+                Run.status.in_((RunStatus.QUEUED, RunStatus.FAILED, RunStatus.CANCELLED)),
+                (Run.status == RunStatus.RUNNING) & (Run.heartbeat_at < stale)))
+            .values(status=RunStatus.RUNNING, worker=worker, host=host, device=device, heartbeat_at=now,
                     started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1,
                     error=None, finished_at=None)
             .returning(Run.id, Run.attempts, Run.checkpoint_path)).first()
@@ -203,7 +201,7 @@ def _fail_exhausted(conn: Connection, abandoned, max_attempts: int, timeout_s: f
     """Abandoned runs that have used all their attempts become `failed`, with the reason."""
     dead = conn.execute(
         update(Run).where(abandoned, Run.attempts >= max_attempts).values(
-            status="failed", finished_at=utcnow(),
+            status=RunStatus.FAILED, finished_at=utcnow(),
             error=f"abandoned: no heartbeat for {timeout_s:g} s after {max_attempts} attempt(s)")
         .returning(Run.id, Run.worker, Run.error)).all()
     for run in dead:
@@ -214,8 +212,8 @@ def release(engine: Engine, run_id: int, reason: str = "released by its worker")
     """Return a running run to the queue (e.g. on SIGTERM); its attempts stay counted.
     False if it was no longer running (cancelled meanwhile: stays cancelled)."""
     def write(conn: Connection) -> bool:
-        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
-            status="queued", worker=None, host=None, device=None, heartbeat_at=None)).rowcount
+        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
+            status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None)).rowcount
         if done:
             add_event(conn, run_id, "released", reason)
         return bool(done)
@@ -226,8 +224,8 @@ def unclaim(engine: Engine, run_id: int, reason: str) -> None:
     """Undo a claim whose worker cannot train it (its data or runs folder is wrong, not the
     run): the run is queued again with the attempt not counted."""
     def write(conn: Connection) -> None:
-        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
-            status="queued", worker=None, host=None, device=None, heartbeat_at=None,
+        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
+            status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None,
             attempts=Run.attempts - 1,
             started_at=case((Run.attempts <= 1, None), else_=Run.started_at))).rowcount
         if done:
@@ -238,7 +236,7 @@ def unclaim(engine: Engine, run_id: int, reason: str) -> None:
 def finish(engine: Engine, run_id: int) -> None:
     """Mark a run done."""
     def write(conn: Connection) -> None:
-        conn.execute(update(Run).where(Run.id == run_id).values(status="done", finished_at=utcnow(), error=None))
+        conn.execute(update(Run).where(Run.id == run_id).values(status=RunStatus.DONE, finished_at=utcnow(), error=None))
         add_event(conn, run_id, "finished")
     write_retrying(engine, write)
 
@@ -246,6 +244,38 @@ def finish(engine: Engine, run_id: int) -> None:
 def fail(engine: Engine, run_id: int, error: str) -> None:
     """Mark a run failed with the error text (e.g. the exception and its last lines)."""
     def write(conn: Connection) -> None:
-        conn.execute(update(Run).where(Run.id == run_id).values(status="failed", finished_at=utcnow(), error=error))
+        conn.execute(update(Run).where(Run.id == run_id).values(status=RunStatus.FAILED, finished_at=utcnow(), error=error))
         add_event(conn, run_id, "failed", error.splitlines()[0] if error else None)
     write_retrying(engine, write)
+
+
+@dataclass
+class Removed:
+    """What `remove` deleted: the run's row (its metrics and events went with it)."""
+    name: str
+    status: str
+    rows: int  # metric, position, alpha and event rows deleted with it
+    runs_dir: str | None  # where the run last trained (runs.runs_dir)
+
+
+def remove(engine: Engine, name: str) -> Removed:
+    """Delete a run that is not running. Its train steps, evaluations, position losses,
+    alphas, auxiliary metrics and events go with it (ON DELETE CASCADE); its checkpoints are
+    files, left to the caller. A running run is refused: cancel it first."""
+    from sqlalchemy import delete
+
+    from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
+
+    with engine.begin() as conn:
+        row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
+        if row is None:
+            raise FibctlError(f"no run named {name!r}")
+        if row.status == "running":
+            raise FibctlError(f"cannot remove run {name!r}: it is running; stop its worker or "
+                              f"`fibctl queue cancel {name}` first")
+        rows = sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == row.id)).scalar()
+                   for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event))
+        # the status check again in the delete: a worker may have claimed it meanwhile
+        if not conn.execute(delete(Run).where(Run.id == row.id, Run.status != "running")).rowcount:
+            raise FibctlError(f"cannot remove run {name!r}: a worker claimed it meanwhile")
+    return Removed(name, str(row.status), rows, row.runs_dir)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import time
@@ -31,6 +30,7 @@ from fibctl.data import sources
 from fibctl.data.recipe import Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError
+from fibctl.hashes import short_hash
 
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
 FLUSH_TOKENS = 1 << 20
@@ -75,7 +75,7 @@ def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> 
     DataManifest(
         data_dir=work, recipe=recipe.name, recipe_hash=recipe.recipe_hash, inputs_hash=inputs_hash,
         vocab_size=recipe.vocab_size, tokenizer_vocab=tokenizer.get_vocab_size(),
-        tokenizer_hash=hashlib.sha256((work / TOKENIZER).read_bytes()).hexdigest()[:16],
+        tokenizer_hash=short_hash((work / TOKENIZER).read_bytes()),
         eos_id=tokenizer.token_to_id(EOS), heldout=recipe.heldout, tokens=tokens, sources=per_source,
     ).write()
     return {"tokenizer": t1 - t0, "streams": t2 - t1}
@@ -229,7 +229,7 @@ def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer])
 def _inputs_hash(recipe: Recipe) -> str:
     inputs = {"recipe": recipe.recipe_hash,
               "sources": {s.name: sources.fingerprint(recipe, s) for s in recipe.sources}}
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return short_hash(inputs)
 
 
 def _existing(out: Path) -> DataManifest | None:

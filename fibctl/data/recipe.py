@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from fibctl.errors import FibctlError
 from fibctl.names import check_name
+from fibctl.hashes import short_hash
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -79,7 +78,7 @@ class Recipe:
         """Hash of everything that shapes the output (not the name or description)."""
         d = self.to_dict()
         del d["name"], d["description"]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return short_hash(d)
 
     def local_files(self, source: Source) -> list[str]:
         """The files a local source's globs match, sorted; error if none do."""

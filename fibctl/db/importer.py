@@ -21,6 +21,7 @@ Every row is written by its natural key, so importing twice changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -32,7 +33,7 @@ from pathlib import Path
 from sqlalchemy import Table, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from fibctl.config import ModelConfig, RunConfig, TrainConfig, get_preset
+from fibctl.config import RunConfig, get_preset
 from fibctl.db import schema
 from fibctl.errors import FibctlError
 
@@ -207,7 +208,7 @@ def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
     return dict(name=run.name, matrix=STUDY_MATRIX, preset="paper", base=run.base,
                 schedule=run.schedule, window=run.window, seed=run.seed, init_seed=None,
                 data_seed=run.seed, train_length=STUDY_LENGTH,
-                config_json=config.to_json(), config_hash=config.config_hash, status="done",
+                config_json=config.to_json(), config_hash=config.config_hash, status=schema.RunStatus.DONE,
                 final_step=final_step, source=source, **details)
 
 
@@ -250,7 +251,7 @@ def _attempts(study: sqlite3.Connection) -> dict[str, list[sqlite3.Row]]:
 
 def _chosen_attempt(attempts: list[sqlite3.Row]) -> sqlite3.Row | None:
     """The last `done` attempt; a reference run (trained elsewhere, never 'done' here) as is."""
-    done = [a for a in attempts if a["status"] == "done"]
+    done = [a for a in attempts if a["status"] == schema.RunStatus.DONE]
     if done:
         return done[-1]
     refs = [a for a in attempts if a["variant_or_baseline"] == "reference"]
@@ -290,11 +291,10 @@ PROBE_STEPS = 2500
 
 def _probe_config(name: str, depth: int, seed: int) -> RunConfig:
     """The probe model of docs/method.md, "Table 2" (the mechanism probe)."""
-    model = ModelConfig(vocab_size=512, d_model=256, n_layers=depth, n_heads=4, n_kv_heads=2,
-                        seq_len=512, schedule="learned", base="fib", window=8).validate()
-    train = TrainConfig(steps=PROBE_STEPS, batch_size=2, grad_accum=1, lr=1e-3)
+    preset = get_preset("probe")
+    model = dataclasses.replace(preset.model, n_layers=depth).validate()
     return RunConfig(name=name, matrix=PROBE_MATRIX, preset="probe", init_seed=seed, data_seed=seed,
-                     model=model, train=train)
+                     model=model, train=preset.train)
 
 
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
@@ -308,7 +308,7 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
         run_id = _put_run(conn, dict(
             name=name, matrix=PROBE_MATRIX, preset="probe", base="fib", schedule="learned", window=8,
             seed=seed, init_seed=None, data_seed=seed, train_length=config.model.seq_len, config_json=config.to_json(),
-            config_hash=config.config_hash, status="done", final_step=PROBE_STEPS, source=source,
+            config_hash=config.config_hash, status=schema.RunStatus.DONE, final_step=PROBE_STEPS, source=source,
             created_at=_now()))
         metrics = {"depth": depth, "staggered_init": staggered,
                    **{f"acc_d{r['distance']}": r["acc"] for r in rows}}

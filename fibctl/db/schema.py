@@ -6,6 +6,7 @@ metric twice replaces it instead of duplicating it.
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime
 
 from sqlalchemy import (
@@ -13,7 +14,20 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+class RunStatus(str, enum.Enum):
+    """Where a run is in the queue: queued -> running -> done | failed; cancelled by the user."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RUN_STATUSES = tuple(s.value for s in RunStatus)
 
 
 class Base(DeclarativeBase):
@@ -38,7 +52,7 @@ class Run(Base):
     train_length: Mapped[int] = mapped_column(Integer)  # sequence length T it trains at
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(20), default="queued")
+    status: Mapped[str] = mapped_column(String(20), default=RunStatus.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
     host: Mapped[str | None] = mapped_column(String(200))

@@ -21,7 +21,7 @@ from sqlalchemy import Table, and_, delete, insert, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
-from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, Run, TrainStep
+from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, Run, RunStatus, TrainStep
 from fibctl.errors import WorkerError
 
 RETRY_DELAYS_S = (1, 2, 4, 8, 16)  # pauses between tries, each after the busy timeout has run out
@@ -110,7 +110,7 @@ class RunRecorder:
     def heartbeat(self) -> bool:
         """Mark the run alive. False when it is no longer running (cancelled, or taken over
         by another worker): the caller should stop."""
-        cond = [Run.id == self.run_id, Run.status == "running"]
+        cond = [Run.id == self.run_id, Run.status == RunStatus.RUNNING]
         if self.worker is not None:
             cond.append(Run.worker == self.worker)
         return write_retrying(self.engine, lambda conn: conn.execute(

@@ -17,14 +17,15 @@ import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from fibctl.config import BASES, SCHEDULES
 from fibctl.errors import FibctlError
 
 DATASET_LABELS = {
     "tinystories_val": "TinyStories", "math_val": "Math",
     "fineweb_edu_val": "FineWeb-Edu", "wikipedia_val": "Wikipedia",
 }
-SCHEDULE_ORDER = ("dense", "fixed", "learned", "stagger", "coprime")
-BASE_ORDER = ("fib", "pow2")
+SCHEDULE_ORDER = SCHEDULES  # the paper's order: dense, fixed, learned, stagger, coprime
+BASE_ORDER = BASES
 # Table 3's rows in the paper: (base, schedule, window)
 TABLE3_ROWS = (
     (None, "dense", None), ("fib", "stagger", 12), ("fib", "stagger", 8), ("fib", "coprime", 12),

@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+from fibctl.reports import figures
 from sqlalchemy import text
 
 from fibctl.flows import demo
@@ -34,7 +36,7 @@ def test_quick_demo_runs_the_whole_pipeline(quick_demo):
     assert lengths == {64, 128, 256, 512}
     # per-position losses at every length, 4x included (the 'loss past T' view)
     assert db.execute("SELECT COUNT(*) FROM position_losses WHERE eval_length = 256").fetchone()[0] == 3 * 255
-    for figure in ("extrapolation", "posloss", "curves", "alphas", "coverage"):
+    for figure in figures.FIGURES:
         assert (out / "report" / f"{figure}.png").stat().st_size > 5000
     assert (out / "report" / "table3.tex").read_text().count("\\midrule") == 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite
 from fibctl.config import get_preset
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
-from fibctl.reports import render, tables  # export and figures (matplotlib) load when used
+from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import import_study as run_import
 from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, run_query
 from fibctl.reports.sql import cell as sql_cell
@@ -53,61 +54,46 @@ def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
         typer.echo(text, nl=False)
 
 
-@report_app.command("table1")
-def report_table1(
-    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
-    seed: SeedOption = 42, matrix: MatrixOption = None,
-    dense: Annotated[bool, typer.Option("--dense", help="Include the dense baseline (first row).")] = False,
-    compare: Annotated[str | None, typer.Option(
+# Options a table function may take (by its keyword names); each `fibctl report tableN` is built
+# from the table registry with the options its function accepts, defaults from its signature.
+TABLE_OPTIONS = {
+    "seed": SeedOption,
+    "matrix": MatrixOption,
+    "dataset": DatasetOption,
+    "window": Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the runs shown.")],
+    "dense": Annotated[bool, typer.Option("--dense", help="Include the dense baseline (first row).")],
+    "all_runs": Annotated[bool, typer.Option(
+        "--all-runs", help="Every run evaluated at several lengths, not only the paper's rows.")],
+    "compare": Annotated[str | None, typer.Option(
         "--compare", help="A second database (e.g. the imported study): its values beside these, "
-        "with the difference; runs matched by base, schedule, window and seed.")] = None,
-) -> None:
-    """Table 1: final perplexity of every sparse run (with --dense, the baseline too) on each held-out set at its training length."""
-    other = connect_readonly(compare) if compare else None
-    table = tables.table1(connect_readonly(db), seed=seed, matrix=matrix, dense=dense, compare=other,
-                          compare_label=Path(compare).stem if compare else "other")
-    _show(table, fmt, show_sql)
+        "with the difference; runs matched by base, schedule, window and seed.")],
+}
 
 
-@report_app.command("table2")
-def report_table2(db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich",
-                  show_sql: ShowSqlOption = False) -> None:
-    """Table 2: the retrieval probe's learned-alpha range and accuracy by depth and init."""
-    _show(tables.table2(connect_readonly(db)), fmt, show_sql)
+def _table_command(name: str, build):
+    """`fibctl report NAME`: the table function's options, its docstring's first line as help."""
+    accepted = [p for p in inspect.signature(build).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in TABLE_OPTIONS]
+
+    def command(db: str, fmt: str, show_sql: bool, **options) -> None:
+        if options.get("compare"):
+            path = options["compare"]
+            options.update(compare=connect_readonly(path), compare_label=Path(path).stem)
+        _show(build(connect_readonly(db), **options), fmt, show_sql)
+
+    fixed = [("db", DbOption, DEFAULT_DB), ("fmt", FormatOption, "rich"), ("show_sql", ShowSqlOption, False)]
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a) for n, a, d in fixed]
+    params += [inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=p.default,
+                                 annotation=TABLE_OPTIONS[p.name]) for p in accepted]
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__name__ = f"report_{name}"
+    summary = " ".join((build.__doc__ or name).strip().split("\n\n")[0].split())
+    report_app.command(name, help=f"{name[:5].title()} {name[5:]}: {summary}")(command)
 
 
-@report_app.command("table3")
-def report_table3(
-    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
-    dataset: DatasetOption = None, seed: SeedOption = 42, matrix: MatrixOption = None,
-    all_runs: Annotated[bool, typer.Option(
-        "--all-runs", help="Every run evaluated at several lengths, not only the paper's rows.")] = False,
-) -> None:
-    """Table 3: perplexity at every evaluated length and the change at 4x the training length."""
-    engine = connect_readonly(db)
-    _show(tables.table3(engine, dataset=dataset, seed=seed, matrix=matrix, all_runs=all_runs), fmt, show_sql)
-
-
-@report_app.command("table4")
-def report_table4(
-    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
-    dataset: DatasetOption = None, seed: SeedOption = 42, matrix: MatrixOption = None,
-    window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the fixed/stagger pair.")] = 8,
-) -> None:
-    """Table 4: mean loss in 8 position bins for fib fixed vs stagger, and the gap."""
-    engine = connect_readonly(db)
-    _show(tables.table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix), fmt, show_sql)
-
-
-@report_app.command("table5")
-def report_table5(
-    db: DbOption = DEFAULT_DB, fmt: FormatOption = "rich", show_sql: ShowSqlOption = False,
-    dataset: DatasetOption = None, matrix: MatrixOption = None,
-    window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the replicated runs.")] = 12,
-) -> None:
-    """Table 5: perplexity per seed with mean and population std, for configurations with 2+ seeds."""
-    engine = connect_readonly(db)
-    _show(tables.table5(engine, dataset=dataset, window=window, matrix=matrix), fmt, show_sql)
+for _name, _build in tables.TABLES.items():
+    _table_command(_name, _build)
 
 
 @report_app.command("all")
@@ -136,7 +122,7 @@ def report_all(
 @app.command("figure")
 def figure(
     name: Annotated[str, typer.Argument(
-        help="extrapolation, posloss, curves, alphas or coverage.", show_default=False)],
+        help=f"One of {', '.join(figures.FIGURES)}.", show_default=False)],
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
     db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = 42,
@@ -152,8 +138,6 @@ def figure(
     length: Annotated[int | None, typer.Option("--length", help="coverage: sequence length T (overrides the preset).")] = None,
 ) -> None:
     """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
-    from fibctl.reports import figures
-
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
     path = figures.check_path(out or Path(f"{name}.png"))
@@ -166,12 +150,9 @@ def figure(
             figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:
-            engine = connect_readonly(db)
-            kwargs = {"extrapolation": dict(dataset=dataset, seed=seed, matrix=matrix),
-                      "posloss": dict(dataset=dataset, window=window, seed=seed, matrix=matrix),
-                      "curves": dict(dataset=dataset, seed=seed, matrix=matrix),
-                      "alphas": dict(run=run, matrix=matrix)}[name]
-            figures.FIGURES[name](engine, path, **kwargs)
+            draw = figures.FIGURES[name]
+            draw(connect_readonly(db), path, **export.options_for(
+                draw, dataset=dataset, seed=seed, matrix=matrix, window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)

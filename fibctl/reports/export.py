@@ -3,6 +3,7 @@ self-contained `index.html` into a folder."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -24,14 +25,23 @@ class Built:
         self.figures: dict[str, Path] = {}
 
 
+def options_for(function, **options) -> dict:
+    """The options `function` takes as keywords (the registries' functions differ in which)."""
+    accepted = inspect.signature(function).parameters
+    return {k: v for k, v in options.items() if k in accepted}
+
+
 def jobs(engine: Engine, out: Path, *, seed: int = 42, matrix: str | None = None,
          dataset: str | None = None, built: Built | None = None) -> list[Job]:
-    """One job per table and figure; each returns the files it wrote."""
+    """One job per registered table and figure; each returns the files it wrote."""
     built = built or Built()
+    preset = get_preset(figures.preset_in_use(engine)).model
+    # coverage draws the shape of the preset most runs use; the other figures read the database
+    shared = dict(seed=seed, matrix=matrix, dataset=dataset, n_layers=preset.n_layers, seq_len=preset.seq_len)
 
-    def table_job(name: str, **kwargs):
+    def table_job(name: str, build):
         def job() -> list[Path]:
-            table = tables.TABLES[name](engine, **kwargs)
+            table = build(engine, **options_for(build, **shared))
             built.tables.append(table)
             paths = [out / f"{name}.sql"]
             paths[0].write_text(table.sql + "\n")
@@ -41,31 +51,18 @@ def jobs(engine: Engine, out: Path, *, seed: int = 42, matrix: str | None = None
             return paths
         return job
 
-    def figure_job(name: str, draw: Callable[[Path], Path]):
+    def figure_job(name: str, draw):
         def job() -> list[Path]:
-            paths = [draw(out / f"{name}{suffix}") for suffix in FIGURE_FORMATS]
+            if name == "coverage":  # drawn from the schedule, not the database
+                paths = [draw(out / f"{name}{s}", **options_for(draw, **shared)) for s in FIGURE_FORMATS]
+            else:
+                paths = [draw(engine, out / f"{name}{s}", **options_for(draw, **shared)) for s in FIGURE_FORMATS]
             built.figures[name] = paths[0]
             return paths
         return job
 
-    def drawn(name: str, **kwargs) -> Callable[[Path], Path]:
-        return lambda path: figures.FIGURES[name](engine, path, **kwargs)
-
-    preset = get_preset(figures.preset_in_use(engine)).model
-    shown = dict(seed=seed, matrix=matrix)
-    return [
-        ("table1", table_job("table1", **shown)),
-        ("table2", table_job("table2")),
-        ("table3", table_job("table3", dataset=dataset, **shown)),
-        ("table4", table_job("table4", dataset=dataset, **shown)),
-        ("table5", table_job("table5", dataset=dataset, matrix=matrix)),
-        ("extrapolation", figure_job("extrapolation", drawn("extrapolation", dataset=dataset, **shown))),
-        ("posloss", figure_job("posloss", drawn("posloss", dataset=dataset, **shown))),
-        ("curves", figure_job("curves", drawn("curves", dataset=dataset, **shown))),
-        ("alphas", figure_job("alphas", drawn("alphas", matrix=matrix))),
-        ("coverage", figure_job("coverage", lambda path: figures.coverage(
-            path, n_layers=preset.n_layers, seq_len=preset.seq_len))),
-    ]
+    return ([(name, table_job(name, build)) for name, build in tables.TABLES.items()]
+            + [(name, figure_job(name, draw)) for name, draw in figures.FIGURES.items()])
 
 
 def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterable[Job]] = iter,

@@ -14,11 +14,6 @@ import math
 from pathlib import Path
 
 import pandas as pd
-from matplotlib import colormaps, rc_context
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize
-from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -50,11 +45,23 @@ def check_path(path: str | Path) -> Path:
     return path
 
 
+def _load_matplotlib() -> None:
+    """matplotlib loads when a figure is drawn, not whenever the CLI starts."""
+    global colormaps, rc_context, ScalarMappable, Normalize, Figure
+    global FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+    from matplotlib import colormaps, rc_context
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+
+
 def styled(draw):
     """Draw a figure under STYLE: rc parameters are read when axes and text are created, and
     the font type when the file is saved, so the whole function runs inside the context."""
     @functools.wraps(draw)
     def wrapper(*args, **kwargs):
+        _load_matplotlib()
         with rc_context(STYLE):
             return draw(*args, **kwargs)
     return wrapper

@@ -1,0 +1,49 @@
+"""Every command explains itself and is in the README's command list; every registered
+table and figure is in docs/cli.md. The lists come from the CLI and the registries, so a new
+command, table or figure without docs fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+
+from fibctl.cli import app
+from fibctl.reports import figures, tables
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def leaf_commands(command=None, path=()):
+    command = command or typer.main.get_command(app)
+    subs = getattr(command, "commands", None)
+    if not subs:
+        yield " ".join(path), command
+        return
+    for name, sub in subs.items():
+        yield from leaf_commands(sub, (*path, name))
+
+
+COMMANDS = dict(leaf_commands())
+
+
+@pytest.mark.parametrize("path", COMMANDS)
+def test_every_command_has_help_and_is_in_the_readme(path):
+    command = COMMANDS[path]
+    assert (command.help or "").strip(), f"fibctl {path} has no help text"
+    for param in command.params:
+        if param.name != "help" and getattr(param, "param_type_name", "") == "option":
+            assert (param.help or "").strip(), f"fibctl {path} {param.opts[0]} has no help text"
+    readme = (ROOT / "README.md").read_text()
+    assert f"`fibctl {path}`" in readme, f"fibctl {path} is missing from the README's command list"
+
+
+@pytest.mark.parametrize("name", [*tables.TABLES, *figures.FIGURES])
+def test_every_table_and_figure_is_documented(name):
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    assert name in cli, f"{name} is not described in docs/cli.md"
+
+
+def test_the_report_commands_are_the_table_registry():
+    assert {p.split()[1] for p in COMMANDS if p.startswith("report ")} == {*tables.TABLES, "all"}

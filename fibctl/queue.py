@@ -258,10 +258,11 @@ class Removed:
     runs_dir: str | None  # where the run last trained (runs.runs_dir)
 
 
-def remove(engine: Engine, name: str) -> Removed:
+def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None = None) -> Removed:
     """Delete a run that is not running. Its train steps, evaluations, position losses,
     alphas, auxiliary metrics and events go with it (ON DELETE CASCADE); its checkpoints are
-    files, left to the caller. A running run is refused: cancel it first."""
+    files, left to the caller. A running run is refused: cancel it first. `check(runs_dir)`
+    (the folder it last trained in) runs before the delete; what it raises keeps the run."""
     from sqlalchemy import delete
 
     from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
@@ -273,6 +274,8 @@ def remove(engine: Engine, name: str) -> Removed:
         if row.status == "running":
             raise FibctlError(f"cannot remove run {name!r}: it is running; stop its worker or "
                               f"`fibctl queue cancel {name}` first")
+        if check:
+            check(row.runs_dir)
         rows = sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == row.id)).scalar()
                    for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event))
         # the status check again in the delete: a worker may have claimed it meanwhile

@@ -37,3 +37,77 @@ def test_flags_show_as_flags_and_help_paragraphs_wrap():
     for command in (["worker"], ["sql"], ["eval"], ["data", "prepare"], ["queue", "rm"]):
         out = fibctl(*command, "--help").stdout
         assert "<bool>" not in out and "--help" in out, command
+
+
+# ----------------------------------------------------------------------------- 80 columns
+
+REPO_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results.db.example")
+
+
+def assert_fits(text: str, width: int = 80) -> None:
+    assert "…" not in text, text
+    assert all(len(line) <= width for line in text.splitlines()), text
+
+
+def test_queue_ls_at_80_columns_cuts_no_cell(tmp_path):
+    import shutil
+
+    from fibctl import queue
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect
+
+    done = fibctl("queue", "ls", "--db", REPO_EXAMPLE)
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    assert all(n in done.stdout for n in ("fib_stagger_w8", "fib_fixed_w8", "dense", " done "))
+    # a failed run's long error and a long worker name fold onto more lines instead of '…'
+    db = str(tmp_path / "q.db")
+    engine = connect(db)
+    configs = [RunConfig.resolve(f"a_rather_long_run_name_{i}", "test", "micro", schedule="stagger") for i in range(2)]
+    queue.add_runs(engine, configs)
+    run = queue.claim_next(engine, "gpu-node-0042.cluster.example.org:123456:gpu7")
+    queue.fail(engine, run.id, "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total)")
+    engine.dispose()
+    done = fibctl("queue", "ls", "--db", db)
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    flat = "".join(done.stdout.split())  # folded cells read whole once the table's spacing is gone
+    assert "failed" in done.stdout and "queued" in done.stdout and "a_rather_long_run_name_1" in done.stdout
+    assert "Tried" in flat and "GiB" in flat
+    wide = fibctl("queue", "ls", "--db", db, env={**ENV80, "COLUMNS": "200"})
+    assert "heartbeat" in wide.stdout and "preset" in wide.stdout  # every column where there is room
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_matrix_show_paper_at_80_columns_cuts_no_cell():
+    from fibctl.matrix import load_matrix
+
+    done = fibctl("matrix", "show", "paper")
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    for config in load_matrix("paper").resolve(None, None):
+        assert f"│ {config.name} " in done.stdout
+    assert "preset paper; layers 16; T 1024; steps 13000" in " ".join(done.stdout.split())
+    assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
+
+
+def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
+    """The tables `fibctl demo` prints, from the database a full demo produced: columns that
+    do not fit go to a second table, each value whole."""
+    import io
+
+    from rich.console import Console
+
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports import render, tables
+
+    engine = connect_readonly(REPO_EXAMPLE)
+    for table in (tables.table1(engine, matrix="demo", dense=True),
+                  tables.table3(engine, matrix="demo", all_runs=True), tables.table4(engine, matrix="demo")):
+        console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+        console.print(render.fitted(table, 80))
+        text = console.export_text()
+        assert_fits(text)
+        for row in table.frame.itertuples(index=False):
+            for column, value in zip(table.frame.columns, row):
+                assert render.cell(table, column, value) in text, (column, value)

@@ -226,3 +226,52 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
     assert proc.returncode == 2 and "unknown matrix 'nosuch'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "x.db").exists()
+
+
+def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, monkeypatch, capsys):
+    db = str(tmp_path / "q.db")
+    engine = connect(db)
+    queue.add_runs(engine, _configs(3))
+    runs = tmp_path / "runs"
+    for name in ("r000", "r001", "r002"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "step_00000010.pt").write_bytes(b"x")
+    (tmp_path / "elsewhere").mkdir()
+    running = queue.claim_next(engine, "w1")  # r000
+    ids = {r["name"]: r["id"] for r in queue.list_runs(engine)}
+    recorder = RunRecorder(engine, ids["r001"])
+    recorder.log_step(10, 3.0, 1e-3)
+    recorder.log_eval(10, "docs_val", 64, 4096, 3.1)
+    queue.cancel(engine, "r001")
+    count = lambda table: sqlite3.connect(db).execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: E731
+    before = {t: count(t) for t in ("runs", "train_steps", "evaluations", "events")}
+
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
+                           "--runs-dir", str(runs))
+    assert code == 2 and err.strip().splitlines() == [
+        "error: cannot remove run 'r000': it is running; stop its worker or `fibctl queue cancel r000` first"]
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "nope", "--db", db)
+    assert code == 2 and "no run named 'nope'" in err
+    assert {t: count(t) for t in before} == before and (runs / "r000").is_dir()
+
+    code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r001", "--db", db)  # rows only
+    assert code == 0
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000", "r002"]
+    assert count("train_steps") == count("evaluations") == 0  # cascaded
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM events WHERE run_id = ?", (ids["r001"],)).fetchone() == (0,)
+    assert (runs / "r001" / "step_00000010.pt").is_file()
+
+    code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
+                         "--runs-dir", str(runs))
+    assert code == 0 and not (runs / "r002").exists() and (runs / "r001").is_dir()
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000"]
+
+    # a checkpoint folder that is a link out of the runs folder is refused, the run kept
+    queue.finish(engine, running.id)
+    (runs / "r000").rename(tmp_path / "elsewhere" / "r000")
+    (runs / "r000").symlink_to(tmp_path / "elsewhere" / "r000")
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
+                           "--runs-dir", str(runs))
+    assert code == 2 and "not a checkpoint folder" in err
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000"]
+    assert (tmp_path / "elsewhere" / "r000" / "step_00000010.pt").is_file()

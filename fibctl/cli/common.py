@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
+from rich.cells import cell_len
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError
@@ -35,3 +38,48 @@ def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
     if value is not None and not -2**63 <= value < 2**63:
         raise FibctlError(f"--{param.name.replace('_', '-')} {value} does not fit a 64-bit integer")
     return value
+
+
+def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),
+                 fold: Sequence[str] = (), right: Sequence[str] = (), title=None) -> tuple[Table, list[str]]:
+    """A rich table no wider than `width` whose cells are never cut with '…': columns in
+    `optional` are left out, in that order, until the rest fits; a header wraps at its spaces;
+    a cell of a `fold` column (free text: errors, descriptions) folds onto more lines, any
+    other cell keeps its full width. Returns the table and the headers left out."""
+    texts = [[c if isinstance(c, Text) else plain(c) for c in row] for row in rows]
+
+    def least(i: int) -> int:  # the narrowest a column may become without cutting a cell
+        header = max((cell_len(w) for w in headers[i].split()), default=1)
+        cells = [t.cell_len for row in texts for t in row[i].split()] if headers[i] in fold else \
+            [t.cell_len for row in texts for t in [row[i]]]
+        return max([header, *(min(c, 12) if headers[i] in fold else c for c in cells)])
+
+    shown = list(range(len(headers)))
+    dropped: list[str] = []
+    for name in optional:
+        if sum(least(i) + 3 for i in shown) + 1 <= width:
+            break
+        shown.remove(headers.index(name))
+        dropped.append(name)
+    table = Table(title=title)
+    for i in shown:
+        table.add_column(headers[i], min_width=least(i), overflow="fold",
+                         justify="right" if headers[i] in right else "left")
+    for row in texts:
+        table.add_row(*(row[i] for i in shown))
+    return table, dropped
+
+
+def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequence]) -> str | None:
+    """A line for the columns `fitted_table` left out: a value they all share, or their names."""
+    if not dropped:
+        return None
+    same, varied = [], []
+    for name in dropped:
+        values = {str(row[headers.index(name)]) for row in rows}
+        (same if len(values) == 1 else varied).append((name, values))
+    parts = [f"{name} {next(iter(values))}" for name, values in same]
+    if varied:
+        parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
+                     + " (a wider terminal shows them)")
+    return "; ".join(parts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -9,15 +11,16 @@ from rich.table import Table
 
 from fibctl import queue
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, plain
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain
 from fibctl.db import engine as db_engine
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
+from fibctl.names import check_name
 
 db_app = typer.Typer(help="The results database: schema revision and upgrades.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
                          no_args_is_help=True)
-queue_app = typer.Typer(help="The run queue: add a matrix, list, cancel and retry runs.",
+queue_app = typer.Typer(help="The run queue: add a matrix, list, cancel, retry and remove runs.",
                         no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(matrix_app, name="matrix")
@@ -66,16 +69,21 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
     """Show each run of a matrix with its resolved settings and config hash."""
     m = load_matrix(matrix)
     configs = m.resolve(preset, only)
-    table = Table(title=plain(f"{m.name}: {m.description}"))
-    table.add_column("name", no_wrap=True)
-    for col in ("base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "config hash"):
-        table.add_column(col)
+    headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "config hash"]
+    rows = []
     for c in configs:
         dense = c.model.schedule == "dense"
-        table.add_row(c.name, "-" if dense else c.model.base, c.model.schedule,
-                      "-" if dense else str(c.model.window), str(c.seed), c.preset,
-                      str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps), c.config_hash)
+        rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
+                     str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
+                     c.config_hash])
+    # at a narrow terminal, settings every run shares go under the table instead of a column each
+    table, dropped = fitted_table(headers, rows, width=console.width, title=plain(f"{m.name}: {m.description}"),
+                                  optional=("preset", "layers", "T", "steps", "config hash", "seed"),
+                                  right=("W", "seed", "layers", "T", "steps"))
     console.print(table)
+    note = left_out(headers, dropped, rows)
+    if note:
+        console.print(note, highlight=False, markup=False)
 
 
 @queue_app.command("add")
@@ -96,15 +104,17 @@ def queue_ls(db: DbOption = DEFAULT_DB,
     """List runs in queue order with their status, attempts and worker."""
     engine = db_engine.connect_readonly(db)  # a listing never creates, upgrades or locks the database
     runs = queue.list_runs(engine, status)
-    table = Table("id")
-    table.add_column("name", no_wrap=True)
-    for col in ("matrix", "preset", "status", "attempts", "worker", "heartbeat", "error"):
-        table.add_column(col)
-    for r in runs:
-        heartbeat = r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else ""
-        table.add_row(str(r["id"]), plain(r["name"]), plain(r["matrix"]), plain(r["preset"]), r["status"],
-                      str(r["attempts"]), plain(r["worker"]), heartbeat, plain((r["error"] or "").partition("\n")[0]))
+    headers = ["id", "name", "matrix", "preset", "status", "attempts", "worker", "heartbeat", "error"]
+    rows = [[str(r["id"]), r["name"], r["matrix"], r["preset"], str(r["status"]), str(r["attempts"]), r["worker"] or "",
+             r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else "",
+             (r["error"] or "").partition("\n")[0]] for r in runs]
+    table, dropped = fitted_table(headers, rows, width=console.width, fold=("error", "worker"),
+                                  optional=("preset", "heartbeat", "worker", "matrix", "attempts"),
+                                  right=("id", "attempts"))
     console.print(table)
+    note = left_out(headers, dropped, rows) if rows else None
+    if note:
+        console.print(note, highlight=False, markup=False)
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
                   + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
@@ -132,3 +142,41 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
     else:
         queue.retry(engine, name)
         console.print(f"queued {name} again", highlight=False, markup=False)
+
+
+@queue_app.command("rm")
+def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
+             checkpoints: Annotated[bool, typer.Option(
+                 "--checkpoints", help="Also delete the run's checkpoint folder (RUNS_DIR/NAME).")] = False,
+             runs_dir: Annotated[Optional[Path], typer.Option(
+                 "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+                 help="With --checkpoints: the runs folder (default: the one the run last trained in, else runs).")]
+             = None) -> None:
+    """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
+    its checkpoint folder inside the runs folder). A running run is refused."""
+    engine = db_engine.connect(db, must_exist=True)
+    folder: list[Path] = []
+
+    def check(recorded: str | None) -> None:  # before any row is deleted
+        if checkpoints:
+            folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
+
+    removed = queue.remove(engine, name, check)
+    message = f"removed run {name} ({removed.status}) and {removed.rows} metric and event row(s)"
+    if folder and folder[0].exists():
+        shutil.rmtree(folder[0])
+        message += f"; deleted {folder[0]}"
+    elif folder:
+        message += f"; no checkpoint folder at {folder[0]}"
+    console.print(message, highlight=False, markup=False)
+
+
+def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
+    """RUNS_DIR/NAME, refused unless it is a real folder directly inside the runs folder."""
+    check_name("run", name)
+    folder = runs_dir / name
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
+    if folder.exists() and folder.resolve().parent != runs_dir.resolve():
+        raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
+    return folder

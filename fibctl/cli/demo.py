@@ -82,10 +82,9 @@ def demo_cmd(
     console.rule("5/5 report")
     for table in (tables.table1(engine, matrix="demo", dense=True), tables.table3(engine, matrix="demo", all_runs=True),
                   tables.table4(engine, matrix="demo")):
-        if console.is_terminal:
-            console.print(render.to_rich(table))
-        else:  # a log file: full numbers, not squeezed into rich's 80-column default
-            console.print(render.to_text(table, width=160), soft_wrap=True, highlight=False)
+        # as wide as the terminal (COLUMNS, else 80 in a log file), no number cut: columns
+        # that do not fit go to a second table below
+        console.print(render.fitted(table, console.width), highlight=False)
     written, skipped = export.write_all(engine, out / "report", matrix="demo")
     console.print(f"wrote {len(written)} tables and figures to {out / 'report'}/ "
                   f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}); database: {db}", highlight=False)

@@ -62,6 +62,40 @@ def to_rich(table: Table) -> RichTable:
     return out
 
 
+def fitted(table: Table, width: int):
+    """The terminal rendering no wider than `width`, with no cell cut: a header wraps at its
+    spaces, a value keeps its full width, and columns that still do not fit go to further
+    tables below, each repeating the first column (the run)."""
+    from rich.cells import cell_len
+    from rich.console import Group
+
+    texts = [[cell(table, c, v) for c, v in zip(table.frame.columns, row)]
+             for row in table.frame.itertuples(index=False)]
+    headers = [str(c) for c in table.frame.columns]
+    least = [max([cell_len(w) for w in h.split()] + [cell_len(row[i]) for row in texts] + [1])
+             for i, h in enumerate(headers)]
+    chunks: list[list[int]] = [[0]]
+    for i in range(1, len(headers)):
+        if sum(least[j] + 3 for j in chunks[-1]) + least[i] + 3 + 1 > width and len(chunks[-1]) > 1:
+            chunks.append([0])
+        chunks[-1].append(i)
+    bolded = _cells(table, "[bold]{}[/bold]", escape)
+    parts = []
+    for n, chunk in enumerate(chunks):
+        last = n == len(chunks) - 1
+        title = escape(table.title) if n == 0 else escape(f"{table.title} (continued)")
+        caption = escape("\n".join(table.notes)) if table.notes and last else None
+        out = RichTable(title=title, title_justify="left", caption=caption, caption_justify="left")
+        for i in chunk:
+            c = table.frame.columns[i]
+            out.add_column(escape(headers[i]), justify="right" if _numeric(table, c) else "left",
+                           min_width=least[i], overflow="fold")
+        for row in bolded:
+            out.add_row(*(row[i] for i in chunk))
+        parts.append(out)
+    return Group(*parts)
+
+
 def to_text(table: Table, width: int = 200) -> str:
     """The terminal rendering as plain text (what `report all` saves as .txt)."""
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)

@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from fibctl.data.streams import load_manifest
 from typer.testing import CliRunner
 
 from fibctl.cli import app
@@ -130,7 +132,7 @@ def test_replicas_share_initial_weights_and_differ_in_data_order(tmp_path):
     other_init = dataclasses.replace(micro_run("b"), init_seed=7, data_seed=42)
 
     def start(cfg):
-        t = Trainer(cfg, data, tmp_path / cfg.name, reporter=None)
+        t = Trainer(cfg, load_manifest(data), tmp_path / cfg.name, reporter=None)
         return t.model.state_dict(), t.sampler.next_batch()[0]
 
     (w1, x1), (w2, x2), (w3, x3) = map(start, [*same_init, other_init])

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from fibctl.data.streams import load_manifest
+
 from fibctl.config import get_preset
 from fibctl.model import FibLM
 from fibctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
@@ -22,7 +24,7 @@ from fibctl.train.optim import build_optimizer, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, train_named, work
-from train_helpers import micro_run, queued_db, write_data
+from train_helpers import HELDOUT, micro_run, queued_db, write_data
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -61,7 +63,7 @@ LONG = dict(steps=60, eval_interval=50, checkpoint_interval=10)
 @pytest.fixture(scope="module")
 def reference_weights(data, tmp_path_factory):
     """Final weights of an uninterrupted run of the LONG config."""
-    trainer = Trainer(micro_run("ref", **LONG), data, tmp_path_factory.mktemp("ref"), NullReporter())
+    trainer = Trainer(micro_run("ref", **LONG), load_manifest(data), tmp_path_factory.mktemp("ref"), NullReporter())
     assert trainer.run().status == "done"
     return trainer.model.state_dict()
 
@@ -273,3 +275,20 @@ def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_pa
     [outcome] = work(engine, opts(data, tmp_path), display)
     assert (outcome.status, outcome.step) == ("lost", 5)  # log_interval 5: the first heartbeat after
     assert sqlite3.connect(tmp_path / "r.db").execute("select status from runs").fetchone() == ("cancelled",)
+
+
+def test_a_worker_reads_the_manifest_and_checks_each_stream_once(tmp_path, monkeypatch):
+    """Resolve once, pass the object: two runs, one manifest read, one check per split."""
+    from fibctl.data import streams
+    from fibctl.flows import worker
+
+    data = write_data(tmp_path / "data")
+    engine = queued_db(tmp_path / "r.db", micro_run("a", steps=2, eval_interval=2, checkpoint_interval=2),
+                       micro_run("b", steps=2, eval_interval=2, checkpoint_interval=2))
+    reads, opened = [], []
+    real_load, real_open = worker.load_manifest, streams.DataManifest._open
+    monkeypatch.setattr(worker, "load_manifest", lambda d: reads.append(d) or real_load(d))
+    monkeypatch.setattr(streams.DataManifest, "_open", lambda self, split: opened.append(split) or real_open(self, split))
+    outcomes = work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs"), Quiet())
+    assert [o.status for o in outcomes] == ["done", "done"]
+    assert len(reads) == 1 and sorted(opened) == sorted(["train", *HELDOUT])

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fibctl.data.streams import load_manifest
 from sqlalchemy import event
 
 from fibctl.db import store
-from fibctl.db.engine import connect
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
@@ -113,7 +114,7 @@ def test_a_checkpoint_path_outside_the_runs_own_folder_is_refused(stored, data, 
 
 
 def test_checkpoints_hold_only_what_weights_only_loading_accepts_and_resume_rng(data, tmp_path):
-    trainer = Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter())
+    trainer = Trainer(micro_run("run", **SHORT), load_manifest(data), tmp_path / "run", NullReporter())
     assert trainer.run().status == "done"
     state = torch.load(tmp_path / "run" / "step_00000010.pt", weights_only=True)  # no extra globals allowed
     assert state["config_hash"] == micro_run("run", **SHORT).config_hash and state["step"] == 10
@@ -166,12 +167,12 @@ def test_resume_refuses_another_configs_checkpoint_and_leaves_the_run_queued(dat
 
 
 def test_resume_refuses_a_checkpoint_trained_on_other_data(data, tmp_path):
-    trainer = Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter())
+    trainer = Trainer(micro_run("run", **SHORT), load_manifest(data), tmp_path / "run", NullReporter())
     trainer.run()
     state = ckpt.load_checkpoint(tmp_path / "run" / "step_00000010.pt")
     ckpt.save_checkpoint(tmp_path / "run", 10, {**state, "data_hash": "f" * 16}, keep=1)
     with pytest.raises(WorkerError, match="trained on data f{16} but 'run' would resume on data 0{16}"):
-        Trainer(micro_run("run", **SHORT), data, tmp_path / "run", NullReporter()).run()
+        Trainer(micro_run("run", **SHORT), load_manifest(data), tmp_path / "run", NullReporter()).run()
 
 
 # ----------------------------------------------------------------------------- 6: runs folder from anywhere
@@ -303,7 +304,7 @@ def test_a_write_waits_out_a_held_lock(tmp_path, monkeypatch):
 def test_a_database_that_keeps_refusing_writes_checkpoints_and_requeues_the_run(data, tmp_path, monkeypatch):
     monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01))
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
-    reference = Trainer(micro_run("run", **LONG), data, tmp_path / "ref", NullReporter())
+    reference = Trainer(micro_run("run", **LONG), load_manifest(data), tmp_path / "ref", NullReporter())
     reference.run()
     full = threading.Event()
 

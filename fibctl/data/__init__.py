@@ -5,5 +5,5 @@ sources.py         documents from hub, local, installed-docs and generated sourc
 installed_docs.py  the offline corpus of installed documentation
 generated.py       a deterministic text generator for tests
 prepare.py         tokenizer training and streaming tokenization into a data folder
-streams.py         `load_manifest` and `token_stream`, what training and evaluation read
+streams.py         `load_manifest`: the manifest whose `stream(split)` training and evaluation read
 """

@@ -38,6 +38,7 @@ class DataManifest:
     tokens: dict[str, int]  # per split
     sources: dict[str, dict] = field(default_factory=dict)  # per source: train/heldout tokens, docs
     train_split: str = TRAIN_SPLIT
+    _streams: dict = field(default_factory=dict, compare=False, repr=False)  # split -> checked memmap
 
     @property
     def tokenizer_path(self) -> Path:
@@ -51,6 +52,27 @@ class DataManifest:
         if split not in self.splits:
             raise FibctlError(f"no split {split!r} in {self.data_dir}; splits: {', '.join(self.splits)}")
         return self.data_dir / f"{split}.bin"
+
+    def stream(self, split: str) -> np.memmap:
+        """The split's token ids, uint16, 1-D, read-only and memory-mapped; checked (size, ids
+        within the vocabulary) the first time this manifest opens it."""
+        if split not in self._streams:
+            self._streams[split] = self._open(split)
+        return self._streams[split]
+
+    def _open(self, split: str) -> np.memmap:
+        path = self.split_path(split)
+        if not path.is_file() or path.stat().st_size != 2 * self.tokens[split]:
+            raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
+        if self.tokens[split] == 0:
+            raise FibctlError(f"{path} holds no tokens; prepare the data again")
+        stream = np.memmap(path, dtype=np.uint16, mode="r")
+        # an id past the vocabulary would index outside the embedding table mid-run
+        top = int(stream.max())
+        if top >= self.vocab_size:
+            raise FibctlError(f"{path} holds token id {top}, beyond the vocabulary of {self.vocab_size:,}; "
+                              "prepare the data again")
+        return stream
 
     def to_dict(self) -> dict:
         return {
@@ -108,17 +130,6 @@ def _check(m: DataManifest) -> None:
 
 
 def token_stream(data_dir: str | Path, split: str) -> np.memmap:
-    """The split's token ids, uint16, 1-D, read-only and memory-mapped."""
-    manifest = load_manifest(data_dir)
-    path = manifest.split_path(split)
-    if not path.is_file() or path.stat().st_size != 2 * manifest.tokens[split]:
-        raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
-    if manifest.tokens[split] == 0:
-        raise FibctlError(f"{path} holds no tokens; prepare the data again")
-    stream = np.memmap(path, dtype=np.uint16, mode="r")
-    # an id past the vocabulary would index outside the embedding table mid-run
-    top = int(stream.max())
-    if top >= manifest.vocab_size:
-        raise FibctlError(f"{path} holds token id {top}, beyond the vocabulary of {manifest.vocab_size:,}; "
-                          "prepare the data again")
-    return stream
+    """One split of a data folder, for a one-off read; code that reads several splits loads
+    the manifest once and calls its `stream`."""
+    return load_manifest(data_dir).stream(split)

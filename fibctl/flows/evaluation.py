@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from fibctl.config import RunConfig
-from fibctl.data.streams import load_manifest, token_stream
+from fibctl.data.streams import load_manifest
 from fibctl.db.schema import Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
@@ -95,7 +95,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
             raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
                               f"{data_dir} has vocab {manifest.vocab_size:,}")
     dev = resolve_device(device)
-    streams = {d: token_stream(data_dir, d) for d in datasets}
+    streams = {d: manifest.stream(d) for d in datasets}
     total = len(targets) * len(lengths) * len(datasets)
     report = (lambda row: on_result(row, total)) if on_result else None
     rows = []

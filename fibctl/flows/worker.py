@@ -34,7 +34,7 @@ import torch
 from sqlalchemy.engine import Engine
 
 from fibctl import queue
-from fibctl.data.streams import load_manifest, token_stream
+from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
@@ -80,14 +80,15 @@ def worker_name(device: torch.device) -> str:
     return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
 
 
-def check_environment(opts: WorkerOptions) -> None:
+def check_environment(opts: WorkerOptions) -> DataManifest:
     """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
     or a runs folder that cannot be written, or a --log-to back-end that is not installed:
     such a worker would fail every run it claims."""
     loggers.check_loggers(opts.log_to)
     try:
-        for split in load_manifest(opts.data_dir).splits:
-            token_stream(opts.data_dir, split)
+        manifest = load_manifest(opts.data_dir)  # read once: every run this worker trains uses it
+        for split in manifest.splits:
+            manifest.stream(split)
     except FibctlError as e:
         raise WorkerError(str(e)) from None
     try:
@@ -95,6 +96,7 @@ def check_environment(opts: WorkerOptions) -> None:
         tempfile.TemporaryFile(dir=opts.runs_dir).close()
     except OSError as e:
         raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
+    return manifest
 
 
 @contextmanager
@@ -120,7 +122,7 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
          stop: threading.Event | None = None) -> list[Outcome]:
     """Claim and train runs until none is queued, `max_runs` were trained, or `stop` is set."""
     stop = stop or threading.Event()
-    check_environment(opts)
+    manifest = check_environment(opts)
     device = setup_process(opts.device, opts.threads)
     name = worker_name(device)
     outcomes: list[Outcome] = []
@@ -130,7 +132,7 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
                                        opts.heartbeat_timeout_s, opts.max_attempts)
             if claimed is None:
                 break
-            outcomes.append(train_claimed(engine, claimed, opts, device, name, display, stop))
+            outcomes.append(train_claimed(engine, claimed, opts, manifest, device, name, display, stop))
     return outcomes
 
 
@@ -138,18 +140,18 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
                 stop: threading.Event | None = None) -> Outcome:
     """Train one run by name: queued, failed, cancelled or abandoned runs are (re)claimed."""
     stop = stop or threading.Event()
-    check_environment(opts)
+    manifest = check_environment(opts)
     device = setup_process(opts.device, opts.threads)
     name = worker_name(device)
     with stop_on_signals(stop):
         claimed = queue.claim_named(engine, run_name, name, socket.gethostname(), describe(device),
                               opts.heartbeat_timeout_s,
-                              check=lambda cfg: check_data(cfg, opts.data_dir))
-        return train_claimed(engine, claimed, opts, device, name, display, stop)
+                              check=lambda cfg: check_data(cfg, manifest))
+        return train_claimed(engine, claimed, opts, manifest, device, name, display, stop)
 
 
-def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, device: torch.device,
-                  worker: str, display: Display, stop: threading.Event) -> Outcome:
+def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, manifest: DataManifest,
+                  device: torch.device, worker: str, display: Display, stop: threading.Event) -> Outcome:
     recorder: RunRecorder | loggers.Tee = RunRecorder(engine, claimed.id, worker)
     trainer, tee = None, None
     try:
@@ -157,7 +159,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()))
-        trainer = Trainer(claimed.config, opts.data_dir, run_dir, recorder, device=device, stop=stop,
+        trainer = Trainer(claimed.config, manifest, run_dir, recorder, device=device, stop=stop,
                           on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result))
         counts = trainer.model.param_counts()
         recorder.update_run(device=describe(device), torch_version=torch.__version__,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fibctl.config import RunConfig
-from fibctl.data.streams import load_manifest, token_stream
+from fibctl.data.streams import DataManifest
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
@@ -78,19 +78,18 @@ class TrainResult:
     error: str | None = None
 
 
-def check_data(config: RunConfig, data_dir: Path):
+def check_data(config: RunConfig, manifest: DataManifest) -> DataManifest:
     """The data manifest, after checking it fits the run (raises WorkerError otherwise: the
     data folder given is at fault, not the run)."""
-    manifest = load_manifest(data_dir)
     if manifest.vocab_size != config.model.vocab_size:
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
-                          f"{config.model.vocab_size:,} but the tokenizer of {data_dir} has "
+                          f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "
                           f"{manifest.vocab_size:,}")
     return manifest
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, data_dir: Path, run_dir: Path, reporter: Reporter, *,
+    def __init__(self, config: RunConfig, data: DataManifest, run_dir: Path, reporter: Reporter, *,
                  device: torch.device = torch.device("cpu"), stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_checkpoint: Callable[["TrainResult"], None] | None = None):
@@ -99,15 +98,15 @@ class Trainer:
         self.stop = stop or threading.Event()
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.lost = False
-        manifest = check_data(config, data_dir)
+        manifest = check_data(config, data)
         self.data_hash = manifest.inputs_hash
-        self.heldout = {name: token_stream(data_dir, name) for name in manifest.heldout}
+        self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
         _seed_everything(config.data_seed)
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
-        self.sampler = WindowSampler(token_stream(data_dir, manifest.train_split), config.model.seq_len,
+        self.sampler = WindowSampler(manifest.stream(manifest.train_split), config.model.seq_len,
                                      self.tc.batch_size, config.data_seed)
         self.step, self.elapsed_s = 0, 0.0
 

@@ -98,7 +98,7 @@ def bench_attention_cmd(
     batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed repeats; the median is reported.")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per path.")] = 2,
-    threads: Annotated[int, typer.Option(help="torch threads (1 measured fastest on 2-core VMs).")] = 1,
+    threads: Annotated[int, typer.Option(help="torch threads (1: comparable across machines and loads).")] = 1,
     window: Window = 8,
     base: Base = "fib",
 ) -> None:

@@ -30,7 +30,7 @@ DeviceOption = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda, cuda:N; default: the first GPU if there is one, else the CPU.")]
 ThreadsOption = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads for torch (default 1 on CPU, so that workers can share a machine; "
-    "one worker alone on an idle 2-core VM measured 1.9x faster with --threads 2).")]
+    "one worker alone on an idle machine may be faster with more: measure).")]
 PlainOption = Annotated[bool, typer.Option(
     "--plain", help="Plain log lines instead of a progress bar (automatic when not a terminal).")]
 LogToOption = Annotated[Optional[list[str]], typer.Option(

@@ -1,8 +1,8 @@
 """The `generated` source: a small deterministic text generator for fast, offline tests.
 
 Short stories and worked arithmetic from fixed templates, driven by `random.Random(seed)`, so a
-seed always yields the same documents. Far too easy to show the study's length effect (measured:
-perplexity 1.9, dense +1.3 % at 4x length); the demo uses `installed-docs` instead.
+seed always yields the same documents. Far too predictable to show the study's length effect;
+the demo uses `installed-docs` instead.
 """
 
 from __future__ import annotations

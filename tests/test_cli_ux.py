@@ -111,3 +111,52 @@ def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
         for row in table.frame.itertuples(index=False):
             for column, value in zip(table.frame.columns, row):
                 assert render.cell(table, column, value) in text, (column, value)
+
+
+# ----------------------------------------------------------------------------- names and facts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_option_names_agree_across_commands():
+    """A data folder is --data, an output format --format, plain output --plain, everywhere
+    (the older spellings still work, as aliases)."""
+    data_help = fibctl("data", "prepare", "--help").stdout
+    assert "--data" in data_help and "--plain" in data_help
+    for command in (["worker"], ["train"], ["eval"]):
+        assert "--data" in fibctl(*command, "--help").stdout, command
+    assert "--plain" in fibctl("worker", "--help").stdout and "--plain" in fibctl("demo", "--help").stdout
+    assert "--format" in fibctl("sql", "--help").stdout and "--format" in fibctl("report", "table1", "--help").stdout
+
+
+def test_data_prepare_writes_to_data_and_still_accepts_out(tmp_path):
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n\n'
+                      '[[sources]]\nname = "gen"\nkind = "generated"\nseed = 1\nshare = 1.0\n'
+                      'heldout = "gen_val"\nheldout_fraction = 0.1\n')
+    done = fibctl("data", "prepare", str(recipe), "--data", str(tmp_path / "a"), "--plain")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a" / "manifest.json").is_file() and "prepared recipe 'tiny'" in " ".join(done.stdout.split())
+    done = fibctl("data", "prepare", str(recipe), "--out", str(tmp_path / "b"), "-q")
+    assert done.returncode == 0 and (tmp_path / "b" / "manifest.json").is_file(), done.stderr
+
+
+def test_the_torch_floor_is_the_one_the_model_needs():
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    [torch_req] = [d for d in deps if re.match(r"torch\b", d)]
+    assert ">=2.4" in torch_req  # nn.RMSNorm arrived in torch 2.4
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "torch 2.4 or later" in readme and "2.2+" not in readme
+    assert "nn.RMSNorm" in open(os.path.join(ROOT, "fibctl", "model.py")).read()
+
+
+def test_demo_quick_help_quotes_no_timing_of_a_machine():
+    out = " ".join(fibctl("demo", "--help").stdout.replace("│", " ").split())
+    assert "--quick" in out and "seconds rather than minutes" in out and "about 2 minutes" not in out

@@ -256,3 +256,33 @@ def test_cli_import_study_and_its_bad_input_exit_code(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path):
+    fib_db, extrap, posloss = make_study(tmp_path)
+    engine = connect(str(tmp_path / "results.db"))
+    first = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
+    assert (first.runs, first.probe_runs) == (10, 4) and first.evaluations > 0 and first.position_losses > 0
+    again = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
+    assert (again.runs, again.probe_runs, again.evaluations, again.aux_metrics, again.position_losses) == (0,) * 5
+    # one value changed in the study: one evaluation and nothing else counts
+    study = sqlite3.connect(fib_db)
+    study.execute("UPDATE metrics SET ppl = ppl + 1 WHERE rowid = (SELECT MIN(rowid) FROM metrics WHERE ppl IS NOT NULL)")
+    study.commit()
+    study.close()
+    changed = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
+    assert (changed.runs, changed.probe_runs, changed.evaluations, changed.aux_metrics,
+            changed.position_losses) == (0, 0, 1, 0, 0)
+    db = str(tmp_path / "results.db")
+    again = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
+                            "--posloss", str(posloss), "--db", db], capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to import" in again.stdout and "imported" not in again.stdout
+
+
+def test_the_dense_baseline_has_one_name_queued_or_imported(tmp_path):
+    from fibctl.db.importer import DENSE_BASELINE
+    from fibctl.matrix import load_matrix
+
+    queued = [c.name for c in load_matrix("paper").resolve() if c.model.schedule == "dense"]
+    engine, _ = imported(tmp_path)
+    assert queued == [DENSE_BASELINE] == [r[0] for r in rows(engine, "SELECT name FROM runs WHERE schedule = 'dense'")]

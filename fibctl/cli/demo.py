@@ -20,7 +20,8 @@ def demo_cmd(
     out: Annotated[Path, typer.Option("--out", help="Folder for the data, checkpoints, database and figures.")]
     = Path("fibctl-demo"),
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A far smaller budget (about 2 minutes): exercises the pipeline, claims nothing.")] = False,
+        "--quick", help="A tiny budget: every step of the pipeline in seconds rather than minutes, with too "
+        "little training to show the length effect (what the tests run).")] = False,
     plain: Annotated[bool, typer.Option("--plain", help="Log lines instead of progress bars.")] = False,
 ) -> None:
     """Prepare offline data, train dense and sparse models, evaluate them far past their training

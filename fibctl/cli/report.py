@@ -216,9 +216,15 @@ def import_study(
     engine = connect(db)
     with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
         s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
-    console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
-                  f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into {shown(db)}",
-                  highlight=False, markup=False)
+    # what this import wrote or changed: importing the same files again counts nothing
+    counts = (s.runs, s.probe_runs, s.evaluations, s.aux_metrics, s.position_losses)
+    if any(counts):
+        console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
+                      f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into "
+                      f"{shown(db)} (new or changed rows)", highlight=False, markup=False)
+    else:
+        console.print(f"nothing to import: {shown(db)} already holds every row of these files unchanged",
+                      highlight=False, markup=False)
     if s.skipped:
         console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False,
                       markup=False)

@@ -16,7 +16,8 @@
   file does not record them); a row already imported from `metrics` is kept.
 - `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
 
-Every row is written by its natural key, so importing twice changes nothing.
+Every row is written by its natural key, so importing twice changes nothing; the summary
+counts the rows written or changed (a second import of the same files counts none).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import Table, select, update
+from sqlalchemy import Table, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig, get_preset
@@ -70,6 +71,7 @@ class StudyRun:
 
 @dataclass
 class ImportSummary:
+    """What an import wrote: rows inserted or changed, not rows that were already as read."""
     runs: int = 0
     evaluations: int = 0
     aux_metrics: int = 0
@@ -170,33 +172,38 @@ def _upsert(conn: Connection, table: Table, rows: list[dict], keys: tuple[str, .
     else:
         raise FibctlError(f"import-study writes to SQLite or PostgreSQL, not {dialect}")
     stmt = insert(table)
-    if replace:
+    values = [c for c in rows[0] if c not in keys]
+    if replace and values:  # an existing row is rewritten only where a value differs: counted as changed
         stmt = stmt.on_conflict_do_update(
-            index_elements=list(keys), set_={c: stmt.excluded[c] for c in rows[0] if c not in keys})
+            index_elements=list(keys), set_={c: stmt.excluded[c] for c in values},
+            where=or_(*(table.c[c].is_distinct_from(stmt.excluded[c]) for c in values)))
     else:
         stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    written = 0
     for start in range(0, len(rows), 5000):
-        conn.execute(stmt, rows[start:start + 5000])
-    return len(rows)
+        written += max(conn.execute(stmt, rows[start:start + 5000]).rowcount, 0)
+    return written
 
 
-def _put_run(conn: Connection, values: dict, replace: bool = True) -> int:
-    """The id of run `values['name']`, inserted or (with `replace`) updated.
+def _put_run(conn: Connection, values: dict, replace: bool = True) -> tuple[int, bool]:
+    """The id of run `values['name']`, inserted or (with `replace`) updated, and whether
+    that wrote anything (False when the row already held these values).
 
     A run fibctl trained itself is never overwritten by the published one of the same name.
     """
     runs = schema.Run.__table__
-    row = conn.execute(select(runs.c.id, runs.c.source).where(runs.c.name == values["name"])).first()
+    row = conn.execute(select(runs).where(runs.c.name == values["name"])).first()
     if row is None:
-        return conn.execute(runs.insert().values(**values)).inserted_primary_key[0]
+        return conn.execute(runs.insert().values(**values)).inserted_primary_key[0], True
     if row.source == "fibctl":
         raise FibctlError(f"run {values['name']!r} already exists in this database as a fibctl run; "
                           "import the study into its own database (--db published.db) and compare "
                           "with `fibctl report table1 --compare published.db`")
-    if replace:  # created_at stays: it is when this database first got the run
-        changes = {k: v for k, v in values.items() if k != "created_at"}
+    changes = {k: v for k, v in values.items()  # created_at stays: when this database first got the run
+               if k != "created_at" and row._mapping[k] != v} if replace else {}
+    if changes:
         conn.execute(update(runs).where(runs.c.id == row.id).values(**changes))
-    return row.id
+    return row.id, bool(changes)
 
 
 def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
@@ -234,9 +241,9 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
             started_at=_time(chosen["started_at"]), finished_at=_time(chosen["ended_at"]),
             wall_seconds=chosen["wall_seconds"], params_total=chosen["params_effective"] or None,
             tokens_trained=chosen["tokens_trained"])
-        run_id = _put_run(conn, _run_values(run, source, final_step, **details))
+        run_id, written = _put_run(conn, _run_values(run, source, final_step, **details))
         out[title] = _Imported(run_id, final_step)
-        summary.runs += 1
+        summary.runs += written
         summary.evaluations += _import_metrics(conn, study, chosen["id"], run_id)
         summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step)
     return out
@@ -305,21 +312,21 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
     for (depth, staggered, seed), rows in models.items():
         name = f"probe_marked_d{depth}_{'stagger' if staggered else 'uniform'}_s{seed}"
         config = _probe_config(name, depth, seed)
-        run_id = _put_run(conn, dict(
+        run_id, written = _put_run(conn, dict(
             name=name, matrix=PROBE_MATRIX, preset="probe", base="fib", schedule="learned", window=8,
             seed=seed, init_seed=None, data_seed=seed, train_length=config.model.seq_len, config_json=config.to_json(),
             config_hash=config.config_hash, status=schema.RunStatus.DONE, final_step=PROBE_STEPS, source=source,
             created_at=_now()))
         metrics = {"depth": depth, "staggered_init": staggered,
                    **{f"acc_d{r['distance']}": r["acc"] for r in rows}}
-        _upsert(conn, schema.AuxMetric.__table__,
-                [dict(run_id=run_id, name=PROBE_NAME, metric=k, value=float(v), text=None)
-                 for k, v in metrics.items()], ("run_id", "name", "metric"))
+        written += _upsert(conn, schema.AuxMetric.__table__,
+                           [dict(run_id=run_id, name=PROBE_NAME, metric=k, value=float(v), text=None)
+                            for k, v in metrics.items()], ("run_id", "name", "metric"))
         alphas = _alphas(rows[0]["alphas"], name)
-        _upsert(conn, schema.Alpha.__table__,
-                [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],
-                ("run_id", "step", "layer"))
-        summary.probe_runs += 1
+        written += _upsert(conn, schema.Alpha.__table__,
+                           [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],
+                           ("run_id", "step", "layer"))
+        summary.probe_runs += bool(written)  # a probe model whose row, accuracies or alphas were written
 
 
 def _alphas(text: str | None, name: str) -> list[float]:
@@ -333,7 +340,8 @@ def _alphas(text: str | None, name: str) -> list[float]:
     return [float(a) for a in alphas]
 
 
-def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Imported]) -> _Imported:
+def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Imported],
+              summary: ImportSummary) -> _Imported:
     """A run named in a JSON dump: imported from fib.db, or created from its name alone."""
     if title in runs:
         return runs[title]
@@ -343,7 +351,9 @@ def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Import
                           f"(expected names like f13__fib_stagger_w12, or {DENSE_BASELINE})")
     step = get_preset("paper").train.steps
     values = _run_values(run, source, step, created_at=_now())
-    runs[title] = _Imported(_put_run(conn, values, replace=False), step)
+    run_id, written = _put_run(conn, values, replace=False)
+    runs[title] = _Imported(run_id, step)
+    summary.runs += written
     return runs[title]
 
 
@@ -351,7 +361,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
                       summary: ImportSummary) -> None:
     rows = []
     for title, by_length in data.items():
-        run = _json_run(conn, title, source, runs)
+        run = _json_run(conn, title, source, runs, summary)
         for length, by_dataset in by_length.items():
             if not str(length).isdigit() or not isinstance(by_dataset, dict) or not all(
                     isinstance(v, (int, float)) and v > 0 for v in by_dataset.values()):
@@ -367,7 +377,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
 def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _Imported],
                     summary: ImportSummary) -> None:
     for title, by_dataset in data.items():
-        run = _json_run(conn, title, source, runs)
+        run = _json_run(conn, title, source, runs, summary)
         rows = []
         for ds, entry in by_dataset.items():
             if not (isinstance(entry, dict) and isinstance(entry.get("per_position"), list)

@@ -351,3 +351,22 @@ def test_demo_recipe_fits_the_tiny_preset():
     assert r.vocab_size == get_preset("tiny").model.vocab_size
     assert load_recipe("quick").vocab_size == get_preset("micro").model.vocab_size
     assert [s.kind for s in r.sources] == ["installed-docs"] and r.heldout == ["docs_val"]
+
+
+def test_cli_unreachable_hub_is_one_line_at_once_without_retries(tmp_path):
+    """Online mode with a hub that does not answer (nothing listens on port 9): one probe with
+    a short timeout, one error line, no retries and no warnings, nothing left behind."""
+    import time
+
+    (tmp_path / "hub.toml").write_text(HUB)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="3")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "hub.toml", "--data", "out"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert time.monotonic() - start < 15  # the hub's own retries took 25 s
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: cannot reach the Hugging Face hub at http://127.0.0.1:9")
+    assert "roneneldan/TinyStories" in line and 'kind = "local"' in line and "Retry" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub.toml"]

@@ -36,7 +36,7 @@ def token_progress(plain: bool = False) -> Progress:
     return Progress(
         TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
-        console=err_console, disable=plain,
+        console=err_console, disable=plain, transient=True,  # the summary follows; an error is one line
     )
 
 

@@ -60,7 +60,49 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
                           f"{', '.join(source.files)}: {_one_line(e)}") from None
 
 
+HUB_PROBE_TIMEOUT_S = 5.0  # one request before any hub download; HF_HUB_ETAG_TIMEOUT overrides
+_hub_reached: dict[str, str | None] = {}  # endpoint -> None when reachable, else why not
+
+
+def check_hub(dataset: str) -> None:
+    """One request to the Hugging Face hub, with a short timeout, before any download: an
+    unreachable hub is one line at once, not minutes of retries and a page of warnings.
+    Skipped in offline mode (HF_HUB_OFFLINE=1: the local cache is used); an HTTP error
+    status (other than a gateway's 502-504) means the hub answered, and the download reports
+    what it lacks."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    endpoint = constants.ENDPOINT.rstrip("/")
+    if endpoint not in _hub_reached:
+        try:
+            timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT_S)
+        except ValueError:
+            timeout = HUB_PROBE_TIMEOUT_S
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint + "/api/datasets", method="HEAD"),
+                                   timeout=timeout).close()
+            _hub_reached[endpoint] = None
+        except urllib.error.HTTPError as e:  # an answer; a gateway's 5xx means the hub is not behind it
+            _hub_reached[endpoint] = f"HTTP {e.code} {e.reason}" if e.code in (502, 503, 504) else None
+        except (OSError, ValueError) as e:  # refused, no route, DNS, timeout, a malformed HF_ENDPOINT
+            reason = getattr(e, "reason", None) or e
+            _hub_reached[endpoint] = (f"{type(reason).__name__}: {str(reason).strip() or 'no answer'}; "
+                                      f"waited at most {timeout:g} s")
+    why = _hub_reached[endpoint]
+    if why is not None:
+        raise FibctlError(
+            f"cannot reach the Hugging Face hub at {endpoint} for dataset {dataset!r} ({why}); "
+            f"offline, download its files elsewhere and point the recipe at them: "
+            f'kind = "local", format = "parquet" (or json, csv, text), files = ["path/*.parquet"]')
+
+
 def _hub_documents(source: Source) -> Iterator[str]:
+    check_hub(source.dataset)
     import datasets
 
     try:

@@ -20,6 +20,7 @@ ATTENTION_IMPLS = ("gather", "mask", "reference")
 # only), what the study trained its published runs with
 OPTIMIZERS = ("adamw", "adamw8bit")
 SEED_MAX = 2**63 - 1
+DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
 
 
 class ConfigError(FibctlError, ValueError):
@@ -206,7 +207,7 @@ class RunConfig:
 
     @classmethod
     def resolve(cls, name: str, matrix: str, preset: str, *, schedule: str, base: str = "fib",
-                window: int = 8, seed: int = 42, init_seed: int | None = None, **overrides) -> "RunConfig":
+                window: int = 8, seed: int = DEFAULT_SEED, init_seed: int | None = None, **overrides) -> "RunConfig":
         """`seed` is the data seed; `init_seed` defaults to it."""
         p = get_preset(preset)
         model = dataclasses.replace(p.model, schedule=schedule, base=base, window=window).validate()

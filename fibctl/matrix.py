@@ -26,7 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fibctl.config import RunConfig, TrainConfig
+from fibctl.config import DEFAULT_SEED, RunConfig, TrainConfig
 from fibctl.errors import FibctlError
 from fibctl.names import NAME_RULE, check_name, is_name
 
@@ -152,7 +152,7 @@ def _entry(i: int, run, bad) -> MatrixEntry:
     train = run.get("train", {})
     _check_keys(train, TRAIN_FIELDS, f"{where} train", bad)
     return MatrixEntry(name=run["name"], schedule=run["schedule"], base=run.get("base", "fib"),
-                       window=run.get("window", 0), seed=run.get("seed", 42),
+                       window=run.get("window", 0), seed=run.get("seed", DEFAULT_SEED),
                        init_seed=run.get("init_seed"), train=dict(train))
 
 

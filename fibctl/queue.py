@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Run, RunStatus
-from fibctl.db.store import add_event, utcnow, write_retrying
+from fibctl.db.store import add_event, run_row, utcnow, write_retrying
 from fibctl.errors import FibctlError
 
 LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
@@ -34,19 +34,6 @@ class ClaimedRun:
     attempts: int  # including this claim
     config: RunConfig
     checkpoint_path: str | None  # set when an earlier attempt saved one: resume from it
-
-
-def run_row(cfg: RunConfig) -> dict:
-    """The runs-table row of a newly queued run."""
-    dense = cfg.model.schedule == "dense"
-    return dict(
-        name=cfg.name, matrix=cfg.matrix, preset=cfg.preset,
-        base=None if dense else cfg.model.base, schedule=cfg.model.schedule,
-        window=None if dense else cfg.model.window, seed=cfg.seed, init_seed=cfg.init_seed,
-        data_seed=cfg.data_seed,
-        train_length=cfg.model.seq_len, config_json=cfg.to_json(), config_hash=cfg.config_hash,
-        status=RunStatus.QUEUED, attempts=0, created_at=utcnow(), source="fibctl",
-    )
 
 
 def add_runs(engine: Engine, configs: Sequence[RunConfig]) -> tuple[list[str], list[str]]:

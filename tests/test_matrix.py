@@ -8,7 +8,7 @@ import pytest
 
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
-from fibctl.queue import run_row
+from fibctl.db.store import run_row
 
 # The paper matrix (docs/method.md, "The run matrix"), written out: name -> (base, schedule, W, seed)
 PAPER = {

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
-from fibctl.config import get_preset
+from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
@@ -99,7 +99,7 @@ for _name, _build in tables.TABLES.items():
 @report_app.command("all")
 def report_all(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the tables and figures into.")],
-    db: DbOption = DEFAULT_DB, seed: SeedOption = 42, matrix: MatrixOption = None,
+    db: DbOption = DEFAULT_DB, seed: SeedOption = DEFAULT_SEED, matrix: MatrixOption = None,
     dataset: DatasetOption = None,
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
@@ -125,7 +125,7 @@ def figure(
         help=f"One of {', '.join(figures.FIGURES)}.", show_default=False)],
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
-    db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = 42,
+    db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = DEFAULT_SEED,
     matrix: MatrixOption = None,
     window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="posloss, coverage: window W.")] = 8,
     run: Annotated[str | None, typer.Option("--run", help="alphas: only this run.")] = None,

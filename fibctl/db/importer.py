@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import Table, or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig, get_preset
 from fibctl.db import schema
+from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
 
 STUDY_MATRIX = "paper"
@@ -159,32 +160,6 @@ def _now() -> datetime:
 
 # --- writing ------------------------------------------------------------------------------
 
-def _upsert(conn: Connection, table: Table, rows: list[dict], keys: tuple[str, ...],
-            replace: bool = True) -> int:
-    """Insert rows by natural key; an existing row is updated (or, with replace=False, kept)."""
-    if not rows:
-        return 0
-    dialect = conn.dialect.name
-    if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    elif dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        raise FibctlError(f"import-study writes to SQLite or PostgreSQL, not {dialect}")
-    stmt = insert(table)
-    values = [c for c in rows[0] if c not in keys]
-    if replace and values:  # an existing row is rewritten only where a value differs: counted as changed
-        stmt = stmt.on_conflict_do_update(
-            index_elements=list(keys), set_={c: stmt.excluded[c] for c in values},
-            where=or_(*(table.c[c].is_distinct_from(stmt.excluded[c]) for c in values)))
-    else:
-        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
-    written = 0
-    for start in range(0, len(rows), 5000):
-        written += max(conn.execute(stmt, rows[start:start + 5000]).rowcount, 0)
-    return written
-
-
 def _put_run(conn: Connection, values: dict, replace: bool = True) -> tuple[int, bool]:
     """The id of run `values['name']`, inserted or (with `replace`) updated, and whether
     that wrote anything (False when the row already held these values).
@@ -212,11 +187,8 @@ def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
                                seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
     # init seed was never recorded (NULL), though replicates shared their initial weights.
-    return dict(name=run.name, matrix=STUDY_MATRIX, preset="paper", base=run.base,
-                schedule=run.schedule, window=run.window, seed=run.seed, init_seed=None,
-                data_seed=run.seed, train_length=STUDY_LENGTH,
-                config_json=config.to_json(), config_hash=config.config_hash, status=schema.RunStatus.DONE,
-                final_step=final_step, source=source, **details)
+    return run_row(config, init_seed=None, status=schema.RunStatus.DONE,
+                   final_step=final_step, source=source, **details)
 
 
 @dataclass(frozen=True)
@@ -280,7 +252,7 @@ def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, 
                  created_at=_time(r["recorded_at"]))
             for r in study.execute("SELECT * FROM metrics WHERE run_id = ? AND ppl IS NOT NULL "
                                    "ORDER BY step, dataset", (study_id,))]
-    return _upsert(conn, schema.Evaluation.__table__, rows, ("run_id", "step", "dataset", "eval_length"))
+    return upsert(conn, schema.Evaluation.__table__, rows, ("run_id", "step", "dataset", "eval_length"))
 
 
 def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
@@ -290,7 +262,7 @@ def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: 
         name = r["eval_name"] if r["step"] in (final_step, -1) else f"{r['eval_name']}@step{r['step']}"
         latest[(name, r["metric"])] = dict(run_id=run_id, name=name, metric=r["metric"],
                                            value=r["value"], text=None)
-    return _upsert(conn, schema.AuxMetric.__table__, list(latest.values()), ("run_id", "name", "metric"))
+    return upsert(conn, schema.AuxMetric.__table__, list(latest.values()), ("run_id", "name", "metric"))
 
 
 PROBE_STEPS = 2500
@@ -312,18 +284,16 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
     for (depth, staggered, seed), rows in models.items():
         name = f"probe_marked_d{depth}_{'stagger' if staggered else 'uniform'}_s{seed}"
         config = _probe_config(name, depth, seed)
-        run_id, written = _put_run(conn, dict(
-            name=name, matrix=PROBE_MATRIX, preset="probe", base="fib", schedule="learned", window=8,
-            seed=seed, init_seed=None, data_seed=seed, train_length=config.model.seq_len, config_json=config.to_json(),
-            config_hash=config.config_hash, status=schema.RunStatus.DONE, final_step=PROBE_STEPS, source=source,
-            created_at=_now()))
+        run_id, written = _put_run(conn, run_row(config, init_seed=None, status=schema.RunStatus.DONE,
+                                                 final_step=PROBE_STEPS, source=source,
+                                                 created_at=_now()))
         metrics = {"depth": depth, "staggered_init": staggered,
                    **{f"acc_d{r['distance']}": r["acc"] for r in rows}}
-        written += _upsert(conn, schema.AuxMetric.__table__,
+        written += upsert(conn, schema.AuxMetric.__table__,
                            [dict(run_id=run_id, name=PROBE_NAME, metric=k, value=float(v), text=None)
                             for k, v in metrics.items()], ("run_id", "name", "metric"))
         alphas = _alphas(rows[0]["alphas"], name)
-        written += _upsert(conn, schema.Alpha.__table__,
+        written += upsert(conn, schema.Alpha.__table__,
                            [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],
                            ("run_id", "step", "layer"))
         summary.probe_runs += bool(written)  # a probe model whose row, accuracies or alphas were written
@@ -370,7 +340,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=int(length),
                           tokens=None, ppl=float(v), loss=math.log(v), created_at=None)
                      for ds, v in by_dataset.items()]
-    summary.evaluations += _upsert(conn, schema.Evaluation.__table__, rows,
+    summary.evaluations += upsert(conn, schema.Evaluation.__table__, rows,
                                    ("run_id", "step", "dataset", "eval_length"), replace=False)
 
 
@@ -387,5 +357,5 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=entry["seq_len"],
                           position=i, mean_loss=float(v), windows=entry["n_windows"])
                      for i, v in enumerate(entry["per_position"])]
-        summary.position_losses += _upsert(conn, schema.PositionLoss.__table__, rows,
+        summary.position_losses += upsert(conn, schema.PositionLoss.__table__, rows,
                                            ("run_id", "step", "dataset", "eval_length", "position"))

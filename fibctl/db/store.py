@@ -1,8 +1,9 @@
 """Writing a run's results. The training loop reports through `RunRecorder` only.
 
-Every metric has a natural key (see schema.py); writing the same key again replaces the
-old value. Replacement is a delete and an insert in one transaction, which works on any
-database SQLAlchemy supports.
+Every metric has a natural key (a unique constraint, see schema.py); writing the same key
+again replaces the old value. `upsert` is the one way rows are written by key, here and by
+the study importer (SQLite's and PostgreSQL's INSERT ... ON CONFLICT); `run_row` is the one
+place a `runs` row is built from a config, for the queue and the importer alike.
 
 A write that the database refuses for a reason that can pass (a lock held past the busy
 timeout, a full disk, a dropped connection) is tried again with growing pauses; past
@@ -17,12 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
-from sqlalchemy import Table, and_, delete, insert, update
+from sqlalchemy import Table, UniqueConstraint, and_, delete, insert, or_, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
 from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, Run, RunStatus, TrainStep
-from fibctl.errors import WorkerError
+from fibctl.config import RunConfig
+from fibctl.errors import FibctlError, WorkerError
 
 RETRY_DELAYS_S = (1, 2, 4, 8, 16)  # pauses between tries, each after the busy timeout has run out
 
@@ -50,11 +52,51 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
-def replace_rows(conn: Connection, table: Table, key: dict, rows: list[dict]) -> None:
-    """Delete the rows matching `key`, then insert `rows` (each extended with `key`)."""
-    conn.execute(delete(table).where(and_(*(table.c[k] == v for k, v in key.items()))))
-    if rows:
-        conn.execute(insert(table), [{**key, **row} for row in rows])
+def natural_key(table: Table) -> tuple[str, ...]:
+    """The columns of the table's unique constraint."""
+    return next(tuple(c.name for c in k.columns) for k in table.constraints if isinstance(k, UniqueConstraint))
+
+
+def upsert(conn: Connection, table: Table, rows: list[dict], keys: tuple[str, ...] | None = None,
+           replace: bool = True) -> int:
+    """Insert rows by natural key; an existing row is updated where a value differs (or, with
+    replace=False, kept). Returns the rows written or changed."""
+    if not rows:
+        return 0
+    keys = keys or natural_key(table)
+    dialect = conn.dialect.name
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    elif dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        raise FibctlError(f"fibctl writes results to SQLite or PostgreSQL, not {dialect}")
+    stmt = dialect_insert(table)
+    values = [c for c in rows[0] if c not in keys]
+    if replace and values:  # an existing row is rewritten only where a value differs: counted as changed
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(keys), set_={c: stmt.excluded[c] for c in values},
+            where=or_(*(table.c[c].is_distinct_from(stmt.excluded[c]) for c in values)))
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    written = 0
+    for start in range(0, len(rows), 5000):
+        written += max(conn.execute(stmt, rows[start:start + 5000]).rowcount, 0)
+    return written
+
+
+def run_row(cfg: RunConfig, **columns) -> dict:
+    """The `runs` row of a config: its identity and settings, queued by default; `columns`
+    override (an imported run: done, its source, its seeds as recorded)."""
+    dense = cfg.model.schedule == "dense"
+    return dict(
+        name=cfg.name, matrix=cfg.matrix, preset=cfg.preset,
+        base=None if dense else cfg.model.base, schedule=cfg.model.schedule,
+        window=None if dense else cfg.model.window, seed=cfg.seed, init_seed=cfg.init_seed,
+        data_seed=cfg.data_seed, train_length=cfg.model.seq_len, config_json=cfg.to_json(),
+        config_hash=cfg.config_hash, status=RunStatus.QUEUED, attempts=0, created_at=utcnow(),
+        source="fibctl",
+    ) | columns
 
 
 def add_event(conn: Connection, run_id: int | None, kind: str, message: str | None = None,
@@ -72,7 +114,13 @@ class RunRecorder:
         self.worker = worker
 
     def _replace(self, table: Table, key: dict, rows: list[dict]) -> None:
-        write_retrying(self.engine, lambda conn: replace_rows(conn, table, {"run_id": self.run_id, **key}, rows))
+        """The rows under `key` become `rows` (a shorter set of positions drops the rest)."""
+        key = {"run_id": self.run_id, **key}
+
+        def write(conn: Connection) -> None:
+            conn.execute(delete(table).where(and_(*(table.c[k] == v for k, v in key.items()))))
+            upsert(conn, table, [{**key, **row} for row in rows])
+        write_retrying(self.engine, write)
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float | None = None,
                  tokens_per_s: float | None = None, elapsed_s: float | None = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import Engine
 
-from fibctl.config import get_preset
+from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports import figures, html, render, tables
 
@@ -31,7 +31,7 @@ def options_for(function, **options) -> dict:
     return {k: v for k, v in options.items() if k in accepted}
 
 
-def jobs(engine: Engine, out: Path, *, seed: int = 42, matrix: str | None = None,
+def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | None = None,
          dataset: str | None = None, built: Built | None = None) -> list[Job]:
     """One job per registered table and figure; each returns the files it wrote."""
     built = built or Built()

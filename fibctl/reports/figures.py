@@ -17,7 +17,7 @@ import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import PRESETS, SCHEDULES
+from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES
 from fibctl.errors import FibctlError
 from fibctl.reports.tables import (
     dataset_label, default_dataset, in_matrix, matrix_clause, matrix_params, read_sql, table3, table4,
@@ -119,7 +119,7 @@ def _train_lengths(engine: Engine) -> dict[str, int]:
 
 
 @styled
-def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = None, seed: int = 42,
+def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = None, seed: int = DEFAULT_SEED,
                   matrix: str | None = None) -> Path:
     """Perplexity vs evaluation length (left) and its change from the training length in
     percent (right, symmetric-log so that 1 % and 100 % both read), one line per run."""
@@ -158,7 +158,7 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
 
 @styled
 def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, window: int = 8,
-            seed: int = 42, matrix: str | None = None) -> Path:
+            seed: int = DEFAULT_SEED, matrix: str | None = None) -> Path:
     """Loss by position bin for fib fixed and stagger at window W, and the gap between them."""
     check_path(path)
     table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix)

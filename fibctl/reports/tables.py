@@ -17,7 +17,7 @@ import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import BASES, SCHEDULES
+from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES
 from fibctl.errors import FibctlError
 
 DATASET_LABELS = {
@@ -162,7 +162,7 @@ def _run_labels(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def table1(engine: Engine, *, seed: int = 42, matrix: str | None = None, dense: bool = False,
+def table1(engine: Engine, *, seed: int = DEFAULT_SEED, matrix: str | None = None, dense: bool = False,
            compare: Engine | None = None, compare_label: str = "other") -> Table:
     """Final-step perplexity at the training length on every held-out set, sparse runs of one seed
     (and the dense baseline first, with `dense`; the paper's Table 1 leaves it out)."""
@@ -269,7 +269,7 @@ GROUP BY p.depth, p.staggered, m.metric"""
                  frame, sql_text, formats)
 
 
-def table3(engine: Engine, *, dataset: str | None = None, seed: int = 42,
+def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SEED,
            matrix: str | None = None, all_runs: bool = False) -> Table:
     """Perplexity of the same weights at every evaluated length, and the change at 4x.
 
@@ -353,7 +353,7 @@ def _table3_missing(long: pd.DataFrame, dataset: str, seed: int, matrix: str | N
             f"evaluate them longer, e.g. `fibctl eval {first['run']} --length {4 * int(first['train_length'])}`")
 
 
-def table4(engine: Engine, *, dataset: str | None = None, window: int = 8, seed: int = 42,
+def table4(engine: Engine, *, dataset: str | None = None, window: int = 8, seed: int = DEFAULT_SEED,
            matrix: str | None = None) -> Table:
     """Mean loss by position bin (8 bins of the training window): fib fixed vs stagger, and the gap."""
     dataset = dataset or default_dataset(engine)

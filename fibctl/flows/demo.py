@@ -12,8 +12,11 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pandas as pd
 from sqlalchemy import bindparam, text
@@ -174,3 +177,78 @@ def describe(h: Headline) -> list[str]:
 def fmt_seconds(s: float) -> str:
     m, s = divmod(int(math.ceil(s)), 60)
     return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
+class DemoView(Protocol):
+    """How the demo shows itself (the CLI draws it with rich; tests may ignore it)."""
+
+    def section(self, title: str) -> None: ...
+
+    def line(self, text: str) -> None: ...
+
+    def table(self, table) -> None: ...  # a fibctl.reports.tables.Table
+
+    def data_progress(self) -> AbstractContextManager: ...  # a progress for data.prepare.prepare
+
+    def run_display(self): ...  # a fibctl.flows.worker.Display
+
+    def eval_progress(self) -> AbstractContextManager[Callable[[dict, int], None]]: ...
+
+
+def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
+    """The whole pipeline: data, queue, training, evaluation, reports, the verdict. Returns
+    False when training stopped before every run finished (run it again to resume)."""
+    from fibctl.data.prepare import prepare
+    from fibctl.data.recipe import load_recipe
+    from fibctl.db.engine import connect
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.flows.worker import WorkerOptions, work
+    from fibctl.reports import export, tables
+
+    started = time.perf_counter()
+    p = plan(quick)
+    check_out_dir(out)
+    data_dir, db = out / "data", str(out / "results.db")
+
+    view.section(f"1/5 data: recipe {p.recipe!r} (documentation installed on this machine)")
+    with view.data_progress() as progress:
+        prepared = prepare(load_recipe(p.recipe), data_dir, progress)
+    view.line(f"data ready in {data_dir} ({'reused' if prepared.reused else 'built'})")
+
+    view.section(f"2/5 queue: matrix 'demo' at preset {p.preset!r}")
+    engine = connect(db)
+    added, present = queue_demo(engine, p)
+    view.line(f"queued {len(added)} new run(s); {len(present)} already in {db}")
+
+    view.section("3/5 train: one worker, runs one after the other")
+    threads, timings = fastest_threads(p.preset)
+    view.line("measured ms per training step: " + ", ".join(f"{n} thread(s) {ms:.0f}" for n, ms in timings.items())
+              + f"; training with {threads}")
+    opts = WorkerOptions(data_dir=data_dir, runs_dir=out / "runs", threads=threads,
+                         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    if any(o.status != "done" for o in work(engine, opts, view.run_display())):
+        view.line("training stopped before every run finished; run the same command again to resume "
+                  "from the checkpoints")
+        return False
+
+    view.section(f"4/5 evaluate at lengths {', '.join(map(str, p.lengths))} (x1, x2, x4, x8), by position")
+    names = runs_to_evaluate(engine, p)
+    if names:
+        with view.eval_progress() as advance:
+            evaluate(engine, names, p.lengths, data_dir=data_dir, positions=True, on_result=advance)
+    view.line(f"evaluated {len(names)} run(s); the others were already evaluated")
+
+    view.section("5/5 report")
+    for table in (tables.table1(engine, matrix="demo", dense=True), tables.table3(engine, matrix="demo", all_runs=True),
+                  tables.table4(engine, matrix="demo")):
+        view.table(table)
+    written, skipped = export.write_all(engine, out / "report", matrix="demo")
+    view.line(f"wrote {len(written)} tables and figures to {out / 'report'}/ "
+              f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}); database: {db}")
+    if quick:
+        view.line("--quick: too little training for the length effect; run `fibctl demo` for the real thing.")
+    else:
+        for line in describe(headline(engine, tables.default_dataset(engine), p.train_length)):
+            view.line(line)
+    view.line(f"total time: {fmt_seconds(time.perf_counter() - started)}")
+    return True

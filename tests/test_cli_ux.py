@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,14 @@ def test_the_torch_floor_is_the_one_the_model_needs():
 def test_demo_quick_help_quotes_no_timing_of_a_machine():
     out = " ".join(fibctl("demo", "--help").stdout.replace("│", " ").split())
     assert "--quick" in out and "seconds rather than minutes" in out and "about 2 minutes" not in out
+
+
+def test_report_tables_at_80_columns_cut_no_cell():
+    """`fibctl report tableN` fits the terminal: columns that do not fit continue below."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("table1", "table3", "table4"):
+        out = subprocess.run([sys.executable, "-m", "fibctl", "report", name, "--db", str(root / "results.db.example")],
+                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "…" not in out.stdout and max(map(len, out.stdout.splitlines())) <= 80
+        assert "27.52" in out.stdout or "3.598" in out.stdout or "27.84" in out.stdout

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.measure import Measurement
 from rich.markup import escape
 from rich.progress import track
 from rich.table import Table as RichTable
@@ -44,12 +42,8 @@ def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
     text = render.render(table, fmt)  # checks the format before anything is printed
     if show_sql:
         typer.echo(table.sql + "\n")
-    if fmt == "rich":  # as wide as the table needs: a squeezed column would hide digits
-        rich_table = render.to_rich(table)
-        needed = Measurement.get(console, console.options.update(max_width=10_000), rich_table).maximum
-        out = console if needed <= console.width else Console(
-            file=console.file, width=needed, force_terminal=console.is_terminal)
-        out.print(rich_table)
+    if fmt == "rich":  # no cell cut at the terminal's width: columns that do not fit continue below
+        console.print(render.fitted(table, console.width), highlight=False)
     else:
         typer.echo(text, nl=False)
 

@@ -13,7 +13,7 @@ import functools
 import math
 from pathlib import Path
 
-import pandas as pd
+from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import re
 
-import pandas as pd
+from fibctl.lazy import pandas as pd
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-import pandas as pd
+from fibctl.lazy import pandas as pd
 from sqlalchemy.exc import DBAPIError, ResourceClosedError
 
 from fibctl.db.engine import connect_readonly

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.image import imread
 
 from fibctl.db.engine import connect_readonly
-from fibctl.reports import export, figures, tables
+from fibctl.reports import export, figures, render, tables
 from test_reports import study  # noqa: F401  (the small imported study: every table has data)
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
@@ -29,8 +29,10 @@ def report(study, tmp_path_factory) -> Path:  # noqa: F811
 
 def test_index_is_self_contained_with_every_table_figure_and_run(report):
     page = (report / "index.html").read_text()
-    for name in tables.TABLES:
+    for name in tables.TABLES:  # every registered table, in every format, with its SQL
         assert f'<section id="{name}">' in page
+        for ext in (*render.EXTENSIONS.values(), "sql"):
+            assert (report / f"{name}.{ext}").stat().st_size > 0
     for name in figures.FIGURES:
         assert f'<section id="figure-{name}">' in page
         assert (report / f"{name}.png").is_file() and (report / f"{name}.pdf").is_file()

@@ -1,5 +1,7 @@
-"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`, and bad input on them."""
+"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`, `fibctl bench train`, and bad input on them."""
 
+import json
+import math
 import subprocess
 import sys
 
@@ -44,7 +46,55 @@ def test_bench_attention_prints_ratios_to_dense():
     assert "1.000" in r.output and "gather/mask forward" in r.output
 
 
+def test_bench_train_json_times_dense_first_and_gives_ratios_and_memory():
+    # fixed and learned asked for: dense is timed too, first, in the same run; T 32 halves the
+    # preset's T 64, so a micro-batch holds twice the sequences (same tokens per step)
+    r = runner.invoke(app, ["bench", "train", "--preset", "micro", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+                            "--schedule", "learned", "--schedule", "fixed", "--json"])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.output)
+    assert (record["benchmark"], record["preset"], record["seq_len"], record["batch_size"], record["grad_accum"],
+            record["steps"], record["warmup"], record["tokens_per_step"]) == ("train", "micro", 32, 8, 2, 2, 1, 512)
+    assert record["device"].startswith("cpu") and record["torch_version"] and record["date"]
+    rows = {row["schedule"]: row for row in record["results"]}
+    assert [row["schedule"] for row in record["results"]] == ["dense", "learned", "fixed"]
+    dense = rows["dense"]
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and math.isfinite(row["loss"]) and row["optimizer"] == "adamw"
+        assert row["tokens_per_s"] == pytest.approx(512 / (row["step_ms"] / 1e3))
+        assert row["speed_vs_dense"] == pytest.approx(row["tokens_per_s"] / dense["tokens_per_s"])
+        assert row["memory_vs_dense"] == pytest.approx(row["peak_memory_mb"] / dense["peak_memory_mb"])
+        assert row["peak_memory_mb"] >= row["base_memory_mb"] > 0
+    assert dense["speed_vs_dense"] == 1.0 and rows["learned"]["params"] == dense["params"] + 2  # theta per layer
+
+
+def test_bench_train_prints_a_table_against_dense():
+    r = runner.invoke(app, ["bench", "train", "--preset", "micro", "--steps", "1", "--warmup", "0",
+                            "--schedule", "stagger"])
+    assert r.exit_code == 0, r.output
+    assert "micro at T 64" in r.output and "512 tokens" in r.output
+    rows = [line.split("│")[1:-1] for line in r.output.splitlines() if line.startswith("│")]
+    assert [cells[0].strip() for cells in rows] == ["dense", "stagger"]
+    assert rows[0][3].strip() == "1.000" and rows[0][6].strip() == "1.000"  # speed and memory ratios
+    assert float(rows[1][3]) > 0 and float(rows[1][6]) > 0
+
+
+def test_bench_train_keeps_the_tokens_of_a_micro_batch_at_other_lengths():
+    from fibctl.flows.bench import train_bench
+
+    assert train_bench("tiny", seq_len=1024).batch_size == 2  # 16 x 128 tokens
+    assert train_bench("tiny").batch_size == 16 and train_bench("tiny", seq_len=4096).batch_size == 1
+    assert train_bench("paper", seq_len=512, batch_size=3).tokens_per_step == 3 * 8 * 512
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["bench", "train", "--steps", "0"], "--steps 0 must be >= 1"),
+    (["bench", "train", "--warmup", "-1"], "--warmup -1 must be >= 0"),
+    (["bench", "train", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
+    (["bench", "train", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["bench", "train", "--schedule", "sliding"], "unknown schedule 'sliding'"),
+    (["bench", "train", "--preset", "huge"], "unknown preset 'huge'"),
+    (["bench", "train", "--base", "fib3"], "unknown base 'fib3'"),
     (["model", "--schedule", "sliding"], "unknown schedule 'sliding'; allowed: dense, fixed, learned, stagger, coprime"),
     (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),

@@ -1,4 +1,5 @@
-"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`: inspect and time the core."""
+"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`, `fibctl bench train`: inspect and time the core
+and the training step."""
 
 from __future__ import annotations
 
@@ -133,3 +134,61 @@ def bench_attention_cmd(
         g, m, l = by.loc[(T, "gather")], by.loc[(T, "mask")], by.loc[(T, "learned")]
         console.print(f"T={T}: gather/mask forward {g.forward_ms / m.forward_ms:.3f}, "
                       f"learned/integer gather fwd+bwd {l.fwd_bwd_ms / g.fwd_bwd_ms:.3f}")
+
+
+@bench_app.command("train")
+def bench_train_cmd(
+    preset: Annotated[str, typer.Option(help="Model and recipe preset: paper, tiny, probe or micro.")] = "tiny",
+    schedule: Annotated[list[str], typer.Option(
+        "--schedule", help="Schedule to time (repeatable); dense is always timed too, first, for the ratios.")]
+        = ["dense", "fixed", "stagger", "learned"],
+    seq_len: Annotated[int | None, typer.Option(
+        "--seq-len", help="Train at this length instead of the preset's.")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", help="Sequences per micro-batch (default: as many tokens per micro-batch as the preset's).")]
+        = None,
+    steps: Annotated[int, typer.Option(help="Timed optimizer steps per schedule; the median is reported.")] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed optimizer steps per schedule before the timed ones.")] = 3,
+    device: Annotated[str | None, typer.Option(
+        help="cpu, cuda, cuda:N; default: the first GPU if there is one, else the CPU.")] = None,
+    threads: Annotated[int | None, typer.Option(
+        help="CPU threads for torch (default 1 on CPU: comparable across machines and loads).")] = None,
+    window: Window = 8,
+    base: Base = "fib",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as one JSON record.")] = False,
+) -> None:
+    """Time whole training steps (forward, backward, clip, AdamW) of a preset's model per
+    schedule, against dense measured in the same run, with each schedule's peak memory.
+
+    Each schedule trains in a fresh process on random tokens, with the preset's grad_accum
+    micro-batches per step and its precision (bf16 autocast on CUDA, fp32 on the CPU). Peak
+    memory is CUDA's peak allocation on a GPU, else the process's peak RSS (torch included).
+    """
+    import datetime
+    import json
+
+    from fibctl.flows.bench import bench_train, train_bench
+
+    bench = train_bench(preset, seq_len, batch_size, steps, warmup, device, threads, window, base)
+    with console.status("benchmarking") as status:
+        df = bench_train(bench, tuple(schedule), progress=lambda s: status.update(f"benchmarking {s}"))
+    first = df.iloc[0]
+    if as_json:
+        record = {"benchmark": "train", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  **dataclasses.asdict(bench), "device": first.device, "torch_version": first.torch_version,
+                  "tokens_per_step": bench.tokens_per_step,
+                  "results": df.drop(columns=["device", "torch_version"]).to_dict(orient="records")}
+        print(json.dumps(record, indent=2))
+        return
+    t = Table(title=f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
+                    f"({bench.tokens_per_step:,} tokens) per step, {first.device}, median of {steps}")
+    for col in ("schedule", "ms / step", "tokens/s", "vs dense", "peak MB", "above start MB", "peak / dense"):
+        t.add_column(col, justify="right")
+    for r in df.itertuples():
+        t.add_row(r.schedule, f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.speed_vs_dense:.3f}",
+                  f"{r.peak_memory_mb:,.0f}", f"{r.peak_memory_mb - r.base_memory_mb:,.0f}",
+                  f"{r.memory_vs_dense:.3f}")
+    console.print(t)
+    if first.optimizer != get_preset(preset).train.optimizer:
+        console.print(f"optimizer: {first.optimizer} ({get_preset(preset).train.optimizer} is unavailable here)",
+                      highlight=False)

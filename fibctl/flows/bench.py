@@ -1,21 +1,32 @@
-"""`fibctl bench attention`: time the attention core of each path against dense SDPA.
+"""`fibctl bench attention` and `fibctl bench train`: speed against dense measured in the same run.
 
-Ratios are against dense in the same run, medians over repeats after warm-up, fp32.
+`bench_attention` times the attention core of each path against dense SDPA: medians over
+repeats after warm-up, fp32. `bench_train` times whole training steps (forward, backward,
+clip, optimizer) of a preset's model per schedule, each schedule in a fresh process so that
+its peak memory is its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
-import pandas as pd
 import torch
 
 from fibctl.attention import dense_attention, sparse_attention
-from fibctl.config import get_preset
-from fibctl.model import Attention
+from fibctl.config import ConfigError, get_preset
+from fibctl.device import autocast, describe, resolve_device, setup_process, synchronize
+from fibctl.errors import FibctlError
+from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
+from fibctl.model import Attention, FibLM
+from fibctl.train.optim import build_optimizer, lr_at, set_lr
 
 PATHS = ("dense", "mask", "gather", "learned")
 
@@ -51,7 +62,7 @@ def _core(path: str, T: int, window: int, base: str):
 
 def bench_attention(lengths: list[int], paths: tuple[str, ...] = PATHS, batch: int = 1, repeats: int = 5,
                     warmup: int = 2, window: int = 8, base: str = "fib",
-                    progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+                    progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
     cfg = get_preset("paper").model
     rows = []
     for T in lengths:
@@ -84,3 +95,143 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] = PATHS, batch: i
         df["forward_vs_dense"] = df.forward_ms / df.length.map(dense.forward_ms)
         df["fwd_bwd_vs_dense"] = df.fwd_bwd_ms / df.length.map(dense.fwd_bwd_ms)
     return df
+
+
+# ----------------------------------------------------------------------------- training steps
+
+TRAIN_SCHEDULES = ("dense", "fixed", "stagger", "learned")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBench:
+    """One `bench train` setting: a preset's model and recipe at `seq_len`, `batch_size` sequences
+    per micro-batch and the preset's grad_accum micro-batches per optimizer step."""
+
+    preset: str
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    steps: int = 20
+    warmup: int = 3
+    device: str = "cpu"
+    threads: int = 1
+    window: int = 8
+    base: str = "fib"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+
+def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None = None, steps: int = 20,
+                warmup: int = 3, device: str | None = None, threads: int | None = None, window: int = 8,
+                base: str = "fib") -> TrainBench:
+    """The setting, checked. Without `batch_size`, a micro-batch holds as many tokens as the
+    preset's (its batch_size x its seq_len), so that every length does the same work per step."""
+    p = get_preset(preset)
+    T = p.model.seq_len if seq_len is None else seq_len
+    if T < 2:
+        raise ConfigError(f"--seq-len {T} must be >= 2")
+    if batch_size is None:
+        batch_size = max(1, p.train.batch_size * p.model.seq_len // T)
+    for name, value, least in (("batch-size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
+                               ("window", window, 0)):
+        if value < least:
+            raise ConfigError(f"--{name} {value} must be >= {least}")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads {threads} must be >= 1")
+    resolved = resolve_device(device)
+    dataclasses.replace(p.model, base=base, window=window).validate()  # an unknown base, here
+    return TrainBench(preset, T, batch_size, p.train.grad_accum, steps, warmup, str(resolved),
+                      threads if threads is not None else (1 if resolved.type == "cpu" else torch.get_num_threads()),
+                      window, base)
+
+
+def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
+                progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
+    """Training tokens/s and peak memory of each schedule, dense first (measured in this same
+    run whether asked for or not: the ratios are to it). One row per schedule."""
+    for schedule in schedules:
+        dataclasses.replace(get_preset(bench.preset).model, schedule=schedule).validate()
+    order = ["dense", *dict.fromkeys(s for s in schedules if s != "dense")]
+    rows = []
+    for schedule in order:
+        if progress:
+            progress(schedule)
+        rows.append(_in_fresh_process(bench, schedule))
+    df = pd.DataFrame(rows)
+    dense = df.iloc[0]
+    df["speed_vs_dense"] = df.tokens_per_s / dense.tokens_per_s
+    df["memory_vs_dense"] = df.peak_memory_mb / dense.peak_memory_mb
+    return df
+
+
+def _in_fresh_process(bench: TrainBench, schedule: str) -> dict:
+    """`_measure_train` in a new interpreter (spawned: no state shared with this process, its
+    threads or its allocator), so the process's peak memory is that schedule's alone."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        try:
+            return pool.submit(_measure_train, bench, schedule).result()
+        except BrokenProcessPool:
+            raise FibctlError(f"bench train: the {schedule} process died (out of memory at seq-len "
+                              f"{bench.seq_len}, batch {bench.batch_size}?)") from None
+
+
+def _measure_train(bench: TrainBench, schedule: str) -> dict:
+    """Train `warmup` untimed then `steps` timed optimizer steps on random tokens; the median
+    step. Peak memory: CUDA's peak allocation on a GPU, else the process's peak RSS (the
+    torch runtime included; `base_memory_mb` is the same measure before the first step)."""
+    device = setup_process(bench.device, bench.threads)
+    p = get_preset(bench.preset)
+    cfg = dataclasses.replace(p.model, schedule=schedule, window=bench.window, base=bench.base,
+                              seq_len=bench.seq_len).validate()
+    tc = dataclasses.replace(p.train, batch_size=bench.batch_size, steps=bench.warmup + bench.steps,
+                             warmup_steps=min(p.train.warmup_steps, bench.warmup + bench.steps))
+    torch.manual_seed(0)
+    model = FibLM(cfg).to(device)
+    built = build_optimizer(model, tc, device)
+    optimizer = built.optimizer
+    g = torch.Generator().manual_seed(1)
+    base_mb = _memory_mb(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], float("nan")
+    for step in range(1, tc.steps + 1):
+        batches = [torch.randint(0, cfg.vocab_size, (bench.batch_size, bench.seq_len + 1), generator=g)
+                   for _ in range(bench.grad_accum)]
+        synchronize(device)
+        t0 = time.perf_counter()
+        set_lr(optimizer, lr_at(step, tc))
+        total = torch.zeros((), device=device)
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast(device):
+                micro = model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
+            micro.backward()
+            total += micro.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = float(total)  # the trainer's one sync per step
+        synchronize(device)
+        if step > bench.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {"schedule": schedule, "step_ms": 1e3 * step_s, "tokens_per_s": bench.tokens_per_step / step_s,
+            "peak_memory_mb": _peak_memory_mb(device), "base_memory_mb": base_mb, "loss": loss,
+            "optimizer": built.name, "device": describe(device), "torch_version": torch.__version__,
+            "params": model.param_counts()["total"]}
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return _peak_memory_mb(device)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)

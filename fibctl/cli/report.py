@@ -19,7 +19,7 @@ from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import import_study as run_import
-from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, run_query
+from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, query_rows
 from fibctl.reports.sql import cell as sql_cell
 
 report_app = typer.Typer(
@@ -178,21 +178,21 @@ def sql(
     if csv + json > 1 or ((csv or json) and fmt != "table"):
         raise FibctlError("give one output format: --format table|csv|json (--csv and --json are its older names)")
     fmt = "csv" if csv else "json" if json else fmt
-    frame = run_query(db, query, max_rows=max_rows, timeout_s=timeout)
+    result = query_rows(db, query, max_rows=max_rows, timeout_s=timeout)
     if fmt == "csv":
-        typer.echo(to_csv(frame), nl=False)
+        typer.echo(to_csv(result), nl=False)
     elif fmt == "json":
-        typer.echo(to_json(frame))
-    elif frame.empty:
+        typer.echo(to_json(result))
+    elif result.empty:
         console.print("(no rows)")
     else:  # Text cells: a value from the database is shown as it is, never read as markup
         table = RichTable()
-        for column in frame.columns:
-            table.add_column(Text(str(column)), overflow="fold")
-        for row in frame.itertuples(index=False):
+        for column in result.columns:
+            table.add_column(Text(column), overflow="fold")
+        for row in result.rows:
             table.add_row(*(Text("NULL" if v is None else str(sql_cell(v))) for v in row))
         console.print(table)
-    if frame.attrs.get("truncated"):
+    if result.truncated:
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",
                           markup=False, highlight=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from dataclasses import dataclass
 
 from fibctl.lazy import pandas as pd
 from sqlalchemy.exc import DBAPIError, ResourceClosedError
@@ -31,10 +32,22 @@ _READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
 
 
-def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
-    """Run one SQL statement read-only and return up to `max_rows` of its rows (an empty
-    frame if it returns none) with object columns holding the values as the database
-    returned them; `frame.attrs["truncated"]` says whether more were left."""
+@dataclass
+class Rows:
+    """A statement's result as the database returned it: no pandas, no coercion."""
+
+    columns: list[str]
+    rows: list[tuple]
+    truncated: bool  # more rows were left than were fetched
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> Rows:
+    """Run one SQL statement read-only and return up to `max_rows` of its rows, each value as
+    the driver returned it (an integer stays an integer beside a NULL, a NULL stays None)."""
     if max_rows < 1 or not timeout_s > 0:
         raise FibctlError(f"--max-rows must be >= 1 and --timeout above 0 (got {max_rows}, {timeout_s:g})")
     engine = connect_readonly(db, current=False)
@@ -50,14 +63,10 @@ def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float =
                 result = conn.exec_driver_sql(sql)  # as written: no bind-parameter parsing
                 try:
                     rows = result.fetchmany(max_rows + 1)
-                    # object columns: each value as the driver returned it (an integer stays an
-                    # integer beside a NULL, a NULL stays None), never coerced to float or NaN
-                    frame = pd.DataFrame([tuple(r) for r in rows[:max_rows]], columns=list(result.keys()),
-                                         dtype=object)
+                    columns = list(result.keys())
                 except ResourceClosedError:  # a statement that returns no rows
-                    rows, frame = [], pd.DataFrame()
-                frame.attrs["truncated"] = len(rows) > max_rows
-                return frame
+                    rows, columns = [], []
+                return Rows([str(c) for c in columns], [tuple(r) for r in rows[:max_rows]], len(rows) > max_rows)
             finally:
                 if guard:
                     guard.remove()
@@ -65,6 +74,15 @@ def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float =
         raise FibctlError(_sql_error(e, timeout_s)) from None
     finally:
         engine.dispose()
+
+
+def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
+    """`query_rows` as a DataFrame (object columns: values as the database returned them);
+    `frame.attrs["truncated"]` says whether more were left."""
+    result = query_rows(db, sql, max_rows=max_rows, timeout_s=timeout_s)
+    frame = pd.DataFrame(result.rows, columns=result.columns, dtype=object) if result.columns else pd.DataFrame()
+    frame.attrs["truncated"] = result.truncated
+    return frame
 
 
 class _SqliteGuard:
@@ -100,20 +118,20 @@ def cell(value):
     return value
 
 
-def to_csv(frame: pd.DataFrame) -> str:
+def to_csv(result: Rows) -> str:
     """CSV with the values as the database returned them; NULL is an empty field."""
     import csv
     import io
 
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([str(c) for c in frame.columns])
-    for row in frame.itertuples(index=False):
+    writer.writerow(result.columns)
+    for row in result.rows:
         writer.writerow(["" if v is None else cell(v) for v in row])
     return out.getvalue()
 
 
-def to_json(frame: pd.DataFrame) -> str:
+def to_json(result: Rows) -> str:
     """JSON records: NULL as null, integers as integers, slashes as they are; a non-finite
     float (which JSON cannot hold) as its name, e.g. "inf"."""
     import json
@@ -123,7 +141,7 @@ def to_json(frame: pd.DataFrame) -> str:
         v = cell(v)
         return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
-    records = [{str(k): value(v) for k, v in zip(frame.columns, row)} for row in frame.itertuples(index=False)]
+    records = [{k: value(v) for k, v in zip(result.columns, row)} for row in result.rows]
     return json.dumps(records, indent=2, ensure_ascii=False, default=str)
 
 

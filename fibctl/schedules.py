@@ -58,6 +58,16 @@ def coprime_slots(n_layers: int) -> list[int]:
     return [(s * l) % L for l in range(L)]
 
 
+def deviations(schedule: str, n_layers: int) -> list[str]:
+    """Where this schedule, at this depth, is fibctl's choice rather than the study's (said
+    by `fibctl model` and `fibctl coverage`, recorded as an event by a run that trains so)."""
+    if schedule == "coprime" and n_layers > 2 and coprime_stride(n_layers) is None:
+        slots = ", ".join(map(str, coprime_slots(n_layers)))
+        return [f"coprime at L={n_layers}: no stride from L/2 down to 2 is coprime with L and the study's code "
+                f"defines none; fibctl interleaves the two halves of the ramp (slots {slots})"]
+    return []
+
+
 def layer_alphas(schedule: str, n_layers: int) -> list[float]:
     """alpha_l for every layer (the initial values for `learned`). Dense has no rungs: 1."""
     L = n_layers

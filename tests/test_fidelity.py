@@ -266,3 +266,37 @@ def test_the_worker_records_the_optimizer_it_used_and_warns(tmp_path):
     assert tuple(used) == ("adamw", 42, 42)
     assert len(display.warnings) == 1 and "adamw8bit unavailable" in display.warnings[0]
     assert events and "training with adamw" in events[0]
+
+
+def test_coprime_where_the_study_defines_no_stride_is_said_and_recorded(tmp_path):
+    """L = 3, 4, 6: fibctl's own choice, said by `fibctl coverage`, written as a `deviation`
+    event by a run that trains so, and noted under the tables."""
+    from fibctl.data.streams import load_manifest
+    from fibctl.reports import tables
+    from fibctl.schedules import deviations
+
+    assert [L for L in range(1, 17) if deviations("coprime", L)] == [3, 4, 6]
+    assert deviations("stagger", 4) == [] and "slots 0, 2, 1, 3" in deviations("coprime", 4)[0]
+    shown = runner.invoke(app, ["coverage", "--schedule", "coprime", "--layers", "4", "--length", "128"])
+    assert shown.exit_code == 0 and "note: coprime at L=4" in shown.output.replace("\n", " ")
+
+    events = []
+
+    class Events:
+        def __getattr__(self, name):
+            return lambda *a, **k: events.append(a) if name == "event" else True
+
+    base = micro_run("hdc4", "coprime", steps=1, eval_interval=1, checkpoint_interval=1)
+    config = dataclasses.replace(base, model=dataclasses.replace(base.model, n_layers=4))
+    Trainer(config, load_manifest(write_data(tmp_path / "data")), tmp_path / "run", Events()).run()
+    assert ("deviation", deviations("coprime", 4)[0]) in events
+
+    engine = _replicates_db(tmp_path / "r.db", (42, 42))
+    from fibctl.db.store import RunRecorder
+    from fibctl.queue import add_runs, list_runs
+    add_runs(engine, [config])
+    run_id = next(r["id"] for r in list_runs(engine) if r["name"] == "hdc4")
+    RunRecorder(engine, run_id).log_eval(1, "docs_val", 64, 4096, math.log(50.0))
+    RunRecorder(engine, run_id).update_run(final_step=1)
+    notes = tables.table1(engine, seed=42).notes
+    assert any(n.startswith("Deviation: hdc4: coprime at L=4") for n in notes)

@@ -12,7 +12,7 @@ from rich.table import Table
 from fibctl.cli import app
 from fibctl.cli.common import console
 from fibctl.config import BASES, SCHEDULES, ConfigError, get_preset
-from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
+from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
 Preset = Annotated[str, typer.Option(help="Model preset: paper, tiny or micro.")]
 Schedule = Annotated[str, typer.Option(help=f"Per-layer spacing: {', '.join(SCHEDULES)}.")]
@@ -69,6 +69,8 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
     for l, (a, d) in enumerate(zip(alphas, per_layer)):
         lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{window} + " + ", ".join(map(str, d[window + 1:])))
     console.print(lt)
+    for note in deviations(schedule, cfg.n_layers):
+        console.print(f"note: {note}", highlight=False, markup=False)
 
 
 @app.command("coverage")
@@ -86,6 +88,8 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
         t.add_row(str(l), str(n))
     t.add_row("union over layers", str(union), style="bold")
     console.print(t)
+    for note in deviations(schedule, layers):
+        console.print(f"note: {note}", highlight=False, markup=False)
 
 
 bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline measured in the same run.",

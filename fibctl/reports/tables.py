@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES
 from fibctl.errors import FibctlError
+from fibctl.schedules import deviations
 
 DATASET_LABELS = {
     "tinystories_val": "TinyStories", "math_val": "Math",
@@ -114,25 +115,33 @@ def in_matrix(matrix: str | None) -> str:
 
 
 def deviation_notes(engine: Engine, runs) -> list[str]:
-    """A note per optimizer that ran in place of the one a run's config asked for (an
-    `adamw8bit` run on a machine without CUDA or bitsandbytes trains with `adamw`)."""
-    names = sorted(set(runs))
+    """A note per deliberate deviation from the study among these runs: an optimizer that ran
+    in place of the configured one (an `adamw8bit` run on a machine without CUDA or
+    bitsandbytes trains with `adamw`), and a schedule the study's code does not define at
+    that depth (coprime at L = 3, 4, 6)."""
+    names = set(runs)
     if not names:
         return []
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT name, optimizer, config_json FROM runs WHERE optimizer IS NOT NULL")).all()
+        rows = conn.execute(text("SELECT name, optimizer, config_json FROM runs")).all()
     swapped: dict[tuple[str, str], list[str]] = {}
+    defined: dict[str, list[str]] = {}
     for name, used, config_json in rows:
         if name not in names:
             continue
         try:
-            asked = json.loads(config_json)["train"].get("optimizer", "adamw")
+            config = json.loads(config_json)
+            asked = config["train"].get("optimizer", "adamw")
+            model = config["model"]
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
-        if asked != used:
+        if used is not None and asked != used:
             swapped.setdefault((asked, used), []).append(name)
-    return [f"Deviation: {', '.join(who)} trained with {used}, not {asked} as configured."
-            for (asked, used), who in sorted(swapped.items())]
+        for note in deviations(model.get("schedule", ""), model.get("n_layers", 0)):
+            defined.setdefault(note, []).append(name)
+    return ([f"Deviation: {', '.join(sorted(who))} trained with {used}, not {asked} as configured."
+             for (asked, used), who in sorted(swapped.items())]
+            + [f"Deviation: {', '.join(sorted(who))}: {note}." for note, who in sorted(defined.items())])
 
 
 def _sort_runs(frame: pd.DataFrame) -> pd.DataFrame:

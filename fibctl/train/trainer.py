@@ -33,6 +33,7 @@ from fibctl.data.streams import DataManifest
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
+from fibctl.schedules import deviations
 from fibctl.train import checkpoint as ckpt
 from fibctl.device import autocast
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
@@ -120,6 +121,8 @@ class Trainer:
         if self.optimizer_warning:
             self.reporter.event("deviation", self.optimizer_warning,
                                 {"requested": self.tc.optimizer, "used": self.optimizer_name})
+        for note in deviations(self.config.model.schedule, self.config.model.n_layers):
+            self.reporter.event("deviation", note)
         last = self.resume()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
         if self.step == 0 and self.config.model.schedule != "dense":

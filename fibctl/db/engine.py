@@ -31,7 +31,7 @@ BUSY_TIMEOUT_MS = 30_000
 
 
 # the extra to install for a dialect whose driver is missing
-DRIVER_HINTS = {"postgresql": "pip install psycopg[binary] (or psycopg2-binary)",
+DRIVER_HINTS = {"postgresql": "pip install -e '.[postgres]' (psycopg 3) and name it postgresql+psycopg://...",
                 "mysql": "pip install pymysql, and name it: mysql+pymysql://..."}
 
 

@@ -1,5 +1,5 @@
-"""Where a process computes: device names, threads, and the precision of the recipe
-(bf16 autocast on CUDA, fp32 on CPU)."""
+"""Where a process computes: device names, threads, the precision of the recipe (bf16
+autocast on CUDA, fp32 on CPU), and whether torch.compile can run here."""
 
 from __future__ import annotations
 
@@ -76,3 +76,36 @@ def autocast(device: torch.device):
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on `device` here, or None when it can: Python without
+    dynamo, no C++ compiler for inductor's CPU kernels (`g++`, or `CXX`), or any failure to
+    compile and run a one-line function on the device (a CUDA machine without triton, say)."""
+    try:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            return f"torch {torch.__version__} has no torch.compile for Python {sys.version.split()[0]}"
+        if device.type == "cpu":
+            # the kernel cache can hide a missing compiler from a probe until a new kernel is built
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        probe = torch.compile(_compile_probe, fullgraph=True)
+        probe(torch.ones(8, device=device))
+    except Exception as e:  # InvalidCxxCompiler, BackendCompilerFailed, ImportError, ...
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return None
+
+
+def check_compile(device: torch.device) -> None:
+    why = compile_unavailable(device)
+    if why:
+        raise FibctlError(f"--compile: torch.compile cannot run on {device} here ({why}); "
+                          "install a C++ compiler (g++, or set CXX) or drop --compile")
+
+
+def _compile_probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2 + 1

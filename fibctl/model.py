@@ -141,6 +141,14 @@ class FibLM(nn.Module):
             self._rope[key] = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, device)
         return self._rope[key]
 
+    def prepare(self, T: int, device) -> None:
+        """Build the tables of length T now (RoPE, the static layers' attended columns), so that
+        torch.compile traces caches that no longer change and compiles the model once."""
+        self.rope(T, device)
+        for block in self.blocks:
+            if self.cfg.schedule not in ("dense", "learned"):
+                block.attn.columns(T)
+
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states, (B, T, d_model)."""
         cos, sin = self.rope(idx.shape[1], idx.device)

@@ -36,6 +36,9 @@ PlainOption = Annotated[bool, typer.Option(
 LogToOption = Annotated[Optional[list[str]], typer.Option(
     "--log-to", help=f"Also send the metrics to {' or '.join(LOGGERS)} (repeatable), under the run's folder; "
     "the database always gets them. Needs the extra: pip install -e '.[tensorboard]' or '.[wandb]'.")]
+CompileOption = Annotated[bool, typer.Option(
+    "--compile", help="Run the training steps through torch.compile (needs a C++ compiler on the CPU, triton on "
+    "CUDA; the first steps wait for compilation). Equal to eager within float rounding, not bit for bit.")]
 HeartbeatOption = Annotated[float, typer.Option(
     "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned.")]
 DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
@@ -90,13 +93,14 @@ def train_cmd(
     plain: PlainOption = False,
     heartbeat_timeout: HeartbeatOption = 600,
     log_to: LogToOption = None,
+    compile: CompileOption = False,
 ) -> None:
     """Train one run of the database (resuming from its last checkpoint if it has one)."""
     from fibctl.flows.worker import WorkerOptions, train_named
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
-                         log_to=check_loggers(log_to or ()))
+                         log_to=check_loggers(log_to or ()), compile=compile)
     outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -117,6 +121,7 @@ def worker_cmd(
     plain: PlainOption = False,
     heartbeat_timeout: HeartbeatOption = 600,
     log_to: LogToOption = None,
+    compile: CompileOption = False,
 ) -> None:
     """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
@@ -129,7 +134,7 @@ def worker_cmd(
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
     shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
-    shared += [arg for name in log_to for arg in ("--log-to", name)]
+    shared += [arg for name in log_to for arg in ("--log-to", name)] + (["--compile"] if compile else [])
     gpu_list = parse_gpus(gpus) if gpus else []
     if gpu_list:
         code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),
@@ -137,7 +142,7 @@ def worker_cmd(
         raise typer.Exit(code)
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs,
-                         log_to=log_to)
+                         log_to=log_to, compile=compile)
     outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
     console.print(f"worker: {len(outcomes)} run(s): "
                   + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),

@@ -40,7 +40,7 @@ from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
 from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
-from fibctl.device import describe, setup_process
+from fibctl.device import check_compile, describe, setup_process
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
 
@@ -73,6 +73,7 @@ class WorkerOptions:
     max_attempts: int = 3
     max_runs: int | None = None
     log_to: tuple[str, ...] = ()  # metric back-ends beside the database (fibctl.train.loggers)
+    compile: bool = False  # training steps through torch.compile
 
 
 def worker_name(device: torch.device) -> str:
@@ -80,11 +81,16 @@ def worker_name(device: torch.device) -> str:
     return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
 
 
-def check_environment(opts: WorkerOptions) -> DataManifest:
+def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest:
     """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
-    or a runs folder that cannot be written, or a --log-to back-end that is not installed:
-    such a worker would fail every run it claims."""
+    or a runs folder that cannot be written, a --log-to back-end that is not installed, or
+    --compile where torch.compile cannot run: such a worker would fail every run it claims."""
     loggers.check_loggers(opts.log_to)
+    if opts.compile:
+        try:
+            check_compile(device)
+        except FibctlError as e:
+            raise WorkerError(str(e)) from None
     try:
         manifest = load_manifest(opts.data_dir)  # read once: every run this worker trains uses it
         for split in manifest.splits:
@@ -122,8 +128,8 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
          stop: threading.Event | None = None) -> list[Outcome]:
     """Claim and train runs until none is queued, `max_runs` were trained, or `stop` is set."""
     stop = stop or threading.Event()
-    manifest = check_environment(opts)
     device = setup_process(opts.device, opts.threads)
+    manifest = check_environment(opts, device)
     name = worker_name(device)
     outcomes: list[Outcome] = []
     with stop_on_signals(stop):
@@ -140,8 +146,8 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
                 stop: threading.Event | None = None) -> Outcome:
     """Train one run by name: queued, failed, cancelled or abandoned runs are (re)claimed."""
     stop = stop or threading.Event()
-    manifest = check_environment(opts)
     device = setup_process(opts.device, opts.threads)
+    manifest = check_environment(opts, device)
     name = worker_name(device)
     with stop_on_signals(stop):
         claimed = queue.claim_named(engine, run_name, name, socket.gethostname(), describe(device),
@@ -160,7 +166,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()))
         trainer = Trainer(claimed.config, manifest, run_dir, recorder, device=device, stop=stop,
-                          on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result))
+                          on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result),
+                          compile=opts.compile)
         counts = trainer.model.param_counts()
         recorder.update_run(device=describe(device), torch_version=torch.__version__,
                             params_total=counts["total"], params_non_embedding=counts["non_embedding"],

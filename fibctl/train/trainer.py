@@ -6,7 +6,9 @@ gradient norm, sets the scheduled lr and steps AdamW. Light evaluations run ever
 `eval_interval` steps on `eval_tokens` per held-out set; full ones (`final_eval_tokens`)
 at every checkpoint and at the last step, which also records the per-position loss at the
 training length (Table 4). Alphas are logged at step 0 and, for `learned`, at every
-evaluation. A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
+evaluation. With `compile`, the training steps run through torch.compile (evaluations and
+checkpoints use the same weights, eagerly): equal to eager within float rounding, not bit
+for bit. A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
 checkpoint and returns; a NaN or infinite loss ends the run as diverged; a heartbeat that
 finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
 
@@ -93,7 +95,7 @@ class Trainer:
     def __init__(self, config: RunConfig, data: DataManifest, run_dir: Path, reporter: Reporter, *,
                  device: torch.device = torch.device("cpu"), stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None,
-                 on_checkpoint: Callable[["TrainResult"], None] | None = None):
+                 on_checkpoint: Callable[["TrainResult"], None] | None = None, compile: bool = False):
         self.config, self.tc = config, config.train
         self.run_dir, self.reporter, self.device = Path(run_dir), reporter, device
         self.stop = stop or threading.Event()
@@ -104,6 +106,12 @@ class Trainer:
         self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
+        self.compiled = compile
+        if compile:  # the caller checked that it can run (fibctl.device.check_compile)
+            self.model.prepare(config.model.seq_len, device)
+            self.step_model: torch.nn.Module = torch.compile(self.model)
+        else:
+            self.step_model = self.model
         _seed_everything(config.data_seed)
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
@@ -121,6 +129,8 @@ class Trainer:
         if self.optimizer_warning:
             self.reporter.event("deviation", self.optimizer_warning,
                                 {"requested": self.tc.optimizer, "used": self.optimizer_name})
+        if self.compiled:
+            self.reporter.event("compiled", "training steps run through torch.compile", {"torch": torch.__version__})
         for note in deviations(self.config.model.schedule, self.config.model.n_layers):
             self.reporter.event("deviation", note)
         last = self.resume()
@@ -167,7 +177,7 @@ class Trainer:
         for _ in range(self.tc.grad_accum):
             x, y = self.sampler.next_batch(self.device)
             with autocast(self.device):
-                loss = self.model(x, y) / self.tc.grad_accum
+                loss = self.step_model(x, y) / self.tc.grad_accum
             loss.backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)

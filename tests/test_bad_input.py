@@ -4,6 +4,8 @@ changed or created (checksums of the whole folder before and after)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import hashlib
 import os
 import sqlite3
@@ -120,8 +122,11 @@ CASES = [
     (["worker", "--db", "{tmp}/typo.db", "--data", "{data}", "--runs-dir", "{tmp}/runs"], "no database at"),
     (["queue", "retry", "run", "--db", "{tmp}/typo.db"], "no database at"),
     # drivers and URLs
-    (["queue", "ls", "--db", "postgresql://fib:s3cret@localhost/fib"], "driver is not installed"),
-    (["sql", "select 1", "--db", "postgresql://fib:s3cret@localhost/fib"], "driver is not installed"),
+    (["queue", "ls", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),
+    (["sql", "select 1", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),
+    # an unreachable server (with psycopg installed; without it, the missing driver is the line)
+    (["queue", "ls", "--db", "postgresql+psycopg://fib:s3cret@127.0.0.1:1/fib"],
+     "is not a usable database" if importlib.util.find_spec("psycopg") else "driver is not installed"),
     (["queue", "add", "demo", "--db", "nosuchdb://x/y"], "unknown database kind"),
     (["queue", "ls", "--db", "nosuchdb://x/y"], "supports SQLite and PostgreSQL"),
     (["queue", "ls", "--db", "sqlite://x:y:z@@/"], "database"),

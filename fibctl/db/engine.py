@@ -161,7 +161,8 @@ def _check_revision(engine: Engine, db: str) -> str | None:
         if "locked" in str(e.orig):
             raise FibctlError(f"{shown(db)} is locked by another process: waited {BUSY_TIMEOUT_MS / 1000:g} s "
                               "for its write lock; try again when it is done") from None
-        raise FibctlError(f"{shown(db)} is not a usable database: {e.orig}") from None
+        reason = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]  # the driver's first line
+        raise FibctlError(f"{shown(db)} is not a usable database: {reason}") from None
     if rev is None and tables:
         raise FibctlError(
             f"{shown(db)} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "

@@ -289,7 +289,7 @@ def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SE
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP},
 beyond AS (
-    -- mean loss at positions T..4T-1 of windows 4x the training length T
+    -- mean loss at the stored positions from T on (T..4T-2) of windows 4x the training length T
     SELECT p.run_id, AVG(p.mean_loss) AS loss_beyond
     FROM position_losses p
     JOIN runs r ON r.id = p.run_id

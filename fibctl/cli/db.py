@@ -42,6 +42,26 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
         console.print(f"{db_engine.shown(db)}: upgraded from revision {before or '(empty)'} to {after}", markup=False)
 
 
+@db_app.command("copy")
+def db_copy(
+    source: Annotated[str, typer.Option("--from", help="The database to copy: a SQLAlchemy URL or a SQLite path.",
+                                        show_default=False)],
+    target: Annotated[str, typer.Option("--to", help="Where to copy it (created and migrated if needed).",
+                                        show_default=False)],
+) -> None:
+    """Copy a whole results database into another (e.g. SQLite to PostgreSQL); again changes nothing."""
+    from fibctl.db.copy import copy_database, counts
+
+    src, dst = db_engine.connect_readonly(source), db_engine.connect(target)
+    summary = copy_database(src, dst)
+    mine, theirs = counts(src), counts(dst)
+    written = ", ".join(f"{n:,} {t}" for t, n in summary.rows.items() if n) or "nothing (already copied)"
+    console.print(f"{db_engine.shown(source)} -> {db_engine.shown(target)}: wrote {written}", markup=False)
+    short = [t for t in mine if theirs[t] < mine[t]]
+    if short:
+        raise FibctlError(f"the copy holds fewer rows than the source in {', '.join(short)}")
+
+
 @db_app.command("current")
 def db_current(db: DbOption = DEFAULT_DB) -> None:
     """Show the database's schema revision and the latest one this fibctl knows."""

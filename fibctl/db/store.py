@@ -79,9 +79,12 @@ def upsert(conn: Connection, table: Table, rows: list[dict], keys: tuple[str, ..
             where=or_(*(table.c[c].is_distinct_from(stmt.excluded[c]) for c in values)))
     else:
         stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    # RETURNING counts the rows inserted or changed on every driver (executemany's rowcount
+    # is not reliable on psycopg)
+    stmt = stmt.returning(table.c[keys[0]])
     written = 0
     for start in range(0, len(rows), 5000):
-        written += max(conn.execute(stmt, rows[start:start + 5000]).rowcount, 0)
+        written += len(conn.execute(stmt, rows[start:start + 5000]).all())
     return written
 
 

@@ -1,0 +1,74 @@
+"""`fibctl db copy`: a whole database into another, idempotent, counts equal afterwards;
+SQLite to SQLite always, SQLite to PostgreSQL when FIBCTL_TEST_PG names a server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from fibctl.db.copy import copy_database, counts
+from fibctl.db.engine import connect
+from fibctl.errors import FibctlError
+from fibctl.queue import add_runs
+from test_reports import study  # noqa: F401  (the small imported study: every table has rows)
+from train_helpers import micro_run
+
+
+def _pg_database():
+    server = os.environ["FIBCTL_TEST_PG"]
+    name = f"fibctl_copy_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    return make_url(server).set(database=name).render_as_string(hide_password=False), admin, name
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request, tmp_path):
+    if request.param == "sqlite":
+        yield str(tmp_path / "copy.db")
+        return
+    if not os.environ.get("FIBCTL_TEST_PG"):
+        pytest.skip("FIBCTL_TEST_PG names no PostgreSQL server")
+    url, admin, name = _pg_database()
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+
+
+def test_copy_is_whole_and_idempotent(study, target):  # noqa: F811
+    source = connect(study)
+    first = copy_database(source, connect(target))
+    assert counts(connect(target)) == counts(source) and first.rows["evaluations"] > 0
+    again = copy_database(source, connect(target))
+    assert again.written == 0 and counts(connect(target)) == counts(source)
+    with connect(target).connect() as conn:  # a metric landed on its run, by name
+        assert conn.execute(text(
+            "SELECT COUNT(*) FROM evaluations e JOIN runs r ON r.id = e.run_id "
+            "WHERE r.name = 'f13__fib_stagger_w12'")).scalar() > 0
+
+
+def test_a_target_run_with_another_config_is_refused_and_nothing_copied(study, tmp_path):  # noqa: F811
+    target = connect(str(tmp_path / "t.db"))
+    clash = micro_run("f13__fib_stagger_w12")
+    add_runs(target, [clash])
+    with pytest.raises(FibctlError, match="already has run.*f13__fib_stagger_w12.*nothing was copied"):
+        copy_database(connect(study), target)
+    assert counts(target)["runs"] == 1
+
+
+def test_cli_copy(study, tmp_path):  # noqa: F811
+    out = str(tmp_path / "c.db")
+    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", study, "--to", out],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and counts(connect(out)) == counts(connect(study))
+    again = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", study, "--to", out],
+                           capture_output=True, text=True, timeout=120)
+    assert "nothing (already copied)" in " ".join(again.stdout.split())

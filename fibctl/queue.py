@@ -18,7 +18,7 @@ from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
-from fibctl.db.schema import RUN_STATUSES, Run, RunStatus
+from fibctl.db.schema import RUN_STATUSES, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
 from fibctl.errors import FibctlError
 
@@ -75,6 +75,29 @@ def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
         q = q.where(Run.status == status)
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def progress(engine: Engine) -> list[dict]:
+    """Each running run with where it runs, its last logged step, throughput, ETA and
+    heartbeat (from its newest `train_steps` row)."""
+    last = (select(TrainStep.run_id, func.max(TrainStep.step).label("step"))
+            .group_by(TrainStep.run_id).subquery())
+    q = (select(Run.name, Run.host, Run.device, Run.worker, Run.heartbeat_at, Run.config_json,
+                TrainStep.step, TrainStep.tokens_per_s)
+         .outerjoin(last, last.c.run_id == Run.id)
+         .outerjoin(TrainStep, (TrainStep.run_id == Run.id) & (TrainStep.step == last.c.step))
+         .where(Run.status == RunStatus.RUNNING).order_by(Run.id))
+    out = []
+    with engine.connect() as conn:
+        for r in conn.execute(q):
+            config = RunConfig.from_dict(json.loads(r.config_json))
+            tc = config.train
+            per_step = tc.batch_size * tc.grad_accum * config.model.seq_len
+            step = r.step or 0
+            eta = (tc.steps - step) * per_step / r.tokens_per_s if r.tokens_per_s else None
+            out.append(dict(name=r.name, host=r.host, device=r.device, worker=r.worker, step=step,
+                            steps=tc.steps, tokens_per_s=r.tokens_per_s, eta_s=eta, heartbeat_at=r.heartbeat_at))
+    return out
 
 
 def status_counts(engine: Engine) -> dict[str, int]:
@@ -149,6 +172,15 @@ def claim_next(engine: Engine, worker: str, host: str | None = None, device: str
     return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts,
                       config=RunConfig.from_dict(json.loads(run.config_json)),
                       checkpoint_path=run.checkpoint_path)
+
+
+def run_config(engine: Engine, run_name: str) -> RunConfig:
+    """The config of run `run_name` (FibctlError when there is none)."""
+    with engine.connect() as conn:
+        config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar()
+    if config_json is None:
+        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
+    return RunConfig.from_dict(json.loads(config_json))
 
 
 def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,

@@ -274,3 +274,23 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, mon
     assert code == 2 and "not a checkpoint folder" in err
     assert [r["name"] for r in queue.list_runs(engine)] == ["r000"]
     assert (tmp_path / "elsewhere" / "r000" / "step_00000010.pt").is_file()
+
+
+def test_status_shows_each_running_run_where_how_far_and_how_fast(tmp_path):
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    queue.add_runs(engine, _configs(3, steps=100))
+    run = queue.claim_next(engine, "host-a:1", host="host-a", device="cpu (2 threads)")
+    RunRecorder(engine, run.id).log_step(40, 3.5, 1e-3, 0.5, tokens_per_s=512.0, elapsed_s=40.0)
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text_ = out.stdout
+    # micro: 4 x 2 x 64 = 512 tokens a step; 60 steps left at 512 tokens/s: 60 s
+    assert "r000" in text_ and "40/100" in text_ and "512" in text_ and "1m00s" in text_
+    assert "host-a" in text_ and "1 running; 2 queued, 0 done" in text_
+    assert "…" not in text_ and max(map(len, text_.splitlines())) <= 80
+    bad = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--every must be above 0" in bad.stderr

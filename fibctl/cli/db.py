@@ -13,6 +13,7 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain
 from fibctl.db import engine as db_engine
+from fibctl.db.store import utcnow
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.names import check_name
@@ -138,6 +139,59 @@ def queue_ls(db: DbOption = DEFAULT_DB,
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
                   + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
+
+
+@app.command("status")
+def status_cmd(
+    db: DbOption = DEFAULT_DB,
+    watch: Annotated[bool, typer.Option("--watch", help="Redraw every --every seconds until Ctrl-C.")] = False,
+    every: Annotated[float, typer.Option("--every", help="Seconds between redraws with --watch.")] = 5.0,
+) -> None:
+    """What is running where: each running run's host, device, step, tokens/s, ETA and last
+    heartbeat, then the queue's counts."""
+    import time
+
+    from rich.console import Group
+    from rich.live import Live
+
+    if every <= 0:
+        raise FibctlError(f"--every must be above 0, got {every:g}")
+    engine = db_engine.connect_readonly(db)
+
+    def view():
+        now = utcnow()
+        rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/{r['steps']:,}",
+                 f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+                 _duration(r["eta_s"]) if r["eta_s"] is not None else "-",
+                 f"{_duration((now - r['heartbeat_at']).total_seconds())} ago" if r["heartbeat_at"] else "-"]
+                for r in queue.progress(engine)]
+        headers = ["run", "host", "device", "step", "tok/s", "ETA", "heartbeat"]
+        parts = []
+        if rows:
+            table, dropped = fitted_table(headers, rows, width=console.width, fold=("device", "host"),
+                                          optional=("device", "host"), right=("step", "tok/s", "ETA"))
+            parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
+        counts = queue.status_counts(engine)
+        parts.append(plain(f"{len(rows)} running; " + ", ".join(
+            f"{counts.get(s, 0)} {s}" for s in ("queued", "done", "failed", "cancelled"))))
+        return Group(*parts)
+
+    if not watch:
+        console.print(view())
+        return
+    with Live(view(), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(every)
+                live.update(view(), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
 
 @queue_app.command("cancel")

@@ -5,8 +5,6 @@ saying why, elsewhere."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -16,9 +14,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from fibctl import queue
-from fibctl.db.engine import connect
-from test_queue import _claim_all, _configs
+from test_queue import eight_claimers_take_each_of_200_runs_once
 
 SERVER = os.environ.get("FIBCTL_TEST_PG")
 pytestmark = pytest.mark.skipif(not SERVER, reason="FIBCTL_TEST_PG names no PostgreSQL server")
@@ -39,19 +35,7 @@ def pg() -> str:
 
 
 def test_eight_processes_claim_each_of_200_runs_exactly_once(pg, tmp_path):
-    queue.add_runs(connect(pg), _configs(200))
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(8)
-    outs = [str(tmp_path / f"w{i}.json") for i in range(8)]
-    procs = [ctx.Process(target=_claim_all, args=(pg, f"w{i}", barrier, outs[i])) for i in range(8)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    results = [json.load(open(o)) for o in outs]
-    assert [r["error"] for r in results] == [None] * 8
-    assert sorted(i for r in results for i in r["ids"]) == list(range(1, 201))
-    assert queue.status_counts(connect(pg)) == {"running": 200}
+    eight_claimers_take_each_of_200_runs_once(pg, tmp_path)
 
 
 def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):

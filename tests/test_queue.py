@@ -110,7 +110,9 @@ def _claim_all(db: str, worker: str, barrier, out_path: str) -> None:
         json.dump(result, f)
 
 
-def test_eight_workers_claim_each_run_exactly_once(db, tmp_path):
+def eight_claimers_take_each_of_200_runs_once(db: str, tmp_path) -> None:
+    """8 processes claim a queue of 200 runs at once: each run claimed exactly once, no error
+    (the SQLite test here; tests/test_postgres.py runs it on a PostgreSQL server)."""
     queue.add_runs(connect(db), _configs(200))
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(8)
@@ -122,12 +124,15 @@ def test_eight_workers_claim_each_run_exactly_once(db, tmp_path):
         p.join(120)
     results = [json.load(open(o)) for o in outs]
     assert [r["error"] for r in results] == [None] * 8
-    claimed = [i for r in results for i in r["ids"]]
-    assert sorted(claimed) == list(range(1, 201))  # each run claimed exactly once
+    assert sorted(i for r in results for i in r["ids"]) == list(range(1, 201))
     engine = connect(db)
     assert queue.status_counts(engine) == {"running": 200}
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM events WHERE kind = 'claimed'")).scalar() == 200
+
+
+def test_eight_workers_claim_each_run_exactly_once(db, tmp_path):
+    eight_claimers_take_each_of_200_runs_once(db, tmp_path)
 
 
 def _claim_and_die(db: str) -> None:

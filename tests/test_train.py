@@ -24,31 +24,10 @@ from fibctl.train.optim import build_optimizer, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, train_named, work
-from train_helpers import HELDOUT, micro_run, queued_db, write_data
+from train_helpers import HELDOUT, NullReporter, Quiet, micro_run, queued_db, write_data
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
-
-
-class Quiet:
-    """A display that shows nothing and remembers outcomes."""
-
-    def __init__(self, on_step=None):
-        self.on_step, self.outcomes = on_step, []
-
-    def start(self, name, steps):
-        return self.on_step or (lambda p: None)
-
-    def warn(self, message):
-        pass
-
-    def finish(self, outcome):
-        self.outcomes.append(outcome)
-
-
-class NullReporter:
-    def __getattr__(self, name):
-        return lambda *a, **k: True
 
 
 @pytest.fixture(scope="module")

@@ -21,30 +21,11 @@ from fibctl.errors import FibctlError, WorkerError
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, work
-from train_helpers import micro_run, queued_db, write_data
+from train_helpers import NullReporter, Quiet, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
 SHORT = dict(steps=10, eval_interval=10, checkpoint_interval=10)
 LONG = dict(steps=30, eval_interval=50, checkpoint_interval=10)
-
-
-class Quiet:
-    def __init__(self, on_step=None):
-        self.on_step, self.outcomes = on_step, []
-
-    def start(self, name, steps):
-        return self.on_step or (lambda p: None)
-
-    def warn(self, message):
-        pass
-
-    def finish(self, outcome):
-        self.outcomes.append(outcome)
-
-
-class NullReporter:
-    def __getattr__(self, name):
-        return lambda *a, **k: True
 
 
 class Evil:

@@ -1,5 +1,5 @@
-"""Shared by tests/test_train.py and tests/test_eval.py: a tiny prepared data directory
-and a database with queued `micro` runs."""
+"""Shared by the training, evaluation and worker tests: a tiny prepared data directory, a
+database with queued `micro` runs, a silent display and a reporter that keeps nothing."""
 
 from __future__ import annotations
 
@@ -42,3 +42,26 @@ def queued_db(path: Path, *configs: RunConfig):
     engine = connect(str(path))
     add_runs(engine, list(configs))
     return engine
+
+
+class Quiet:
+    """A display that shows nothing and remembers outcomes."""
+
+    def __init__(self, on_step=None):
+        self.on_step, self.outcomes = on_step, []
+
+    def start(self, name, steps):
+        return self.on_step or (lambda p: None)
+
+    def warn(self, message):
+        pass
+
+    def finish(self, outcome):
+        self.outcomes.append(outcome)
+
+
+class NullReporter:
+    """A reporter that takes every call and keeps nothing (heartbeats say: still ours)."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: True

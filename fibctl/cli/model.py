@@ -196,3 +196,25 @@ def bench_train_cmd(
     if first.optimizer != get_preset(preset).train.optimizer:
         console.print(f"optimizer: {first.optimizer} ({get_preset(preset).train.optimizer} is unavailable here)",
                       highlight=False)
+
+
+@bench_app.command("queue")
+def bench_queue_cmd(
+    db: Annotated[str | None, typer.Option(
+        "--db", help="A PostgreSQL URL to benchmark on (a scratch database is created there and dropped); "
+        "default: a temporary SQLite file.")] = None,
+    processes: Annotated[int, typer.Option("--processes", help="Processes claiming at once.")] = 8,
+    runs: Annotated[int, typer.Option("--runs", help="Runs queued and claimed.")] = 400,
+) -> None:
+    """Claims per second with several claiming processes, against a plain UPDATE ... RETURNING
+    loop measured in the same run, and one claim against one `micro` training step."""
+    from fibctl.flows.bench_queue import bench_queue
+
+    with console.status("benchmarking claims"):
+        b = bench_queue(db, processes=processes, runs=runs)
+    t = Table(title=f"queue claims, {b.backend}, {b.processes} processes, {b.runs} runs")
+    for col in ("claims/s", "plain UPDATE/s", "ratio", "claim ms", "micro step ms", "claim / step"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{b.claims_per_s:,.0f}", f"{b.plain_per_s:,.0f}", f"{b.ratio:.2f}", f"{b.claim_ms:.2f}",
+              f"{b.step_ms:.1f}", f"{100 * b.claim_vs_step:.2f} %")
+    console.print(t)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not SERVER, reason="FIBCTL_TEST_PG names no Post
 def pg() -> str:
     """A fresh database on the server, dropped afterwards; its URL."""
     name = f"fibctl_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(SERVER, isolation_level="AUTOCOMMIT")
+    admin = create_engine(SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives a restart
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = make_url(SERVER).set(database=name).render_as_string(hide_password=False)
@@ -59,3 +59,52 @@ def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):
     refused = fibctl("sql", "DELETE FROM runs", code=2)
     assert "read-only" in refused or "refused" in refused
     assert fibctl("sql", "SELECT count(*) AS n FROM runs", "--format", "json").count('"n": 2') == 1
+
+
+def _restart_server() -> None:
+    """Restart the server under test (it runs as the `postgres` user; we are root in CI)."""
+    import glob
+    import shutil
+
+    with create_engine(SERVER).connect() as conn:
+        data = conn.execute(text("SHOW data_directory")).scalar()
+    pg_ctl = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+    if os.geteuid() != 0 or not pg_ctl or not shutil.which("runuser"):
+        pytest.skip("restarting the server needs root and Debian's pg_ctl")
+    # the server's output goes to a log file: on a pipe it would keep this call waiting
+    subprocess.run(["runuser", "-u", "postgres", "--", pg_ctl[-1], "-D", data, "-l", f"{data}/../restart.log",
+                    "restart", "-m", "fast", "-w"], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120)
+
+
+def test_a_server_restart_mid_run_loses_no_metric_row(pg, tmp_path):
+    import time
+
+    env = {**os.environ, "FIBCTL_DB": pg}
+    (tmp_path / "m.toml").write_text(
+        '[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "fixed"\nwindow = 4\n'
+        'train = { steps = 600, log_interval = 2, eval_interval = 200, checkpoint_interval = 200 }\n')
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fibctl", *a], cwd=tmp_path, env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    assert run("data", "prepare", "quick", "--data", "data", "--plain").returncode == 0
+    assert run("queue", "add", "m.toml").returncode == 0
+    worker = subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--data", "data", "--runs-dir", "runs",
+                               "--plain"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    engine = create_engine(pg)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # restart once training is under way
+        with engine.connect() as conn:
+            if conn.execute(text("SELECT COUNT(*) FROM train_steps")).scalar() >= 10:
+                break
+        time.sleep(0.2)
+    engine.dispose()
+    _restart_server()
+    out, err = worker.communicate(timeout=300)
+    assert worker.returncode == 0, err[-2000:]
+    engine = create_engine(pg)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT status FROM runs")).scalar() == "done"
+        steps = [s for (s,) in conn.execute(text("SELECT step FROM train_steps ORDER BY step"))]
+    engine.dispose()
+    assert steps == list(range(2, 601, 2))  # every logged step, the restart notwithstanding

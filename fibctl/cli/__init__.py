@@ -60,6 +60,7 @@ def _register() -> None:
     from fibctl.cli import train  # noqa: F401
     from fibctl.cli import report  # noqa: F401
     from fibctl.cli import demo  # noqa: F401
+    from fibctl.cli import slurm  # noqa: F401
 
 
 _register()

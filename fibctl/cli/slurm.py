@@ -1,0 +1,93 @@
+"""`fibctl slurm submit` / `fibctl slurm status`: workers as the tasks of a SLURM job (fibctl.flows.slurm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fibctl.cli import app
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain
+from fibctl.cli.train import DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption
+from fibctl.errors import FibctlError
+
+slurm_app = typer.Typer(help="Workers on a SLURM cluster (needs the slurm extra: pip install -e '.[slurm]').",
+                        no_args_is_help=True)
+app.add_typer(slurm_app, name="slurm")
+
+
+@slurm_app.command("submit")
+def submit_cmd(
+    db: DbOption = DEFAULT_DB,
+    data: DataOption = DEFAULT_DATA,
+    runs_dir: RunsDirOption = DEFAULT_RUNS,
+    nodes: Annotated[int, typer.Option("--nodes", help="Nodes to allocate.")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(
+        "--gpus-per-node", help="GPUs per node: one worker task per GPU. 0: a CPU-only cluster (see --tasks-per-node).")] = 0,
+    tasks_per_node: Annotated[Optional[int], typer.Option(
+        "--tasks-per-node", help="Worker tasks per node on a CPU-only cluster (default 1).")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", help="CPUs for each task.")] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition", help="SLURM partition.")] = None,
+    time: Annotated[str, typer.Option(
+        "--time", help="The job's time limit, HH:MM:SS or D-HH:MM:SS. The workers checkpoint and release their runs "
+        "shortly before it, and the job requeues itself.")] = "04:00:00",
+    account: Annotated[Optional[str], typer.Option("--account", help="SLURM account to charge.")] = None,
+    max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Each worker stops after this many runs.")] = None,
+    max_attempts: Annotated[int, typer.Option("--max-attempts", help="Claims before an abandoned run fails.")] = 3,
+    threads: ThreadsOption = None,
+    heartbeat_timeout: HeartbeatOption = 600,
+    folder: Annotated[Path, typer.Option(
+        "--folder", help="Where submitit keeps the job's logs and state, one folder per job (on a filesystem "
+        "every node shares).")] = Path("slurm-jobs"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")] = False,
+) -> None:
+    """Submit a SLURM job whose tasks each run a worker against the database until the queue is
+    empty. Before the time limit or on preemption each worker checkpoints and puts its run back
+    in the queue, and the job requeues itself."""
+    from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
+
+    if max_attempts < 1:
+        raise FibctlError(f"--max-attempts {max_attempts} must be >= 1")
+    if not heartbeat_timeout > 0:
+        raise FibctlError(f"--heartbeat-timeout {heartbeat_timeout:g} must be a number of seconds above 0")
+    spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
+                   cpus_per_task=cpus_per_task, partition=partition, account=account, time=time)
+    worker = WorkerSettings(db=db, data_dir=data, runs_dir=runs_dir, threads=threads,
+                            heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
+    sub = submit(worker, spec, folder, dry_run=dry_run)
+    if dry_run:
+        console.print(sub.script, highlight=False, markup=False, soft_wrap=True)
+        return
+    console.print(f"submitted SLURM job {sub.job_id}: {sub.tasks} worker task(s) for {sub.queued} queued run(s); "
+                  f"logs in {sub.folder / sub.job_id}", highlight=False, markup=False, soft_wrap=True)
+
+
+@slurm_app.command("status")
+def status_cmd(db: DbOption = DEFAULT_DB) -> None:
+    """fibctl's SLURM jobs (squeue; sacct where accounting is on) with the runs each trains or
+    trained, then the queue's counts."""
+    from fibctl.db.engine import connect_readonly
+    from fibctl.flows.slurm import jobs, require_slurm
+
+    require_slurm("squeue")
+    found, counts = jobs(connect_readonly(db))
+    if found:
+        rows = []
+        for job in found:
+            runs = job["runs"]
+            running = [f"{r['name']}@{r['host']}" + (f" {r['step'][0]}/{r['step'][1]}" if r["step"] else "")
+                       for r in runs if r["status"] == "running"]
+            others = {}
+            for r in runs:
+                if r["status"] != "running":
+                    others[r["status"]] = others.get(r["status"], 0) + 1
+            rows.append([job["job_id"], job["state"], f"{job['elapsed']}/{job['limit']}", job["nodes"],
+                         ", ".join(running) or "-", ", ".join(f"{n} {s}" for s, n in sorted(others.items())) or "-"])
+        table, _ = fitted_table(["job", "state", "time/limit", "nodes", "running", "other runs"], rows,
+                                width=console.width, fold=("running", "other runs"), optional=("nodes",))
+        console.print(table)
+    else:
+        console.print(plain("no fibctl SLURM jobs known to squeue or sacct"))
+    console.print(plain(", ".join(f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed",
+                                                                      "cancelled"))))

@@ -1,0 +1,415 @@
+"""Workers on a SLURM cluster, through submitit.
+
+`submit` sends one SLURM job whose tasks each run a worker (`fibctl.flows.worker.work`) against
+the shared database: one task per GPU of each node (`--gpus-per-node G`), or `--tasks-per-node
+T` CPU workers. Each task trains queued runs until the queue is empty.
+
+Before the time limit (SLURM sends USR2 `signal_delay_s` earlier, `#SBATCH --signal`) or on
+preemption, every task stops its worker at the end of the step in progress: the worker
+checkpoints and puts its run back in the queue. Task 0 (submitit's handler calls
+`WorkerTask.checkpoint`) waits for its sibling tasks to have done the same, then submitit
+requeues the job, which starts again on a new allocation and claims the released runs, which
+resume from their checkpoints: a matrix larger than one allocation finishes across several.
+SIGTERM (`scancel`) stops the workers the same way, without a requeue.
+
+Each run a task starts gets a `slurm` event naming the job id, the task and the host, which
+`jobs` joins with SLURM's own view of the job (squeue, and sacct where accounting is on).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from fibctl import queue
+from fibctl.db.engine import connect, resolve_url, shown
+from fibctl.db.schema import Event, Run
+from fibctl.db.store import add_event, write_retrying
+from fibctl.errors import FibctlError
+
+try:
+    from submitit.helpers import Checkpointable
+except ImportError:  # the class stays importable; `require_submitit` refuses to submit without it
+    Checkpointable = object
+
+EXTRA_HINT = "pip install -e '.[slurm]' (submitit)"
+JOB_NAME = "fibctl-worker"
+SIGNAL_DELAY_S = 120  # USR2 this long before the time limit: time to finish a step and checkpoint
+STOP_WAIT_S = 90  # how long task 0 waits for the workers to release their runs before requeueing
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
+_WORD = re.compile(r"^[A-Za-z0-9_.,:+@=-]+$")  # a partition or account: goes into the sbatch script
+
+
+def require_submitit():
+    try:
+        import submitit
+    except ImportError:
+        raise FibctlError(f"fibctl slurm needs submitit, which is not installed: {EXTRA_HINT}") from None
+    return submitit
+
+
+def require_slurm(command: str = "sbatch") -> str:
+    path = shutil.which(command)
+    if path is None:
+        raise FibctlError(f"no `{command}` on this machine: run fibctl slurm on a SLURM login node "
+                          "(fibctl slurm submit --dry-run shows the script without one)")
+    return path
+
+
+def parse_time(text: str) -> int:
+    """`HH:MM:SS` or `D-HH:MM:SS` -> seconds."""
+    m = _TIME.match(text.strip())
+    if not m or int(m[3]) >= 60 or int(m[4]) >= 60:
+        raise FibctlError(f"--time {text!r}: expected HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
+    seconds = ((int(m[1] or 0) * 24 + int(m[2])) * 60 + int(m[3])) * 60 + int(m[4])
+    if seconds <= 0:
+        raise FibctlError(f"--time {text!r} must be above zero")
+    return seconds
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The allocation: what `#SBATCH` lines say."""
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int | None = None  # default: one per GPU, or 1 on a CPU-only cluster
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str = "04:00:00"
+    signal_delay_s: int = SIGNAL_DELAY_S
+
+    def tasks(self) -> int:
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        return self.gpus_per_node or 1
+
+    def check(self) -> None:
+        if self.nodes < 1:
+            raise FibctlError(f"--nodes {self.nodes} must be >= 1")
+        if self.gpus_per_node < 0:
+            raise FibctlError(f"--gpus-per-node {self.gpus_per_node} must be >= 0 (0: a CPU-only cluster)")
+        if self.tasks() < 1:
+            raise FibctlError(f"--tasks-per-node {self.tasks()} must be >= 1")
+        if self.gpus_per_node and self.tasks() != self.gpus_per_node:
+            raise FibctlError(f"--tasks-per-node {self.tasks()} with --gpus-per-node {self.gpus_per_node}: "
+                              "each task is one worker on one GPU; leave --tasks-per-node out")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise FibctlError(f"--cpus-per-task {self.cpus_per_task} must be >= 1")
+        for option, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not _WORD.match(value):
+                raise FibctlError(f"{option} {value!r}: not a SLURM name (letters, digits, _.,:+@=-)")
+        limit = parse_time(self.time)
+        if limit <= self.signal_delay_s + 60:
+            raise FibctlError(f"--time {self.time}: too short; the workers are told to stop "
+                              f"{self.signal_delay_s} s before the limit, so give at least "
+                              f"{_hms(self.signal_delay_s + 120)}")
+
+    def parameters(self, folder: Path, setup: list[str]) -> dict:
+        """submitit's SlurmExecutor parameters."""
+        limit = parse_time(self.time)
+        params = dict(job_name=JOB_NAME, nodes=self.nodes, ntasks_per_node=self.tasks(),
+                      time=-(-limit // 60),  # minutes, for submitit's own accounting of timeouts
+                      signal_delay_s=self.signal_delay_s, setup=setup,
+                      additional_parameters={"time": self.time})  # the exact limit in the script
+        if self.gpus_per_node:
+            params["gpus_per_node"] = self.gpus_per_node
+        if self.cpus_per_task:
+            params["cpus_per_task"] = self.cpus_per_task
+        if self.partition:
+            params["partition"] = self.partition
+        if self.account:
+            params["account"] = self.account
+        return params
+
+
+def _hms(seconds: int) -> str:
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What each task's worker is given (the `fibctl worker` options)."""
+    db: str
+    data_dir: Path
+    runs_dir: Path
+    threads: int | None = None
+    heartbeat_timeout_s: float = 600
+    max_attempts: int = 3
+    max_runs: int | None = None
+
+
+def absolute_db(db: str) -> str:
+    """A SQLite database as an absolute path (the job's tasks start in another folder)."""
+    url = resolve_url(db)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return db
+    path = str(Path(url.database).expanduser().resolve())
+    return path if "://" not in db else url.set(database=path).render_as_string(hide_password=False)
+
+
+@dataclass
+class Submission:
+    job_id: str | None  # None on a dry run
+    script: str
+    folder: Path
+    tasks: int
+    queued: int
+
+
+def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool = False) -> Submission:
+    """Submit the job (or, with `dry_run`, only write out its sbatch script). Every refusal
+    is one line and comes before anything is submitted."""
+    spec.check()
+    if worker.max_runs is not None and worker.max_runs < 1:
+        raise FibctlError(f"--max-runs {worker.max_runs} must be >= 1")
+    submitit = require_submitit()
+    if not dry_run:
+        require_slurm("sbatch")
+        require_slurm("srun")
+    db = absolute_db(worker.db)
+    if spec.nodes > 1 and resolve_url(db).get_backend_name() == "sqlite":
+        raise FibctlError(f"--nodes {spec.nodes} with the SQLite database {shown(db)}: SQLite's locks do not "
+                          "hold over a network filesystem; give a database server every node reaches "
+                          "(--db postgresql+psycopg://...), see docs/cluster.md")
+    engine = connect(db, must_exist=True)
+    queued = queue.status_counts(engine).get("queued", 0)
+    if not queued and not dry_run:
+        raise FibctlError(f"no queued runs in {shown(db)}: nothing for the workers to do (fibctl queue add)")
+    folder = folder.expanduser().resolve()
+    settings = WorkerSettings(db, worker.data_dir.expanduser().resolve(), worker.runs_dir.expanduser().resolve(),
+                              worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
+    # the paths travel as variables: a node whose filesystem differs sets its own in its TaskProlog
+    setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
+             f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]
+    params = spec.parameters(folder / "%j", setup)
+    task = WorkerTask(settings, spec.gpus_per_node, folder)
+    if dry_run:
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder / "%j"))])
+        return Submission(None, _make_sbatch_string(command=command, folder=folder / "%j", **params), folder,
+                          spec.nodes * spec.tasks(), queued)
+    folder.mkdir(parents=True, exist_ok=True)
+    executor = submitit.SlurmExecutor(folder=folder / "%j")
+    executor.update_parameters(**params)
+    try:
+        job = executor.submit(task)
+    except Exception as e:  # sbatch refused: its own first line says why
+        detail = str(e).strip().splitlines()
+        raise FibctlError(f"sbatch refused the job: {detail[-1] if detail else type(e).__name__}") from None
+    script = job.paths.submission_file.read_text() if job.paths.submission_file.is_file() else ""
+    return Submission(str(job.job_id), script, folder, spec.nodes * spec.tasks(), queued)
+
+
+# ----------------------------------------------------------------------------- inside the job
+
+
+class JobDisplay:
+    """A task's log (plain lines, to submitit's log file) and a `slurm` event on each run it starts."""
+
+    def __init__(self, engine: Engine, job_id: str, task: int, restart: int, every: int = 50):
+        self.engine, self.job_id, self.task, self.restart, self.every = engine, job_id, task, restart, every
+        self.host = socket.gethostname()
+
+    def start(self, name: str, steps: int):
+        note_job(self.engine, name, self.job_id, self.task, self.host, self.restart)
+        print(f"task {self.task}: {name}: training, {steps} steps", flush=True)
+
+        def line(p) -> None:
+            if p.step % self.every == 0 or p.step == p.steps:
+                print(f"task {self.task}: {name} step {p.step}/{p.steps} loss {p.loss:.4f} "
+                      f"{p.tokens_per_s:,.0f} tok/s", flush=True)
+        return line
+
+    def warn(self, message: str) -> None:
+        print(f"task {self.task}: warning: {message}", flush=True)
+
+    def finish(self, outcome) -> None:
+        detail = f": {outcome.error}" if outcome.error else ""
+        print(f"task {self.task}: {outcome.name}: {outcome.status} at step {outcome.step}{detail}", flush=True)
+
+
+def note_job(engine: Engine, run_name: str, job_id: str, task: int, host: str, restart: int = 0) -> None:
+    """The `slurm` event: which job, task and host trains the run (the worker is host:pid)."""
+    def write(conn):
+        run_id = conn.execute(select(Run.id).where(Run.name == run_name)).scalar()
+        add_event(conn, run_id, "slurm", f"SLURM job {job_id} task {task} on {host} (pid {os.getpid()})",
+                  {"job_id": job_id, "task": task, "host": host, "pid": os.getpid(), "restart": restart})
+    write_retrying(engine, write)
+
+
+class WorkerTask(Checkpointable):
+    """One SLURM task: a worker in a thread, stopped by the stop event when the job must end.
+
+    Task 0 is submitit's: its USR2 handler calls `checkpoint`, which stops this task's worker,
+    waits for the other tasks' workers (each leaves a marker file when it stopped), and returns
+    a fresh copy of the task for submitit to requeue. The other tasks stop on USR2 themselves.
+    Any task stops on SIGTERM (scancel, the time limit itself)."""
+
+    def __init__(self, worker: WorkerSettings, gpus_per_node: int, folder: Path, stop_wait_s: float = STOP_WAIT_S):
+        self.worker, self.gpus_per_node, self.folder, self.stop_wait_s = worker, gpus_per_node, folder, stop_wait_s
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._where: tuple[str, int, int, int] | None = None  # job id, restart, task, tasks
+
+    def __getstate__(self) -> dict:  # what is pickled (submitted, requeued): the settings only
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._stop, self._thread, self._where = None, None, None
+
+    def __call__(self) -> list[dict]:
+        import submitit
+
+        from fibctl.flows.worker import WorkerOptions
+
+        env = submitit.JobEnvironment()
+        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        self._where = (str(env.job_id), restart, env.global_rank, env.num_tasks)
+        self._stop = threading.Event()
+        stop = lambda *_: self._stop.set()  # noqa: E731
+        signal.signal(signal.SIGTERM, stop)
+        if env.global_rank != 0:  # task 0's USR2 is submitit's, which calls checkpoint()
+            signal.signal(signal.SIGUSR2, stop)
+        w = self.worker
+        data = Path(os.environ.get("FIBCTL_DATA") or w.data_dir)
+        runs_dir = Path(os.environ.get("FIBCTL_RUNS_DIR") or w.runs_dir)
+        opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=self._device(env.local_rank),
+                             threads=w.threads, heartbeat_timeout_s=w.heartbeat_timeout_s,
+                             max_attempts=w.max_attempts, max_runs=w.max_runs)
+        engine = connect(w.db, must_exist=True)
+        display = JobDisplay(engine, str(env.job_id), env.global_rank, restart)
+        result: dict = {}
+        self._thread = threading.Thread(target=self._work, args=(engine, opts, display, result),
+                                        name="fibctl-worker", daemon=True)
+        print(f"task {env.global_rank}/{env.num_tasks} of SLURM job {env.job_id} (restart {restart}) on "
+              f"{socket.gethostname()}: worker on {opts.device}, database {shown(w.db)}", flush=True)
+        self._thread.start()
+        try:
+            while self._thread.is_alive():
+                self._thread.join(0.5)  # a timeout: signals reach this (main) thread in between
+        finally:
+            if env.global_rank != 0:
+                self._marker(env.global_rank).touch()
+        if env.global_rank == 0 and env.num_tasks > 1:
+            # stay until every task is done: a USR2 that comes meanwhile must still requeue the job
+            while not self._siblings_stopped() and not self._stop.is_set():
+                time.sleep(1)
+        if "error" in result:
+            raise result["error"]
+        return [dict(name=o.name, status=o.status, step=o.step) for o in result.get("outcomes", [])]
+
+    def _device(self, local_rank: int) -> str:
+        if not self.gpus_per_node:
+            return "cpu"
+        import torch
+
+        # one GPU per task either way: SLURM may show a task all of the node's GPUs, or only its own
+        return f"cuda:{local_rank if torch.cuda.device_count() > 1 else 0}"
+
+    def _work(self, engine, opts, display, result: dict) -> None:
+        from fibctl.flows.worker import work
+
+        try:
+            result["outcomes"] = work(engine, opts, display, self._stop)
+        except BaseException as e:  # raised again in the task's main thread
+            result["error"] = e
+
+    def _marker(self, task: int) -> Path:
+        job_id, restart, _, _ = self._where
+        return self.folder / job_id / f"stopped.{restart}.{task}"
+
+    def _siblings_stopped(self) -> bool:
+        _, _, _, tasks = self._where
+        return all(self._marker(t).exists() for t in range(1, tasks))
+
+    def checkpoint(self, *args, **kwargs):
+        """Called by submitit in task 0 on USR2: stop, wait for the other tasks, requeue."""
+        deadline = time.monotonic() + self.stop_wait_s
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        while self._where is not None and not self._siblings_stopped() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        print("task 0: workers stopped; the job is requeued", flush=True)
+        return super().checkpoint(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- fibctl slurm status
+
+
+def squeue_jobs() -> list[dict]:
+    """fibctl's jobs that SLURM knows: squeue (pending, running), then sacct where accounting is on."""
+    require_slurm("squeue")
+    jobs: dict[str, dict] = {}
+    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, "-o", "%i|%T|%M|%l|%D|%R"])
+    for line in out or []:
+        job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
+        jobs[job_id] = dict(job_id=job_id, state=state, elapsed=elapsed, limit=limit, nodes=nodes, where=where)
+    if shutil.which("sacct"):
+        for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME,
+                                  "-o", "JobID,State,Elapsed,Timelimit,NNodes,NodeList"]) or []:
+            job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
+            jobs.setdefault(job_id, dict(job_id=job_id, state=state.split()[0] if state else "", elapsed=elapsed,
+                                         limit=limit, nodes=nodes, where=where))
+    return sorted(jobs.values(), key=lambda j: _job_key(j["job_id"]))
+
+
+def _job_key(job_id: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[_.]", job_id))
+
+
+def _slurm_lines(cmd: list[str]) -> list[str] | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        if cmd[0] == "squeue":  # sacct without accounting fails: that is not an error here
+            raise FibctlError(f"squeue failed: {(proc.stderr.strip().splitlines() or ['no message'])[-1]}")
+        return None
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def runs_by_job(engine: Engine) -> dict[str, list[dict]]:
+    """Each run's last `slurm` event (the job that trained it last), grouped by job id:
+    the run's name, status and step reached."""
+    q = (select(Event.run_id, Event.data, Event.id, Run.name, Run.status, Run.host)
+         .join(Run, Run.id == Event.run_id).where(Event.kind == "slurm").order_by(Event.id))
+    last: dict[int, dict] = {}
+    with engine.connect() as conn:
+        for r in conn.execute(q):
+            data = r.data or {}
+            last[r.run_id] = dict(name=r.name, status=r.status, host=data.get("host") or r.host,
+                                  task=data.get("task"), job_id=str(data.get("job_id")))
+    steps = {p["name"]: (p["step"], p["steps"]) for p in queue.progress(engine)}
+    out: dict[str, list[dict]] = {}
+    for run in last.values():
+        run["step"] = steps.get(run["name"])
+        out.setdefault(run["job_id"], []).append(run)
+    return out
+
+
+def jobs(engine: Engine) -> tuple[list[dict], dict[str, int]]:
+    """SLURM's jobs joined with the runs each trained; and the queue's counts."""
+    slurm = squeue_jobs()
+    by_job = runs_by_job(engine)
+    for job in slurm:
+        job["runs"] = by_job.get(job["job_id"], [])
+    return slurm, queue.status_counts(engine)

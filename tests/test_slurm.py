@@ -74,6 +74,7 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     bare.mkdir()
     done = fibctl(*args, env={**ENV, "PATH": str(bare)})
     one_line_error(done, "sbatch")
+    one_line_error(fibctl("slurm", "status", "--db", str(db), env={**ENV, "PATH": str(bare)}), "squeue")
     assert runs(db) == [("a", "queued", None, None)]
     assert not (tmp_path / "jobs").exists()
 
@@ -88,7 +89,8 @@ def test_bad_options_are_one_line_each(data, tmp_path):
                          (["--gpus-per-node", "4", "--tasks-per-node", "2"], ["--tasks-per-node"]),
                          (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
                          (["--nodes", "2"], ["SQLite"]),
-                         (["--max-runs", "0"], ["--max-runs"])]:
+                         (["--max-runs", "0"], ["--max-runs"]),
+                         (["--max-requeues", "-1"], ["--max-requeues"])]:
         one_line_error(fibctl(*base, *extra), *words)
     one_line_error(fibctl("slurm", "submit", "--db", str(tmp_path / "none.db"), "--dry-run"), "none.db")
 
@@ -178,37 +180,40 @@ LONG = dict(steps=400, eval_interval=1000, checkpoint_interval=1000)
 
 
 @needs_cluster
-def test_a_preempted_job_releases_its_run_requeues_and_finishes_it_bit_exact(data, tmp_path):
+def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_bit_exact(data, tmp_path):
     db = tmp_path / "r.db"
-    queued_db(db, micro_run("long", **LONG))
-    # an uninterrupted run of the same config, first, in this process (1 thread, as the worker)
+    names = ["long_a", "long_b"]
+    queued_db(db, *(micro_run(n, **LONG) for n in names))
+    # an uninterrupted run of the same config, first, in this process (1 thread, as the workers)
     torch.set_num_threads(1)
-    reference = Trainer(micro_run("long", **LONG), load_manifest(data), tmp_path / "ref", NullReporter())
+    reference = Trainer(micro_run("ref", **LONG), load_manifest(data), tmp_path / "ref", NullReporter())
     assert reference.run().status == "done"
-    job = submit(db, data, tmp_path)
-    # wait until the job's worker is part-way through, then send SLURM's preemption signal
+    job = submit(db, data, tmp_path, "--tasks-per-node", "2")
+    # wait until both tasks' workers are part-way through, then send SLURM's preemption signal
+    # to every task of the job (task 0's is submitit's handler, task 1's the worker's own)
     deadline = time.monotonic() + 60
-    step = 0
+    steps: list[int] = []
     while time.monotonic() < deadline:
-        step = sqlite3.connect(db).execute("select coalesce(max(step), 0) from train_steps").fetchone()[0]
-        if step >= 20:
+        steps = [m for (m,) in sqlite3.connect(db).execute(
+            "select max(step) from train_steps group by run_id")]
+        if len(steps) == 2 and min(steps) >= 20:
             break
         time.sleep(0.2)
-    assert 20 <= step < LONG["steps"], (step, job_log(tmp_path, job))
+    assert len(steps) == 2 and 20 <= min(steps) and max(steps) < LONG["steps"], (steps, job_log(tmp_path, job))
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
-    assert wait_for(job, 100) == "COMPLETED", job_log(tmp_path, job)
+    assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
     kinds = [k for (k,) in sqlite3.connect(db).execute("select kind from events order by id")]
-    assert kinds.count("released") == 1 and kinds.count("resumed") == 1 and kinds.count("claimed") == 2, kinds
-    released = sqlite3.connect(db).execute("select message from events where kind = 'released'").fetchone()[0]
-    stopped_at = int(released.split()[3].rstrip(";"))
-    assert step <= stopped_at < LONG["steps"], released
-    restarts = sorted({(raw if isinstance(raw, dict) else __import__("json").loads(raw))["restart"]
-                       for _, _, raw in events(db, "slurm")})
-    assert restarts == [0, 1]  # the same job, requeued by submitit, trained the run's second part
-    assert runs(db)[0][1] == "done"
-    path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
-    final = load_checkpoint(tmp_path / "runs" / path)["model"]
+    assert kinds.count("released") == 2 and kinds.count("resumed") == 2 and kinds.count("claimed") == 4, kinds
+    for (message,) in sqlite3.connect(db).execute("select message from events where kind = 'released'"):
+        assert min(steps) <= int(message.split()[3].rstrip(";")) < LONG["steps"], message
+    restarts = sorted((raw if isinstance(raw, dict) else __import__("json").loads(raw))["restart"]
+                      for _, _, raw in events(db, "slurm"))
+    assert restarts == [0, 0, 1, 1]  # the same job, requeued by submitit, trained the runs' second parts
+    assert [r[1] for r in runs(db)] == ["done", "done"]
     expected = reference.model.state_dict()
-    assert final.keys() == expected.keys()
-    for k in final:
-        assert torch.equal(final[k], expected[k]), k
+    for name in names:
+        path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = ?", (name,)).fetchone()[0]
+        final = load_checkpoint(tmp_path / "runs" / path)["model"]
+        assert final.keys() == expected.keys()
+        for k in final:
+            assert torch.equal(final[k], expected[k]), (name, k)

@@ -33,6 +33,9 @@ def submit_cmd(
         "--time", help="The job's time limit, HH:MM:SS or D-HH:MM:SS. The workers checkpoint and release their runs "
         "shortly before it, and the job requeues itself.")] = "04:00:00",
     account: Annotated[Optional[str], typer.Option("--account", help="SLURM account to charge.")] = None,
+    max_requeues: Annotated[int, typer.Option(
+        "--max-requeues", help="How often the job requeues itself after reaching its time limit before it gives up "
+        "(requeues after a preemption do not count).")] = 100,
     max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Each worker stops after this many runs.")] = None,
     max_attempts: Annotated[int, typer.Option("--max-attempts", help="Claims before an abandoned run fails.")] = 3,
     threads: ThreadsOption = None,
@@ -52,7 +55,8 @@ def submit_cmd(
     if not heartbeat_timeout > 0:
         raise FibctlError(f"--heartbeat-timeout {heartbeat_timeout:g} must be a number of seconds above 0")
     spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
-                   cpus_per_task=cpus_per_task, partition=partition, account=account, time=time)
+                   cpus_per_task=cpus_per_task, partition=partition, account=account, time=time,
+                   max_requeues=max_requeues)
     worker = WorkerSettings(db=db, data_dir=data, runs_dir=runs_dir, threads=threads,
                             heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
     sub = submit(worker, spec, folder, dry_run=dry_run)

@@ -90,6 +90,7 @@ class JobSpec:
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
+    max_requeues: int = 100  # after reaching the time limit (preemptions do not count): submitit's max_num_timeout
     signal_delay_s: int = SIGNAL_DELAY_S
 
     def tasks(self) -> int:
@@ -107,6 +108,8 @@ class JobSpec:
         if self.gpus_per_node and self.tasks() != self.gpus_per_node:
             raise FibctlError(f"--tasks-per-node {self.tasks()} with --gpus-per-node {self.gpus_per_node}: "
                               "each task is one worker on one GPU; leave --tasks-per-node out")
+        if self.max_requeues < 0:
+            raise FibctlError(f"--max-requeues {self.max_requeues} must be >= 0")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise FibctlError(f"--cpus-per-task {self.cpus_per_task} must be >= 1")
         for option, value in (("--partition", self.partition), ("--account", self.account)):
@@ -204,7 +207,7 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         return Submission(None, _make_sbatch_string(command=command, folder=folder / "%j", **params), folder,
                           spec.nodes * spec.tasks(), queued)
     folder.mkdir(parents=True, exist_ok=True)
-    executor = submitit.SlurmExecutor(folder=folder / "%j")
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=spec.max_requeues)
     executor.update_parameters(**params)
     try:
         job = executor.submit(task)

@@ -58,6 +58,14 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(200))
     device: Mapped[str | None] = mapped_column(String(100))
     torch_version: Mapped[str | None] = mapped_column(String(50))
+    # where and with what it last trained (recorded at each claim; see fibctl/provenance.py)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    fibctl_version: Mapped[str | None] = mapped_column(String(50))
+    git_commit: Mapped[str | None] = mapped_column(String(60))  # +dirty: uncommitted changes
+    cuda_version: Mapped[str | None] = mapped_column(String(50))
+    command_line: Mapped[str | None] = mapped_column(Text)
+    data_hash: Mapped[str | None] = mapped_column(String(64))  # the data manifest's inputs hash
+    tokenizer_hash: Mapped[str | None] = mapped_column(String(64))
     optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)
     created_at: Mapped[datetime] = mapped_column(DateTime)

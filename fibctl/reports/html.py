@@ -19,7 +19,8 @@ from fibctl.reports import render
 from fibctl.reports.tables import Table
 
 RUN_COLUMNS = ("name", "status", "schedule", "base", "window", "seed", "init_seed", "data_seed", "optimizer",
-               "final_step", "tokens_trained", "wall_seconds", "host", "device", "torch_version", "source")
+               "final_step", "tokens_trained", "wall_seconds", "host", "device", "torch_version", "cuda_version",
+               "git_commit", "data_hash", "source")
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }

@@ -38,6 +38,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
+from fibctl.provenance import provenance
 from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.device import check_compile, describe, setup_process
@@ -169,7 +170,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
                           on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result),
                           compile=opts.compile)
         counts = trainer.model.param_counts()
-        recorder.update_run(device=describe(device), torch_version=torch.__version__,
+        recorder.update_run(device=describe(device), **provenance(manifest),
                             params_total=counts["total"], params_non_embedding=counts["non_embedding"],
                             optimizer=trainer.optimizer_name, runs_dir=str(opts.runs_dir.resolve()))
         if trainer.optimizer_warning:

@@ -94,14 +94,37 @@ def train_cmd(
     heartbeat_timeout: HeartbeatOption = 600,
     log_to: LogToOption = None,
     compile: CompileOption = False,
+    nproc: Annotated[Optional[int], typer.Option(
+        "--nproc", help="Train the run in N processes on this machine (torchrun, DistributedDataParallel; one "
+        "per GPU on CUDA, gloo on the CPU); N must divide the run's grad_accum. Under torchrun itself, "
+        "leave it out.")] = None,
 ) -> None:
-    """Train one run of the database (resuming from its last checkpoint if it has one)."""
+    """Train one run of the database (resuming from its last checkpoint if it has one).
+    Under torchrun (`torchrun --nproc-per-node N -m fibctl train NAME`) each process trains its
+    share of every step and rank 0 alone writes to the database and the checkpoints."""
     from fibctl.flows.worker import WorkerOptions, train_named
+    from fibctl.train.distributed import launched
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
                          log_to=check_loggers(log_to or ()), compile=compile)
-    outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
+    if nproc is not None:
+        from fibctl.flows.worker import check_ddp, launch_ddp
+
+        if launched():
+            raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+        check_ddp(connect(db, must_exist=True), name, nproc, device)
+        args = [name, "--data", str(data), "--runs-dir", str(runs_dir), "--heartbeat-timeout", str(heartbeat_timeout)]
+        args += [a for n in opts.log_to for a in ("--log-to", n)] + (["--compile"] if compile else [])
+        args += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
+        args += ["--plain"] if plain else []
+        raise typer.Exit(launch_ddp(nproc, args, env={"FIBCTL_DB": db}))
+    if launched():
+        from fibctl.flows.worker import train_distributed
+
+        outcome = train_distributed(lambda: connect(db, must_exist=True), name, opts, RunDisplay(plain))
+    else:
+        outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
     if outcome.status == "failed":
         raise typer.Exit(1)
 

@@ -12,6 +12,11 @@ A failure that is the worker's, not the run's (`WorkerError`: data that does not
 folder without the run's checkpoint or with another run's, a database that keeps refusing
 writes), puts the run back in the queue and stops the worker with that one line: one wrong
 option must not fail a whole queue. The data and runs folder are checked before any claim.
+
+One run can also span several processes (`train_distributed`, under torchrun; `launch_ddp`
+starts torchrun): rank 0 claims the run and does everything the single process does with
+the database and checkpoints, the other ranks only train (fibctl.train.distributed). When a
+rank dies, the others stop and rank 0 puts the run back in the queue.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.names import check_name
 from fibctl.provenance import provenance
+from fibctl.config import RunConfig
 from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
-from fibctl.device import check_compile, describe, setup_process
+from fibctl.train.distributed import Group, Silent, as_peer_lost, check_split, join, peer_failure
+from fibctl.device import check_compile, describe, resolve_device, setup_process
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
 
@@ -157,8 +164,113 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
         return train_claimed(engine, claimed, opts, manifest, device, name, display, stop)
 
 
+COLLECTIVE_TIMEOUT_S = 300  # at least: rank 0 evaluates while the others wait
+
+
+def train_distributed(connect: Callable[[], Engine], run_name: str, opts: WorkerOptions, display: Display,
+                      stop: threading.Event | None = None) -> Outcome:
+    """This process's part of one run trained by a torchrun group (`launched()` is true).
+    Rank 0 connects to the database (`connect`), claims the run, tells the others what to
+    train or that there is nothing to; every rank trains its share of each step."""
+    stop = stop or threading.Event()
+    # a rank silent for longer than a heartbeat would leave the run abandoned: the others stop
+    # (a rank that dies closes its connections, and the others stop at once)
+    group, device = join(opts.device, opts.threads, max(opts.heartbeat_timeout_s, COLLECTIVE_TIMEOUT_S))
+    try:
+        with stop_on_signals(stop):
+            if group.main:
+                return _train_rank0(connect(), run_name, opts, display, stop, group, device)
+            task = group.broadcast(None)
+            if task is None:  # rank 0 did not start the run: its own error says why
+                raise FibctlError(f"rank {group.rank}: rank 0 did not start run {run_name!r}")
+            config = RunConfig.from_dict(task["config"])
+            trainer = Trainer(config, load_manifest(opts.data_dir), Path(task["run_dir"]), Silent(),
+                              device=device, stop=stop, compile=opts.compile, group=group)
+            result = trainer.run()
+            status = {"stopped": "released", "diverged": "failed"}.get(result.status, result.status)
+            return Outcome(run_name, status, result.step, result.error, result.checkpoint)
+    finally:
+        group.close()
+
+
+def _train_rank0(engine: Engine, run_name: str, opts: WorkerOptions, display: Display, stop: threading.Event,
+                 group: Group, device: torch.device) -> Outcome:
+    name = f"{worker_name(device)}:ddp{group.world}"
+    try:
+        manifest = check_environment(opts, device)
+        claimed = queue.claim_named(engine, run_name, name, socket.gethostname(),
+                                    _describe(device, group), opts.heartbeat_timeout_s,
+                                    check=lambda cfg: (check_data(cfg, manifest),
+                                                       check_split(cfg.train.grad_accum, group.world, cfg.name)))
+    except FibctlError:
+        group.broadcast(None)
+        raise
+    try:
+        run_dir = _run_dir(claimed, opts)
+    except WorkerError as e:
+        queue.unclaim(engine, claimed.id, str(e))
+        group.broadcast(None)
+        raise
+    group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir)})
+    return train_claimed(engine, claimed, opts, manifest, device, name, display, stop, group)
+
+
+def _describe(device: torch.device, group: Group | None) -> str:
+    """What `runs.device` records: `cpu (1 threads)`, or `cpu (1 threads) x 2 ranks`."""
+    return describe(device) + (f" x {group.world} ranks" if group is not None else "")
+
+
+def check_ddp(engine: Engine, run_name: str, nproc: int, device: str | None) -> None:
+    """Before torchrun starts N processes for a run: N fits the machine and divides the run's
+    grad_accum (each refusal one line; nothing is claimed)."""
+    resolved = resolve_device(device)
+    available = torch.cuda.device_count() if resolved.type == "cuda" else (os.cpu_count() or 1)
+    what = "CUDA devices" if resolved.type == "cuda" else "CPUs (gloo: one process per CPU)"
+    if nproc < 1 or nproc > available:
+        raise FibctlError(f"--nproc {nproc}: this machine has {available} {what}")
+    config = queue.run_config(engine, run_name)
+    check_split(config.train.grad_accum, nproc, run_name)
+
+
+def launch_ddp(nproc: int, train_args: list[str], env: dict[str, str] | None = None) -> int:
+    """`torchrun --standalone --nproc-per-node N -m fibctl train ...`, in its own session; its
+    exit code. SIGINT/SIGTERM here go to every rank as SIGTERM (each finishes the step, rank 0
+    checkpoints and requeues the run, and torchrun ends with them); where the ranks cannot be
+    listed (no /proc), to torchrun, which stops them the same way but reports the signal."""
+    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", "-m", "fibctl", "train", *train_args],
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def forward(signum, _frame):
+        for pid in _children(child.pid) or ([child.pid] if child.poll() is None else []):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks), from /proc; [] without it."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, manifest: DataManifest,
-                  device: torch.device, worker: str, display: Display, stop: threading.Event) -> Outcome:
+                  device: torch.device, worker: str, display: Display, stop: threading.Event,
+                  group: Group | None = None) -> Outcome:
     recorder: RunRecorder | loggers.Tee = RunRecorder(engine, claimed.id, worker)
     trainer, tee = None, None
     try:
@@ -168,9 +280,9 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
                                                                       claimed.config.to_dict()))
         trainer = Trainer(claimed.config, manifest, run_dir, recorder, device=device, stop=stop,
                           on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result),
-                          compile=opts.compile)
+                          compile=opts.compile, group=group)
         counts = trainer.model.param_counts()
-        recorder.update_run(device=describe(device), **provenance(manifest),
+        recorder.update_run(device=_describe(device, group), **provenance(manifest),
                             params_total=counts["total"], params_non_embedding=counts["non_embedding"],
                             optimizer=trainer.optimizer_name, runs_dir=str(opts.runs_dir.resolve()))
         if trainer.optimizer_warning:
@@ -189,6 +301,11 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         raise
     except Exception as e:  # a run that raises must not take the worker down with it
         step = trainer.step if trainer else 0
+        if group is not None and peer_failure(e):  # not the run's fault: back to the queue
+            lost = as_peer_lost(e)
+            queue.release(engine, claimed.id, f"released at step {step}: {lost}")
+            display.finish(Outcome(claimed.name, "released", step))
+            raise FibctlError(f"run {claimed.name!r}: {lost}; it is queued again") from None
         queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
         outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
     finally:

@@ -27,6 +27,10 @@ class WindowSampler:
         batch = torch.from_numpy(windows).to(device)
         return batch[:, :-1], batch[:, 1:]
 
+    def skip_batch(self) -> None:
+        """Draw the next batch's positions without reading them: another rank trains on it."""
+        torch.randint(0, len(self.stream) - self.seq_len, (self.batch_size,), generator=self.generator)
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 

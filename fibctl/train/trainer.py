@@ -8,7 +8,11 @@ at every checkpoint and at the last step, which also records the per-position lo
 training length (Table 4). Alphas are logged at step 0 and, for `learned`, at every
 evaluation. With `compile`, the training steps run through torch.compile (evaluations and
 checkpoints use the same weights, eagerly): equal to eager within float rounding, not bit
-for bit. A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
+for bit. With a `group` (fibctl.train.distributed: one run over several processes), each
+rank computes its block of a step's micro-batches, DistributedDataParallel averages the
+gradients and the loss is scaled so that the step equals one process's; rank 0 alone
+evaluates and writes checkpoints, and stops and losses are decided by all ranks together.
+A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
 checkpoint and returns; a NaN or infinite loss ends the run as diverged; a heartbeat that
 finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
 
@@ -18,6 +22,7 @@ everything else (the batch sampler included) is seeded with `data_seed`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
@@ -37,6 +42,7 @@ from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
 from fibctl.schedules import deviations
 from fibctl.train import checkpoint as ckpt
+from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
 from fibctl.device import autocast
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 from fibctl.train.sampler import WindowSampler
@@ -95,23 +101,31 @@ class Trainer:
     def __init__(self, config: RunConfig, data: DataManifest, run_dir: Path, reporter: Reporter, *,
                  device: torch.device = torch.device("cpu"), stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None,
-                 on_checkpoint: Callable[["TrainResult"], None] | None = None, compile: bool = False):
+                 on_checkpoint: Callable[["TrainResult"], None] | None = None, compile: bool = False,
+                 group: Group | None = None):
         self.config, self.tc = config, config.train
         self.run_dir, self.reporter, self.device = Path(run_dir), reporter, device
         self.stop = stop or threading.Event()
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.lost = False
         manifest = check_data(config, data)
+        self.group, self.main = group, group is None or group.main
+        if group is not None:
+            check_split(self.tc.grad_accum, group.world, config.name)
         self.data_hash = manifest.inputs_hash
         self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
-        self.compiled = compile
+        self.compiled, self.ddp = compile, None
+        self.step_model: torch.nn.Module = self.model
+        if group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = self.step_model = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if compile:  # the caller checked that it can run (fibctl.device.check_compile)
             self.model.prepare(config.model.seq_len, device)
-            self.step_model: torch.nn.Module = torch.compile(self.model)
-        else:
-            self.step_model = self.model
+            self.step_model = torch.compile(self.step_model)
         _seed_everything(config.data_seed)
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
@@ -141,7 +155,12 @@ class Trainer:
         while self.step < self.tc.steps:
             t0 = time.perf_counter()
             self.step += 1
-            loss, grad_norm = self.train_step()
+            try:
+                loss, grad_norm = self.train_step()
+            except RuntimeError as e:  # DDP's gradient exchange failing: another rank died or hangs
+                if self.group is not None and peer_failure(e):
+                    raise as_peer_lost(e) from None
+                raise
             if not math.isfinite(loss):
                 return self._diverged(loss)
             step_time, steps_timed = step_time + time.perf_counter() - t0, steps_timed + 1
@@ -156,11 +175,14 @@ class Trainer:
                 self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s))
             if not self.lost:
                 last = self._evaluate_and_checkpoint() or last
+            stopping = self.stop.is_set()  # read once: a signal may set it at any moment
+            if self.group is not None:  # every rank leaves the loop at the same step, the same way
+                self.lost, stopping = self.group.any(self.lost, stopping, device=self.device)
             if self.lost:
                 return self._result("lost", last, "the run was cancelled or taken over by another worker")
-            if self.stop.is_set() and self.step < self.tc.steps:
+            if stopping and self.step < self.tc.steps:
                 if last != ckpt.checkpoint_path(self.run_dir, self.step):
-                    last = self.save()
+                    last = self.save() if self.main else ckpt.checkpoint_path(self.run_dir, self.step)
                 self.reporter.event("stopped", f"stopped at step {self.step}; checkpoint {last}",
                                     {"step": self.step})
                 return self._result("stopped", last)
@@ -174,12 +196,24 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches: (mean loss, grad norm before clipping)."""
         set_lr(self.optimizer, lr_at(self.step, self.tc))
         total = torch.zeros((), device=self.device)
-        for _ in range(self.tc.grad_accum):
+        mine = self.group.micro_batches(self.tc.grad_accum) if self.group else range(self.tc.grad_accum)
+        # DDP averages the ranks' gradients: each rank divides by its own count of micro-batches
+        # (grad_accum / ranks), so that the average is the one-process sum of loss / grad_accum
+        share = len(mine)
+        for i in range(self.tc.grad_accum):
+            if i not in mine:
+                self.sampler.skip_batch()
+                continue
             x, y = self.sampler.next_batch(self.device)
-            with autocast(self.device):
-                loss = self.step_model(x, y) / self.tc.grad_accum
-            loss.backward()
+            # gradients are exchanged once, after this rank's last micro-batch
+            sync = self.ddp is None or i == mine[-1]
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with autocast(self.device):
+                    loss = self.step_model(x, y) / share
+                loss.backward()
             total += loss.detach()
+        if self.group is not None:
+            total = self.group.sum(total) / self.group.world
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +222,8 @@ class Trainer:
     def _evaluate_and_checkpoint(self) -> Path | None:
         final = self.step == self.tc.steps
         full = final or self.step % self.tc.checkpoint_interval == 0
+        if not self.main:  # rank 0 evaluates and writes the checkpoint
+            return ckpt.checkpoint_path(self.run_dir, self.step) if full else None
         if full or self.step % self.tc.eval_interval == 0:
             self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
         return self.save() if full else None

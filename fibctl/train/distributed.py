@@ -1,0 +1,139 @@
+"""One run over several processes: torchrun's environment, the process group, and the few
+collectives the training loop needs (DistributedDataParallel does the gradients).
+
+Every rank builds the same model (same `init_seed`) and draws the same batches (same
+`data_seed`); the `grad_accum` micro-batches of an optimizer step are split between the
+ranks in contiguous blocks, so the global batch and the data order are those of one process.
+Rank 0 alone claims the run, writes to the database, evaluates and writes checkpoints.
+A collective that fails (a rank died, or stayed silent past the timeout) raises `PeerLost`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fibctl.device import resolve_device, setup_process
+from fibctl.errors import FibctlError
+
+ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class PeerLost(FibctlError):
+    """Another rank of the group died or stopped answering: this rank stops too."""
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a torchrun group (its environment is set)."""
+    return all(name in os.environ for name in ENVIRONMENT)
+
+
+def check_split(grad_accum: int, world: int, name: str) -> None:
+    """The micro-batches of a step must split evenly, or the global batch would change."""
+    if grad_accum % world:
+        raise FibctlError(f"run {name!r} accumulates {grad_accum} micro-batches per step, which "
+                          f"{world} processes cannot share evenly: use a process count that divides {grad_accum}")
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def micro_batches(self, grad_accum: int) -> range:
+        """The indices of a step's micro-batches this rank computes: a contiguous block."""
+        k = grad_accum // self.world
+        return range(self.rank * k, (self.rank + 1) * k)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        except Exception as e:  # DistBackendError, RuntimeError: connection closed, timeout
+            raise PeerLost(_lost(e)) from None
+        return t
+
+    def any(self, *flags: bool, device: torch.device) -> list[bool]:
+        """Each flag, true when it is true on any rank: every rank takes the same decision."""
+        t = torch.tensor([int(f) for f in flags], device=device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        except Exception as e:
+            raise PeerLost(_lost(e)) from None
+        return [bool(v) for v in t.tolist()]
+
+    def broadcast(self, obj):
+        """Rank 0's `obj`, on every rank."""
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as e:
+            raise PeerLost(_lost(e)) from None
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(device: str | None, threads: int | None, timeout_s: float) -> tuple[Group, torch.device]:
+    """Join the torchrun group: gloo on the CPU, NCCL on CUDA (one GPU per local rank).
+    A collective waits at most `timeout_s` for the other ranks."""
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise FibctlError(f"rank {rank} has local rank {local} but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+        resolved = torch.device("cuda", local)
+        torch.cuda.set_device(resolved)
+    setup_process(str(resolved), threads)
+    dist.init_process_group("nccl" if resolved.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return Group(rank, world, local), resolved
+
+
+class Silent:
+    """The reporter of ranks other than 0: they train, rank 0 reports."""
+
+    def log_step(self, *a, **k) -> None: ...
+
+    def log_eval(self, *a, **k) -> None: ...
+
+    def log_positions(self, *a, **k) -> None: ...
+
+    def log_alphas(self, *a, **k) -> None: ...
+
+    def heartbeat(self) -> bool:
+        return True
+
+    def event(self, *a, **k) -> None: ...
+
+
+PEER_FAILURES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "gloo", "nccl",
+                 "process group", "socket")
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether an error raised inside DDP (its gradient exchange) is another rank's death or
+    silence rather than this rank's own failure."""
+    if isinstance(e, (dist.DistError, PeerLost)):
+        return True
+    return isinstance(e, RuntimeError) and any(word in str(e).lower() for word in PEER_FAILURES)
+
+
+def as_peer_lost(e: Exception) -> PeerLost:
+    return e if isinstance(e, PeerLost) else PeerLost(_lost(e))
+
+
+def _lost(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return "another rank of the group died or stopped answering (" + (lines[0][:200] if lines else type(e).__name__) + ")"

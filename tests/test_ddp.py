@@ -1,0 +1,219 @@
+"""One run over several processes (torchrun, DistributedDataParallel, gloo on the CPU): the
+same run as one process, rank 0 alone in the database and the runs folder, bad --nproc refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fibctl.data.streams import load_manifest
+from fibctl.train.checkpoint import load_checkpoint
+from fibctl.train.trainer import Trainer
+from train_helpers import micro_run, queued_db, write_data
+
+torch.set_num_threads(1)
+needs_two_cpus = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="gloo runs one process per CPU; this has 1")
+
+
+class Losses:
+    def __init__(self):
+        self.losses = {}
+
+    def log_step(self, step, loss, *rest):
+        self.losses[step] = loss
+
+    def __getattr__(self, name):
+        return lambda *a, **k: True
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+def fibctl(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def one_process(config, data, run_dir) -> tuple[dict, dict]:
+    reporter = Losses()
+    trainer = Trainer(config, load_manifest(data), run_dir, reporter)
+    assert trainer.run().status == "done"
+    return trainer.model.state_dict(), reporter.losses
+
+
+def final_checkpoint(db: Path, runs: Path) -> dict:
+    path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = 'run'").fetchone()[0]
+    return load_checkpoint(runs / path)
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), (k, float((a[k] - b[k]).abs().max()))
+
+
+@needs_two_cpus
+def test_two_ranks_train_the_run_one_process_trains(data, tmp_path):
+    # learned: theta is a parameter like any other, averaged by DDP; micro accumulates 2 micro-batches
+    config = micro_run("run", "learned")
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    queued_db(db, config).dispose()
+    done = fibctl("train", "run", "--nproc", "2", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
+                  "--plain", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference, losses = one_process(config, data, tmp_path / "one")
+    state = final_checkpoint(db, runs)
+    assert state["step"] == 30
+    assert_close(state["model"], reference, 1e-5)
+    q = sqlite3.connect(db).execute
+    assert q("select status, attempts, device from runs").fetchone()[:2] == ("done", 1)
+    assert "x 2 ranks" in q("select device from runs").fetchone()[0]
+    # rank 0 alone writes: each log line, evaluation and checkpoint once
+    logged = dict(q("select step, loss from train_steps order by step").fetchall())
+    assert sorted(logged) == [5, 10, 15, 20, 25, 30]
+    for step, loss in logged.items():  # the loss of the whole step, gathered from both ranks
+        assert abs(loss - losses[step]) < 1e-5, step
+    assert q("select count(*) from evaluations").fetchone() == (6,)  # steps 10, 20, 30 x 2 held-out sets
+    assert q("select count(*) from events where kind = 'claimed'").fetchone() == (1,)
+    assert sorted(p.name for p in (runs / "run").iterdir()) == ["step_00000020.pt", "step_00000030.pt"]
+
+
+@pytest.mark.parametrize("nproc, words", [
+    ("2", "accumulates 3 micro-batches per step, which 2 processes cannot share evenly"),
+    ("0", "--nproc 0: this machine has"),
+    (str((os.cpu_count() or 1) + 1), "CPUs (gloo: one process per CPU)"),
+])
+def test_an_nproc_that_does_not_fit_is_one_line_exit_2_and_the_run_stays_queued(data, tmp_path, nproc, words):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run", grad_accum=3)).dispose()
+    done = fibctl("train", "run", "--nproc", nproc, "--db", str(db), "--data", str(data), "--device", "cpu",
+                  "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
+    assert not (tmp_path / "runs").exists()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        out += children
+        frontier = children
+    return out
+
+
+def rank_pid(pid: int, rank: int) -> int:
+    for child in descendants(pid):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+            return child  # torchrun sets both for its workers only
+    raise AssertionError(f"no rank {rank} below {pid}")
+
+
+def start(db: Path, runs: Path, data: Path, cwd: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fibctl", "train", "run", "--nproc", "2", "--db", str(db),
+                             "--data", str(data), "--runs-dir", str(runs), "--plain", *extra],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+@needs_two_cpus
+def test_a_dead_rank_stops_the_group_and_a_killed_group_resumes_equal_to_an_uninterrupted_run(data, tmp_path):
+    config = micro_run("run", steps=80, checkpoint_interval=10, eval_interval=80)
+    uninterrupted, killed_rank, killed_group = (tmp_path / name for name in ("whole", "rank", "group"))
+    for folder in (uninterrupted, killed_rank, killed_group):
+        folder.mkdir()
+        queued_db(folder / "r.db", config).dispose()
+    # torchrun's own command line, as docs/cluster.md gives it
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "fibctl", "train", "run", "--db", str(uninterrupted / "r.db"), "--data", str(data),
+                             "--runs-dir", str(uninterrupted / "runs"), "--plain"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.wait(timeout=240) == 0, proc.communicate()
+    reference = final_checkpoint(uninterrupted / "r.db", uninterrupted / "runs")["model"]
+
+    # rank 1 dies alone: rank 0 stops at once, puts the run back in the queue; no hang
+    proc = start(killed_rank / "r.db", killed_rank / "runs", data, tmp_path)
+    wait_for(killed_rank / "runs" / "run" / "step_00000020.pt", proc)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    q = sqlite3.connect(killed_rank / "r.db").execute
+    assert q("select status from runs").fetchone() == ("queued",), err[-3000:]
+    assert "died or stopped answering" in q("select message from events where kind = 'released'").fetchone()[0]
+    assert "is queued again" in err
+
+    # the whole group killed: the run stays `running` until its heartbeat is stale
+    proc = start(killed_group / "r.db", killed_group / "runs", data, tmp_path)
+    wait_for(killed_group / "runs" / "run" / "step_00000020.pt", proc)
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert sqlite3.connect(killed_group / "r.db").execute("select status from runs").fetchone() == ("running",)
+    time.sleep(1.5)
+
+    # both resume from their last checkpoint and end bit-exact with the uninterrupted run: two
+    # ranks sum each gradient element in one order, whatever DDP's buckets
+    for folder in (killed_rank, killed_group):
+        proc = start(folder / "r.db", folder / "runs", data, tmp_path, "--heartbeat-timeout", "1")
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        q = sqlite3.connect(folder / "r.db").execute
+        assert q("select status, final_step from runs").fetchone() == ("done", 80)
+        assert q("select count(*) from events where kind = 'resumed'").fetchone() == (1,)
+        state = final_checkpoint(folder / "r.db", folder / "runs")["model"]
+        for k in reference:
+            assert torch.equal(state[k], reference[k]), k
+
+
+@needs_two_cpus
+def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp_path):
+    queued_db(tmp_path / "r.db", micro_run("run", steps=200, checkpoint_interval=10, eval_interval=200)).dispose()
+    proc = start(tmp_path / "r.db", tmp_path / "runs", data, tmp_path)
+    wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
+    assert status == "queued" and "released at step" in out
+    assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
+
+
+def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run_s():
+    from fibctl.train.distributed import PeerLost, as_peer_lost, peer_failure
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
+    assert peer_failure(gloo) and peer_failure(torch.distributed.DistBackendError("NCCL error"))
+    assert "died or stopped answering" in str(as_peer_lost(gloo)) and isinstance(as_peer_lost(gloo), PeerLost)
+    assert not peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"))
+    assert not peer_failure(ValueError("connection closed"))  # only errors torch raises from a collective

@@ -111,26 +111,11 @@ def _claim_all(db: str, processes: int, plain: bool) -> tuple[float, float]:
     return claims / wall, per_claim
 
 
-def _micro_step_ms(steps: int = 5) -> float:
-    import torch
+def _micro_step_ms() -> float:
+    """One `micro` training step as `fibctl bench train` times it (the trainer's recipe)."""
+    from fibctl.flows.bench import _measure_train, train_bench
 
-    from fibctl.config import get_preset
-    from fibctl.model import FibLM
-
-    preset = get_preset("micro")
-    model = FibLM(preset.model)
-    opt = torch.optim.AdamW(model.parameters())
-    tc = preset.train
-    x = torch.randint(0, preset.model.vocab_size, (tc.batch_size, preset.model.seq_len + 1))
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        for _ in range(tc.grad_accum):
-            model(x[:, :-1], x[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+    return _measure_train(train_bench("micro", steps=5, warmup=1), "fixed")["step_ms"]
 
 
 def bench_queue(db: str | None = None, processes: int = 8, runs: int = 400) -> QueueBench:

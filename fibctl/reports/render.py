@@ -52,16 +52,6 @@ def _cells(table: Table, bold: str, escape=lambda s: s) -> list[list[str]]:
             for i, row in enumerate(table.frame.itertuples(index=False))]
 
 
-def to_rich(table: Table) -> RichTable:
-    caption = escape("\n".join(table.notes)) if table.notes else None
-    out = RichTable(title=escape(table.title), title_justify="left", caption=caption, caption_justify="left")
-    for c in table.frame.columns:
-        out.add_column(escape(str(c)), justify="right" if _numeric(table, c) else "left")
-    for row in _cells(table, "[bold]{}[/bold]", escape):
-        out.add_row(*row)
-    return out
-
-
 def fitted(table: Table, width: int):
     """The terminal rendering no wider than `width`, with no cell cut: a header wraps at its
     spaces, a value keeps its full width, and columns that still do not fit go to further
@@ -99,7 +89,7 @@ def fitted(table: Table, width: int):
 def to_text(table: Table, width: int = 200) -> str:
     """The terminal rendering as plain text (what `report all` saves as .txt)."""
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
-    console.print(to_rich(table))
+    console.print(fitted(table, width))
     return console.export_text()
 
 

@@ -14,6 +14,7 @@ from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
+from fibctl.units import duration
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.names import check_name
@@ -162,8 +163,8 @@ def status_cmd(
         now = utcnow()
         rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/{r['steps']:,}",
                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-                 _duration(r["eta_s"]) if r["eta_s"] is not None else "-",
-                 f"{_duration((now - r['heartbeat_at']).total_seconds())} ago" if r["heartbeat_at"] else "-"]
+                 duration(r["eta_s"]) if r["eta_s"] is not None else "-",
+                 f"{duration((now - r['heartbeat_at']).total_seconds())} ago" if r["heartbeat_at"] else "-"]
                 for r in queue.progress(engine)]
         headers = ["run", "host", "device", "step", "tok/s", "ETA", "heartbeat"]
         parts = []
@@ -186,12 +187,6 @@ def status_cmd(
                 live.update(view(), refresh=True)
         except KeyboardInterrupt:
             pass
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, rest = divmod(seconds, 3600)
-    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
 
 @queue_app.command("cancel")

@@ -10,6 +10,7 @@ import typer
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain
 from fibctl.cli.train import DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption
+from fibctl.db.schema import RunStatus
 from fibctl.errors import FibctlError
 
 slurm_app = typer.Typer(help="Workers on a SLURM cluster (needs the slurm extra: pip install -e '.[slurm]').",
@@ -81,10 +82,10 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
         for job in found:
             runs = job["runs"]
             running = [f"{r['name']}@{r['host']}" + (f" {r['step'][0]}/{r['step'][1]}" if r["step"] else "")
-                       for r in runs if r["status"] == "running"]
+                       for r in runs if r["status"] == RunStatus.RUNNING]
             others = {}
             for r in runs:
-                if r["status"] != "running":
+                if r["status"] != RunStatus.RUNNING:
                     others[r["status"]] = others.get(r["status"], 0) + 1
             rows.append([job["job_id"], job["state"], f"{job['elapsed']}/{job['limit']}", job["nodes"],
                          ", ".join(running) or "-", ", ".join(f"{n} {s}" for s, n in sorted(others.items())) or "-"])

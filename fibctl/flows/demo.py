@@ -8,7 +8,6 @@ Everything lands in DIR/results.db; a second run resumes where the first stopped
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ from fibctl import queue
 from fibctl.config import get_preset
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix
+from fibctl.units import duration
 
 MARKER = ".fibctl-demo"  # written into DIR so that a later run knows the folder is a demo's
 LENGTH_FACTORS = (1, 2, 4, 8)
@@ -174,11 +174,6 @@ def describe(h: Headline) -> list[str]:
     ]
 
 
-def fmt_seconds(s: float) -> str:
-    m, s = divmod(int(math.ceil(s)), 60)
-    return f"{m} min {s:02d} s" if m else f"{s} s"
-
-
 class DemoView(Protocol):
     """How the demo shows itself (the CLI draws it with rich; tests may ignore it)."""
 
@@ -250,5 +245,5 @@ def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
     else:
         for line in describe(headline(engine, tables.default_dataset(engine), p.train_length)):
             view.line(line)
-    view.line(f"total time: {fmt_seconds(time.perf_counter() - started)}")
+    view.line(f"total time: {duration(time.perf_counter() - started)}")
     return True

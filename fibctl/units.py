@@ -1,0 +1,14 @@
+"""Durations for people: `42s`, `3m05s`, `2h07m` (the demo's total time, `fibctl status`'s
+ETA and heartbeat age)."""
+
+from __future__ import annotations
+
+import math
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, int(math.ceil(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    if hours:
+        return f"{hours}h{rest // 60:02d}m"
+    return f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"

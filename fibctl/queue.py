@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, func, insert, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
-from fibctl.db.schema import RUN_STATUSES, Run, RunStatus, TrainStep
+from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
 from fibctl.errors import FibctlError
 
@@ -148,30 +148,105 @@ def retry_failed(engine: Engine) -> list[str]:
 
 def claim_next(engine: Engine, worker: str, host: str | None = None, device: str | None = None,
                heartbeat_timeout_s: float = 600, max_attempts: int = 3) -> ClaimedRun | None:
-    """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left."""
+    """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left.
+
+    Abandoned runs (running, heartbeat older than the timeout) that have used
+    `max_attempts` claims are failed first, each with an `abandoned` event; one under the
+    limit is claimed again with a `reclaimed` event naming its previous worker; any other
+    claim writes a `claimed` event. On PostgreSQL all of it is one statement.
+    """
     now = utcnow()
-    abandoned = and_(Run.status == RunStatus.RUNNING, Run.heartbeat_at < now - timedelta(seconds=heartbeat_timeout_s))
-    with engine.begin() as conn:
-        _fail_exhausted(conn, abandoned, max_attempts, heartbeat_timeout_s)
-        row = conn.execute(
-            select(Run.id, Run.status, Run.worker).where(or_(Run.status == RunStatus.QUEUED, abandoned))
-            .order_by(Run.id).limit(1).with_for_update(skip_locked=True)).first()
-        if row is None:
-            return None
-        run = conn.execute(
-            update(Run).where(Run.id == row.id).values(
-                status=RunStatus.RUNNING, worker=worker, host=host, device=device, heartbeat_at=now,
-                started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1)
-            .returning(Run.id, Run.name, Run.attempts, Run.config_json, Run.checkpoint_path)).one()
-        if row.status == RunStatus.RUNNING:
-            add_event(conn, run.id, "reclaimed",
-                      f"taken from {row.worker} (no heartbeat for {heartbeat_timeout_s:g} s) by {worker}",
-                      {"previous_worker": row.worker, "attempt": run.attempts})
-        else:
-            add_event(conn, run.id, "claimed", f"claimed by {worker}", {"attempt": run.attempts})
+    params = dict(by_worker=worker, on_host=host, on_device=device, now=now, max_attempts=max_attempts,
+                  stale=now - timedelta(seconds=heartbeat_timeout_s),
+                  reason=f"abandoned: no heartbeat for {heartbeat_timeout_s:g} s after {max_attempts} attempt(s)",
+                  reclaim_tail=f" (no heartbeat for {heartbeat_timeout_s:g} s) by {worker}",
+                  claimed_msg=f"claimed by {worker}")
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
+            run = conn.execute(_CLAIM_PG, params).first()
+    else:
+        run = _claim_in_steps(engine, params)
+    if run is None:
+        return None
     return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts,
                       config=RunConfig.from_dict(json.loads(run.config_json)),
                       checkpoint_path=run.checkpoint_path)
+
+
+# Statements built once: building and cache-keying Core constructs on every claim cost
+# more than executing them on SQLite, and it all ran while holding the write lock.
+_STALE = and_(Run.status == RunStatus.RUNNING, Run.heartbeat_at < bindparam("stale"))
+_SWEEP = (update(Run).where(_STALE, Run.attempts >= bindparam("max_attempts"))
+          .values(status=RunStatus.FAILED, finished_at=bindparam("now"), error=bindparam("reason"))
+          .returning(Run.id, Run.worker))
+_NEXT = (select(Run.id, Run.status, Run.worker)
+         .where(or_(Run.status == RunStatus.QUEUED, and_(_STALE, Run.attempts < bindparam("max_attempts"))))
+         .order_by(Run.id).limit(1))
+_TAKE = (update(Run).where(Run.id == bindparam("run_id"))
+         .values(status=RunStatus.RUNNING, worker=bindparam("by_worker"), host=bindparam("on_host"),
+                 device=bindparam("on_device"), heartbeat_at=bindparam("now"),
+                 started_at=func.coalesce(Run.started_at, bindparam("now")), attempts=Run.attempts + 1)
+         .returning(Run.id, Run.name, Run.attempts, Run.config_json, Run.checkpoint_path))
+_EVENT = insert(Event)
+
+
+def _claim_in_steps(engine: Engine, p: dict):
+    """SQLite: the sweep, the pick and the update in one BEGIN IMMEDIATE transaction (the
+    write lock is held throughout, so no other claimer can pick the same run)."""
+    with engine.begin() as conn:
+        dead = conn.execute(_SWEEP, p).all()  # as cheap as an EXISTS when nothing is stale
+        if dead:
+            conn.execute(_EVENT, [dict(run_id=d.id, time=p["now"], kind="abandoned",
+                                       message=f"{p['reason']} (last worker {d.worker})") for d in dead])
+        row = conn.execute(_NEXT, p).first()
+        if row is None:
+            return None
+        run = conn.execute(_TAKE, dict(p, run_id=row.id)).one()
+        if row.status == RunStatus.RUNNING:
+            event = dict(kind="reclaimed", message=f"taken from {row.worker}{p['reclaim_tail']}",
+                         data={"previous_worker": row.worker, "attempt": run.attempts})
+        else:
+            event = dict(kind="claimed", message=p["claimed_msg"], data={"attempt": run.attempts})
+        conn.execute(_EVENT, dict(event, run_id=run.id, time=p["now"]))
+    return run
+
+
+# PostgreSQL: one round trip. Data-modifying CTEs run to completion whether or not the
+# final SELECT reads them, and all parts see one snapshot, so the pick excludes the runs
+# the sweep fails by their attempts rather than by their new status. SKIP LOCKED lets
+# concurrent claimers pass over each other's rows instead of queueing behind them.
+_CLAIM_PG = text("""
+WITH dead AS (
+    UPDATE runs SET status = 'failed', finished_at = :now, error = :reason
+    WHERE status = 'running' AND heartbeat_at < :stale AND attempts >= :max_attempts
+    RETURNING id, worker),
+dead_events AS (
+    INSERT INTO events (run_id, time, kind, message)
+    SELECT id, :now, 'abandoned', concat(CAST(:reason AS text), ' (last worker ', worker, ')') FROM dead),
+next AS (
+    SELECT id, status, worker FROM runs
+    WHERE status = 'queued'
+       OR (status = 'running' AND heartbeat_at < :stale AND attempts < :max_attempts)
+    ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED),
+claimed AS (
+    UPDATE runs SET status = 'running', worker = :by_worker, host = :on_host, device = :on_device,
+        heartbeat_at = :now, started_at = coalesce(runs.started_at, :now),
+        attempts = runs.attempts + 1
+    FROM next WHERE runs.id = next.id
+    RETURNING runs.id, runs.name, runs.attempts, runs.config_json, runs.checkpoint_path,
+        next.status AS was, next.worker AS previous_worker),
+claim_events AS (
+    INSERT INTO events (run_id, time, kind, message, data)
+    SELECT id, :now,
+        CASE WHEN was = 'running' THEN 'reclaimed' ELSE 'claimed' END,
+        CASE WHEN was = 'running' THEN concat('taken from ', previous_worker, CAST(:reclaim_tail AS text))
+             ELSE CAST(:claimed_msg AS text) END,
+        CASE WHEN was = 'running'
+             THEN json_build_object('previous_worker', previous_worker, 'attempt', attempts)
+             ELSE json_build_object('attempt', attempts) END
+    FROM claimed)
+SELECT id, name, attempts, config_json, checkpoint_path FROM claimed
+""")
 
 
 def run_config(engine: Engine, run_name: str) -> RunConfig:
@@ -214,17 +289,6 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
     return ClaimedRun(run.id, run_name, run.attempts, RunConfig.from_dict(json.loads(config_json)),
                             run.checkpoint_path)
-
-
-def _fail_exhausted(conn: Connection, abandoned, max_attempts: int, timeout_s: float) -> None:
-    """Abandoned runs that have used all their attempts become `failed`, with the reason."""
-    dead = conn.execute(
-        update(Run).where(abandoned, Run.attempts >= max_attempts).values(
-            status=RunStatus.FAILED, finished_at=utcnow(),
-            error=f"abandoned: no heartbeat for {timeout_s:g} s after {max_attempts} attempt(s)")
-        .returning(Run.id, Run.worker, Run.error)).all()
-    for run in dead:
-        add_event(conn, run.id, "abandoned", f"{run.error} (last worker {run.worker})")
 
 
 def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:

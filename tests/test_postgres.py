@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from test_queue import eight_claimers_take_each_of_200_runs_once
+from test_queue import claims_sweep_reclaim_and_record, eight_claimers_take_each_of_200_runs_once
 
 SERVER = os.environ.get("FIBCTL_TEST_PG")
 pytestmark = pytest.mark.skipif(not SERVER, reason="FIBCTL_TEST_PG names no PostgreSQL server")
@@ -36,6 +36,10 @@ def pg() -> str:
 
 def test_eight_processes_claim_each_of_200_runs_exactly_once(pg, tmp_path):
     eight_claimers_take_each_of_200_runs_once(pg, tmp_path)
+
+
+def test_one_statement_claim_sweeps_reclaims_and_records(pg):
+    claims_sweep_reclaim_and_record(pg)
 
 
 def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
@@ -162,6 +163,56 @@ def test_dead_worker_run_is_reclaimed_then_failed_after_max_attempts(db):
     (row,) = queue.list_runs(engine)
     assert row["status"] == "failed" and "abandoned: no heartbeat" in row["error"]
     assert _events(engine, run.id) == ["claimed", "reclaimed", "abandoned"]
+
+
+def _event_rows(engine, run_id):
+    from sqlalchemy import select
+
+    from fibctl.db.schema import Event
+
+    with engine.connect() as conn:  # through the ORM column: `data` read back as JSON on both backends
+        return [tuple(r) for r in conn.execute(
+            select(Event.kind, Event.message, Event.data).where(Event.run_id == run_id).order_by(Event.id))]
+
+
+def claims_sweep_reclaim_and_record(db: str) -> None:
+    """One claim fails an abandoned run that used its attempts (even while a queued run is
+    what it claims), reclaims one under the limit naming its previous worker, and records
+    each claim's attempt, host, device and times (tests/test_postgres.py runs it too)."""
+    engine = connect(db)
+    queue.add_runs(engine, _configs(3))
+    first = queue.claim_next(engine, "w1", host="h1", device="cpu")  # r000, attempt 1
+    second = queue.claim_next(engine, "w2", host="h2", device="cpu")  # r001, attempt 1
+    with engine.begin() as conn:  # both go silent; r000 has used its only attempt
+        conn.execute(text("UPDATE runs SET heartbeat_at = :t, attempts = 2 WHERE id = :i"),
+                     {"t": queue.utcnow() - timedelta(seconds=120), "i": first.id})
+        conn.execute(text("UPDATE runs SET heartbeat_at = :t WHERE id = :i"),
+                     {"t": queue.utcnow() - timedelta(seconds=120), "i": second.id})
+    before = queue.utcnow()
+    run = queue.claim_next(engine, "w3", host="h3", device="cuda:0", heartbeat_timeout_s=60, max_attempts=2)
+    assert (run.name, run.attempts) == ("r001", 2)  # the abandoned run comes before the queued r002
+    rows = {r["name"]: r for r in queue.list_runs(engine)}
+    assert rows["r000"]["status"] == "failed"
+    assert rows["r000"]["error"] == "abandoned: no heartbeat for 60 s after 2 attempt(s)"
+    assert _event_rows(engine, first.id)[-1] == (
+        "abandoned", "abandoned: no heartbeat for 60 s after 2 attempt(s) (last worker w1)", None)
+    r1 = rows["r001"]
+    assert (r1["status"], r1["worker"], r1["host"], r1["device"], r1["attempts"]) == ("running", "w3", "h3", "cuda:0", 2)
+    assert r1["heartbeat_at"] >= before and r1["started_at"] < before  # started_at kept from attempt 1
+    assert _event_rows(engine, second.id) == [
+        ("claimed", "claimed by w2", {"attempt": 1}),
+        ("reclaimed", "taken from w2 (no heartbeat for 60 s) by w3", {"previous_worker": "w2", "attempt": 2})]
+
+    third = queue.claim_next(engine, "w4", host="h4", device="cpu", heartbeat_timeout_s=60, max_attempts=2)
+    assert third.name == "r002" and _event_rows(engine, third.id) == [("claimed", "claimed by w4", {"attempt": 1})]
+    r2 = next(r for r in queue.list_runs(engine) if r["name"] == "r002")
+    assert r2["started_at"] == r2["heartbeat_at"] and r2["started_at"] >= before
+    assert queue.claim_next(engine, "w5", heartbeat_timeout_s=60, max_attempts=2) is None
+    assert queue.status_counts(engine) == {"failed": 1, "running": 2}
+
+
+def test_claim_sweeps_reclaims_and_records(db):
+    claims_sweep_reclaim_and_record(db)
 
 
 def test_cancelled_running_run_stops_its_worker(db):

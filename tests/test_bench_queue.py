@@ -17,9 +17,22 @@ from fibctl.flows.bench_queue import bench_queue
 def test_every_run_is_claimed_by_both_loops_and_the_ratios_are_reported():
     b = bench_queue(None, processes=2, runs=20)
     assert (b.backend, b.processes, b.runs) == ("sqlite", 2, 20)
-    for value in (b.claims_per_s, b.plain_per_s, b.claim_ms, b.step_ms):
+    for value in (b.solo_claim_ms, b.solo_plain_ms, b.claims_per_s, b.plain_per_s, b.claim_ms, b.step_ms):
         assert math.isfinite(value) and value > 0
     assert b.ratio == pytest.approx(b.claims_per_s / b.plain_per_s)
+    assert b.solo_ratio == pytest.approx(b.solo_plain_ms / b.solo_claim_ms)
+    assert b.solo_vs_step == pytest.approx(b.solo_claim_ms / b.step_ms)
+
+
+def test_cli_prints_one_process_and_several_within_80_columns():
+    done = subprocess.run([sys.executable, "-m", "fibctl", "bench", "queue", "--processes", "2", "--runs", "10"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    rows = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+    assert rows == ["1", "2"]  # the uncontended row, then the contended one
+    assert "micro step:" in done.stdout and "%" in done.stdout
 
 
 @pytest.mark.skipif(not os.environ.get("FIBCTL_TEST_PG"), reason="FIBCTL_TEST_PG names no PostgreSQL server")

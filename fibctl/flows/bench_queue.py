@@ -3,11 +3,12 @@ the same run, on SQLite or on a PostgreSQL server.
 
 The benchmark works in a scratch database of its own (a temporary SQLite file, or a
 database it creates on the PostgreSQL server and drops afterwards), queues `runs` `micro`
-runs and lets `processes` processes claim them all at once, first with `queue.claim_next`
-(the transaction, the heartbeat reclaim check and the `claimed` event included), then with a
-bare `UPDATE ... RETURNING` of the next queued row. The cost of one claim is also put beside
-one training step of the `micro` preset, measured in the same run: a claim should never
-cost more than 1 % of it.
+runs and claims them all with `queue.claim_next` (the transaction, the abandoned-run sweep
+and reclaim check and the `claimed` event included) and with a bare `UPDATE ... RETURNING`
+of the next queued row: each first by one process alone (what a claim costs, uncontended),
+then by `processes` processes at once (throughput, and the worst process's time per claim
+under contention). Both costs are put beside one training step of the `micro` preset,
+measured in the same run: a claim should never cost more than 1 % of it.
 """
 
 from __future__ import annotations
@@ -34,14 +35,25 @@ class QueueBench:
     backend: str
     processes: int
     runs: int
-    claims_per_s: float  # fibctl's claim
-    plain_per_s: float  # a bare UPDATE ... RETURNING loop
-    claim_ms: float  # one claim, as seen by one process
+    solo_claim_ms: float  # one claim by fibctl, one process alone
+    solo_plain_ms: float  # one bare UPDATE ... RETURNING claim, one process alone
+    claims_per_s: float  # fibctl's claim, `processes` at once
+    plain_per_s: float  # a bare UPDATE ... RETURNING loop, `processes` at once
+    claim_ms: float  # one claim as the slowest of the `processes` saw it
     step_ms: float  # one `micro` training step, same machine, same run
 
     @property
     def ratio(self) -> float:
         return self.claims_per_s / self.plain_per_s
+
+    @property
+    def solo_ratio(self) -> float:
+        """Plain over fibctl cost per claim: like `ratio`, 1 means as fast as the plain loop."""
+        return self.solo_plain_ms / self.solo_claim_ms
+
+    @property
+    def solo_vs_step(self) -> float:
+        return self.solo_claim_ms / self.step_ms
 
     @property
     def claim_vs_step(self) -> float:
@@ -77,6 +89,7 @@ def scratch_database(db: str | None):
 
 def _claimer(db: str, plain: bool, barrier, results) -> None:
     engine = connect(db)
+    engine.connect().close()  # the pool keeps it: opening it is not part of a claim
     barrier.wait()
     claim = (lambda: _plain_claim(engine)) if plain else (lambda: queue.claim_next(engine, "bench") is not None)
     count, started = 0, time.perf_counter()
@@ -126,9 +139,15 @@ def bench_queue(db: str | None = None, processes: int = 8, runs: int = 400) -> Q
         engine = connect(scratch)
         backend = engine.dialect.name
         queue.add_runs(engine, configs)
-        rate, per_claim = _claim_all(scratch, processes, plain=False)
-        with engine.begin() as conn:
-            conn.execute(text("UPDATE runs SET status = 'queued'"))
-        plain_rate, _ = _claim_all(scratch, processes, plain=True)
+        measured = {}
+        for plain in (False, True):
+            for n in sorted({1, processes}):
+                with engine.begin() as conn:  # every pass claims the whole queue
+                    conn.execute(text("UPDATE runs SET status = 'queued'"))
+                measured[plain, n] = _claim_all(scratch, n, plain)
         engine.dispose()
-    return QueueBench(backend, processes, runs, rate, plain_rate, 1e3 * per_claim, _micro_step_ms())
+    (_, solo), (_, solo_plain) = measured[False, 1], measured[True, 1]
+    rate, per_claim = measured[False, processes]
+    plain_rate, _ = measured[True, processes]
+    return QueueBench(backend, processes, runs, 1e3 * solo, 1e3 * solo_plain, rate, plain_rate,
+                      1e3 * per_claim, _micro_step_ms())

@@ -115,13 +115,13 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     for start in range(0, T, GATHER_CHUNK):
         pos = torch.arange(start, min(T, start + GATHER_CHUNK), device=dev)
         n = len(pos)
-        kr, vr = _rows(k, v, pos, dist)  # (B, Hkv, n, C_int, D)
+        kr, vr = rows(k, v, pos, dist)  # (B, Hkv, n, C_int, D)
         if n_frac:
             # The far row of query i (i - lo - 1) is the near row of query i - 1: one gather over
             # n + 1 queries serves both. Interpolating the rows keeps the score matmul at C columns,
             # which with G query heads per kv head costs less than scoring both rows.
             ext = torch.arange(start - 1, start + n, device=dev)
-            kf, vf = _rows(k, v, ext, lo)  # (B, Hkv, n + 1, C_frac, D)
+            kf, vf = rows(k, v, ext, lo)  # (B, Hkv, n + 1, C_frac, D)
             f = cols.frac.to(q.dtype)[:, None]  # (C_frac, 1)
             kr = torch.cat([kr, kf[:, :, 1:] + f * (kf[:, :, :-1] - kf[:, :, 1:])], 3)
             vr = torch.cat([vr, vf[:, :, 1:] + f * (vf[:, :, :-1] - vf[:, :, 1:])], 3)
@@ -132,7 +132,7 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     return torch.cat(out, 3).reshape(B, H, T, D)
 
 
-def _rows(k, v, pos, offsets):
+def rows(k, v, pos, offsets):
     """Key and value rows pos - offset (clamped to row 0) for each query, (B, Hkv, n, C, D)."""
     rows = (pos[:, None] - offsets[None, :]).clamp_min(0).flatten()
     shape = (k.shape[0], k.shape[1], len(pos), len(offsets), k.shape[3])

@@ -91,7 +91,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0: no clipping
     log_interval: int = 10
     eval_interval: int = 500
     eval_tokens: int = 262_144  # light evaluation during training
@@ -110,8 +110,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} = {value!r} must be an integer")
             if value < (1 if name in at_least_one else 0):
                 raise ConfigError(f"train.{name} = {value} must be >= {1 if name in at_least_one else 0}")
+        # grad_clip 0: no clipping (the probe's recipe, torch's AdamW defaults)
         ranges = {"lr": (0, math.inf, False), "min_lr_ratio": (0, 1, True), "weight_decay": (0, math.inf, True),
-                  "beta1": (0, 1, True), "beta2": (0, 1, True), "grad_clip": (0, math.inf, False)}
+                  "beta1": (0, 1, True), "beta2": (0, 1, True), "grad_clip": (0, math.inf, True)}
         for name, (low, high, low_ok) in ranges.items():
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
@@ -121,6 +122,50 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         return self
+
+
+PROBE_INITS = ("uniform", "staggered")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The mechanism probe's task and schedule (docs/method.md, "Table 2: the mechanism probe").
+
+    A probe run trains the `probe` preset's model on the marked shift-copy task instead of
+    text: each position's marker chooses which of `distances` its target is copied from.
+    """
+
+    distances: tuple[int, ...] = (200, 350)
+    init: str = "uniform"  # uniform: alpha 1 in every layer; staggered: the ramp, clamped
+    width_start: float = 40.0  # the blur band's width w anneals linearly from here ...
+    width_end: float = 0.5  # ... to here over the first `anneal_fraction` of the steps,
+    anneal_fraction: float = 0.8
+    width_floor: float = 0.25  # and is never below this
+    eval_sequences: int = 16  # held-out sequences scored at the end (the study scored 2)
+
+    def validate(self, model: "ModelConfig") -> "ProbeConfig":
+        if self.init not in PROBE_INITS:
+            raise ConfigError(f"unknown probe init {self.init!r}; allowed: {', '.join(PROBE_INITS)}")
+        if not self.distances or len(set(self.distances)) != len(self.distances):
+            raise ConfigError(f"probe distances {list(self.distances)} must be distinct and at least one")
+        for d in self.distances:
+            if not isinstance(d, int) or not 1 <= d < model.seq_len:
+                raise ConfigError(f"probe distance {d} must be from 1 to the length - 1 ({model.seq_len - 1})")
+        if model.vocab_size % len(self.distances):
+            raise ConfigError(f"vocab {model.vocab_size} is not divisible by the {len(self.distances)} distances "
+                              "(each distance's marker takes an equal share of the vocabulary)")
+        if model.schedule != "learned":
+            raise ConfigError(f"a probe model learns its alphas: schedule must be learned, not {model.schedule}")
+        if not 0 < self.width_floor <= self.width_end <= self.width_start or not 0 < self.anneal_fraction <= 1:
+            raise ConfigError("probe widths must satisfy 0 < floor <= end <= start and 0 < anneal_fraction <= 1")
+        if not isinstance(self.eval_sequences, int) or self.eval_sequences < 1:
+            raise ConfigError(f"probe eval_sequences = {self.eval_sequences!r} must be an integer >= 1")
+        return self
+
+    def width_at(self, step: int, steps: int) -> float:
+        """The band width w used by step `step` (counted from 1) of `steps`."""
+        progress = min(1.0, step / max(1.0, self.anneal_fraction * steps))
+        return max(self.width_floor, self.width_start + (self.width_end - self.width_start) * progress)
 
 
 @dataclass(frozen=True)
@@ -154,7 +199,11 @@ PRESETS: dict[str, Preset] = {
             "probe",
             ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=512,
                         schedule="learned", base="fib", window=8),
-            TrainConfig(steps=2500, batch_size=2, grad_accum=1, lr=1e-3),
+            # the study's probe recipe: AdamW at a constant lr 1e-3 with torch's defaults otherwise
+            # (betas 0.9/0.999, weight decay 0.01 on every parameter), no clipping; alphas every 100 steps
+            TrainConfig(steps=2500, batch_size=2, grad_accum=1, lr=1e-3, min_lr_ratio=1.0, warmup_steps=0,
+                        beta2=0.999, weight_decay=0.01, grad_clip=0.0, log_interval=10, eval_interval=100,
+                        checkpoint_interval=500, keep_checkpoints=2),
         ),
         Preset(
             "micro",
@@ -199,6 +248,7 @@ class RunConfig:
     data_seed: int
     model: ModelConfig
     train: TrainConfig
+    probe: ProbeConfig | None = None  # set for a mechanism-probe run (fibctl probe)
 
     @property
     def seed(self) -> int:
@@ -220,11 +270,14 @@ class RunConfig:
                    data_seed=check_seed(seed, "seed"), model=model, train=train.validate())
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "name": self.name, "matrix": self.matrix, "preset": self.preset,
             "init_seed": self.init_seed, "data_seed": self.data_seed,
             "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train),
         }
+        if self.probe is not None:  # absent otherwise: the config hashes of LM runs stay as they were
+            d["probe"] = {**dataclasses.asdict(self.probe), "distances": list(self.probe.distances)}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
@@ -232,7 +285,9 @@ class RunConfig:
         data_seed = d["data_seed"] if "data_seed" in d else d["seed"]
         return cls(name=d["name"], matrix=d["matrix"], preset=d["preset"],
                    init_seed=d.get("init_seed", data_seed), data_seed=data_seed,
-                   model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]))
+                   model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
+                   probe=ProbeConfig(**{**d["probe"], "distances": tuple(d["probe"]["distances"])})
+                   if d.get("probe") else None)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
 from fibctl.config import ModelConfig
+from fibctl.probe.blur import blur_attention
 from fibctl.schedules import (
-    ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, fractional_rungs, layer_alphas,
+    ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, blur_rungs, fractional_rungs, layer_alphas,
     window_distances,
 )
 
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         # a float32 alpha). Nothing is saved, so weights stay schedule-agnostic.
         self.alpha0 = layer_alphas(cfg.schedule, cfg.n_layers)[layer]
         self._static_cols: dict[int, Columns] = {}
+        self.blur_width: float | None = None  # set (FibLM.set_blur_width): the probe's blur rungs
 
     @property
     def alpha(self) -> torch.Tensor | float:
@@ -77,6 +79,15 @@ class Attention(nn.Module):
         frac = targets[idx] - torch.tensor(lo, dtype=alpha.dtype, device=alpha.device)
         return Columns(window_distances(cfg.window, T), lo, frac)
 
+    def blur_columns(self, T: int) -> tuple[list[int], torch.Tensor]:
+        """The probe's rungs at this length: rounded centres c_k and exact centres alpha * b_k."""
+        alpha = self.alpha
+        base = torch.tensor(base_sequence(self.cfg.base, T, self.cfg.n_rungs), dtype=alpha.dtype, device=alpha.device)
+        centres = alpha * base
+        kept = blur_rungs(centres.detach().tolist(), self.cfg.window, T)
+        idx = torch.tensor([k for k, _ in kept], dtype=torch.long, device=alpha.device)
+        return [c for _, c in kept], centres[idx]
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         cfg, D = self.cfg, self.cfg.head_dim
@@ -86,6 +97,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cfg.schedule == "dense":
             y = dense_attention(q, k, v, self.impl)
+        elif self.blur_width is not None:
+            c, centres = self.blur_columns(T)
+            y = blur_attention(q, k, v, window_distances(cfg.window, T), c, centres, self.blur_width,
+                               "reference" if self.impl == "reference" else "fast")
         else:
             y = sparse_attention(q, k, v, self.columns(T), self.impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * D))
@@ -173,6 +188,14 @@ class FibLM(nn.Module):
             logits = (h[:, s:s + chunk] @ self.embed.weight.T).float()
             out.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s:s + chunk], reduction="none"))
         return torch.cat(out, 1)
+
+    def set_blur_width(self, width: float | None) -> None:
+        """Learned layers attend through blur rungs of this width (the probe), or, with None,
+        through their fractional rungs."""
+        if width is not None and self.cfg.schedule != "learned":
+            raise ValueError(f"blur rungs need learned alphas, not schedule {self.cfg.schedule}")
+        for block in self.blocks:
+            block.attn.blur_width = width
 
     def alphas(self) -> list[float]:
         return [float(b.attn.alpha.detach()) if torch.is_tensor(b.attn.alpha) else b.attn.alpha

@@ -84,6 +84,18 @@ def layer_alphas(schedule: str, n_layers: int) -> list[float]:
     raise ConfigError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
 
 
+PROBE_ALPHA_CLAMP = (0.55, 1.45)  # a staggered probe start stays inside sigmoid's open range
+
+
+def probe_alphas(init: str, n_layers: int) -> list[float]:
+    """A probe model's starting alpha per layer: `uniform` 1 everywhere; `staggered` the
+    stagger ramp 0.5 + l / (L-1), clamped to [0.55, 1.45] so that theta = logit is finite."""
+    if init == "uniform":
+        return [1.0] * n_layers
+    low, high = PROBE_ALPHA_CLAMP
+    return [min(high, max(low, a)) for a in layer_alphas("stagger", n_layers)]
+
+
 def window_distances(window: int, seq_len: int) -> list[int]:
     """0..W, capped at T-1: farther window columns would be invalid for every query."""
     return list(range(min(window, seq_len - 1) + 1))
@@ -111,6 +123,12 @@ def fractional_rungs(targets: list[float], window: int, seq_len: int) -> list[tu
         used.add(lo)
         kept.append((k, lo))
     return kept
+
+
+def blur_rungs(centres: list[float], window: int, seq_len: int) -> list[tuple[int, int]]:
+    """(k, c) for each rung the probe's blur attention keeps, given the centres d_k = alpha * b_k:
+    c = round(d_k) is the band's middle offset; skipped when c <= W or c > T-1."""
+    return [(k, round(d)) for k, d in enumerate(centres) if window < round(d) <= seq_len - 1]
 
 
 def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq_len: int,

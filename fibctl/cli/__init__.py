@@ -61,6 +61,7 @@ def _register() -> None:
     from fibctl.cli import report  # noqa: F401
     from fibctl.cli import demo  # noqa: F401
     from fibctl.cli import slurm  # noqa: F401
+    from fibctl.cli import probe  # noqa: F401
 
 
 _register()

@@ -61,6 +61,8 @@ class Reporter(Protocol):
 
     def log_alphas(self, step: int, alphas: list[float]) -> None: ...
 
+    def log_metric(self, name: str, metric: str, value: float | None = None, text=None) -> None: ...
+
     def heartbeat(self) -> bool: ...  # False: the run is no longer ours (cancelled, taken over)
 
     def event(self, kind: str, message: str, data: dict | None = None) -> None: ...
@@ -87,9 +89,14 @@ class TrainResult:
     error: str | None = None
 
 
-def check_data(config: RunConfig, manifest: DataManifest) -> DataManifest:
+def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest | None:
     """The data manifest, after checking it fits the run (raises WorkerError otherwise: the
-    data folder given is at fault, not the run)."""
+    data folder given is at fault, not the run). A probe run makes its own data."""
+    if config.probe is not None:
+        return manifest
+    if manifest is None:
+        raise WorkerError(f"run {config.name!r} trains on text, and this worker has no prepared data folder: "
+                          "give --data (fibctl data prepare makes one)")
     if manifest.vocab_size != config.model.vocab_size:
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
                           f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "
@@ -103,17 +110,30 @@ class Trainer:
                  on_progress: Callable[[Progress], None] | None = None,
                  on_checkpoint: Callable[["TrainResult"], None] | None = None, compile: bool = False,
                  group: Group | None = None):
+        self._setup(config, run_dir, reporter, device, stop, on_progress, on_checkpoint, group)
+        manifest = check_data(config, data)
+        if group is not None:
+            check_split(self.tc.grad_accum, group.world, config.name)
+        self.data_hash = manifest.inputs_hash
+        self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
+        self._build(compile)
+        self.sampler = WindowSampler(manifest.stream(manifest.train_split), config.model.seq_len,
+                                     self.tc.batch_size, config.data_seed)
+
+    def _setup(self, config: RunConfig, run_dir: Path, reporter: Reporter, device: torch.device,
+               stop: threading.Event | None, on_progress, on_checkpoint, group: Group | None) -> None:
         self.config, self.tc = config, config.train
         self.run_dir, self.reporter, self.device = Path(run_dir), reporter, device
         self.stop = stop or threading.Event()
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.lost = False
-        manifest = check_data(config, data)
         self.group, self.main = group, group is None or group.main
-        if group is not None:
-            check_split(self.tc.grad_accum, group.world, config.name)
-        self.data_hash = manifest.inputs_hash
-        self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
+        self.step, self.elapsed_s = 0, 0.0
+
+    def _build(self, compile: bool) -> None:
+        """The model (drawn after seeding with init_seed), its DDP and compiled wrappers, and
+        the optimizer (after seeding with data_seed)."""
+        config, device, group = self.config, self.device, self.group
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model).to(device)
         self.compiled, self.ddp = compile, None
@@ -129,9 +149,6 @@ class Trainer:
         _seed_everything(config.data_seed)
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
-        self.sampler = WindowSampler(manifest.stream(manifest.train_split), config.model.seq_len,
-                                     self.tc.batch_size, config.data_seed)
-        self.step, self.elapsed_s = 0, 0.0
 
     @property
     def tokens_per_step(self) -> int:
@@ -214,7 +231,8 @@ class Trainer:
             total += loss.detach()
         if self.group is not None:
             total = self.group.sum(total) / self.group.world
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        # grad_clip 0: no clipping; an infinite bound leaves the gradients bit for bit as they are
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip or math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total), float(grad_norm)  # one device sync per step

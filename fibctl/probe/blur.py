@@ -1,0 +1,120 @@
+"""Blur-rung attention: how a probe layer attends while it learns alpha (docs/method.md,
+"Table 2: the mechanism probe").
+
+The window 0..W is attended exactly. Each kept rung k (fibctl.schedules.blur_rungs) is one
+column whose key and value are a Gaussian-weighted mix of the rows around its centre
+d_k = alpha * b_k: offsets j = c-R..c+R with c = round(d_k) and R = ceil(2.5 w), clamped to
+[1, T-1], weights exp(-((j - d_k) / w)^2 / 2) normalised to sum 1 (alpha's gradient flows
+through them), key row i - j clamped at row 0; the column is valid for queries i >= c.
+
+Implementations (`impl`):
+- `reference`: a loop over the columns that gathers each rung's band of rows,
+  (B, H, T, 2R+1, D), and mixes it, as the method states it. Slow and obviously correct.
+- anything else (`fast`): the band mix is linear, so a rung's logit is the band-weighted sum
+  of the plain scores q_i . k_{i-j}, and its output the band-weighted sum of value rows. A
+  (C, T) table of each column's weight at each offset turns the scores read by offset into
+  every column's logits, and the softmax back into one weight per offset. While few offsets
+  are used (narrow bands) only their rows are gathered, (B, Hkv, T, U, D); otherwise one
+  dense score matrix (B, H, T, T) is read by offset: a dense attention's cost plus 2 C T^2
+  multiply-adds, whatever the width. Nothing (2R+1)-wide is ever built per rung.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fibctl.attention import NEG, rows
+
+
+def bands(c: list[int], centres: torch.Tensor, width: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets j (K, 2R+1), long, and their normalised weights (K, 2R+1) for each kept rung."""
+    R = math.ceil(2.5 * width)
+    middle = torch.tensor(c, dtype=torch.long, device=centres.device)
+    j = (middle[:, None] + torch.arange(-R, R + 1, device=centres.device)).clamp(1, max(1, seq_len - 1))
+    w = torch.exp(-0.5 * ((j.to(centres.dtype) - centres[:, None]) / width) ** 2)
+    return j, w / w.sum(-1, keepdim=True)
+
+
+def blur_attention(q, k, v, window: list[int], c: list[int], centres: torch.Tensor, width: float,
+                   impl: str = "fast", path: str = "auto") -> torch.Tensor:
+    """q (B, H, T, D); k, v (B, Hkv, T, D), RoPE applied. `window`: exact offsets 0..W;
+    `c`, `centres`: the kept rungs' rounded and exact centres (K,), centres carrying alpha.
+    `path` (fast only): `gather`, `dense` or `auto` (gather while the used offsets are few)."""
+    if impl == "reference":
+        return _reference(q, k, v, window, c, centres, width)
+    return _banded(q, k, v, window, c, centres, width, path)
+
+
+def _reference(q, k, v, window, c, centres, width) -> torch.Tensor:
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, D)
+    i = torch.arange(T, device=q.device)
+    logits, values = [], []
+
+    def add(key, value, valid):
+        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
+        logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
+        values.append(value)
+
+    for d in window:
+        row = (i - d).clamp_min(0)
+        add(k[:, :, row], v[:, :, row], i >= d)
+    if c:
+        offsets, weights = bands(c, centres, width, T)
+        for r in range(len(c)):
+            rows = (i[:, None] - offsets[r][None, :]).clamp_min(0)  # (T, 2R+1)
+            mix = weights[r].to(q.dtype)[:, None]  # (2R+1, 1)
+            add((mix * k[:, :, rows]).sum(-2), (mix * v[:, :, rows]).sum(-2), i >= c[r])
+    p = torch.stack(logits, -1).softmax(-1)  # (B, H, T, C)
+    return (p.unsqueeze(-1) * torch.stack(values, -2)).sum(-2)
+
+
+def offset_weights(window: list[int], c: list[int], centres: torch.Tensor, width: float, T: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, T): how much of the key row at each offset 0..T-1 every column takes (the window's
+    columns one offset each, a rung its band); and (T, C): which columns query i may use."""
+    dev = centres.device
+    i = torch.arange(T, device=dev)
+    win = torch.tensor(window, dtype=torch.long, device=dev)
+    weights = torch.zeros(len(window) + len(c), T, dtype=dtype, device=dev)
+    weights[torch.arange(len(window), device=dev), win] = 1
+    starts = win
+    if c:
+        offsets, w = bands(c, centres, width, T)  # (K, 2R+1)
+        # a band clamped at offset 1 or T-1 puts the weight of all its clamped taps there
+        rungs = torch.zeros(len(c), T, dtype=dtype, device=dev).scatter_add(1, offsets, w.to(dtype))
+        weights = torch.cat([weights[:len(window)], rungs])
+        starts = torch.cat([win, torch.tensor(c, dtype=torch.long, device=dev)])
+    return weights, i[:, None] >= starts[None, :]
+
+
+GATHER_SHARE = 8  # gather the used rows when they are at most 1/8 of T; else score every row
+
+
+def _banded(q, k, v, window, c, centres, width, path: str = "auto") -> torch.Tensor:
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    weights, valid = offset_weights(window, c, centres, width, T, q.dtype)  # (C, T), (T, C)
+    qg = q.view(B, Hkv, G, T, D) * D**-0.5
+    used = weights.detach().abs().sum(0).nonzero().flatten()  # offsets any column takes
+    if path == "gather" or (path == "auto" and len(used) * GATHER_SHARE <= T):
+        # narrow bands (late in the anneal): gather just the used rows, (B, Hkv, T, U, D)
+        kr, vr = rows(k, v, torch.arange(T, device=q.device), used)
+        w = weights[:, used]  # (C, U)
+        logits = torch.einsum("bhgtd,bhtud->bhgtu", qg, kr) @ w.T  # (B, Hkv, G, T, C)
+        p = logits.masked_fill(~valid, NEG).softmax(-1)
+        return torch.einsum("bhgtu,bhtud->bhgtd", p @ w, vr).reshape(B, H, T, D)
+    # wide bands: score every key row once, read the scores by offset (row i - o, clamped
+    # at row 0), and put the offsets' shares back on their rows to mix the values (measured
+    # faster on the CPU than a strided view of the scores padded with row 0)
+    i = torch.arange(T, device=q.device)
+    by_offset = (i[:, None] - i[None, :]).clamp_min(0).expand(B, Hkv, G, T, T)
+    scores = qg @ k[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
+    logits = scores.gather(-1, by_offset) @ weights.T  # (B, Hkv, G, T, C)
+    p = logits.masked_fill(~valid, NEG).softmax(-1)
+    mixing = torch.zeros_like(scores).scatter_add(-1, by_offset, p @ weights)
+    return (mixing @ v[:, :, None]).reshape(B, H, T, D)

@@ -1,0 +1,55 @@
+"""The probe's matrix: one run per depth x init x seed (docs/method.md, "Table 2: the
+mechanism probe"), each a `RunConfig` of the `probe` preset with its `ProbeConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fibctl.config import PROBE_INITS, ConfigError, ProbeConfig, RunConfig, check_seed, get_preset
+from fibctl.hashes import short_hash
+
+PROBE_MATRIX = "probe"
+DEPTHS, SEEDS = (2, 4, 8), (0, 1)
+QUICK_STEPS = 200  # --quick: depth 2, both inits, seed 0
+
+
+def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None = None,
+               distances: tuple[int, ...] | None = None, length: int | None = None, vocab: int | None = None,
+               eval_sequences: int | None = None) -> list[RunConfig]:
+    """The runs of the probe; None keeps the study's value. Raises ConfigError naming the first
+    bad value, before anything is queued."""
+    preset = get_preset("probe")
+    steps = preset.train.steps if steps is None else steps
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps {steps} must be >= 1")
+    for seed in seeds:
+        check_seed(seed, "--seed")
+    for init in inits:
+        if init not in PROBE_INITS:
+            raise ConfigError(f"--init {init!r}: allowed {', '.join(PROBE_INITS)}")
+    for depth in depths:
+        if depth < 1:
+            raise ConfigError(f"--depth {depth} must be >= 1")
+    model = dataclasses.replace(preset.model, seq_len=length or preset.model.seq_len,
+                                vocab_size=vocab or preset.model.vocab_size).validate()
+    task = ProbeConfig()
+    task = dataclasses.replace(task, distances=tuple(distances or task.distances),
+                               eval_sequences=eval_sequences or task.eval_sequences)
+    study_task = (model.seq_len, model.vocab_size, task.distances) == (
+        preset.model.seq_len, preset.model.vocab_size, ProbeConfig().distances)
+    train = dataclasses.replace(preset.train, steps=steps).validate()
+    runs = []
+    for depth in depths:
+        for init in inits:
+            probe = dataclasses.replace(task, init=init).validate(model)
+            for seed in seeds:
+                name = f"probe_d{depth}_{init}_s{seed}"
+                if steps != preset.train.steps:
+                    name += f"_{steps}steps"
+                if not study_task:  # another task: another name, so the study's runs stay as they are
+                    name += "_" + short_hash({"length": model.seq_len, "vocab": model.vocab_size,
+                                              "distances": list(task.distances)})[:8]
+                runs.append(RunConfig(name=name, matrix=PROBE_MATRIX, preset="probe", init_seed=seed,
+                                      data_seed=seed, model=dataclasses.replace(model, n_layers=depth).validate(),
+                                      train=train, probe=probe))
+    return runs

@@ -1,0 +1,97 @@
+"""Training and scoring one mechanism-probe run (docs/method.md, "Table 2: the mechanism probe").
+
+A probe run is a run: the worker claims it, and `ProbeTrainer` shares the training loop,
+checkpoints, bit-exact resume, stop and heartbeat handling of `Trainer`; only the data (fresh
+marked shift-copy batches, fibctl.probe.task), the attention (blur rungs whose width anneals,
+fibctl.probe.blur), the optimizer and what is measured differ. Alphas are logged every
+`eval_interval` steps; at the last step the model is scored on held-out sequences and the
+accuracy at each distance goes to aux_metrics under PROBE_METRICS, which Table 2 reads.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fibctl.device import autocast
+from fibctl.probe.task import HELDOUT_SEED_OFFSET, IGNORE, MarkedBatches, MarkedCopy
+from fibctl.schedules import ALPHA_MIN, ALPHA_RANGE, probe_alphas
+from fibctl.train.optim import EPS
+from fibctl.train.trainer import Reporter, Trainer
+
+PROBE_METRICS = "marked_retrieval"  # aux_metrics.name of a probe's scores (Table 2)
+SCORE_BATCH = 4  # held-out sequences per forward pass when scoring
+
+
+def set_alphas(model, alphas: list[float]) -> None:
+    """theta of each layer such that alpha = 0.5 + sigmoid(theta) is `alphas[l]`."""
+    with torch.no_grad():
+        for block, alpha in zip(model.blocks, alphas):
+            u = (alpha - ALPHA_MIN) / ALPHA_RANGE
+            block.attn.theta.fill_(math.log(u / (1 - u)))
+
+
+class ProbeTrainer(Trainer):
+    def __init__(self, config, run_dir: Path, reporter: Reporter, *, device: torch.device = torch.device("cpu"),
+                 stop: threading.Event | None = None, on_progress=None, on_checkpoint=None):
+        if config.probe is None:
+            raise ValueError(f"run {config.name!r} is not a probe run")
+        self._setup(config, run_dir, reporter, device, stop, on_progress, on_checkpoint, group=None)
+        self.probe = config.probe.validate(config.model)
+        self.task = MarkedCopy.of(config.model, self.probe)
+        self.data_hash, self.heldout = self.task.hash, {}
+        self._build(compile=False)
+        set_alphas(self.model, probe_alphas(self.probe.init, config.model.n_layers))
+        # the study's probe: torch's AdamW with its defaults, weight decay on every parameter
+        # (theta and the norm scales included), at a constant lr
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tc.lr, betas=(self.tc.beta1, self.tc.beta2),
+                                           eps=EPS, weight_decay=self.tc.weight_decay)
+        self.optimizer_name, self.optimizer_warning = "adamw", None
+        self.sampler = MarkedBatches(self.task, self.tc.batch_size, config.data_seed)
+
+    def train_step(self) -> tuple[float, float]:
+        self.model.set_blur_width(self.probe.width_at(self.step, self.tc.steps))
+        return super().train_step()
+
+    def _evaluate_and_checkpoint(self) -> Path | None:
+        final = self.step == self.tc.steps
+        if final or self.step % self.tc.eval_interval == 0:
+            self.reporter.log_alphas(self.step, self.model.alphas())
+            self._heartbeat()
+        if final:
+            self.score()
+        return self.save() if final or self.step % self.tc.checkpoint_interval == 0 else None
+
+    def score(self) -> dict[str, float]:
+        """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,
+        at the final width; recorded with the depth, the init and the held-out loss."""
+        n = self.probe.eval_sequences
+        x, y = self.task.sample(n, torch.Generator().manual_seed(self.config.data_seed + HELDOUT_SEED_OFFSET))
+        self.model.set_blur_width(self.probe.width_at(self.tc.steps, self.tc.steps))
+        distances = self.probe.distances
+        correct, total = torch.zeros(len(distances)), torch.zeros(len(distances))
+        loss_sum, loss_n = 0.0, 0
+        with torch.no_grad():
+            for s in range(0, n, SCORE_BATCH):
+                xb, yb = x[s:s + SCORE_BATCH].to(self.device), y[s:s + SCORE_BATCH].to(self.device)
+                with autocast(self.device):
+                    logits = self.model(xb).float()
+                scored = yb != IGNORE
+                loss_sum += float(F.cross_entropy(logits[scored], yb[scored], reduction="sum"))
+                loss_n += int(scored.sum())
+                hit = (logits.argmax(-1) == yb) & scored
+                marker = self.task.marker(xb)
+                for k in range(len(distances)):
+                    correct[k] += int((hit & (marker == k)).sum())
+                    total[k] += int((scored & (marker == k)).sum())
+        metrics = {"depth": self.config.model.n_layers, "staggered_init": int(self.probe.init == "staggered"),
+                   **{f"acc_d{d}": float(correct[k] / total[k]) if total[k] else math.nan
+                      for k, d in enumerate(distances)},
+                   "eval_sequences": n, "heldout_loss": loss_sum / max(1, loss_n)}
+        for name, value in metrics.items():
+            self.reporter.log_metric(PROBE_METRICS, name, float(value))
+        return metrics

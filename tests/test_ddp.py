@@ -217,3 +217,79 @@ def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run
     assert "died or stopped answering" in str(as_peer_lost(gloo)) and isinstance(as_peer_lost(gloo), PeerLost)
     assert not peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"))
     assert not peer_failure(ValueError("connection closed"))  # only errors torch raises from a collective
+
+
+@needs_two_cpus
+def test_worker_ddp_claims_each_queued_run_once_and_trains_it_on_both_ranks(data, tmp_path):
+    configs = [micro_run("a", steps=10), micro_run("b", "learned", steps=10), micro_run("c", steps=10)]
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    queued_db(db, *configs).dispose()
+    args = ("worker", "--ddp", "--nproc", "2", "--device", "cpu", "--db", str(db), "--data", str(data),
+            "--runs-dir", str(runs), "--plain")
+    done = fibctl(*args, "--max-runs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker: 2 run(s): a done, b done" in done.stdout  # rank 0 alone reports
+    q = sqlite3.connect(db).execute
+    assert q("select name, status from runs order by name").fetchall() == [("a", "done"), ("b", "done"),
+                                                                           ("c", "queued")]
+    done = fibctl(*args, cwd=tmp_path)  # the rest of the queue, then the group ends
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker: 1 run(s): c done" in done.stdout
+    rows = q("select status, attempts, device, worker from runs").fetchall()
+    assert all(r[:2] == ("done", 1) and r[2].endswith("x 2 ranks") and r[3].endswith(":ddp2") for r in rows), rows
+    assert q("select count(*) from events where kind = 'claimed'").fetchone() == (3,)
+    # equal to one process training the learned run (theta averaged like any parameter)
+    path = q("select checkpoint_path from runs where name = 'b'").fetchone()[0]
+    reference, _ = one_process(configs[1], data, tmp_path / "one")
+    assert_close(load_checkpoint(runs / path)["model"], reference, 1e-5)
+
+
+@needs_two_cpus
+def test_worker_ddp_puts_back_a_run_the_group_cannot_share_and_stops(data, tmp_path):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("odd", steps=10, grad_accum=3), micro_run("next", steps=10)).dispose()
+    done = fibctl("worker", "--ddp", "--nproc", "2", "--device", "cpu", "--db", str(db), "--data", str(data),
+                  "--runs-dir", str(tmp_path / "runs"), "--plain", cwd=tmp_path)
+    assert done.returncode != 0 and "3 micro-batches per step, which 2 processes" in done.stderr
+    q = sqlite3.connect(db).execute
+    assert q("select name, status, attempts from runs order by id").fetchall() == [("odd", "queued", 0),
+                                                                                  ("next", "queued", 0)]
+    assert q("select count(*) from events where kind = 'unclaimed'").fetchone() == (1,)
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--ddp"], {}, "--ddp on the CPU (gloo): give the process count with --nproc N"),
+    (["--ddp", "--nproc", str((os.cpu_count() or 1) + 1)], {}, "CPUs (gloo: one process per CPU)"),
+    (["--nproc", "2"], {}, "--nproc goes with --ddp"),
+    (["--ddp", "--gpus", "all"], {}, "--ddp and --gpus: choose one"),
+    (["--ddp", "--nproc", "1"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "torchrun's environment is incomplete (LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set)"),
+    ([], TORCHRUN_ENV, "fibctl worker under torchrun: add --ddp"),
+    (["--ddp", "--nproc", "2"], TORCHRUN_ENV, "--nproc under torchrun"),
+    (["--ddp", "--nproc", "1", "--compile"], {"CXX": "/no-such-g++"}, "--compile: torch.compile cannot run on cpu"),
+])
+def test_worker_ddp_bad_input_is_one_line_exit_2_and_the_runs_stay_queued(data, tmp_path, args, env, words):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run")).dispose()
+    clean = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    done = subprocess.run([sys.executable, "-m", "fibctl", "worker", *args, "--db", str(db), "--data", str(data),
+                           "--device", "cpu", "--runs-dir", str(tmp_path / "runs")], capture_output=True,
+                          text=True, cwd=tmp_path, env={**clean, **env}, timeout=300)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
+
+
+def test_train_nproc_with_compile_and_no_compiler_is_one_line_before_torchrun(data, tmp_path):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run")).dispose()
+    done = subprocess.run([sys.executable, "-m", "fibctl", "train", "run", "--nproc", "1", "--compile", "--db",
+                           str(db), "--data", str(data), "--device", "cpu", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "CXX": str(tmp_path / "no-such-g++")}, timeout=300)
+    assert done.returncode == 2 and "--compile: torch.compile cannot run on cpu" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "torchrun" not in done.stderr.lower()
+    assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]

@@ -4,6 +4,7 @@ fibctl.flows, show progress."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -113,8 +114,8 @@ def train_cmd(
 
         if launched():
             raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
-        check_ddp(connect(db, must_exist=True), name, nproc, device)
-        args = [name, "--data", str(data), "--runs-dir", str(runs_dir), "--heartbeat-timeout", str(heartbeat_timeout)]
+        check_ddp(connect(db, must_exist=True), name, nproc, opts)
+        args = ["train", name, "--data", str(data), "--runs-dir", str(runs_dir), "--heartbeat-timeout", str(heartbeat_timeout)]
         args += [a for n in opts.log_to for a in ("--log-to", n)] + (["--compile"] if compile else [])
         args += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
         args += ["--plain"] if plain else []
@@ -145,15 +146,24 @@ def worker_cmd(
     heartbeat_timeout: HeartbeatOption = 600,
     log_to: LogToOption = None,
     compile: CompileOption = False,
+    ddp: Annotated[bool, typer.Option(
+        "--ddp", help="Train each claimed run on all of this node's GPUs at once (torchrun, "
+        "DistributedDataParallel); rank 0 claims. Under torchrun (several nodes), each rank.")] = False,
+    nproc: Annotated[Optional[int], typer.Option(
+        "--nproc", help="With --ddp: the process count (default: every GPU; required on the CPU, gloo). "
+        "Each run's grad_accum must be a multiple of it.")] = None,
 ) -> None:
     """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault."""
     from fibctl.flows.worker import WorkerOptions, launch_per_gpu, parse_gpus, work
+    from fibctl.train.distributed import ENVIRONMENT, launched
 
     _positive_timeout(heartbeat_timeout)
     if max_attempts < 1 or (max_runs is not None and max_runs < 1):
         raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
+    missing = [k for k in ENVIRONMENT if k not in os.environ]
+    _check_ddp_options(ddp, nproc, gpus, launched(), missing if len(missing) < len(ENVIRONMENT) else [])
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
     shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
@@ -166,12 +176,44 @@ def worker_cmd(
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs,
                          log_to=log_to, compile=compile)
-    outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
+    if ddp and not launched():  # this node's torchrun group, which runs the branch below
+        from fibctl.flows.worker import check_launch, launch_ddp
+
+        connect(db, must_exist=True).dispose()
+        n = check_launch(opts, nproc)
+        shared += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
+        raise typer.Exit(launch_ddp(n, ["worker", "--ddp", *shared] + (["--plain"] if plain else []),
+                                    env={"FIBCTL_DB": db}))
+    if ddp:
+        from fibctl.flows.worker import work_distributed
+
+        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain))
+        if int(os.environ["RANK"]) != 0:  # rank 0 reports the group's runs
+            raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
+    else:
+        outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
     console.print(f"worker: {len(outcomes)} run(s): "
                   + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),
                   highlight=False, markup=False)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
+
+
+def _check_ddp_options(ddp: bool, nproc: int | None, gpus: str | None, under_torchrun: bool,
+                       missing: list[str]) -> None:
+    """`worker --ddp` outside torchrun launches a group, inside it is one rank; a process with
+    only part of torchrun's environment (`missing` the rest) is neither: a rank started by hand."""
+    if nproc is not None and not ddp:
+        raise FibctlError("--nproc goes with --ddp (one group of processes trains each run)")
+    if ddp and gpus:
+        raise FibctlError("--ddp and --gpus: choose one (--ddp: all GPUs train each run; --gpus: one run per GPU)")
+    if under_torchrun and not ddp:
+        raise FibctlError("fibctl worker under torchrun: add --ddp (without it each rank would claim runs of its own)")
+    if under_torchrun and nproc is not None:
+        raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+    if ddp and missing:
+        raise FibctlError(f"--ddp: torchrun's environment is incomplete ({', '.join(missing)} not set); start the "
+                          "ranks with torchrun, or run fibctl worker --ddp outside torchrun to launch them")
 
 
 def _positive_timeout(seconds: float) -> float:

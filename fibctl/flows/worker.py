@@ -16,11 +16,13 @@ option must not fail a whole queue. The data and runs folder are checked before 
 One run can also span several processes (`train_distributed`, under torchrun; `launch_ddp`
 starts torchrun): rank 0 claims the run and does everything the single process does with
 the database and checkpoints, the other ranks only train (fibctl.train.distributed). When a
-rank dies, the others stop and rank 0 puts the run back in the queue.
+rank dies, the others stop and rank 0 puts the run back in the queue. `work_distributed` is
+the worker loop of such a group: rank 0 claims queued runs one after another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -165,6 +167,7 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
 
 
 COLLECTIVE_TIMEOUT_S = 300  # at least: rank 0 evaluates while the others wait
+END = "end"  # rank 0 to the others: nothing more to train
 
 
 def train_distributed(connect: Callable[[], Engine], run_name: str, opts: WorkerOptions, display: Display,
@@ -172,47 +175,115 @@ def train_distributed(connect: Callable[[], Engine], run_name: str, opts: Worker
     """This process's part of one run trained by a torchrun group (`launched()` is true).
     Rank 0 connects to the database (`connect`), claims the run, tells the others what to
     train or that there is nothing to; every rank trains its share of each step."""
+    def claim(engine: Engine, worker: str, describe_as: str, manifest: DataManifest, world: int):
+        return queue.claim_named(engine, run_name, worker, socket.gethostname(), describe_as,
+                                 opts.heartbeat_timeout_s,
+                                 check=lambda cfg: (check_data(cfg, manifest),
+                                                    check_split(cfg.train.grad_accum, world, cfg.name)))
+
+    return _distributed(connect, claim, dataclasses.replace(opts, max_runs=1), display, stop)[0]
+
+
+def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display: Display,
+                     stop: threading.Event | None = None) -> list[Outcome]:
+    """`fibctl worker --ddp` in one rank of a torchrun group: rank 0 claims queued runs one at a
+    time, as `work` does, and the whole group trains each, until none is queued, `max_runs`
+    were trained or a rank is asked to stop. A claimed run whose grad_accum the group cannot
+    share, or whose data does not fit, goes back to the queue and stops the group (WorkerError)."""
+    def claim(engine: Engine, worker: str, describe_as: str, manifest: DataManifest, world: int):
+        claimed = queue.claim_next(engine, worker, socket.gethostname(), describe_as,
+                                   opts.heartbeat_timeout_s, opts.max_attempts)
+        if claimed is not None:
+            try:
+                check_data(claimed.config, manifest)
+                check_split(claimed.config.train.grad_accum, world, claimed.name)
+            except FibctlError as e:
+                queue.unclaim(engine, claimed.id, str(e))
+                raise WorkerError(f"{e}; it is queued again") from None
+        return claimed
+
+    return _distributed(connect, claim, opts, display, stop)
+
+
+def _distributed(connect: Callable[[], Engine], claim: Callable, opts: WorkerOptions, display: Display,
+                 stop: threading.Event | None) -> list[Outcome]:
+    """Join the group; then, per run, rank 0 claims it (`claim`) and broadcasts what to train
+    (or END, or None when it failed: its own error says why), and every rank trains it. The
+    ranks agree after each run whether any of them was asked to stop."""
     stop = stop or threading.Event()
     # a rank silent for longer than a heartbeat would leave the run abandoned: the others stop
     # (a rank that dies closes its connections, and the others stop at once)
     group, device = join(opts.device, opts.threads, max(opts.heartbeat_timeout_s, COLLECTIVE_TIMEOUT_S))
+    outcomes: list[Outcome] = []
+    lead = _Lead(connect, claim, opts, display, stop, group, device) if group.main else None
     try:
         with stop_on_signals(stop):
-            if group.main:
-                return _train_rank0(connect(), run_name, opts, display, stop, group, device)
-            task = group.broadcast(None)
-            if task is None:  # rank 0 did not start the run: its own error says why
-                raise FibctlError(f"rank {group.rank}: rank 0 did not start run {run_name!r}")
-            config = RunConfig.from_dict(task["config"])
-            trainer = Trainer(config, load_manifest(opts.data_dir), Path(task["run_dir"]), Silent(),
-                              device=device, stop=stop, compile=opts.compile, group=group)
-            result = trainer.run()
-            status = {"stopped": "released", "diverged": "failed"}.get(result.status, result.status)
-            return Outcome(run_name, status, result.step, result.error, result.checkpoint)
+            while opts.max_runs is None or len(outcomes) < opts.max_runs:
+                if outcomes and group.any(stop.is_set(), device=device)[0]:
+                    break
+                outcome = lead.next() if lead else _follow(opts, stop, group, device)
+                if outcome is None:
+                    break
+                outcomes.append(outcome)
     finally:
         group.close()
+    return outcomes
 
 
-def _train_rank0(engine: Engine, run_name: str, opts: WorkerOptions, display: Display, stop: threading.Event,
-                 group: Group, device: torch.device) -> Outcome:
-    name = f"{worker_name(device)}:ddp{group.world}"
+class _Lead:
+    """Rank 0: the database, the claims and everything the single process records."""
+
+    def __init__(self, connect, claim, opts: WorkerOptions, display: Display, stop: threading.Event,
+                 group: Group, device: torch.device):
+        self.connect, self.claim, self.opts, self.display, self.stop = connect, claim, opts, display, stop
+        self.group, self.device = group, device
+        self.name = f"{worker_name(device)}:ddp{group.world}"
+        self.engine: Engine | None = None
+        self.manifest: DataManifest | None = None
+
+    def next(self) -> Outcome | None:
+        try:
+            if self.engine is None:  # once: the data and runs folder are checked before any claim
+                self.engine = self.connect()
+                self.manifest = check_environment(self.opts, self.device)
+            claimed = self.claim(self.engine, self.name, _describe(self.device, self.group), self.manifest,
+                                 self.group.world)
+        except FibctlError:
+            self.group.broadcast(None)
+            raise
+        if claimed is None:
+            self.group.broadcast(END)
+            return None
+        try:
+            run_dir = _run_dir(claimed, self.opts)
+        except WorkerError as e:
+            queue.unclaim(self.engine, claimed.id, str(e))
+            self.group.broadcast(None)
+            raise
+        self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir)})
+        return train_claimed(self.engine, claimed, self.opts, self.manifest, self.device, self.name,
+                             self.display, self.stop, self.group)
+
+
+def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: torch.device) -> Outcome | None:
+    """A rank other than 0: train what rank 0 says, report nothing."""
+    task = group.broadcast(None)
+    if task is None:  # rank 0 did not start the run: its own error says why
+        raise FibctlError(f"rank {group.rank}: rank 0 did not start a run")
+    if task == END:
+        return None
+    config = RunConfig.from_dict(task["config"])
     try:
-        manifest = check_environment(opts, device)
-        claimed = queue.claim_named(engine, run_name, name, socket.gethostname(),
-                                    _describe(device, group), opts.heartbeat_timeout_s,
-                                    check=lambda cfg: (check_data(cfg, manifest),
-                                                       check_split(cfg.train.grad_accum, group.world, cfg.name)))
-    except FibctlError:
-        group.broadcast(None)
-        raise
-    try:
-        run_dir = _run_dir(claimed, opts)
-    except WorkerError as e:
-        queue.unclaim(engine, claimed.id, str(e))
-        group.broadcast(None)
-        raise
-    group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir)})
-    return train_claimed(engine, claimed, opts, manifest, device, name, display, stop, group)
+        trainer = Trainer(config, load_manifest(opts.data_dir), Path(task["run_dir"]), Silent(),
+                          device=device, stop=stop, compile=opts.compile, group=group)
+        result = trainer.run()
+    except Exception as e:
+        if peer_failure(e) or isinstance(e, WorkerError):  # as rank 0 does (train_claimed)
+            raise
+        # the run's own error: rank 0 meets it too, marks the run failed and claims the next
+        return Outcome(config.name, "failed", 0, f"{type(e).__name__}: {e}")
+    status = {"stopped": "released", "diverged": "failed"}.get(result.status, result.status)
+    return Outcome(config.name, status, result.step, result.error, result.checkpoint)
 
 
 def _describe(device: torch.device, group: Group | None) -> str:
@@ -220,25 +291,43 @@ def _describe(device: torch.device, group: Group | None) -> str:
     return describe(device) + (f" x {group.world} ranks" if group is not None else "")
 
 
-def check_ddp(engine: Engine, run_name: str, nproc: int, device: str | None) -> None:
-    """Before torchrun starts N processes for a run: N fits the machine and divides the run's
-    grad_accum (each refusal one line; nothing is claimed)."""
+def check_nproc(nproc: int | None, device: str | None) -> int:
+    """N processes fit the machine (None: every CUDA device; on the CPU it must be given)."""
     resolved = resolve_device(device)
     available = torch.cuda.device_count() if resolved.type == "cuda" else (os.cpu_count() or 1)
     what = "CUDA devices" if resolved.type == "cuda" else "CPUs (gloo: one process per CPU)"
+    if nproc is None:
+        if resolved.type != "cuda":
+            raise FibctlError("--ddp on the CPU (gloo): give the process count with --nproc N")
+        nproc = available
     if nproc < 1 or nproc > available:
         raise FibctlError(f"--nproc {nproc}: this machine has {available} {what}")
-    config = queue.run_config(engine, run_name)
-    check_split(config.train.grad_accum, nproc, run_name)
+    return nproc
 
 
-def launch_ddp(nproc: int, train_args: list[str], env: dict[str, str] | None = None) -> int:
-    """`torchrun --standalone --nproc-per-node N -m fibctl train ...`, in its own session; its
-    exit code. SIGINT/SIGTERM here go to every rank as SIGTERM (each finishes the step, rank 0
-    checkpoints and requeues the run, and torchrun ends with them); where the ranks cannot be
-    listed (no /proc), to torchrun, which stops them the same way but reports the signal."""
+def check_launch(opts: WorkerOptions, nproc: int | None) -> int:
+    """Before torchrun starts N processes: N fits, and the data, runs folder, --log-to and
+    --compile are usable here (each refusal one line, nothing claimed; found by the ranks
+    instead, each would fail alike with its own lines through torchrun). Returns N."""
+    nproc = check_nproc(nproc, opts.device)
+    check_environment(opts, resolve_device(opts.device))
+    return nproc
+
+
+def check_ddp(engine: Engine, run_name: str, nproc: int, opts: WorkerOptions) -> None:
+    """`check_launch` for one run, and N divides the run's grad_accum."""
+    check_split(queue.run_config(engine, run_name).train.grad_accum, check_nproc(nproc, opts.device), run_name)
+    check_launch(opts, nproc)
+
+
+def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = None) -> int:
+    """`torchrun --standalone --nproc-per-node N -m fibctl train ...` (or `worker --ddp ...`:
+    `fibctl_args`), in its own session; its exit code. SIGINT/SIGTERM here go to every rank as
+    SIGTERM (each finishes the step, rank 0 checkpoints and requeues the run, and torchrun ends
+    with them); where the ranks cannot be listed (no /proc), to torchrun, which stops them the
+    same way but reports the signal."""
     child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc-per-node={nproc}", "-m", "fibctl", "train", *train_args],
+                              f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
                              env={**os.environ, **(env or {})}, start_new_session=True)
 
     def forward(signum, _frame):

@@ -10,6 +10,7 @@ says so, and the caller records the optimizer actually used on the run.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,15 @@ class BuiltOptimizer:
     optimizer: torch.optim.Optimizer
     name: str  # the optimizer actually used: one of config.OPTIMIZERS
     warning: str | None  # why it differs from the one the run asked for
+    fused: bool = False  # torch's AdamW in one fused CUDA kernel: the same update, fewer launches
+
+
+def adamw_kwargs(device: torch.device) -> dict:
+    """torch.optim.AdamW's `fused=True` on CUDA where this torch has it; nothing elsewhere (its
+    CPU kernel is not the default path, and the CPU tests pin that path)."""
+    if device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
+        return {"fused": True}
+    return {}
 
 
 def eight_bit_unavailable(device: torch.device) -> str | None:
@@ -68,7 +78,10 @@ def build_optimizer(model: torch.nn.Module, tc: TrainConfig,
             bnb = importlib.import_module("bitsandbytes")
             return BuiltOptimizer(bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=EPS), "adamw8bit", None)
         warning = f"optimizer adamw8bit unavailable: {why}; training with adamw (full-precision state) instead"
-    return BuiltOptimizer(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS), "adamw", warning)
+    extra = adamw_kwargs(device)
+    # fused or not, the state is the same: a checkpoint resumes on either device
+    return BuiltOptimizer(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS, **extra), "adamw", warning,
+                          fused=bool(extra))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

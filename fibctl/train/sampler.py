@@ -12,6 +12,12 @@ import torch
 from fibctl.errors import FibctlError
 
 
+def pinned_copy(device: torch.device | str) -> bool:
+    """Whether batches go to `device` from pinned memory with non-blocking copies: CUDA only
+    (pinning needs a CUDA driver, and a CPU "copy" is none)."""
+    return torch.device(device).type == "cuda"
+
+
 class WindowSampler:
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int):
         if len(stream) < seq_len + 2:
@@ -24,7 +30,11 @@ class WindowSampler:
         n_starts = len(self.stream) - self.seq_len  # a window is seq_len + 1 tokens
         starts = torch.randint(0, n_starts, (self.batch_size,), generator=self.generator).tolist()
         windows = np.stack([self.stream[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(windows).to(device)
+        batch = torch.from_numpy(windows)
+        if pinned_copy(device):  # page-locked: the copy runs asynchronously with the GPU's work
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        else:
+            batch = batch.to(device)
         return batch[:, :-1], batch[:, 1:]
 
     def skip_batch(self) -> None:

@@ -149,6 +149,7 @@ class Trainer:
         _seed_everything(config.data_seed)
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
+        self.optimizer_fused = built.fused
 
     @property
     def tokens_per_step(self) -> int:
@@ -160,6 +161,9 @@ class Trainer:
         if self.optimizer_warning:
             self.reporter.event("deviation", self.optimizer_warning,
                                 {"requested": self.tc.optimizer, "used": self.optimizer_name})
+        if self.optimizer_fused:
+            self.reporter.event("fused_optimizer", "AdamW steps in torch's fused CUDA kernel",
+                                {"torch": torch.__version__})
         if self.compiled:
             self.reporter.event("compiled", "training steps run through torch.compile", {"torch": torch.__version__})
         for note in deviations(self.config.model.schedule, self.config.model.n_layers):

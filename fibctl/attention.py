@@ -19,16 +19,27 @@ Implementations (`impl`):
   logits (docs/benchmarks.md).
 - `mask`: a boolean T x T mask through `scaled_dot_product_attention`, integer columns
   only; how the study ran its fixed paths, kept for parity and benchmarks.
+- `flex`: FlexAttention with a block mask built from the layer's integer distances (blocks
+  no distance reaches are skipped), integer columns only; compiled on CUDA. Where it cannot
+  run (torch 2.13 on the CPU has its forward only), `flex_unavailable` says why.
+- `auto`: the fastest of gather, mask and flex for these inputs, measured on first use per
+  device, shape, columns and grad mode, and remembered for the process; gather wherever
+  the columns are fractional (the only path for them).
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fibctl.config import ATTENTION_IMPLS, ConfigError
+from fibctl.device import synchronize
 
 NEG = -1e9  # invalid logits: large negative, never -inf, so no row is ever NaN
 GATHER_CHUNK = 1024  # queries per gather chunk: bounds memory at long lengths, stays in cache
@@ -71,8 +82,12 @@ def sparse_attention(q, k, v, cols: Columns, impl: str = "gather") -> torch.Tens
     check_impl(impl)
     if impl == "reference":
         return _reference(q, k, v, cols)
+    if impl == "auto":
+        impl = choose_impl(q, k, v, cols)
     if impl == "mask":
         return _masked(q, k, v, cols)
+    if impl == "flex":
+        return _flex(q, k, v, cols)
     return _gather(q, k, v, cols)
 
 
@@ -139,13 +154,117 @@ def rows(k, v, pos, offsets):
     return k.index_select(2, rows).view(shape), v.index_select(2, rows).view(shape)
 
 
-def _masked(q, k, v, cols: Columns) -> torch.Tensor:
+def _integer_distances(cols: Columns, impl: str) -> list[int]:
+    """The columns' distances, for a path that takes integer offsets only (a fractional rung
+    at frac 0 is its integer row)."""
     dist = list(cols.dist)
     if cols.lo:
         if cols.frac is not None and bool((cols.frac.detach() != 0).any()):
-            raise ConfigError("the `mask` implementation supports integer offsets only; use `gather` for learned alpha")
+            raise ConfigError(f"the `{impl}` implementation supports integer offsets only; use `gather` for "
+                              "learned alpha")
         dist += cols.lo
+    return dist
+
+
+def _masked(q, k, v, cols: Columns) -> torch.Tensor:
+    dist = _integer_distances(cols, "mask")
     T = q.shape[2]
     i = torch.arange(T, device=q.device)
     allowed = torch.isin(i[:, None] - i[None, :], torch.tensor(dist, device=q.device))  # (T, T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+
+
+def _flex(q, k, v, cols: Columns) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not torch.is_grad_enabled():  # flex refuses inputs that require grad where it has no backward
+        q, k, v = q.detach(), k.detach(), v.detach()
+    T = q.shape[2]
+    mask = _block_mask(tuple(sorted(set(_integer_distances(cols, "flex")))), T, str(q.device))
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
+    with warnings.catch_warnings():  # eager flex warns that it is unfused: on the CPU it is all there is
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=256)  # a model has a few distinct distance sets per length
+def _block_mask(dist: tuple[int, ...], T: int, device: str):
+    """Query i sees key j iff i - j is one of `dist`: a lookup table over distances."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    allowed = torch.zeros(T, dtype=torch.bool, device=device)
+    allowed[[d for d in dist if d < T]] = True
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        return (d >= 0) & allowed[d.clamp(0, T - 1)]
+
+    return create_block_mask(mask_mod, None, None, T, T, device=device)
+
+
+@functools.cache
+def flex_unavailable(device_type: str, backward: bool) -> str | None:
+    """Why the `flex` path cannot run on this device type (with its backward pass, when
+    `backward`), or None when it can: a tiny call, once per process."""
+    try:
+        device = torch.device(device_type)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 32, 16, generator=g).to(device).requires_grad_(backward) for h in (2, 1, 1))
+        out = _flex(q, k, v, Columns([0, 1, 3], []))
+        if backward:
+            out.sum().backward()
+    except Exception as e:  # ImportError, NotImplementedError (no CPU backward), a compiler missing
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return None
+
+
+# ----------------------------------------------------------------------------- auto
+
+AUTO_REPEATS = 3  # timed calls per candidate, after one warm-up call (which also compiles flex)
+_chosen: dict[tuple, str] = {}
+
+
+def choose_impl(q, k, v, cols: Columns) -> str:
+    """The fastest available path for these inputs and columns, measured once per process."""
+    if cols.lo:  # fractional rungs: gather is the path that learns alpha
+        return "gather"
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), tuple(cols.dist), backward)
+    if key in _chosen:
+        return _chosen[key]
+    if torch.compiler.is_compiling():  # a measurement cannot be traced: the default until one exists
+        return "gather"
+    candidates = ["gather", "mask"] + ([] if flex_unavailable(q.device.type, backward) else ["flex"])
+    times = {impl: _measure(impl, q, k, v, cols, backward) for impl in candidates}
+    _chosen[key] = min(times, key=times.get)
+    return _chosen[key]
+
+
+def _measure(impl: str, q, k, v, cols: Columns, backward: bool) -> float:
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+
+    def call():
+        out = sparse_attention(q, k, v, cols, impl)
+        if backward:
+            out.sum().backward()
+        synchronize(q.device)
+
+    call()
+    times = []
+    for _ in range(AUTO_REPEATS):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -15,7 +15,7 @@ from fibctl.hashes import short_hash
 
 SCHEDULES = ("dense", "fixed", "learned", "stagger", "coprime")
 BASES = ("fib", "pow2")
-ATTENTION_IMPLS = ("gather", "mask", "reference")
+ATTENTION_IMPLS = ("gather", "mask", "reference", "flex", "auto")
 # adamw: torch.optim.AdamW, full-precision state; adamw8bit: bitsandbytes' 8-bit AdamW (CUDA
 # only), what the study trained its published runs with
 OPTIMIZERS = ("adamw", "adamw8bit")

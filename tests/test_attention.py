@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from fibctl.attention import dense_attention, sparse_attention
+from fibctl import attention as attention_module
+from fibctl.attention import choose_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.config import SCHEDULES, ConfigError, ModelConfig
 from fibctl.model import Attention, FibLM, apply_rope, rope_tables
 from fibctl.schedules import (
@@ -24,10 +25,19 @@ def layer_cfg(schedule, base, window, n_layers=4):
                        seq_len=64, schedule=schedule, base=base, window=window)
 
 
-def qkv(T, seed=0, B=1, H=4, Hkv=2, D=8):
+def qkv(T, seed=0, B=1, H=4, Hkv=2, D=8, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda h: torch.randn(B, h, T, D, generator=g, dtype=torch.float64).float().requires_grad_()
+    mk = lambda h: torch.randn(B, h, T, D, generator=g, dtype=torch.float64).float().to(device).requires_grad_()
     return mk(H), mk(Hkv), mk(Hkv)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def flex_skip(device: str, backward: bool) -> str | None:
+    """Why flex is left out of a parity check on `device`, or None."""
+    why = flex_unavailable(device, backward)
+    return f"flex on {device}{' (backward)' if backward else ''} cannot run here: {why}" if why else None
 
 
 def run_attention(attn: Attention, q, k, v, impl):
@@ -46,24 +56,82 @@ PARITY_CASES = [(s, b, w, T) for s in SPARSE for b in ("fib", "pow2") for w in (
     + [("dense", "fib", 8, T) for T in LENGTHS]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule,base,window,T", PARITY_CASES)
-def test_implementations_match_reference(schedule, base, window, T):
+def test_implementations_match_reference(schedule, base, window, T, device):
+    """Every implementation that runs here, output and gradients; flex's forward alone where
+    its backward cannot run (the CPU), the whole of it elsewhere."""
     layer = 2  # a staggered layer with a non-integer alpha
-    attn = Attention(layer_cfg(schedule, base, window), layer)
+    attn = Attention(layer_cfg(schedule, base, window), layer).to(device)
     if schedule == "learned":
         with torch.no_grad():
             attn.theta.fill_(0.37)  # fractional offsets at every rung
-    q, k, v = qkv(T, seed=T + window)
+    q, k, v = qkv(T, seed=T + window, device=device)
     params = [q, k, v] + ([attn.theta] if schedule == "learned" else [])
     ref = run_attention(attn, q, k, v, "reference")
     ref_grads = grads(ref, params)
-    impls = ["gather"] + ([] if schedule == "learned" else ["mask"])
+    impls = ["gather", "auto"] + ([] if schedule == "learned" else ["mask", "flex"])
     for impl in impls:
+        if impl == "flex" and flex_skip(device, backward=False):
+            continue  # test_flex_is_checked_wherever_it_runs says which
+        if impl == "flex" and flex_skip(device, backward=True):
+            with torch.no_grad():
+                out = run_attention(attn, q, k, v, impl)
+            torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5, msg="flex output")
+            continue
         out = run_attention(attn, q, k, v, impl)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=f"{impl} output")
         for name, a, b in zip("qkv theta".split(), grads(out, params), ref_grads):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{impl} grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backward", [False, True])
+def test_flex_is_checked_wherever_it_runs(device, backward):
+    """The parity test holds flex to the reference where this passes; a skip here names what
+    the machine lacks (torch 2.13's CPU build: flex's backward)."""
+    why = flex_skip(device, backward)
+    if why:
+        pytest.skip(why)
+    attn = Attention(layer_cfg("stagger", "fib", 8), 1).to(device)
+    q, k, v = qkv(300, device=device)
+    with torch.set_grad_enabled(backward):
+        out = sparse_attention(q, k, v, attn.columns(300), "flex")
+        ref = sparse_attention(q, k, v, attn.columns(300), "reference")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if backward:
+        assert all(g is not None and torch.isfinite(g).all() for g in grads(out, [q, k, v]))
+
+
+def test_auto_measures_once_per_setting_and_picks_an_available_path(monkeypatch):
+    attention_module._chosen.clear()
+    measured = []
+    real = attention_module._measure
+    monkeypatch.setattr(attention_module, "_measure", lambda impl, *a: measured.append(impl) or real(impl, *a))
+    fixed = Attention(layer_cfg("fixed", "fib", 8), 0)
+    q, k, v = qkv(200)
+    first = choose_impl(q, k, v, fixed.columns(200))
+    runs_flex = flex_unavailable("cpu", backward=True) is None
+    assert sorted(measured) == sorted(["gather", "mask"] + (["flex"] if runs_flex else []))
+    assert choose_impl(q, k, v, fixed.columns(200)) == first and len(measured) == len(set(measured))
+    with torch.no_grad():  # no backward: another setting, measured again (flex's forward runs on the CPU)
+        choose_impl(q, k, v, fixed.columns(200))
+    assert len(measured) > len(set(measured)) and len(attention_module._chosen) == 2
+    learned = Attention(layer_cfg("learned", "fib", 8), 0)
+    with torch.no_grad():
+        learned.theta.fill_(0.4)
+    n = len(measured)
+    assert choose_impl(q, k, v, learned.columns(200)) == "gather" and len(measured) == n  # the only path
+
+
+def test_flex_refuses_fractional_offsets():
+    attn = Attention(layer_cfg("learned", "fib", 8), 0)
+    with torch.no_grad():
+        attn.theta.fill_(0.4)
+    q, k, v = qkv(64)
+    with pytest.raises(ConfigError, match="`flex` implementation supports integer offsets only"):
+        sparse_attention(q, k, v, attn.columns(64), "flex")
 
 
 @pytest.mark.parametrize("base", ["fib", "pow2"])
@@ -84,7 +152,7 @@ def test_gradient_to_theta_is_nonzero_at_init():
     assert g is not None and g.abs().item() > 0
 
 
-@pytest.mark.parametrize("schedule,impl", [(s, i) for s in SCHEDULES for i in ("gather", "mask", "reference")
+@pytest.mark.parametrize("schedule,impl", [(s, i) for s in SCHEDULES for i in ("gather", "mask", "reference", "auto")
                                            if (s, i) != ("learned", "mask")])  # mask: integer offsets only
 def test_causality(schedule, impl):
     """Changing tokens after position t leaves outputs at positions <= t unchanged."""

@@ -97,6 +97,10 @@ bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline me
 app.add_typer(bench_app, name="bench")
 
 
+def _or_dash(x: float, spec: str) -> str:
+    return "-" if x != x else format(x, spec)  # NaN: not measured
+
+
 @bench_app.command("attention")
 def bench_attention_cmd(
     length: Annotated[list[int], typer.Option("--length", help="Sequence length (repeatable).")] = [1024, 4096],
@@ -110,7 +114,8 @@ def bench_attention_cmd(
     """Time forward and forward+backward of the attention core (paper heads: 8 query, 2 kv, dim 64).
 
     Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
-    and the gather path with fractional (learned) offsets. Ratios are to dense in the same run.
+    the gather path with fractional (learned) offsets, and FlexAttention with integer offsets
+    where it runs (forward only on the CPU: - for fwd+bwd). Ratios are to dense in the same run.
     """
     import torch
 
@@ -130,8 +135,8 @@ def bench_attention_cmd(
     for col in ("length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"):
         t.add_column(col, justify="right")
     for r in df.itertuples():
-        t.add_row(str(r.length), r.path, f"{r.forward_ms:.1f}", f"{r.fwd_bwd_ms:.1f}",
-                  f"{r.forward_vs_dense:.3f}", f"{r.fwd_bwd_vs_dense:.3f}")
+        t.add_row(str(r.length), r.path, f"{r.forward_ms:.1f}", _or_dash(r.fwd_bwd_ms, ".1f"),
+                  f"{r.forward_vs_dense:.3f}", _or_dash(r.fwd_bwd_vs_dense, ".3f"))
     console.print(t)
     by = df.set_index(["length", "path"])
     for T in length:

@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from fibctl.attention import dense_attention, sparse_attention
+from fibctl.attention import dense_attention, flex_unavailable, sparse_attention
 from fibctl.config import ConfigError, get_preset
 from fibctl.device import autocast, describe, resolve_device, setup_process, synchronize
 from fibctl.errors import FibctlError
@@ -29,6 +29,11 @@ from fibctl.model import Attention, FibLM
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 
 PATHS = ("dense", "mask", "gather", "learned")
+
+
+def attention_paths() -> tuple[str, ...]:
+    """PATHS, and `flex` (the fixed schedule through FlexAttention) where it runs on the CPU."""
+    return PATHS + (("flex",) if flex_unavailable("cpu", backward=False) is None else ())
 
 
 def _time(fn: Callable[[], None], repeats: int, warmup: int) -> float:
@@ -50,7 +55,7 @@ def _core(path: str, T: int, window: int, base: str):
     if schedule == "learned":
         with torch.no_grad():
             attn.theta.fill_(0.3)  # alpha ~ 1.07: every rung fractional, the costly case
-    impl = "mask" if path == "mask" else "gather"
+    impl = path if path in ("mask", "flex") else "gather"
 
     def run(q, k, v):
         if schedule == "dense":
@@ -60,10 +65,11 @@ def _core(path: str, T: int, window: int, base: str):
     return run, attn
 
 
-def bench_attention(lengths: list[int], paths: tuple[str, ...] = PATHS, batch: int = 1, repeats: int = 5,
+def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, batch: int = 1, repeats: int = 5,
                     warmup: int = 2, window: int = 8, base: str = "fib",
                     progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
     cfg = get_preset("paper").model
+    paths = attention_paths() if paths is None else paths
     rows = []
     for T in lengths:
         g = torch.Generator().manual_seed(T)
@@ -87,7 +93,9 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] = PATHS, batch: i
             rows.append({
                 "length": T, "path": path,
                 "forward_ms": 1e3 * _time(forward, repeats, warmup),
-                "fwd_bwd_ms": 1e3 * _time(forward_backward, repeats, warmup),
+                # no backward where flex has none (the CPU): NaN, shown as -
+                "fwd_bwd_ms": (float("nan") if path == "flex" and flex_unavailable("cpu", backward=True)
+                               else 1e3 * _time(forward_backward, repeats, warmup)),
             })
     df = pd.DataFrame(rows)
     dense = df[df.path == "dense"].set_index("length")

@@ -1,5 +1,5 @@
-"""`fibctl model`, `fibctl coverage`, `fibctl bench attention`, `fibctl bench train`: inspect and time the core
-and the training step."""
+"""`fibctl model`, `fibctl coverage`, `fibctl bench attention|train|probe`: inspect and
+time the core and the training step."""
 
 from __future__ import annotations
 
@@ -201,6 +201,39 @@ def bench_train_cmd(
     if first.optimizer != get_preset(preset).train.optimizer:
         console.print(f"optimizer: {first.optimizer} ({get_preset(preset).train.optimizer} is unavailable here)",
                       highlight=False)
+
+
+@bench_app.command("probe")
+def bench_probe_cmd(
+    width: Annotated[float, typer.Option(help="Blur width w (the probe anneals it from 40 to 0.5).")] = 40.0,
+    length: Annotated[int, typer.Option(help="Sequence length.")] = 512,
+    batch: Annotated[int, typer.Option(help="Batch size.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed repeats; the median is reported.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per path.")] = 1,
+    threads: Annotated[int, typer.Option(help="torch threads (1: comparable across machines and loads).")] = 1,
+) -> None:
+    """Time forward+backward of the probe's blur attention (one probe layer: 4 query heads, 2 kv
+    heads, dim 64, alpha 1) and its memory, reference against the fast path, each in a fresh
+    process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference."""
+    from fibctl.flows.bench import ProbeBench, bench_probe
+
+    if not width > 0 or length < 2:
+        raise ConfigError(f"--width {width:g} must be > 0 and --length {length} >= 2")
+    for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
+                               ("threads", threads, 1)):
+        if value < least:
+            raise ConfigError(f"--{name} {value} must be >= {least}")
+    bench = ProbeBench(width, length, batch, repeats, warmup, threads)
+    with console.status("benchmarking") as status:
+        df = bench_probe(bench, progress=lambda impl: status.update(f"benchmarking {impl}"))
+    t = Table(title=f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, "
+                    f"{threads} thread(s), median of {repeats}")
+    for col in ("path", "fwd+bwd ms", "memory MB", "time / ref", "memory / ref"):
+        t.add_column(col, justify="right")
+    for r in df.itertuples():
+        t.add_row(r.impl, f"{r.fwd_bwd_ms:,.1f}", f"{r.memory_mb:,.0f}", f"{r.time_vs_reference:.3f}",
+                  f"{r.memory_vs_reference:.3f}")
+    console.print(t)
 
 
 @bench_app.command("queue")

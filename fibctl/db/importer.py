@@ -11,7 +11,8 @@
 - `retrieval_results` rows with source 'marked' (Table 2's probe) -> one run per probe model
   in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W 8,
   T 512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
-  `acc_d<distance>`), and its final alphas in `alphas`.
+  `acc_d<distance>`, `eval_sequences` 2: the study scored one batch of 2), and its final
+  alphas in `alphas`.
 - `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens NULL: the
   file does not record them); a row already imported from `metrics` is kept.
 - `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
@@ -34,7 +35,7 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
-from fibctl.config import RunConfig, get_preset
+from fibctl.config import ProbeConfig, RunConfig, get_preset
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
@@ -266,14 +267,17 @@ def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: 
 
 
 PROBE_STEPS = 2500
+STUDY_SCORED = 2  # held-out sequences the study scored each probe model on (one batch of 2)
 
 
-def _probe_config(name: str, depth: int, seed: int) -> RunConfig:
-    """The probe model of docs/method.md, "Table 2" (the mechanism probe)."""
+def _probe_config(name: str, depth: int, seed: int, staggered: bool) -> RunConfig:
+    """The probe model of docs/method.md, "Table 2" (the mechanism probe), as `fibctl probe`
+    would queue it."""
     preset = get_preset("probe")
     model = dataclasses.replace(preset.model, n_layers=depth).validate()
+    probe = ProbeConfig(init="staggered" if staggered else "uniform", eval_sequences=STUDY_SCORED)
     return RunConfig(name=name, matrix=PROBE_MATRIX, preset="probe", init_seed=seed, data_seed=seed,
-                     model=model, train=preset.train)
+                     model=model, train=preset.train, probe=probe.validate(model))
 
 
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
@@ -283,11 +287,11 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
         models.setdefault((r["depth"], r["staggered"], r["seed"]), []).append(r)
     for (depth, staggered, seed), rows in models.items():
         name = f"probe_marked_d{depth}_{'stagger' if staggered else 'uniform'}_s{seed}"
-        config = _probe_config(name, depth, seed)
+        config = _probe_config(name, depth, seed, bool(staggered))
         run_id, written = _put_run(conn, run_row(config, init_seed=None, status=schema.RunStatus.DONE,
                                                  final_step=PROBE_STEPS, source=source,
                                                  created_at=_now()))
-        metrics = {"depth": depth, "staggered_init": staggered,
+        metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED,
                    **{f"acc_d{r['distance']}": r["acc"] for r in rows}}
         written += upsert(conn, schema.AuxMetric.__table__,
                            [dict(run_id=run_id, name=PROBE_NAME, metric=k, value=float(v), text=None)

@@ -243,3 +243,72 @@ def _peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+# ----------------------------------------------------------------------------- the probe's blur attention
+
+BLUR_IMPLS = ("reference", "fast")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeBench:
+    """One `bench probe` setting: a layer of the probe preset (4 query heads, 2 kv heads, dim
+    64) at alpha 1, `batch` sequences of `length`, blur rungs of `width`."""
+
+    width: float = 40.0
+    length: int = 512
+    batch: int = 2
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = 1
+
+
+def bench_probe(bench: ProbeBench, progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
+    """Forward+backward time (median) and memory of the blur attention's reference and fast
+    path, each in a fresh process; ratios are fast / reference, from this same run."""
+    rows = []
+    for impl in BLUR_IMPLS:
+        if progress:
+            progress(impl)
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            try:
+                rows.append(pool.submit(_measure_blur, bench, impl).result())
+            except BrokenProcessPool:
+                raise FibctlError(f"bench probe: the {impl} process died (out of memory at width {bench.width:g}, "
+                                  f"length {bench.length}?)") from None
+    df = pd.DataFrame(rows)
+    ref = df.iloc[0]
+    df["time_vs_reference"] = df.fwd_bwd_ms / ref.fwd_bwd_ms
+    df["memory_vs_reference"] = df.memory_mb / ref.memory_mb
+    return df
+
+
+def _measure_blur(bench: ProbeBench, impl: str) -> dict:
+    """Memory: the process's peak RSS after the calls minus before them: what the attention
+    and its saved tensors took, the inputs excluded."""
+    from fibctl.probe.blur import blur_attention
+    from fibctl.schedules import base_sequence, blur_rungs, window_distances
+
+    setup_process("cpu", bench.threads)
+    cfg = get_preset("probe").model
+    T, D = bench.length, cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(bench.batch, cfg.n_heads, T, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(bench.batch, cfg.n_kv_heads, T, D, generator=g, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(bench.batch, cfg.n_heads, T, D, generator=g)
+    theta = torch.zeros((), requires_grad=True)  # alpha 1
+    window = window_distances(cfg.window, T)
+
+    def forward_backward():
+        centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(base_sequence(cfg.base, T, cfg.n_rungs),
+                                                              dtype=torch.float32)
+        kept = blur_rungs(centres.detach().tolist(), cfg.window, T)
+        idx = torch.tensor([i for i, _ in kept], dtype=torch.long)
+        out = blur_attention(q, k, v, window, [c for _, c in kept], centres[idx], bench.width, impl)
+        out.backward(grad_out)
+
+    before = _peak_memory_mb(torch.device("cpu"))
+    ms = 1e3 * _time(forward_backward, bench.repeats, bench.warmup)
+    return {"impl": impl, "fwd_bwd_ms": ms, "memory_mb": _peak_memory_mb(torch.device("cpu")) - before,
+            "rungs": len(blur_rungs(base_sequence(cfg.base, T, cfg.n_rungs), cfg.window, T))}

@@ -51,6 +51,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.train.distributed import Group, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
+from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
 
@@ -91,22 +92,26 @@ def worker_name(device: torch.device) -> str:
     return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
 
 
-def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest:
+def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest | None:
     """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
     or a runs folder that cannot be written, a --log-to back-end that is not installed, or
-    --compile where torch.compile cannot run: such a worker would fail every run it claims."""
+    --compile where torch.compile cannot run: such a worker would fail every run it claims.
+    A data folder that does not exist is no data: the worker trains probe runs (they make
+    their own) and puts back, with one line, the first run that needs text."""
     loggers.check_loggers(opts.log_to)
     if opts.compile:
         try:
             check_compile(device)
         except FibctlError as e:
             raise WorkerError(str(e)) from None
-    try:
-        manifest = load_manifest(opts.data_dir)  # read once: every run this worker trains uses it
-        for split in manifest.splits:
-            manifest.stream(split)
-    except FibctlError as e:
-        raise WorkerError(str(e)) from None
+    manifest = None  # no folder: probe runs make their own data; a run that needs text says so
+    if opts.data_dir.exists():
+        try:
+            manifest = load_manifest(opts.data_dir)  # read once: every run this worker trains uses it
+            for split in manifest.splits:
+                manifest.stream(split)
+        except FibctlError as e:
+            raise WorkerError(str(e)) from None
     try:
         opts.runs_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=opts.runs_dir).close()
@@ -367,11 +372,22 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()))
-        trainer = Trainer(claimed.config, manifest, run_dir, recorder, device=device, stop=stop,
-                          on_checkpoint=lambda result: _record(recorder, opts, claimed.name, result),
-                          compile=opts.compile, group=group)
+        on_checkpoint = lambda result: _record(recorder, opts, claimed.name, result)  # noqa: E731
+        if claimed.config.probe is not None:  # trains in one process, eagerly (its width changes every step)
+            if group is not None:
+                raise WorkerError(f"run {claimed.name!r} is a probe run: it trains in one process "
+                                  "(fibctl worker, or fibctl train without --nproc)")
+            if opts.compile:
+                display.warn(f"{claimed.name}: a probe run trains eagerly; --compile does not apply")
+            trainer = ProbeTrainer(claimed.config, run_dir, recorder, device=device, stop=stop,
+                                   on_checkpoint=on_checkpoint)
+        else:
+            trainer = Trainer(claimed.config, check_data(claimed.config, manifest), run_dir, recorder,
+                              device=device, stop=stop, on_checkpoint=on_checkpoint, compile=opts.compile,
+                              group=group)
         counts = trainer.model.param_counts()
-        recorder.update_run(device=_describe(device, group), **provenance(manifest),
+        recorder.update_run(device=_describe(device, group),
+                            **provenance(manifest) | {"data_hash": trainer.data_hash},
                             params_total=counts["total"], params_non_embedding=counts["non_embedding"],
                             optimizer=trainer.optimizer_name, runs_dir=str(opts.runs_dir.resolve()))
         if trainer.optimizer_warning:

@@ -228,54 +228,77 @@ def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
 
 
 def table2(engine: Engine) -> Table:
-    """The mechanism probe: learned-alpha range and retrieval accuracy per depth and init."""
+    """The mechanism probe: learned-alpha range and retrieval accuracy per depth and init, for
+    the study's imported probe models and fibctl's own probe runs (`fibctl probe`) alike."""
     sql = """WITH probe AS (
-    -- one row per probe model: its depth and whether alpha started staggered
+    -- one row per probe model: who trained it, for how many steps, its depth, whether alpha
+    -- started staggered, and how many held-out sequences scored it
     SELECT m.run_id,
+           CASE WHEN r.source = 'fibctl' THEN 'fibctl' ELSE 'study' END AS origin,
+           COALESCE(r.final_step, 0) AS steps,
            MAX(CASE WHEN m.metric = 'depth' THEN m.value END) AS depth,
-           MAX(CASE WHEN m.metric = 'staggered_init' THEN m.value END) AS staggered
-    FROM aux_metrics m
+           MAX(CASE WHEN m.metric = 'staggered_init' THEN m.value END) AS staggered,
+           MAX(CASE WHEN m.metric = 'eval_sequences' THEN m.value END) AS scored
+    FROM aux_metrics m JOIN runs r ON r.id = m.run_id
     WHERE m.name = 'marked_retrieval'
-    GROUP BY m.run_id
+    GROUP BY m.run_id, r.source, r.final_step
 ),
 final_alpha AS (
     SELECT a.run_id, a.alpha FROM alphas a
     WHERE a.step = (SELECT MAX(a2.step) FROM alphas a2 WHERE a2.run_id = a.run_id)
 )
-SELECT p.depth, p.staggered, 'alpha_min' AS metric, MIN(fa.alpha) AS value
+SELECT p.origin, p.steps, p.depth, p.staggered, 'alpha_min' AS metric, MIN(fa.alpha) AS value
 FROM probe p JOIN final_alpha fa ON fa.run_id = p.run_id
-GROUP BY p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.depth, p.staggered
 UNION ALL
-SELECT p.depth, p.staggered, 'alpha_max', MAX(fa.alpha)
+SELECT p.origin, p.steps, p.depth, p.staggered, 'alpha_max', MAX(fa.alpha)
 FROM probe p JOIN final_alpha fa ON fa.run_id = p.run_id
-GROUP BY p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.depth, p.staggered
 UNION ALL
-SELECT p.depth, p.staggered, 'seeds', COUNT(*)
+SELECT p.origin, p.steps, p.depth, p.staggered, 'seeds', COUNT(*)
 FROM probe p
-GROUP BY p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.depth, p.staggered
+UNION ALL
+SELECT p.origin, p.steps, p.depth, p.staggered, 'scored', MIN(p.scored)
+FROM probe p
+GROUP BY p.origin, p.steps, p.depth, p.staggered
 UNION ALL
 -- accuracy at each distance (metric acc_d<distance>), mean over seeds
-SELECT p.depth, p.staggered, m.metric, AVG(m.value)
+SELECT p.origin, p.steps, p.depth, p.staggered, m.metric, AVG(m.value)
 FROM probe p JOIN aux_metrics m ON m.run_id = p.run_id AND m.name = 'marked_retrieval'
 WHERE m.metric LIKE 'acc_d%'
-GROUP BY p.depth, p.staggered, m.metric"""
+GROUP BY p.origin, p.steps, p.depth, p.staggered, m.metric"""
     long, sql_text = read_sql(engine, sql)
     if long.empty:
-        raise FibctlError("table2: no probe results (aux_metrics named 'marked_retrieval'); "
-                          "import the study's probe with `fibctl import-study fib.db`")
-    wide = long.pivot(index=["depth", "staggered"], columns="metric", values="value").reset_index()
+        raise FibctlError("table2: no probe results (aux_metrics named 'marked_retrieval'); run the probe with "
+                          "`fibctl probe` and `fibctl worker`, or import the study's with `fibctl import-study fib.db`")
+    keys = ["origin", "steps", "depth", "staggered"]
+    wide = long.pivot_table(index=keys, columns="metric", values="value", aggfunc="first", dropna=False)
+    wide = wide.reset_index().sort_values(keys, key=lambda c: c.map({"study": 0, "fibctl": 1}) if c.name == "origin"
+                                          else c).reset_index(drop=True)
     accs = sorted((c for c in wide.columns if c.startswith("acc_d")), key=lambda c: int(c[5:]))
     frame = pd.DataFrame({
+        "Source": wide["origin"], "Steps": wide["steps"].astype(int),
         "Depth": wide["depth"].astype(int),
         "Init": wide["staggered"].map({0: "uniform", 1: "staggered"}),
         "α min": wide.get("alpha_min"), "α max": wide.get("alpha_max"),
         **{f"acc d={c[5:]}": wide[c] for c in accs},
         "Seeds": wide["seeds"].astype(int),
+        "Scored": wide["scored"] if "scored" in wide else float("nan"),
     })
     formats = {"α min": lambda x: f"{x:.2f}", "α max": lambda x: f"{x:.2f}",
-               **{f"acc d={c[5:]}": loss for c in accs}}
-    return Table("table2", "Table 2: mechanism probe (learned alpha range, retrieval accuracy)",
-                 frame, sql_text, formats)
+               **{f"acc d={c[5:]}": loss for c in accs},
+               "Scored": lambda x: "" if pd.isna(x) else f"{x:.0f}"}
+    # who trained the models and for how long: columns only where the rows differ
+    shared = [c for c in ("Source", "Steps") if frame[c].nunique() == 1]
+    title = "Table 2: mechanism probe (learned alpha range, retrieval accuracy)"
+    if shared:
+        title += "; " + ", ".join(f"{frame[c].iloc[0]:,} steps" if c == "Steps" else f"{frame[c].iloc[0]}'s models"
+                                  for c in shared)
+        frame = frame.drop(columns=shared)
+    return Table("table2", title, frame, sql_text, formats,
+                 notes=["Scored: held-out sequences per model (the study scored 2); accuracy is the mean "
+                        "over seeds; α min / max range over layers and seeds at the last step."])
 
 
 def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SEED,

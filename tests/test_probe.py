@@ -1,0 +1,279 @@
+"""The mechanism probe (Table 2): the task, the blur attention (fast paths held to the
+reference), the alphas' start, the width schedule, and the pipeline queue -> worker -> table2."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fibctl.config import ConfigError, ProbeConfig, RunConfig, get_preset
+from fibctl.db.engine import connect
+from fibctl.flows.worker import WorkerOptions, train_named, work
+from fibctl.model import FibLM
+from fibctl.probe.blur import blur_attention
+from fibctl.probe.cells import probe_runs
+from fibctl.probe.task import IGNORE, MarkedCopy
+from fibctl.probe.trainer import ProbeTrainer
+from fibctl.queue import add_runs
+from fibctl.reports import tables
+from fibctl.schedules import FIB, blur_rungs, probe_alphas
+from fibctl.train.checkpoint import load_checkpoint
+from train_helpers import NullReporter, Quiet
+
+REPO = Path(__file__).resolve().parent.parent
+WIDTHS = (40, 10, 2.5, 1, 0.5, 0.25)
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def test_marked_copy_targets_are_the_token_its_marker_names():
+    task = MarkedCopy(512, 64, (20, 35))
+    x, y = task.sample(3, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 64) and int(x.max()) < 512
+    marker = task.marker(x)
+    assert set(marker.unique().tolist()) == {0, 1}
+    for b in range(3):
+        for t in range(64):
+            d = (20, 35)[int(marker[b, t])]
+            assert int(y[b, t]) == (int(x[b, t - d]) if t >= d else IGNORE)
+    again = task.sample(3, torch.Generator().manual_seed(0))
+    assert torch.equal(again[0], x) and torch.equal(again[1], y)  # seeded: the same batches
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(distances=(200, 512)), "distance 512 must be from 1"),
+    (dict(distances=(0, 200)), "distance 0 must be from 1"),
+    (dict(init="ramp"), "unknown probe init"),
+    (dict(eval_sequences=0), "eval_sequences"),
+])
+def test_probe_config_refuses_bad_values(change, message):
+    model = get_preset("probe").model
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(ProbeConfig(), **change).validate(model)
+    with pytest.raises(ConfigError, match="not divisible by the 3 distances"):
+        ProbeConfig(distances=(100, 200, 300)).validate(model)
+
+
+def test_width_anneals_from_40_to_half_over_80_percent_then_holds():
+    p = ProbeConfig()
+    assert p.width_at(0, 2500) == 40
+    assert p.width_at(1000, 2500) == pytest.approx(40 - 39.5 * 1000 / 2000)
+    assert p.width_at(2000, 2500) == p.width_at(2500, 2500) == 0.5
+    assert dataclasses.replace(p, width_end=0.25).width_at(2500, 2500) == 0.25
+
+
+def test_staggered_start_is_the_ramp_clamped():
+    assert probe_alphas("uniform", 4) == [1.0] * 4
+    assert probe_alphas("staggered", 2) == [0.55, 1.45]
+    assert probe_alphas("staggered", 4) == pytest.approx([0.55, 0.5 + 1 / 3, 0.5 + 2 / 3, 1.45])
+    assert probe_alphas("staggered", 1) == [1.0]
+
+
+def test_blur_rungs_keep_centres_past_the_window_and_inside_the_length():
+    assert blur_rungs([1.0 * b for b in FIB[:15]], 8, 512) == [(k, b) for k, b in enumerate(FIB[:15]) if 8 < b <= 511]
+    assert blur_rungs([8.4, 8.6, 511.4, 511.6], 8, 512) == [(1, 9), (2, 511)]
+
+
+# ----------------------------------------------------------------------------- blur attention
+
+
+def _blur(T, width, impl, path="auto", alpha=1.13, dtype=torch.float64, B=1, H=4, Hkv=2, D=8):
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(B, H, T, D, dtype=dtype, generator=g)
+    k, v = (torch.randn(B, Hkv, T, D, dtype=dtype, generator=g) for _ in range(2))
+    theta = torch.tensor(math.log((alpha - 0.5) / (1.5 - alpha)), dtype=dtype, requires_grad=True)
+    centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(FIB[:15], dtype=dtype)
+    kept = blur_rungs(centres.detach().tolist(), 8, T)
+    idx = torch.tensor([i for i, _ in kept], dtype=torch.long)
+    out = blur_attention(q, k, v, list(range(min(8, T - 1) + 1)), [c for _, c in kept], centres[idx], width,
+                         impl, path)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
+    if kept:
+        (out * weights).sum().backward()
+    return out.detach(), theta.grad
+
+
+@pytest.mark.parametrize("T, alpha", [(T, a) for T in (1, 2, 9, 10, 14, 100) for a in (0.55, 0.98, 1.13, 1.45)]
+                         # 0.98 * 610 = 598: the farthest band clamped at T-1 = 599
+                         + [(378, 1.13), (600, 0.98)])
+def test_fast_blur_paths_equal_the_reference_in_output_and_theta_gradient(T, alpha):
+    for width in WIDTHS:
+        ref_out, ref_grad = _blur(T, width, "reference", alpha=alpha)
+        for path in ("dense", "gather", "auto"):
+            out, grad = _blur(T, width, "fast", path, alpha=alpha)
+            assert (out - ref_out).abs().max() <= 1e-5, (width, path)
+            if ref_grad is None:  # no rung fits at this length: no gradient to alpha
+                assert grad is None
+            else:
+                assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad))), (width, path)
+
+
+def test_fast_blur_in_float32_at_the_probe_shape():
+    for width in (40, 0.5):
+        ref_out, ref_grad = _blur(512, width, "reference", dtype=torch.float32, B=2, D=64)
+        out, grad = _blur(512, width, "fast", dtype=torch.float32, B=2, D=64)
+        assert (out - ref_out).abs().max() <= 1e-5
+        assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad)))
+
+
+def test_the_model_attends_through_blur_rungs_only_when_asked():
+    cfg = dataclasses.replace(get_preset("probe").model, n_layers=2, seq_len=64, d_model=32, n_heads=4)
+    torch.manual_seed(0)
+    fast, ref = FibLM(cfg), FibLM(cfg, impl="reference")
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randint(0, 512, (2, 64))
+    plain = fast(x)
+    for model in (fast, ref):
+        model.set_blur_width(2.5)
+    assert not torch.allclose(fast(x), plain)  # blur rungs are not the fractional ones
+    assert (fast(x) - ref(x)).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="learned"):
+        FibLM(dataclasses.replace(cfg, schedule="fixed")).set_blur_width(1.0)
+
+
+# ----------------------------------------------------------------------------- runs
+
+SMALL = dict(length=64, distances=(20, 35))
+
+
+def small_runs(steps=30, **train) -> list[RunConfig]:
+    runs = probe_runs(depths=(2,), seeds=(0,), steps=steps, **SMALL)
+    return [dataclasses.replace(r, train=dataclasses.replace(r.train, **train)) for r in runs]
+
+
+def test_probe_runs_name_every_cell_and_refuse_bad_input():
+    names = [r.name for r in probe_runs()]
+    assert len(names) == 12 == len(set(names)) and names[0] == "probe_d2_uniform_s0"
+    assert probe_runs(depths=(2,), seeds=(0,), steps=200)[0].name == "probe_d2_uniform_s0_200steps"
+    assert small_runs()[0].name.startswith("probe_d2_uniform_s0_30steps_")  # another task, another name
+    for bad, message in ((dict(depths=(0,)), "--depth 0"), (dict(steps=0), "--steps 0"),
+                         (dict(distances=(200, 600)), "distance 600"), (dict(vocab=511), "not divisible"),
+                         (dict(seeds=(-1,)), "--seed")):
+        with pytest.raises(ConfigError, match=message):
+            probe_runs(**bad)
+
+
+def test_probe_config_round_trips_and_leaves_lm_hashes_alone():
+    run = probe_runs()[0]
+    assert RunConfig.from_dict(run.to_dict()) == run
+    lm = RunConfig.resolve("x", "m", "tiny", schedule="fixed")
+    assert "probe" not in lm.to_dict()
+
+
+def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
+    run = small_runs(steps=20, eval_interval=10)[1]  # staggered
+    logged = []
+
+    class Keep(NullReporter):
+        def log_metric(self, name, metric, value=None, text=None):
+            logged.append((name, metric, value))
+
+        def log_alphas(self, step, alphas):
+            logged.append(("alphas", step, list(alphas)))
+
+    trainer = ProbeTrainer(run, tmp_path, Keep())
+    assert trainer.model.alphas() == pytest.approx([0.55, 1.45])
+    assert trainer.run().status == "done"
+    alphas = {step: a for kind, step, a in logged if kind == "alphas"}
+    assert sorted(alphas) == [0, 10, 20] and alphas[20] != alphas[0]  # alpha is trained
+    metrics = {m: v for name, m, v in logged if name == "marked_retrieval"}
+    assert metrics["depth"] == 2 and metrics["staggered_init"] == 1 and metrics["eval_sequences"] == 16
+    assert 0 <= metrics["acc_d20"] <= 1 and 0 <= metrics["acc_d35"] <= 1 and metrics["heldout_loss"] > 0
+
+
+def _worker(tmp_path, *extra):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--db", str(tmp_path / "r.db"),
+                             "--runs-dir", str(tmp_path / "runs"), "--data", str(tmp_path / "no-data"),
+                             "--plain", *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_probe_run_resumes_bit_exact(tmp_path):
+    [run] = small_runs(steps=30, checkpoint_interval=10)[:1]
+    uninterrupted = dataclasses.replace(run, name="uninterrupted")
+    engine = connect(str(tmp_path / "r.db"))
+    add_runs(engine, [run, uninterrupted])
+    opts = WorkerOptions(data_dir=tmp_path / "no-data", runs_dir=tmp_path / "runs")
+    assert train_named(engine, "uninterrupted", opts, Quiet()).status == "done"
+    proc = _worker(tmp_path)
+    first = tmp_path / "runs" / run.name / "step_00000010.pt"
+    deadline = time.time() + 120
+    while not first.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert train_named(engine, run.name, dataclasses.replace(opts, heartbeat_timeout_s=1e-9), Quiet()).status == "done"
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select count(*) from events e join runs r on r.id = e.run_id "
+                      "where r.name = ? and kind = 'resumed'", (run.name,)).fetchone() == (1,)
+    a, b = (load_checkpoint(tmp_path / "runs" / n / "step_00000030.pt")["model"] for n in (run.name, "uninterrupted"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    scores = "select m.metric, m.value from aux_metrics m join runs r on r.id = m.run_id where r.name = ? order by 1"
+    assert db.execute(scores, (run.name,)).fetchall() == db.execute(scores, ("uninterrupted",)).fetchall()
+
+
+def _fibctl(tmp_path, *args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+    return subprocess.run([sys.executable, "-m", "fibctl", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
+    """`fibctl probe --quick` (depth 2, both inits, seed 0, 200 steps), a worker with no data
+    folder, then Table 2 from fibctl's own runs: the pipeline of the study's probe."""
+    queued = _fibctl(tmp_path, "probe", "--quick", "--db", "r.db")
+    assert queued.returncode == 0 and "queued 2 probe run(s)" in queued.stdout, queued.stderr
+    again = _fibctl(tmp_path, "probe", "--quick", "--db", "r.db")
+    assert "queued 0 probe run(s); 2 already present" in again.stdout  # idempotent
+    worked = _fibctl(tmp_path, "worker", "--db", "r.db", "--plain", "--threads", "2")
+    assert worked.returncode == 0, worked.stdout + worked.stderr
+    assert "probe_d2_uniform_s0_200steps done" in worked.stdout and "probe_d2_staggered_s0_200steps done" in worked.stdout
+    table = _fibctl(tmp_path, "report", "table2", "--db", "r.db")
+    assert table.returncode == 0, table.stderr
+    assert "fibctl's models, 200 steps" in " ".join(table.stdout.split()) and "staggered" in table.stdout
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+    frame = tables.table2(connect(str(tmp_path / "r.db"), must_exist=True)).frame.set_index("Init")
+    assert frame.loc["staggered", "Depth"] == 2 and frame.loc["staggered", "Seeds"] == 1
+    assert frame.loc["staggered", "Scored"] == 16
+    assert 0.5 <= frame.loc["staggered", "α min"] < frame.loc["staggered", "α max"] <= 1.5
+    figure = _fibctl(tmp_path, "figure", "alphas", "--db", "r.db", "--matrix", "probe", "-o", "alphas.png")
+    assert figure.returncode == 0 and (tmp_path / "alphas.png").stat().st_size > 10_000, figure.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--depth", "0"], "--depth 0 must be >= 1"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+    (["--distance", "512"], "distance 512 must be from 1 to the length - 1"),
+    (["--vocab", "513"], "vocab 513 is not divisible by the 2 distances"),
+    (["--init", "ramp"], "--init 'ramp'"),
+])
+def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):
+    r = _fibctl(tmp_path, "probe", "--db", "r.db", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    if (tmp_path / "r.db").exists():
+        assert sqlite3.connect(tmp_path / "r.db").execute("select count(*) from runs").fetchone() == (0,)
+
+
+def test_a_worker_without_data_puts_back_a_run_that_needs_text(tmp_path):
+    from train_helpers import micro_run
+
+    engine = connect(str(tmp_path / "r.db"))
+    add_runs(engine, [micro_run("text")])
+    r = _fibctl(tmp_path, "worker", "--db", "r.db", "--data", "no-data", "--plain")
+    assert r.returncode == 2 and "trains on text" in r.stderr and "Traceback" not in r.stderr
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)

@@ -10,13 +10,12 @@ through them), key row i - j clamped at row 0; the column is valid for queries i
 Implementations (`impl`):
 - `reference`: a loop over the columns that gathers each rung's band of rows,
   (B, H, T, 2R+1, D), and mixes it, as the method states it. Slow and obviously correct.
-- anything else (`fast`): the band mix is linear, so a rung's logit is the band-weighted sum
-  of the plain scores q_i . k_{i-j}, and its output the band-weighted sum of value rows. A
-  (C, T) table of each column's weight at each offset turns the scores read by offset into
-  every column's logits, and the softmax back into one weight per offset. While few offsets
-  are used (narrow bands) only their rows are gathered, (B, Hkv, T, U, D); otherwise one
-  dense score matrix (B, H, T, T) is read by offset: a dense attention's cost plus 2 C T^2
-  multiply-adds, whatever the width. Nothing (2R+1)-wide is ever built per rung.
+- `fast`: the band mix is linear, so a rung's logit is the band-weighted sum of the plain
+  scores q_i . k_{i-j}, and its output the band-weighted sum of value rows. One dense score
+  matrix (B, H, T, T) read by offset, and a (C, T) table of each column's weight at each
+  offset, give every column's logits; the softmax goes back through the same table to one
+  weight per key row. A dense attention's cost plus 2 C T^2 multiply-adds and a gather and
+  scatter of the scores, whatever the width; nothing (2R+1)-wide is built per rung.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import math
 
 import torch
 
-from fibctl.attention import NEG, rows
+from fibctl.attention import NEG
 
 
 def bands(c: list[int], centres: torch.Tensor, width: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +37,12 @@ def bands(c: list[int], centres: torch.Tensor, width: float, seq_len: int) -> tu
 
 
 def blur_attention(q, k, v, window: list[int], c: list[int], centres: torch.Tensor, width: float,
-                   impl: str = "fast", path: str = "auto") -> torch.Tensor:
+                   impl: str = "fast") -> torch.Tensor:
     """q (B, H, T, D); k, v (B, Hkv, T, D), RoPE applied. `window`: exact offsets 0..W;
-    `c`, `centres`: the kept rungs' rounded and exact centres (K,), centres carrying alpha.
-    `path` (fast only): `gather`, `dense` or `auto` (gather while the used offsets are few)."""
+    `c`, `centres`: the kept rungs' rounded and exact centres (K,), centres carrying alpha."""
     if impl == "reference":
         return _reference(q, k, v, window, c, centres, width)
-    return _banded(q, k, v, window, c, centres, width, path)
+    return _banded(q, k, v, window, c, centres, width)
 
 
 def _reference(q, k, v, window, c, centres, width) -> torch.Tensor:
@@ -91,26 +89,16 @@ def offset_weights(window: list[int], c: list[int], centres: torch.Tensor, width
     return weights, i[:, None] >= starts[None, :]
 
 
-GATHER_SHARE = 8  # gather the used rows when they are at most 1/8 of T; else score every row
-
-
-def _banded(q, k, v, window, c, centres, width, path: str = "auto") -> torch.Tensor:
+def _banded(q, k, v, window, c, centres, width) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     weights, valid = offset_weights(window, c, centres, width, T, q.dtype)  # (C, T), (T, C)
     qg = q.view(B, Hkv, G, T, D) * D**-0.5
-    used = weights.detach().abs().sum(0).nonzero().flatten()  # offsets any column takes
-    if path == "gather" or (path == "auto" and len(used) * GATHER_SHARE <= T):
-        # narrow bands (late in the anneal): gather just the used rows, (B, Hkv, T, U, D)
-        kr, vr = rows(k, v, torch.arange(T, device=q.device), used)
-        w = weights[:, used]  # (C, U)
-        logits = torch.einsum("bhgtd,bhtud->bhgtu", qg, kr) @ w.T  # (B, Hkv, G, T, C)
-        p = logits.masked_fill(~valid, NEG).softmax(-1)
-        return torch.einsum("bhgtu,bhtud->bhgtd", p @ w, vr).reshape(B, H, T, D)
-    # wide bands: score every key row once, read the scores by offset (row i - o, clamped
-    # at row 0), and put the offsets' shares back on their rows to mix the values (measured
-    # faster on the CPU than a strided view of the scores padded with row 0)
+    # score every key row once, read the scores by offset (row i - o, clamped at row 0), and
+    # put the offsets' shares back on their rows to mix the values. Measured on the CPU, this
+    # beat a strided view of the scores padded with row 0, a (T, T, C) share matrix, and,
+    # at every width, gathering only the rows the bands use.
     i = torch.arange(T, device=q.device)
     by_offset = (i[:, None] - i[None, :]).clamp_min(0).expand(B, Hkv, G, T, T)
     scores = qg @ k[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)

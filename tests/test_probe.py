@@ -276,3 +276,20 @@ def test_a_worker_without_data_puts_back_a_run_that_needs_text(tmp_path):
     r = _fibctl(tmp_path, "worker", "--db", "r.db", "--data", "no-data", "--plain")
     assert r.returncode == 2 and "trains on text" in r.stderr and "Traceback" not in r.stderr
     assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
+
+
+def test_eval_refuses_probe_runs_and_all_skips_them(tmp_path):
+    from sqlalchemy import text
+
+    from fibctl.errors import FibctlError
+    from fibctl.flows.evaluation import find_runs
+
+    engine = connect(str(tmp_path / "r.db"))
+    [run] = small_runs()[:1]
+    add_runs(engine, [run])
+    with pytest.raises(FibctlError, match="is a probe run: its worker scored it"):
+        find_runs(engine, [run.name], False)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET checkpoint_path = 'x/step_00000030.pt'"))
+    with pytest.raises(FibctlError, match="probe runs are scored by their worker"):
+        find_runs(engine, [], True)

@@ -54,13 +54,22 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
         raise FibctlError("no run in the database has a checkpoint yet")
     targets = []
     for r in rows:
+        config = RunConfig.from_dict(json.loads(r.config_json))
+        if config.probe is not None:  # scored on its own task by its worker, not on text
+            if all_runs:
+                continue
+            raise FibctlError(f"run {r.name!r} is a probe run: its worker scored it on the probe's task "
+                              "(fibctl report table2); fibctl eval measures text")
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name)
         if not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
                               "was trained in")
-        targets.append(_Target(r, RunConfig.from_dict(json.loads(r.config_json)), path))
+        targets.append(_Target(r, config, path))
+    if not targets:
+        raise FibctlError("no run in the database has a checkpoint to evaluate on text (probe runs are scored "
+                          "by their worker)")
     return targets
 
 

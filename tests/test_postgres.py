@@ -1,45 +1,28 @@
-"""The same queue, worker, reports and read-only SQL on a real PostgreSQL server, when
-FIBCTL_TEST_PG names one (a URL whose user may create databases, e.g.
-postgresql+psycopg://postgres@localhost:5433/postgres); `.ci/run` starts one. Skipped,
-saying why, elsewhere."""
+"""The queue, worker, eval, reports and read-only SQL end to end on a real PostgreSQL server,
+and a server restart mid-run, when FIBCTL_TEST_PG names one (a URL whose user may create
+databases, e.g. postgresql+psycopg://postgres@localhost:5433/postgres); `.ci/run` starts one.
+Skipped, saying why, elsewhere. The database-layer tests (queue, schema, SQL, import,
+reports) run on both backends through the `db_url` fixture in tests/conftest.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-from test_queue import claims_sweep_reclaim_and_record, eight_claimers_take_each_of_200_runs_once
+from conftest import NO_PG, PG_SERVER as SERVER, pg_database
 
-SERVER = os.environ.get("FIBCTL_TEST_PG")
-pytestmark = pytest.mark.skipif(not SERVER, reason="FIBCTL_TEST_PG names no PostgreSQL server")
+pytestmark = pytest.mark.skipif(not SERVER, reason=NO_PG)
 
 
 @pytest.fixture
 def pg() -> str:
     """A fresh database on the server, dropped afterwards; its URL."""
-    name = f"fibctl_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives a restart
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(SERVER).set(database=name).render_as_string(hide_password=False)
-    yield url
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-    admin.dispose()
-
-
-def test_eight_processes_claim_each_of_200_runs_exactly_once(pg, tmp_path):
-    eight_claimers_take_each_of_200_runs_once(pg, tmp_path)
-
-
-def test_one_statement_claim_sweeps_reclaims_and_records(pg):
-    claims_sweep_reclaim_and_record(pg)
+    with pg_database() as url:
+        yield url
 
 
 def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):

@@ -13,12 +13,13 @@ import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 from typer.testing import CliRunner
 
 from fibctl import queue
 from fibctl.config import RunConfig
-from fibctl.db.engine import connect
+from fibctl.db.engine import connect, resolve_url
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix
@@ -29,8 +30,9 @@ def _configs(n: int, **kw) -> list[RunConfig]:
 
 
 @pytest.fixture
-def db(tmp_path):
-    return str(tmp_path / "q.db")
+def db(db_url):
+    """A fresh database: a SQLite file, and one on the FIBCTL_TEST_PG server (tests/conftest.py)."""
+    return db_url
 
 
 def _events(engine, run_id):
@@ -112,8 +114,7 @@ def _claim_all(db: str, worker: str, barrier, out_path: str) -> None:
 
 
 def eight_claimers_take_each_of_200_runs_once(db: str, tmp_path) -> None:
-    """8 processes claim a queue of 200 runs at once: each run claimed exactly once, no error
-    (the SQLite test here; tests/test_postgres.py runs it on a PostgreSQL server)."""
+    """8 processes claim a queue of 200 runs at once: each run claimed exactly once, no error."""
     queue.add_runs(connect(db), _configs(200))
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(8)
@@ -178,7 +179,7 @@ def _event_rows(engine, run_id):
 def claims_sweep_reclaim_and_record(db: str) -> None:
     """One claim fails an abandoned run that used its attempts (even while a queued run is
     what it claims), reclaims one under the limit naming its previous worker, and records
-    each claim's attempt, host, device and times (tests/test_postgres.py runs it too)."""
+    each claim's attempt, host, device and times."""
     engine = connect(db)
     queue.add_runs(engine, _configs(3))
     first = queue.claim_next(engine, "w1", host="h1", device="cpu")  # r000, attempt 1
@@ -256,6 +257,7 @@ def _main_exit(monkeypatch, capsys, *args: str) -> tuple[int, str]:
 
 
 def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypatch, capsys):
+    # SQLite only: files that are not databases, and a mistyped path that must not become one
     notes = tmp_path / "notes.txt"
     notes.write_text("not a database\n")
     future = tmp_path / "future.db"
@@ -283,8 +285,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
     assert not (tmp_path / "x.db").exists()
 
 
-def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, monkeypatch, capsys):
-    db = str(tmp_path / "q.db")
+def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path, monkeypatch, capsys):
     engine = connect(db)
     queue.add_runs(engine, _configs(3))
     runs = tmp_path / "runs"
@@ -298,7 +299,10 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, mon
     recorder.log_step(10, 3.0, 1e-3)
     recorder.log_eval(10, "docs_val", 64, 4096, 3.1)
     queue.cancel(engine, "r001")
-    count = lambda table: sqlite3.connect(db).execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: E731
+    def count(table: str, where: str = "", **params) -> int:  # read afresh, as another process would
+        with create_engine(resolve_url(db), poolclass=NullPool).connect() as conn:
+            return conn.execute(text(f"SELECT count(*) FROM {table} {where}"), params).scalar()
+
     before = {t: count(t) for t in ("runs", "train_steps", "evaluations", "events")}
 
     code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
@@ -313,7 +317,7 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, mon
     assert code == 0
     assert [r["name"] for r in queue.list_runs(engine)] == ["r000", "r002"]
     assert count("train_steps") == count("evaluations") == 0  # cascaded
-    assert sqlite3.connect(db).execute("SELECT count(*) FROM events WHERE run_id = ?", (ids["r001"],)).fetchone() == (0,)
+    assert count("events", "WHERE run_id = :r", r=ids["r001"]) == 0
     assert (runs / "r001" / "step_00000010.pt").is_file()
 
     code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
@@ -332,8 +336,7 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(tmp_path, mon
     assert (tmp_path / "elsewhere" / "r000" / "step_00000010.pt").is_file()
 
 
-def test_status_shows_each_running_run_where_how_far_and_how_fast(tmp_path):
-    db = str(tmp_path / "r.db")
+def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     engine = connect(db)
     queue.add_runs(engine, _configs(3, steps=100))
     run = queue.claim_next(engine, "host-a:1", host="host-a", device="cpu (2 threads)")

@@ -1,0 +1,51 @@
+"""Shared fixtures: `db_url`, a fresh results database on each backend fibctl supports.
+
+SQLite always (a file in the test's tmp_path); PostgreSQL when FIBCTL_TEST_PG names a server
+(a URL whose user may create databases; `.ci/run` starts one with `.ci/postgres`): a new,
+uniquely named database on that server for each test, dropped afterwards. Without the
+variable the postgresql cases skip, saying why."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+
+import pytest
+
+PG_SERVER = os.environ.get("FIBCTL_TEST_PG")
+NO_PG = "FIBCTL_TEST_PG names no PostgreSQL server"
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(not PG_SERVER, reason=NO_PG))]
+
+
+@contextlib.contextmanager
+def pg_database(prefix: str = "fibctl_test"):
+    """A new database on the FIBCTL_TEST_PG server, dropped afterwards; its URL.
+
+    Its own name prefix: tests/test_bench_queue.py checks that no `fibctl_bench_*` database
+    is left over. The admin engine pings before use, so the drop works after a server restart
+    (tests/test_postgres.py restarts it), and WITH (FORCE) closes connections a test's
+    engines still hold."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        yield make_url(PG_SERVER).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path) -> str:
+    """The URL (SQLite: a bare path) of an empty database fibctl has not written yet."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "test.db")
+    else:
+        with pg_database() as url:
+            yield url

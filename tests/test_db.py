@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import InternalError, OperationalError
+from sqlalchemy.pool import NullPool
 
 from fibctl.config import RunConfig
-from fibctl.db.engine import connect, connect_readonly, current_revision, head_revision, upgrade
+from fibctl.db.engine import connect, connect_readonly, current_revision, head_revision, resolve_url, upgrade
 from fibctl.db.schema import Base
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
@@ -20,22 +19,28 @@ from fibctl.queue import add_runs
 
 def _insert_rev1_run(db: str, name: str, config_json: str) -> None:
     """A run and its metrics written the way revision 0001 stored them (plain SQL)."""
-    con = sqlite3.connect(db)
-    con.execute(
-        "INSERT INTO runs (name, matrix, preset, base, schedule, window, seed, config_json, config_hash,"
-        " status, attempts, created_at, source) VALUES (?, 'm', 'micro', 'fib', 'stagger', 8, 42, ?, 'h',"
-        " 'done', 1, '2026-01-01 00:00:00', 'fibctl')", (name, config_json))
-    run_id = con.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()[0]
-    con.execute("INSERT INTO evaluations (run_id, step, dataset, eval_length, tokens, loss, ppl)"
-                " VALUES (?, 30, 'wikipedia_val', 64, 4096, 2.0, 7.389)", (run_id,))
-    con.executemany("INSERT INTO position_losses (run_id, step, dataset, eval_length, position, mean_loss,"
-                    " windows) VALUES (?, 30, 'wikipedia_val', 64, ?, 1.5, 4)", [(run_id, p) for p in range(63)])
-    con.commit()
-    con.close()
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    with engine.begin() as conn:
+        run_id = conn.execute(text(
+            'INSERT INTO runs (name, matrix, preset, base, schedule, "window", seed, config_json, config_hash,'
+            " status, attempts, created_at, source) VALUES (:n, 'm', 'micro', 'fib', 'stagger', 8, 42, :c, 'h',"
+            " 'done', 1, '2026-01-01 00:00:00', 'fibctl') RETURNING id"), {"n": name, "c": config_json}).scalar()
+        conn.execute(text("INSERT INTO evaluations (run_id, step, dataset, eval_length, tokens, loss, ppl)"
+                          " VALUES (:r, 30, 'wikipedia_val', 64, 4096, 2.0, 7.389)"), {"r": run_id})
+        conn.execute(text("INSERT INTO position_losses (run_id, step, dataset, eval_length, position, mean_loss,"
+                          " windows) VALUES (:r, 30, 'wikipedia_val', 64, :p, 1.5, 4)"),
+                     [{"r": run_id, "p": p} for p in range(63)])
 
 
-def test_upgrade_from_first_revision_keeps_rows(tmp_path):
-    db = str(tmp_path / "old.db")
+def _inspect(db: str, *sql: str) -> list:
+    """Each statement's rows, read through a connection of its own (not fibctl's engine)."""
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    with engine.connect() as conn:
+        return [conn.execute(text(q)).all() for q in sql]
+
+
+def test_upgrade_from_first_revision_keeps_rows(db_url):
+    db = db_url
     upgrade(db, "0001")
     cfg = RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8)
     _insert_rev1_run(db, "r1", cfg.to_json())
@@ -52,20 +57,20 @@ def test_upgrade_from_first_revision_keeps_rows(tmp_path):
         assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0
 
 
-def test_failed_upgrade_changes_nothing(tmp_path):
-    db = str(tmp_path / "old.db")
+def test_failed_upgrade_changes_nothing(db_url):
+    db = db_url
     upgrade(db, "0001")
     _insert_rev1_run(db, "broken", "{}")  # no model.seq_len to fill train_length from
     with pytest.raises(FibctlError, match="nothing changed"):
         upgrade(db)
-    con = sqlite3.connect(db)
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
-    assert "train_length" not in [r[1] for r in con.execute("PRAGMA table_info(runs)")]
-    assert con.execute("SELECT count(*) FROM position_losses").fetchone() == (63,)
+    version, losses = _inspect(db, "SELECT version_num FROM alembic_version", "SELECT count(*) FROM position_losses")
+    assert version == [("0001",)] and losses == [(63,)]
+    columns = inspect(create_engine(resolve_url(db), poolclass=NullPool)).get_columns("runs")
+    assert "name" in [c["name"] for c in columns] and "train_length" not in [c["name"] for c in columns]
 
 
-def test_migrated_schema_equals_models(tmp_path):
-    engine = connect(str(tmp_path / "new.db"))
+def test_migrated_schema_equals_models(db_url):
+    engine = connect(db_url)
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         assert compare_metadata(ctx, Base.metadata) == []
@@ -73,8 +78,8 @@ def test_migrated_schema_equals_models(tmp_path):
 
 
 @pytest.fixture
-def recorder(tmp_path):
-    engine = connect(str(tmp_path / "r.db"))
+def recorder(db_url):
+    engine = connect(db_url)
     add_runs(engine, [RunConfig.resolve("r1", "m", "micro", schedule="fixed")])
     return RunRecorder(engine, 1, worker="w")
 
@@ -122,7 +127,7 @@ def test_recorder_updates_run_and_logs_events(recorder):
         recorder.update_run(nonsense=1)
 
 
-def test_garbage_file_is_refused_untouched(tmp_path):
+def test_garbage_file_is_refused_untouched(tmp_path):  # SQLite only: a file that is no database
     path = tmp_path / "notes.db"
     path.write_bytes(b"these are my notes, not a database\n" * 10)
     before = path.read_bytes()
@@ -132,29 +137,27 @@ def test_garbage_file_is_refused_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_newer_schema_is_refused_untouched(tmp_path):
-    db = str(tmp_path / "future.db")
+def test_newer_schema_is_refused_untouched(db_url):
+    db = db_url
     connect(db).dispose()
-    con = sqlite3.connect(db)
-    con.execute("UPDATE alembic_version SET version_num = 'f00d'")
-    con.commit()
+    with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))
     for open_ in (connect, connect_readonly, upgrade):
         with pytest.raises(FibctlError, match="newer fibctl"):
             open_(db)
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("f00d",)]
+    assert _inspect(db, "SELECT version_num FROM alembic_version") == [[("f00d",)]]
 
 
-def test_foreign_sqlite_database_is_refused(tmp_path):
-    db = tmp_path / "other.db"
-    con = sqlite3.connect(db)
-    con.execute("CREATE TABLE metrics (x)")
-    con.commit()
+def test_foreign_database_is_refused(db_url):
+    engine = create_engine(resolve_url(db_url), poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE metrics (x INTEGER)"))
     with pytest.raises(FibctlError, match="not a fibctl database"):
-        connect(str(db))
-    assert con.execute("SELECT name FROM sqlite_master").fetchall() == [("metrics",)]
+        connect(db_url)
+    assert inspect(engine).get_table_names() == ["metrics"]
 
 
-def test_missing_database_or_directory(tmp_path):
+def test_missing_database_or_directory(tmp_path):  # SQLite only: files and folders
     with pytest.raises(FibctlError, match="does not exist"):
         connect(str(tmp_path / "nope" / "x.db"))
     with pytest.raises(FibctlError, match="no database at"):
@@ -166,13 +169,15 @@ def test_missing_database_or_directory(tmp_path):
     assert connect(str(tmp_path / "x.db"), create=False)
 
 
-def test_readonly_connection_refuses_writes(tmp_path):
-    db = str(tmp_path / "r.db")
+def test_readonly_connection_refuses_writes(db_url):
+    db = db_url
     add_runs(connect(db), [RunConfig.resolve("r1", "m", "micro", schedule="fixed")])
     engine = connect_readonly(db)
+    # each driver's class for it: sqlite3's OperationalError, PostgreSQL's SQLSTATE 25006 (class 25)
+    refused = OperationalError if engine.dialect.name == "sqlite" else InternalError
     with engine.connect() as conn:
         assert conn.execute(text("SELECT name FROM runs")).scalar() == "r1"
-        with pytest.raises(OperationalError, match="readonly|read-only"):
+        with pytest.raises(refused, match="readonly|read-only"):
             conn.execute(text("DELETE FROM runs"))
     with connect(db).connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 1

@@ -240,9 +240,14 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     assert queued.returncode == 0 and "queued 2 probe run(s)" in queued.stdout, queued.stderr
     again = _fibctl(tmp_path, "probe", "--quick", "--db", "r.db")
     assert "queued 0 probe run(s); 2 already present" in again.stdout  # idempotent
-    worked = _fibctl(tmp_path, "worker", "--db", "r.db", "--plain", "--threads", "2")
-    assert worked.returncode == 0, worked.stdout + worked.stderr
-    assert "probe_d2_uniform_s0_200steps done" in worked.stdout and "probe_d2_staggered_s0_200steps done" in worked.stdout
+    worker = _worker(tmp_path, "--threads", "2")  # measured faster than two 1-thread workers here
+    output = worker.communicate(timeout=300)[0]
+    assert worker.returncode == 0, output
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select name, status from runs order by id").fetchall() == [
+        ("probe_d2_uniform_s0_200steps", "done"), ("probe_d2_staggered_s0_200steps", "done")]
+    assert db.execute("select count(*) from events where kind = 'claimed'").fetchone() == (2,)  # each once
+    assert db.execute("select count(distinct step) from alphas").fetchone() == (3,)  # steps 0, 100 and 200
     table = _fibctl(tmp_path, "report", "table2", "--db", "r.db")
     assert table.returncode == 0, table.stderr
     assert "fibctl's models, 200 steps" in " ".join(table.stdout.split()) and "staggered" in table.stdout

@@ -298,3 +298,17 @@ def test_eval_refuses_probe_runs_and_all_skips_them(tmp_path):
         conn.execute(text("UPDATE runs SET checkpoint_path = 'x/step_00000030.pt'"))
     with pytest.raises(FibctlError, match="probe runs are scored by their worker"):
         find_runs(engine, [], True)
+
+
+def test_a_probe_run_trains_in_one_process(tmp_path):
+    from fibctl.errors import WorkerError
+    from fibctl.flows.worker import check_group_run
+
+    [run] = small_runs()[:1]
+    add_runs(connect(str(tmp_path / "r.db")), [run])
+    r = _fibctl(tmp_path, "train", run.name, "--db", "r.db", "--nproc", "2", "--device", "cpu")
+    assert r.returncode == 2 and "is a probe run: it trains in one process" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
+    with pytest.raises(WorkerError, match="probe run"):  # what worker --ddp's rank 0 checks at each claim
+        check_group_run(run, None, 2)

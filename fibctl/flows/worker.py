@@ -183,8 +183,7 @@ def train_distributed(connect: Callable[[], Engine], run_name: str, opts: Worker
     def claim(engine: Engine, worker: str, describe_as: str, manifest: DataManifest, world: int):
         return queue.claim_named(engine, run_name, worker, socket.gethostname(), describe_as,
                                  opts.heartbeat_timeout_s,
-                                 check=lambda cfg: (check_data(cfg, manifest),
-                                                    check_split(cfg.train.grad_accum, world, cfg.name)))
+                                 check=lambda cfg: check_group_run(cfg, manifest, world))
 
     return _distributed(connect, claim, dataclasses.replace(opts, max_runs=1), display, stop)[0]
 
@@ -200,14 +199,23 @@ def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display
                                    opts.heartbeat_timeout_s, opts.max_attempts)
         if claimed is not None:
             try:
-                check_data(claimed.config, manifest)
-                check_split(claimed.config.train.grad_accum, world, claimed.name)
+                check_group_run(claimed.config, manifest, world)
             except FibctlError as e:
                 queue.unclaim(engine, claimed.id, str(e))
                 raise WorkerError(f"{e}; it is queued again") from None
         return claimed
 
     return _distributed(connect, claim, opts, display, stop)
+
+
+def check_group_run(config: RunConfig, manifest: DataManifest | None, world: int) -> None:
+    """A run a group of `world` processes can train: not a probe run (those train in one
+    process), data that fits, and grad_accum micro-batches the ranks can share."""
+    if config.probe is not None:
+        raise WorkerError(f"run {config.name!r} is a probe run: it trains in one process "
+                          "(fibctl worker, or fibctl train without --nproc)")
+    check_data(config, manifest)
+    check_split(config.train.grad_accum, world, config.name)
 
 
 def _distributed(connect: Callable[[], Engine], claim: Callable, opts: WorkerOptions, display: Display,
@@ -321,7 +329,10 @@ def check_launch(opts: WorkerOptions, nproc: int | None) -> int:
 
 def check_ddp(engine: Engine, run_name: str, nproc: int, opts: WorkerOptions) -> None:
     """`check_launch` for one run, and N divides the run's grad_accum."""
-    check_split(queue.run_config(engine, run_name).train.grad_accum, check_nproc(nproc, opts.device), run_name)
+    config = queue.run_config(engine, run_name)
+    if config.probe is not None:
+        raise FibctlError(f"run {run_name!r} is a probe run: it trains in one process; drop --nproc")
+    check_split(config.train.grad_accum, check_nproc(nproc, opts.device), run_name)
     check_launch(opts, nproc)
 
 
@@ -374,9 +385,6 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
                                                                       claimed.config.to_dict()))
         on_checkpoint = lambda result: _record(recorder, opts, claimed.name, result)  # noqa: E731
         if claimed.config.probe is not None:  # trains in one process, eagerly (its width changes every step)
-            if group is not None:
-                raise WorkerError(f"run {claimed.name!r} is a probe run: it trains in one process "
-                                  "(fibctl worker, or fibctl train without --nproc)")
             if opts.compile:
                 display.warn(f"{claimed.name}: a probe run trains eagerly; --compile does not apply")
             trainer = ProbeTrainer(claimed.config, run_dir, recorder, device=device, stop=stop,

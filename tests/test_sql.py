@@ -9,28 +9,53 @@ import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.pool import NullPool
 from typer.testing import CliRunner
 
 from fibctl.cli import app
-from fibctl.db.engine import connect
+from fibctl.db.engine import connect, resolve_url
 from fibctl.errors import FibctlError
-from fibctl.reports.sql import run_query
+from fibctl.reports.sql import query_rows, run_query
 from test_reports import add_eval, add_run
 
 
-@pytest.fixture
-def db(tmp_path) -> str:
-    path = str(tmp_path / "results.db")
-    engine = connect(path)
+def _filled(db: str) -> str:
+    engine = connect(db)
     with engine.begin() as conn:
         add_eval(conn, add_run(conn, "demo_stagger", "stagger"), 128, 23.0)
         add_eval(conn, add_run(conn, "demo_fixed", "fixed"), 128, 24.0)
     engine.dispose()
-    return path
+    return db
 
 
-def _digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+@pytest.fixture
+def db(db_url) -> str:
+    """Two runs with an evaluation each: a SQLite file, and on the FIBCTL_TEST_PG server."""
+    return _filled(db_url)
+
+
+@pytest.fixture
+def sqlite_db(tmp_path) -> str:
+    """The same, SQLite only: for the tests of SQLite's own statements, files and modes."""
+    return _filled(str(tmp_path / "results.db"))
+
+
+def _is_sqlite(db: str) -> bool:
+    return resolve_url(db).get_backend_name() == "sqlite"
+
+
+def _digest(db: str):
+    """What a write would change. SQLite: the file's bytes. PostgreSQL: every table's
+    columns and rows (read through a connection of its own)."""
+    if _is_sqlite(db):
+        return hashlib.sha256(Path(db).read_bytes()).hexdigest()
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    names = inspect(engine).get_table_names()
+    with engine.connect() as conn:
+        return {t: ([c["name"] for c in inspect(conn).get_columns(t)],
+                    sorted(map(repr, conn.execute(text(f'SELECT * FROM "{t}"')))))
+                for t in names}
 
 
 def test_select_returns_rows(db):
@@ -38,6 +63,11 @@ def test_select_returns_rows(db):
     assert frame.values.tolist() == [["demo_stagger", 23.0], ["demo_fixed", 24.0]]
     # text is passed as written: a colon inside a string literal is not a bind parameter
     assert run_query(db, "SELECT 'at 12:30' AS t").values.tolist() == [["at 12:30"]]
+    # nor is a percent sign (psycopg's placeholder mark when given parameters)
+    assert run_query(db, "SELECT name, '100%' AS p FROM runs WHERE name LIKE '%stagger'").values.tolist() == [
+        ["demo_stagger", "100%"]]
+    none = query_rows(db, "SELECT name AS n FROM runs WHERE id < 0")  # no rows, still its columns
+    assert (none.columns, none.rows, none.truncated) == (["n"], [], False)
 
 
 def test_writes_are_refused_by_the_connection_and_nothing_changes(db):
@@ -51,7 +81,9 @@ def test_writes_are_refused_by_the_connection_and_nothing_changes(db):
 
 
 def test_bad_sql_and_missing_database_are_one_line_errors(db, tmp_path):
-    with pytest.raises(FibctlError, match="SQL error: no such table: nope"):
+    # the driver's own first line
+    reason = "no such table: nope" if _is_sqlite(db) else 'relation "nope" does not exist'
+    with pytest.raises(FibctlError, match=f"^SQL error: {reason}$"):
         run_query(db, "SELECT * FROM nope")
     with pytest.raises(FibctlError, match="no database at"):
         run_query(str(tmp_path / "absent.db"), "SELECT 1")
@@ -75,7 +107,9 @@ def test_cli_insert_exits_2_with_one_clear_line(db):
     r = subprocess.run([sys.executable, "-m", "fibctl", "sql", "INSERT INTO runs (name) VALUES ('x')", "--db", db],
                        capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("error: refused: fibctl sql only reads")
+    # SQLite's authorizer refuses it before the read-only file would; PostgreSQL's read-only transaction
+    refusal = "fibctl sql only reads" if _is_sqlite(db) else "the database is opened read-only"
+    assert r.stderr.strip().startswith(f"error: refused: {refusal}")
     assert len(r.stderr.strip().splitlines()) == 1
     assert _digest(db) == before
 
@@ -84,7 +118,8 @@ def test_cli_insert_exits_2_with_one_clear_line(db):
     "ATTACH DATABASE '{out}/attached.db' AS other", "VACUUM INTO '{out}/copy.db'", "VACUUM",
     "PRAGMA journal_mode=DELETE", "PRAGMA user_version = 7", "SELECT load_extension('x')",
 ])
-def test_statements_that_create_files_or_change_settings_are_refused(db, tmp_path, statement):
+def test_statements_that_create_files_or_change_settings_are_refused(sqlite_db, tmp_path, statement):
+    db = sqlite_db  # SQLite's statements and its authorizer
     out = tmp_path / "out"
     out.mkdir()
     before = _digest(db)
@@ -107,8 +142,9 @@ def test_rows_and_time_are_bounded(db):
     assert r.exit_code == 0 and r.stdout == "i\n1\n2\n" and "only the first 2 rows" in r.stderr
 
 
-def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(db, monkeypatch):
+def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(sqlite_db, monkeypatch):
     import os
+    db = sqlite_db
     from fibctl.db import engine as db_engine
     assert run_query(db, "PRAGMA journal_mode").values.tolist() == [["wal"]]
     for leftover in (db + "-shm", db + "-wal"):  # as a copy of the file alone would be
@@ -122,7 +158,8 @@ def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(db, monkeypat
 
 
 def test_markup_and_blobs_from_data_are_printed_as_they_are(db):
-    query = "SELECT '[/]' AS a, '[bold red]boom[/bold red]' AS \"[b]\", x'00ff' AS blob"
+    blob = "x'00ff'" if _is_sqlite(db) else "'\\x00ff'::bytea"  # each dialect's blob literal
+    query = f"SELECT '[/]' AS a, '[bold red]boom[/bold red]' AS \"[b]\", {blob} AS blob"
     r = CliRunner().invoke(app, ["sql", query, "--db", db])
     assert r.exit_code == 0 and "[/]" in r.output and "[bold red]boom[/bold red]" in r.output and "[b]" in r.output
     r = CliRunner().invoke(app, ["sql", query, "--db", db, "--json"])
@@ -149,6 +186,9 @@ def test_values_are_written_as_the_database_returns_them(db):
     frame = run_query(db, query)
     assert frame.values.tolist() == [[1, None, "runs/a/step_1.pt", 2.5], [2, 8, "runs/a/step_1.pt", 2.5]]
     assert all(type(v) is int for v in frame["id"])
+    # a NUMERIC (PostgreSQL's 2.5 above, and sums and averages of integers) is a JSON number
+    r = runner.invoke(app, ["sql", "SELECT CAST(3 AS NUMERIC) AS n, CAST(0.25 AS NUMERIC) AS q", "--db", db, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == [{"n": 3, "q": 0.25}]
     for args, message in ((["--format", "xml"], "--format 'xml': allowed: table, csv, json"),
                           (["--csv", "--json"], "give one output format")):
         r = runner.invoke(app, ["sql", "SELECT 1", "--db", db, *args])

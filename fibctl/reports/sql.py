@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from fibctl.lazy import pandas as pd
-from sqlalchemy.exc import DBAPIError, ResourceClosedError
+from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
 from fibctl.db.engine import connect_readonly
 from fibctl.errors import FibctlError
@@ -60,7 +60,7 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 conn.exec_driver_sql(f"SET statement_timeout = {int(timeout_s * 1000)}")
                 guard = None
             try:
-                result = conn.exec_driver_sql(sql)  # as written: no bind-parameter parsing
+                result = _pg_result(conn, sql) if guard is None else conn.exec_driver_sql(sql)
                 try:
                     rows = result.fetchmany(max_rows + 1)
                     columns = list(result.keys())
@@ -74,6 +74,25 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
         raise FibctlError(_sql_error(e, timeout_s)) from None
     finally:
         engine.dispose()
+
+
+def _pg_result(conn, sql: str):
+    """`sql`'s result on PostgreSQL, its rows fetched as they are read.
+
+    psycopg's ordinary cursor receives the whole result before the first row is read, so an
+    unbounded statement would run to the deadline (and a large one fill memory) whatever
+    --max-rows says. A server-side cursor (DECLARE ... CURSOR FOR) fetches in batches, but
+    takes only queries: any other statement (SET, SHOW, a write, several statements) fails
+    to parse there, having run nothing, and is run as it is, from the savepoint."""
+    as_written = {"no_parameters": True}  # the driver parses no placeholders: a '%' is a '%'
+    savepoint = conn.begin_nested()
+    try:
+        return conn.exec_driver_sql(sql, execution_options={**as_written, "stream_results": True})
+    except ProgrammingError as e:
+        if getattr(e.orig, "sqlstate", None) != "42601":  # syntax_error
+            raise
+        savepoint.rollback()
+        return conn.exec_driver_sql(sql, execution_options=as_written)
 
 
 def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
@@ -133,12 +152,16 @@ def to_csv(result: Rows) -> str:
 
 def to_json(result: Rows) -> str:
     """JSON records: NULL as null, integers as integers, slashes as they are; a non-finite
-    float (which JSON cannot hold) as its name, e.g. "inf"."""
+    float (which JSON cannot hold) as its name, e.g. "inf". A NUMERIC (PostgreSQL's type of
+    `2.5`, `avg(int)`, `sum(bigint)`; the driver returns a Decimal) is a number too."""
     import json
     import math
+    from decimal import Decimal
 
     def value(v):
         v = cell(v)
+        if isinstance(v, Decimal):
+            v = int(v) if v.is_finite() and v == v.to_integral_value() else float(v)
         return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
     records = [{k: value(v) for k, v in zip(result.columns, row)} for row in result.rows]

@@ -41,11 +41,25 @@ def pg_database(prefix: str = "fibctl_test"):
         admin.dispose()
 
 
-@pytest.fixture(params=BACKENDS)
-def db_url(request, tmp_path) -> str:
-    """The URL (SQLite: a bare path) of an empty database fibctl has not written yet."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "test.db")
+@contextlib.contextmanager
+def fresh_database(backend: str, folder):
+    """The URL (SQLite: a bare path in `folder`) of an empty database on `backend`."""
+    if backend == "sqlite":
+        yield str(folder / "test.db")
     else:
         with pg_database() as url:
             yield url
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path) -> str:
+    """An empty database fibctl has not written yet, for one test."""
+    with fresh_database(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def module_backend(request) -> str:
+    """The backend of a module's shared databases (e.g. the imported study in test_reports.py):
+    every module-scoped database fixture that takes it is on the same backend in one test."""
+    return request.param

@@ -116,10 +116,11 @@ def make_study(folder: Path) -> tuple[Path, Path, Path]:
     return fib_db, folder / "lenextrap.json", folder / "posloss.json"
 
 
-def imported(folder: Path, db_name: str = "results.db"):
-    """A fibctl database holding the small study, and the study's paths."""
+def imported(folder: Path, db: str | None = None):
+    """A fibctl database (`db`, or results.db in `folder`) holding the small study, and the
+    study's paths."""
     files = make_study(folder)
-    engine = connect(str(folder / db_name))
+    engine = connect(db or str(folder / "results.db"))
     import_study(engine, *files)
     return engine, files
 
@@ -146,8 +147,8 @@ def test_run_names_map_to_base_schedule_window_seed():
     assert study_run("ref_e0084") is None
 
 
-def test_import_maps_runs_and_keeps_the_last_done_attempt(tmp_path):
-    engine, _ = imported(tmp_path)
+def test_import_maps_runs_and_keeps_the_last_done_attempt(tmp_path, db_url):
+    engine, _ = imported(tmp_path, db_url)
     runs = {r[0]: r[1:] for r in rows(engine, "SELECT name, base, schedule, \"window\", seed, matrix, preset, "
                                               "train_length, status, source, attempts, final_step FROM runs "
                                               "WHERE matrix = 'paper'")}
@@ -165,8 +166,8 @@ def test_import_maps_runs_and_keeps_the_last_done_attempt(tmp_path):
     assert (config["model"]["schedule"], config["model"]["window"], config["model"]["n_layers"]) == ("stagger", 8, 16)
 
 
-def test_import_aux_probe_extrapolation_and_position_losses(tmp_path):
-    engine, _ = imported(tmp_path)
+def test_import_aux_probe_extrapolation_and_position_losses(tmp_path, db_url):
+    engine, _ = imported(tmp_path, db_url)
     aux = dict(rows(engine, "SELECT m.name, m.value FROM aux_metrics m JOIN runs r ON r.id = m.run_id "
                             "WHERE r.name = 'f13__fib_stagger_w12' AND m.metric = 'top1_acc'"))
     assert aux == {"lambada": 0.03, "lambada@step500": 0.01}
@@ -198,17 +199,17 @@ def _dump(engine) -> dict:
     return {t: rows(engine, f"SELECT * FROM {t} ORDER BY id") for t in tables}
 
 
-def test_importing_twice_changes_nothing(tmp_path):
-    engine, files = imported(tmp_path)
+def test_importing_twice_changes_nothing(tmp_path, db_url):
+    engine, files = imported(tmp_path, db_url)
     before = _dump(engine)
     assert len(before["runs"]) == 10 + 4  # 9 study runs + the dense baseline, 4 probe models
     import_study(engine, *files)
     assert _dump(engine) == before
 
 
-def test_wrong_layout_names_what_was_expected(tmp_path):
+def test_wrong_layout_names_what_was_expected(tmp_path, db_url):
     fib_db, extrap, posloss = make_study(tmp_path)
-    engine = connect(str(tmp_path / "results.db"))
+    engine = connect(db_url)
     broken = tmp_path / "broken.db"
     conn = sqlite3.connect(broken)
     conn.execute("CREATE TABLE runs (id INTEGER, title TEXT)")
@@ -233,9 +234,9 @@ def test_wrong_layout_names_what_was_expected(tmp_path):
     assert rows(engine, "SELECT COUNT(*) FROM runs") == [(0,)]
 
 
-def test_a_run_fibctl_trained_is_not_overwritten(tmp_path):
+def test_a_run_fibctl_trained_is_not_overwritten(tmp_path, db_url):
     fib_db, _, _ = make_study(tmp_path)
-    engine = connect(str(tmp_path / "results.db"))
+    engine = connect(db_url)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO runs (name, matrix, preset, schedule, seed, train_length, config_json, "
                           "config_hash, status, attempts, created_at, source) VALUES ('f06__fib_fixed_w8', "
@@ -245,9 +246,9 @@ def test_a_run_fibctl_trained_is_not_overwritten(tmp_path):
     assert rows(engine, "SELECT name, status FROM runs") == [("f06__fib_fixed_w8", "queued")]
 
 
-def test_cli_import_study_and_its_bad_input_exit_code(tmp_path):
+def test_cli_import_study_and_its_bad_input_exit_code(tmp_path, db_url):
     fib_db, extrap, posloss = make_study(tmp_path)
-    db = str(tmp_path / "out.db")
+    db = db_url
     ok = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
                          "--posloss", str(posloss), "--db", db], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
@@ -258,9 +259,9 @@ def test_cli_import_study_and_its_bad_input_exit_code(tmp_path):
     assert "not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path):
+def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path, db_url):
     fib_db, extrap, posloss = make_study(tmp_path)
-    engine = connect(str(tmp_path / "results.db"))
+    engine = connect(db_url)
     first = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
     assert (first.runs, first.probe_runs) == (10, 4) and first.evaluations > 0 and first.position_losses > 0
     again = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
@@ -273,16 +274,16 @@ def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path):
     changed = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
     assert (changed.runs, changed.probe_runs, changed.evaluations, changed.aux_metrics,
             changed.position_losses) == (0, 0, 1, 0, 0)
-    db = str(tmp_path / "results.db")
+    db = db_url
     again = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
                             "--posloss", str(posloss), "--db", db], capture_output=True, text=True)
     assert again.returncode == 0 and "nothing to import" in again.stdout and "imported" not in again.stdout
 
 
-def test_the_dense_baseline_has_one_name_queued_or_imported(tmp_path):
+def test_the_dense_baseline_has_one_name_queued_or_imported(tmp_path, db_url):
     from fibctl.db.importer import DENSE_BASELINE
     from fibctl.matrix import load_matrix
 
     queued = [c.name for c in load_matrix("paper").resolve() if c.model.schedule == "dense"]
-    engine, _ = imported(tmp_path)
+    engine, _ = imported(tmp_path, db_url)
     assert queued == [DENSE_BASELINE] == [r[0] for r in rows(engine, "SELECT name FROM runs WHERE schedule = 'dense'")]

@@ -1,16 +1,14 @@
 """`fibctl db copy`: a whole database into another, idempotent, counts equal afterwards;
-SQLite to SQLite always, SQLite to PostgreSQL when FIBCTL_TEST_PG names a server."""
+SQLite to SQLite always; to and from PostgreSQL when FIBCTL_TEST_PG names a server (the
+source is test_reports.py's study, on each backend)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 from fibctl.db.copy import copy_database, counts
 from fibctl.db.engine import connect
@@ -20,26 +18,9 @@ from test_reports import study  # noqa: F401  (the small imported study: every t
 from train_helpers import micro_run
 
 
-def _pg_database():
-    server = os.environ["FIBCTL_TEST_PG"]
-    name = f"fibctl_copy_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    return make_url(server).set(database=name).render_as_string(hide_password=False), admin, name
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def target(request, tmp_path):
-    if request.param == "sqlite":
-        yield str(tmp_path / "copy.db")
-        return
-    if not os.environ.get("FIBCTL_TEST_PG"):
-        pytest.skip("FIBCTL_TEST_PG names no PostgreSQL server")
-    url, admin, name = _pg_database()
-    yield url
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+@pytest.fixture
+def target(db_url):
+    return db_url
 
 
 def test_copy_is_whole_and_idempotent(study, target):  # noqa: F811

@@ -16,6 +16,14 @@ from fibctl.db.engine import connect_readonly
 from fibctl.reports import export, figures, render, tables
 from test_reports import study  # noqa: F401  (the small imported study: every table has data)
 
+
+@pytest.fixture(scope="module")
+def module_backend() -> str:
+    """SQLite only: the page and the browser are this module's subject; test_reports.py runs
+    every table's query on both backends."""
+    return "sqlite"
+
+
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 
 

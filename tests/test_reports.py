@@ -21,16 +21,18 @@ from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
 from fibctl.reports import render, tables
 from fibctl.reports.sql import run_query
+from conftest import fresh_database
 from test_import import N_POS, imported, position_losses
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
-    """The small published study, imported; a read-only engine on it."""
+def study(module_backend, tmp_path_factory):
+    """The small published study, imported (a SQLite file, and on the FIBCTL_TEST_PG server)."""
     folder = tmp_path_factory.mktemp("study")
-    engine, _ = imported(folder)
-    engine.dispose()
-    return str(folder / "results.db")
+    with fresh_database(module_backend, folder) as db:
+        engine, _ = imported(folder, db)
+        engine.dispose()
+        yield db
 
 
 def ro(db: str):
@@ -61,8 +63,12 @@ DEMO_LENGTHS = [128, 256, 512, 1024]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    db = str(tmp_path_factory.mktemp("demo") / "demo.db")
+def demo(module_backend, tmp_path_factory):
+    with fresh_database(module_backend, tmp_path_factory.mktemp("demo")) as db:
+        yield _fill_demo(db)
+
+
+def _fill_demo(db: str) -> str:
     engine = connect(db)
     with engine.begin() as conn:
         for schedule, ppls in DEMO_PPL.items():
@@ -208,7 +214,9 @@ def test_cli_report_formats_show_sql_and_all(study, tmp_path):
     r = runner.invoke(app, ["report", "table3", "--db", study, "--format", "csv", "--show-sql"])
     assert r.exit_code == 0, r.output
     assert r.output.startswith("WITH final AS") and "ref_e0000,-,dense,,30.0,45.0,90.0,200.0" in r.output
-    r = runner.invoke(app, ["report", "table1", "--db", study, "--compare", study])
+    # wide: the label is the database's name, longer on PostgreSQL; narrow terminals are
+    # test_a_long_compare_label_wraps_headers_and_cuts_no_cell's
+    r = runner.invoke(app, ["report", "table1", "--db", study, "--compare", study], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "Δ FineWeb-Edu" in r.output and "+0.00" in r.output
     out = tmp_path / "report"
     r = runner.invoke(app, ["report", "all", "--db", study, "--out", str(out)])
@@ -218,6 +226,17 @@ def test_cli_report_formats_show_sql_and_all(study, tmp_path):
         assert {f"table{n}.{ext}" for ext in ("txt", "md", "tex", "csv", "json", "sql")} <= names
     # the small study records no alpha trajectories for learned LM runs, only the probe's
     assert {"extrapolation.png", "posloss.png", "curves.png", "coverage.png", "alphas.png"} <= names
+
+
+def test_a_long_compare_label_wraps_headers_and_cuts_no_cell(study):
+    engine = ro(study)
+    for n in range(14, 34):  # labels of 22-25 characters used to cut the last column at 80
+        label = "x" * n
+        t = tables.table1(engine, compare=engine, compare_label=label)
+        text = render.to_text(t, 80)
+        assert max(map(len, text.splitlines())) <= 80
+        # every value whole: 7 runs, a +0.00 difference for each of the two datasets
+        assert text.count(" +0.00 │") == 2 * len(t.frame) == 14 and label in text, label
 
 
 def test_cli_report_on_a_database_without_the_data_exits_2(demo):

@@ -70,8 +70,17 @@ def fitted(table: Table, width: int):
             chunks.append([0])
         chunks[-1].append(i)
     bolded = _cells(table, "[bold]{}[/bold]", escape)
+    natural = [max(cell_len(h), least[i]) for i, h in enumerate(headers)]
     parts = []
     for n, chunk in enumerate(chunks):
+        # rich narrows the widest columns first and, past their minimum, cuts the table at the
+        # edge: so the widths are set here, wrapping the headers with the most room to spare
+        widths = {i: natural[i] for i in chunk}
+        excess = sum(widths[i] + 3 for i in chunk) + 1 - width
+        for i in sorted(chunk, key=lambda i: least[i] - natural[i]):
+            cut = min(max(excess, 0), natural[i] - least[i])
+            widths[i] -= cut
+            excess -= cut
         last = n == len(chunks) - 1
         title = escape(table.title) if n == 0 else escape(f"{table.title} (continued)")
         caption = escape("\n".join(table.notes)) if table.notes and last else None
@@ -79,7 +88,7 @@ def fitted(table: Table, width: int):
         for i in chunk:
             c = table.frame.columns[i]
             out.add_column(escape(headers[i]), justify="right" if _numeric(table, c) else "left",
-                           min_width=least[i], overflow="fold")
+                           width=widths[i], overflow="fold")
         for row in bolded:
             out.add_row(*(row[i] for i in chunk))
         parts.append(out)

@@ -12,11 +12,11 @@ Implementations (`impl`):
 - `reference`: a loop over columns that builds each key and value row exactly as the spec
   states them, with the kv heads expanded. Slow and obviously correct: the yardstick.
 - `gather` (default): one `index_select` of all needed rows per query chunk, kv heads kept
-  unexpanded, cost O(T * C * D). Fractional columns gather their near rows for one extra
-  query (the far row of query i is the near row of query i - 1) and interpolate the rows
-  before the score matmul, so learning alpha adds no score columns: with G query heads per
-  kv head that is cheaper than scoring near and far rows separately and interpolating the
-  logits (docs/benchmarks.md).
+  unexpanded, cost O(T * C * D). A fractional column reads its row from a copy of the keys
+  and values interpolated once for its weight (row t: (1 - frac) k[t] + frac k[t-1]), so
+  learning alpha adds no score columns and no per-query interpolation: with G query heads
+  per kv head that is cheaper than scoring near and far rows separately and interpolating
+  the logits, and than interpolating gathered rows per query (docs/benchmarks.md).
 - `mask`: a boolean T x T mask through `scaled_dot_product_attention`, integer columns
   only; how the study ran its fixed paths, kept for parity and benchmarks.
 - `flex`: FlexAttention with a block mask built from the layer's integer distances (blocks
@@ -120,31 +120,41 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    n_frac = len(cols.lo)
     dev = q.device
     dist = torch.tensor(cols.dist, device=dev)
     lo = torch.tensor(cols.lo, device=dev, dtype=torch.long)
     valid_from = torch.cat([dist, lo])  # fractional columns: validity follows the near row
+    if cols.lo:
+        # Fractional rung r reads row i - lo_r of its own blended copy of the keys and values,
+        # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
+        # per query, and one index_select serves integer and fractional columns alike.
+        f = cols.frac.to(q.dtype)[:, None, None]  # (C_frac, 1, 1)
+        # the model's k and v are transposed views; blending them laid out by time measured faster
+        k, v = _blended(k.contiguous(), f), _blended(v.contiguous(), f)  # (B, Hkv, T * (1 + C_frac), D)
+        copy_start = T * torch.arange(1, len(cols.lo) + 1, device=dev)  # copy r: rows r*T .. r*T + T-1
     qg = q.view(B, Hkv, G, T, D) * D**-0.5
     out = []
     for start in range(0, T, GATHER_CHUNK):
         pos = torch.arange(start, min(T, start + GATHER_CHUNK), device=dev)
         n = len(pos)
-        kr, vr = rows(k, v, pos, dist)  # (B, Hkv, n, C_int, D)
-        if n_frac:
-            # The far row of query i (i - lo - 1) is the near row of query i - 1: one gather over
-            # n + 1 queries serves both. Interpolating the rows keeps the score matmul at C columns,
-            # which with G query heads per kv head costs less than scoring both rows.
-            ext = torch.arange(start - 1, start + n, device=dev)
-            kf, vf = rows(k, v, ext, lo)  # (B, Hkv, n + 1, C_frac, D)
-            f = cols.frac.to(q.dtype)[:, None]  # (C_frac, 1)
-            kr = torch.cat([kr, kf[:, :, 1:] + f * (kf[:, :, :-1] - kf[:, :, 1:])], 3)
-            vr = torch.cat([vr, vf[:, :, 1:] + f * (vf[:, :, :-1] - vf[:, :, 1:])], 3)
+        index = (pos[:, None] - dist[None, :]).clamp_min(0)  # (n, C_int)
+        if cols.lo:
+            index = torch.cat([index, copy_start[None, :] + (pos[:, None] - lo[None, :]).clamp_min(0)], 1)
+        shape = (B, Hkv, n, index.shape[1], D)
+        kr, vr = k.index_select(2, index.flatten()).view(shape), v.index_select(2, index.flatten()).view(shape)
         s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C)
         valid = pos[:, None] >= valid_from[None, :]  # (n, C)
         p = s.masked_fill(~valid, NEG).softmax(-1)
         out.append(torch.einsum("bhgtc,bhtcd->bhgtd", p, vr))
     return torch.cat(out, 3).reshape(B, H, T, D)
+
+
+def _blended(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, T, D) followed by one copy per weight f_r whose row t is x[t] + f_r (x[t-1] -
+    x[t]) (row -1 read as row 0): (B, Hkv, T * (1 + len(f)), D)."""
+    prev = torch.cat([x[:, :, :1], x[:, :, :-1]], 2)
+    copies = torch.lerp(x[:, :, None], prev[:, :, None], f)  # (B, Hkv, C_frac, T, D), one kernel
+    return torch.cat([x, copies.flatten(2, 3)], 2)
 
 
 def rows(k, v, pos, offsets):

@@ -193,3 +193,17 @@ def test_values_are_written_as_the_database_returns_them(db):
                           (["--csv", "--json"], "give one output format")):
         r = runner.invoke(app, ["sql", "SELECT 1", "--db", db, *args])
         assert r.exit_code != 0 and message in str(r.exception), r.output
+
+
+@pytest.mark.parametrize("statement", ["COPY (SELECT 1) TO '{out}'", "COPY (SELECT 1) TO PROGRAM 'touch {out}'",
+                                       "SELECT pg_read_file('/etc/hostname')"])
+def test_postgresql_server_files_and_programs_are_out_of_reach(db, tmp_path, statement):
+    """A read-only transaction alone lets a superuser (the CI server's `postgres`) write server
+    files and run programs: fibctl sql reads as pg_read_all_data, which cannot."""
+    if _is_sqlite(db):
+        pytest.skip("PostgreSQL's COPY and server file functions")
+    out = tmp_path / "written-by-sql"
+    with pytest.raises(FibctlError, match="permission denied|must be superuser|privileges"):
+        run_query(db, statement.format(out=out))
+    assert not out.exists()
+    assert run_query(db, "SELECT COUNT(*) AS n FROM runs")["n"].iloc[0] == 2  # tables still read

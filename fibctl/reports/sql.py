@@ -1,7 +1,8 @@
 """Read-only SQL on the results database (`fibctl sql`).
 
 Writes are refused by the database connection itself (`fibctl.db.engine.connect_readonly`:
-SQLite `mode=ro`, PostgreSQL read-only transactions), never by inspecting the statement.
+SQLite `mode=ro`, PostgreSQL read-only transactions), never by inspecting the statement. On
+PostgreSQL a role that may reach the server's files reads as pg_read_all_data instead.
 A read-only SQLite connection can still create files (`ATTACH`, `VACUUM INTO`) and use
 unbounded memory and time, so the statement also runs under an authorizer that allows
 reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetched.
@@ -58,6 +59,7 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 guard = _SqliteGuard(raw, timeout_s)
             else:  # PostgreSQL: the server enforces the deadline
                 conn.exec_driver_sql(f"SET statement_timeout = {int(timeout_s * 1000)}")
+                _drop_file_privileges(conn)
                 guard = None
             try:
                 result = _pg_result(conn, sql) if guard is None else conn.exec_driver_sql(sql)
@@ -74,6 +76,26 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
         raise FibctlError(_sql_error(e, timeout_s)) from None
     finally:
         engine.dispose()
+
+
+# roles whose members may reach the server's files or programs from SQL
+_FILE_ROLES = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
+
+
+def _drop_file_privileges(conn) -> None:
+    """A read-only transaction still lets a superuser (or a member of the file roles) write and
+    read the server's files and run programs (COPY ... TO 'file' / TO PROGRAM, pg_read_file).
+    Such a role runs the statement as pg_read_all_data (PostgreSQL 14+): it reads every table
+    and can do none of that."""
+    privileged = conn.exec_driver_sql(
+        "SELECT rolsuper OR " + " OR ".join(f"pg_has_role(current_user, '{r}', 'MEMBER')" for r in _FILE_ROLES)
+        + " FROM pg_roles WHERE rolname = current_user").scalar()
+    if not privileged:
+        return
+    if conn.exec_driver_sql("SELECT 1 FROM pg_roles WHERE rolname = 'pg_read_all_data'").scalar() is None:
+        raise FibctlError("fibctl sql: this role may write the server's files, and the server (before PostgreSQL "
+                          "14) has no pg_read_all_data role to read as; connect as a role without file privileges")
+    conn.exec_driver_sql("SET ROLE pg_read_all_data")
 
 
 def _pg_result(conn, sql: str):

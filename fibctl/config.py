@@ -100,6 +100,12 @@ class TrainConfig:
     keep_checkpoints: int = 3
     optimizer: str = "adamw"  # one of OPTIMIZERS; the worker records the one it actually used
 
+    @property
+    def clip_bound(self) -> float:
+        """The gradient-norm bound for clip_grad_norm_: grad_clip, or with 0 (no clipping) an
+        infinite one, which leaves the gradients bit for bit as they are."""
+        return self.grad_clip or math.inf
+
     def validate(self) -> "TrainConfig":
         """Raise ConfigError naming the first field that is the wrong type or out of range."""
         at_least_one = ("steps", "batch_size", "grad_accum", "log_interval", "eval_interval",

@@ -18,7 +18,7 @@ import torch
 
 from fibctl.config import ConfigError, ProbeConfig, RunConfig, get_preset
 from fibctl.db.engine import connect
-from fibctl.flows.worker import WorkerOptions, train_named, work
+from fibctl.flows.worker import WorkerOptions, train_named
 from fibctl.model import FibLM
 from fibctl.probe.blur import blur_attention
 from fibctl.probe.cells import probe_runs
@@ -71,6 +71,16 @@ def test_width_anneals_from_40_to_half_over_80_percent_then_holds():
     assert p.width_at(1000, 2500) == pytest.approx(40 - 39.5 * 1000 / 2000)
     assert p.width_at(2000, 2500) == p.width_at(2500, 2500) == 0.5
     assert dataclasses.replace(p, width_end=0.25).width_at(2500, 2500) == 0.25
+
+
+def test_the_probe_recipe_does_not_clip():
+    """grad_clip 0 means no clipping: an infinite bound, which leaves gradients as they are."""
+    assert get_preset("probe").train.clip_bound == math.inf and get_preset("tiny").train.clip_bound == 1.0
+    grads = [torch.tensor([3.0, 4.0])]
+    params = [torch.zeros(2, requires_grad=True)]
+    params[0].grad = grads[0].clone()
+    assert float(torch.nn.utils.clip_grad_norm_(params, get_preset("probe").train.clip_bound)) == 5.0
+    assert torch.equal(params[0].grad, grads[0])
 
 
 def test_staggered_start_is_the_ramp_clamped():

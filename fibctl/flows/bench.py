@@ -218,7 +218,7 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
                 micro = model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
             micro.backward()
             total += micro.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_bound)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(total)  # the trainer's one sync per step

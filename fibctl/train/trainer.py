@@ -235,8 +235,7 @@ class Trainer:
             total += loss.detach()
         if self.group is not None:
             total = self.group.sum(total) / self.group.world
-        # grad_clip 0: no clipping; an infinite bound leaves the gradients bit for bit as they are
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip or math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.clip_bound)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total), float(grad_norm)  # one device sync per step

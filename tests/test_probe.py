@@ -322,3 +322,13 @@ def test_a_probe_run_trains_in_one_process(tmp_path):
     assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
     with pytest.raises(WorkerError, match="probe run"):  # what worker --ddp's rank 0 checks at each claim
         check_group_run(run, None, 2)
+
+
+def test_bench_probe_times_both_paths_in_one_run_and_refuses_bad_input(tmp_path):
+    from fibctl.flows.bench import ProbeBench, bench_probe
+
+    df = bench_probe(ProbeBench(width=2.0, length=64, batch=1, repeats=1, warmup=0))
+    assert list(df.impl) == ["reference", "fast"] and df.time_vs_reference.iloc[0] == 1.0
+    assert (df.fwd_bwd_ms > 0).all() and df.rungs.iloc[0] == 4  # 13, 21, 34 and 55
+    r = _fibctl(tmp_path, "bench", "probe", "--width", "0")
+    assert r.returncode == 2 and "--width 0 must be > 0" in r.stderr and len(r.stderr.strip().splitlines()) == 1

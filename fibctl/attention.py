@@ -128,10 +128,12 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         # Fractional rung r reads row i - lo_r of its own blended copy of the keys and values,
         # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
         # per query, and one index_select serves integer and fractional columns alike.
-        f = cols.frac.to(q.dtype)[:, None, None]  # (C_frac, 1, 1)
+        f = cols.frac.to(q.dtype)
         # the model's k and v are transposed views; blending them laid out by time measured faster
-        k, v = _blended(k.contiguous(), f), _blended(v.contiguous(), f)  # (B, Hkv, T * (1 + C_frac), D)
-        copy_start = T * torch.arange(1, len(cols.lo) + 1, device=dev)  # copy r: rows r*T .. r*T + T-1
+        k, v = _blended(k.contiguous(), f, cols.lo), _blended(v.contiguous(), f, cols.lo)
+        # copy r holds the T - lo_r rows its queries read, after x and the copies before it
+        kept = torch.tensor([T - lo for lo in cols.lo], device=dev)
+        copy_start = T + torch.cumsum(kept, 0) - kept
     qg = q.view(B, Hkv, G, T, D) * D**-0.5
     out = []
     for start in range(0, T, GATHER_CHUNK):
@@ -149,12 +151,13 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     return torch.cat(out, 3).reshape(B, H, T, D)
 
 
-def _blended(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """x (B, Hkv, T, D) followed by one copy per weight f_r whose row t is x[t] + f_r (x[t-1] -
-    x[t]) (row -1 read as row 0): (B, Hkv, T * (1 + len(f)), D)."""
+def _blended(x: torch.Tensor, f: torch.Tensor, lo: list[int]) -> torch.Tensor:
+    """x (B, Hkv, T, D) followed by one copy per fractional rung r, rows 0 .. T-1-lo_r (the
+    rows its queries read) of x[t] + f_r (x[t-1] - x[t]), row -1 read as row 0."""
+    T = x.shape[2]
     prev = torch.cat([x[:, :, :1], x[:, :, :-1]], 2)
-    copies = torch.lerp(x[:, :, None], prev[:, :, None], f)  # (B, Hkv, C_frac, T, D), one kernel
-    return torch.cat([x, copies.flatten(2, 3)], 2)
+    copies = [torch.lerp(x[:, :, :T - l], prev[:, :, :T - l], f[r]) for r, l in enumerate(lo)]
+    return torch.cat([x, *copies], 2)
 
 
 def rows(k, v, pos, offsets):

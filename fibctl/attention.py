@@ -160,13 +160,6 @@ def _blended(x: torch.Tensor, f: torch.Tensor, lo: list[int]) -> torch.Tensor:
     return torch.cat([x, *copies], 2)
 
 
-def rows(k, v, pos, offsets):
-    """Key and value rows pos - offset (clamped to row 0) for each query, (B, Hkv, n, C, D)."""
-    rows = (pos[:, None] - offsets[None, :]).clamp_min(0).flatten()
-    shape = (k.shape[0], k.shape[1], len(pos), len(offsets), k.shape[3])
-    return k.index_select(2, rows).view(shape), v.index_select(2, rows).view(shape)
-
-
 def _integer_distances(cols: Columns, impl: str) -> list[int]:
     """The columns' distances, for a path that takes integer offsets only (a fractional rung
     at frac 0 is its integer row)."""

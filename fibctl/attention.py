@@ -96,24 +96,29 @@ def _reference(q, k, v, cols: Columns) -> torch.Tensor:
     G = H // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, D)
     i = torch.arange(T, device=q.device)
-    logits, values = [], []
-
-    def add(key, value, valid):
-        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
-        logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
-        values.append(value)
-
+    columns = []  # (key, value, valid) of each column: keys and values (B, H, T, D), valid (T,)
     for d in cols.dist:
         row = (i - d).clamp_min(0)
-        add(k[:, :, row], v[:, :, row], i >= d)
+        columns.append((k[:, :, row], v[:, :, row], i >= d))
     for j, lo in enumerate(cols.lo):
         f = cols.frac[j]
         near, far = (i - lo).clamp_min(0), (i - lo - 1).clamp_min(0)
         key = (1 - f) * k[:, :, near] + f * k[:, :, far]
         value = (1 - f) * v[:, :, near] + f * v[:, :, far]
-        add(key, value, i >= lo)
+        columns.append((key, value, i >= lo))
+    return attend_columns(q, columns)
+
+
+def attend_columns(q, columns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The references' last step: q (B, H, T, D) attends over explicit columns, each a key
+    and a value (B, H, T, D) per query and which queries may use it (T,)."""
+    D = q.shape[-1]
+    logits = []
+    for key, _, valid in columns:
+        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
+        logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
     p = torch.stack(logits, -1).softmax(-1)  # (B, H, T, C)
-    return (p.unsqueeze(-1) * torch.stack(values, -2)).sum(-2)
+    return (p.unsqueeze(-1) * torch.stack([value for _, value, _ in columns], -2)).sum(-2)
 
 
 def _gather(q, k, v, cols: Columns) -> torch.Tensor:

@@ -166,7 +166,9 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
     for schedule in order:
         if progress:
             progress(schedule)
-        rows.append(_in_fresh_process(bench, schedule))
+        rows.append(in_fresh_process(_measure_train, bench, schedule, died=(
+            f"bench train: the {schedule} process died (out of memory at seq-len {bench.seq_len}, "
+            f"batch {bench.batch_size}?)")))
     df = pd.DataFrame(rows)
     dense = df.iloc[0]
     df["speed_vs_dense"] = df.tokens_per_s / dense.tokens_per_s
@@ -174,16 +176,16 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
     return df
 
 
-def _in_fresh_process(bench: TrainBench, schedule: str) -> dict:
-    """`_measure_train` in a new interpreter (spawned: no state shared with this process, its
-    threads or its allocator), so the process's peak memory is that schedule's alone."""
+def in_fresh_process(measure: Callable[..., dict], *args, died: str) -> dict:
+    """`measure(*args)` in a new interpreter (spawned: no state shared with this process, its
+    threads or its allocator), so the process's peak memory is that measurement's alone;
+    `died` is the error when the process does not come back (killed for memory, say)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         try:
-            return pool.submit(_measure_train, bench, schedule).result()
+            return pool.submit(measure, *args).result()
         except BrokenProcessPool:
-            raise FibctlError(f"bench train: the {schedule} process died (out of memory at seq-len "
-                              f"{bench.seq_len}, batch {bench.batch_size}?)") from None
+            raise FibctlError(died) from None
 
 
 def _measure_train(bench: TrainBench, schedule: str) -> dict:
@@ -270,13 +272,8 @@ def bench_probe(bench: ProbeBench, progress: Callable[[str], None] | None = None
     for impl in BLUR_IMPLS:
         if progress:
             progress(impl)
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            try:
-                rows.append(pool.submit(_measure_blur, bench, impl).result())
-            except BrokenProcessPool:
-                raise FibctlError(f"bench probe: the {impl} process died (out of memory at width {bench.width:g}, "
-                                  f"length {bench.length}?)") from None
+        rows.append(in_fresh_process(_measure_blur, bench, impl, died=(
+            f"bench probe: the {impl} process died (out of memory at width {bench.width:g}, length {bench.length}?)")))
     df = pd.DataFrame(rows)
     ref = df.iloc[0]
     df["time_vs_reference"] = df.fwd_bwd_ms / ref.fwd_bwd_ms

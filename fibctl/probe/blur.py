@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from fibctl.attention import NEG
+from fibctl.attention import NEG, attend_columns
 
 
 def bands(c: list[int], centres: torch.Tensor, width: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,24 +50,17 @@ def _reference(q, k, v, window, c, centres, width) -> torch.Tensor:
     G = H // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, D)
     i = torch.arange(T, device=q.device)
-    logits, values = [], []
-
-    def add(key, value, valid):
-        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
-        logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
-        values.append(value)
-
+    columns = []
     for d in window:
         row = (i - d).clamp_min(0)
-        add(k[:, :, row], v[:, :, row], i >= d)
+        columns.append((k[:, :, row], v[:, :, row], i >= d))
     if c:
         offsets, weights = bands(c, centres, width, T)
         for r in range(len(c)):
             rows = (i[:, None] - offsets[r][None, :]).clamp_min(0)  # (T, 2R+1)
             mix = weights[r].to(q.dtype)[:, None]  # (2R+1, 1)
-            add((mix * k[:, :, rows]).sum(-2), (mix * v[:, :, rows]).sum(-2), i >= c[r])
-    p = torch.stack(logits, -1).softmax(-1)  # (B, H, T, C)
-    return (p.unsqueeze(-1) * torch.stack(values, -2)).sum(-2)
+            columns.append(((mix * k[:, :, rows]).sum(-2), (mix * v[:, :, rows]).sum(-2), i >= c[r]))
+    return attend_columns(q, columns)
 
 
 def offset_weights(window: list[int], c: list[int], centres: torch.Tensor, width: float, T: int,

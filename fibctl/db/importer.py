@@ -36,6 +36,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import ProbeConfig, RunConfig, get_preset
+from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
@@ -44,8 +45,6 @@ STUDY_MATRIX = "paper"
 STUDY_LENGTH = 1024
 STUDY_INIT_SEED = 42  # the paper matrix's shared init seed, for the reproducing config
 DENSE_BASELINE = "ref_e0000"
-PROBE_MATRIX = "probe"
-PROBE_NAME = "marked_retrieval"
 
 _TITLE = re.compile(r"^(?P<tag>[a-z]\d+)__(?P<base>fib|logsparse)"
                     r"(?:_(?P<schedule>fixed|learned|stagger|hdc))?_w(?P<window>\d+)(?:_s(?P<seed>\d+))?$")
@@ -294,7 +293,7 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
         metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED,
                    **{f"acc_d{r['distance']}": r["acc"] for r in rows}}
         written += upsert(conn, schema.AuxMetric.__table__,
-                           [dict(run_id=run_id, name=PROBE_NAME, metric=k, value=float(v), text=None)
+                           [dict(run_id=run_id, name=PROBE_METRICS, metric=k, value=float(v), text=None)
                             for k, v in metrics.items()], ("run_id", "name", "metric"))
         alphas = _alphas(rows[0]["alphas"], name)
         written += upsert(conn, schema.Alpha.__table__,

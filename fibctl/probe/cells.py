@@ -9,6 +9,7 @@ from fibctl.config import PROBE_INITS, ConfigError, ProbeConfig, RunConfig, chec
 from fibctl.hashes import short_hash
 
 PROBE_MATRIX = "probe"
+PROBE_METRICS = "marked_retrieval"  # aux_metrics.name of a probe model's scores (Table 2)
 DEPTHS, SEEDS = (2, 4, 8), (0, 1)
 QUICK_STEPS = 200  # --quick: depth 2, both inits, seed 0
 

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from fibctl.device import autocast
+from fibctl.probe.cells import PROBE_METRICS
 from fibctl.probe.task import HELDOUT_SEED_OFFSET, IGNORE, MarkedBatches, MarkedCopy
 from fibctl.schedules import ALPHA_MIN, ALPHA_RANGE, probe_alphas
 from fibctl.train.optim import EPS
 from fibctl.train.trainer import Reporter, Trainer
 
-PROBE_METRICS = "marked_retrieval"  # aux_metrics.name of a probe's scores (Table 2)
 SCORE_BATCH = 4  # held-out sequences per forward pass when scoring
 
 

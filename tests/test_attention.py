@@ -125,15 +125,6 @@ def test_auto_measures_once_per_setting_and_picks_an_available_path(monkeypatch)
     assert choose_impl(q, k, v, learned.columns(200)) == "gather" and len(measured) == n  # the only path
 
 
-def test_flex_refuses_fractional_offsets():
-    attn = Attention(layer_cfg("learned", "fib", 8), 0)
-    with torch.no_grad():
-        attn.theta.fill_(0.4)
-    q, k, v = qkv(64)
-    with pytest.raises(ConfigError, match="`flex` implementation supports integer offsets only"):
-        sparse_attention(q, k, v, attn.columns(64), "flex")
-
-
 @pytest.mark.parametrize("base", ["fib", "pow2"])
 def test_learned_at_alpha_one_equals_fixed(base):
     learned, fixed = (Attention(layer_cfg(s, base, 8), 1) for s in ("learned", "fixed"))
@@ -220,10 +211,11 @@ def test_rope_rotate_half_preserves_norm_and_relative_position():
     assert math.isclose(float(rq[5] @ rk[3]), float(rq[9] @ rk[7]), rel_tol=1e-5)
 
 
-def test_mask_path_refuses_fractional_offsets():
+@pytest.mark.parametrize("impl", ["mask", "flex"])
+def test_integer_only_paths_refuse_fractional_offsets(impl):
     attn = Attention(layer_cfg("learned", "fib", 8), 0)
     with torch.no_grad():
         attn.theta.fill_(0.4)
     q, k, v = qkv(64)
-    with pytest.raises(ConfigError, match="integer offsets only"):
-        sparse_attention(q, k, v, attn.columns(64), "mask")
+    with pytest.raises(ConfigError, match=f"`{impl}` implementation supports integer offsets only"):
+        sparse_attention(q, k, v, attn.columns(64), impl)

@@ -47,3 +47,23 @@ def test_every_table_and_figure_is_documented(name):
 
 def test_the_report_commands_are_the_table_registry():
     assert {p.split()[1] for p in COMMANDS if p.startswith("report ")} == {*tables.TABLES, "all"}
+
+
+def test_help_shows_bracketed_text_as_written():
+    """rich markup would read `pip install -e '.[slurm]'` as a style tag and print `'.'`."""
+    import re
+
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    checked = 0
+    for path, command in COMMANDS.items():
+        texts = [command.help or ""] + [p.help or "" for p in command.params if getattr(p, "help", None)]
+        wanted = {m for t in texts for m in re.findall(r"\[[a-z_]+\]", t)}
+        if not wanted:
+            continue
+        out = runner.invoke(app, [*path.split(), "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"}).output
+        for token in wanted:
+            assert token in out, f"fibctl {path} --help lost {token}"
+        checked += 1
+    assert checked >= 2  # worker's --log-to and slurm submit name their extras

@@ -17,10 +17,11 @@ from fibctl.errors import FibctlError
 
 
 def _help_fixes() -> None:
-    """Two fixes to typer 0.29's help: a boolean flag shows as a flag (typer prints `<bool>`
-    after every flag, `--help` included), and a paragraph after the first is wrapped to the
+    """Three fixes to typer 0.29's help: a boolean flag shows as a flag (typer prints `<bool>`
+    after every flag, `--help` included); a paragraph after the first is wrapped to the
     terminal like the first (typer keeps its source line breaks: half-empty lines at 80
-    columns)."""
+    columns); and help text is shown as written, not read as rich markup (which took
+    `pip install -e '.[slurm]'` for a style tag and printed `'.'`)."""
     from typer import rich_utils
     from typer.core import TyperOption
 
@@ -34,7 +35,13 @@ def _help_fixes() -> None:
     def fix_linebreaks(paragraphs, markup_mode):
         return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
 
+    shown_text = rich_utils._make_rich_text
+
+    def make_rich_text(*, text, style="", markup_mode):
+        return shown_text(text=escape(text) if markup_mode == "rich" else text, style=style, markup_mode=markup_mode)
+
     TyperOption.display_type_rich = display_type_rich
+    rich_utils._make_rich_text = make_rich_text
     if hasattr(rich_utils, "_fix_linebreaks"):
         rich_utils._fix_linebreaks = fix_linebreaks
     TyperOption._fibctl_fixed = True

@@ -75,6 +75,8 @@ def test_queue_ls_at_80_columns_cuts_no_cell(tmp_path):
     flat = "".join(done.stdout.split())  # folded cells read whole once the table's spacing is gone
     assert "failed" in done.stdout and "queued" in done.stdout and "a_rather_long_run_name_1" in done.stdout
     assert "Tried" in flat and "GiB" in flat
+    queued_only = fibctl("queue", "ls", "--db", db, "--status", "queued")
+    assert "no heartbeat" in queued_only.stdout  # a left-out column that is empty in every row
     wide = fibctl("queue", "ls", "--db", db, env={**ENV80, "COLUMNS": "200"})
     assert "heartbeat" in wide.stdout and "preset" in wide.stdout  # every column where there is room
     shutil.rmtree(tmp_path, ignore_errors=True)

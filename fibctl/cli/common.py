@@ -78,7 +78,7 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
     for name in dropped:
         values = {str(row[headers.index(name)]) for row in rows}
         (same if len(values) == 1 else varied).append((name, values))
-    parts = [f"{name} {next(iter(values))}" for name, values in same]
+    parts = [f"{name} {value}" if value else f"no {name}" for name, values in same for value in values]
     if varied:
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
                      + " (a wider terminal shows them)")

@@ -26,11 +26,12 @@ def resolve_device(name: str | None = None) -> torch.device:
 
 
 def describe(device: torch.device) -> str:
-    """What the run row records, e.g. `cuda:0 NVIDIA H200` or `cpu (1 threads)`."""
+    """What the run row records, e.g. `cuda:0 NVIDIA H200` or `cpu (1 thread)`."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'s' if n != 1 else ''})"
 
 
 def setup_process(device: str | None = None, threads: int | None = None) -> torch.device:

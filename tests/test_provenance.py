@@ -31,3 +31,18 @@ def test_a_claimed_run_records_where_and_with_what_it_trained(tmp_path):
         assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", row.git_commit)
     assert row.command_line
     assert (row.data_hash, row.tokenizer_hash) == (manifest.inputs_hash, manifest.tokenizer_hash)
+
+
+def test_the_recorded_cpu_device_names_its_threads():
+    import torch
+
+    from fibctl.device import describe
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert describe(torch.device("cpu")) == "cpu (1 thread)"
+        torch.set_num_threads(2)
+        assert describe(torch.device("cpu")) == "cpu (2 threads)"
+    finally:
+        torch.set_num_threads(before)

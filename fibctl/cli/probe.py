@@ -23,8 +23,8 @@ def probe_cmd(
         "--seed", help="Seeds (repeatable; default 0 and 1): each seeds the weights and the batches.")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Training steps (default 2,500).")] = None,
     quick: Annotated[bool, typer.Option(
-        "--quick", help="Depth 2, both inits, seed 0, 200 steps: the whole pipeline in about a minute "
-        "on a CPU, not the study's numbers.")] = False,
+        "--quick", help="Depth 2, both inits, seed 0, 200 steps: a short check of the whole pipeline "
+        "(its timing: docs/benchmarks.md), not the study's numbers.")] = False,
     distance: Annotated[Optional[list[int]], typer.Option(
         "--distance", help="Distances the markers choose between (repeatable; default 200 and 350).")] = None,
     length: Annotated[Optional[int], typer.Option("--length", help="Sequence length (default 512).")] = None,

@@ -120,6 +120,28 @@ def test_table2_probe_alpha_range_and_mean_accuracy(study):
     assert f.loc["uniform", "Seeds"] == 2 and f.loc["uniform", "Depth"] == 2
 
 
+def test_table2_of_a_half_trained_probe_matrix_shows_the_cells_it_has(tmp_path):
+    """Depth 8 with both inits and depth 4 with uniform only, as while a matrix trains: three
+    rows, not a fourth (depth 4, staggered) made of nothing."""
+    db = str(tmp_path / "half.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for depth, staggered in ((8, 0), (8, 1), (4, 0)):
+            run_id = add_run(conn, f"probe_d{depth}_{staggered}", "learned", matrix="probe")
+            metrics = {"depth": depth, "staggered_init": staggered, "acc_d200": 0.5, "acc_d350": 0.25,
+                       "eval_sequences": 16}
+            conn.execute(insert(schema.AuxMetric), [dict(run_id=run_id, name="marked_retrieval", metric=m, value=v)
+                                                   for m, v in metrics.items()])
+            conn.execute(insert(schema.Alpha), [dict(run_id=run_id, step=2500, layer=layer, alpha=1.0 + layer / 100)
+                                               for layer in range(depth)])
+    engine.dispose()
+    f = tables.table2(ro(db)).frame
+    assert sorted(zip(f["Depth"], f["Init"])) == [(4, "uniform"), (8, "staggered"), (8, "uniform")]
+    assert list(f["Seeds"]) == [1, 1, 1] and list(f["acc d=200"]) == [0.5, 0.5, 0.5]
+    done = CliRunner().invoke(app, ["report", "table2", "--db", db])
+    assert done.exit_code == 0, done.output
+
+
 def test_table3_paper_rows_and_change_at_4x(study):
     t = tables.table3(ro(study))
     assert list(t.frame["Run"]) == ["ref_e0000", "f13__fib_stagger_w12", "f11__fib_stagger_w8", "f06__fib_fixed_w8"]

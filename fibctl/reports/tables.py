@@ -274,6 +274,9 @@ GROUP BY p.origin, p.steps, p.depth, p.staggered, m.metric"""
                           "`fibctl probe` and `fibctl worker`, or import the study's with `fibctl import-study fib.db`")
     keys = ["origin", "steps", "depth", "staggered"]
     wide = long.pivot_table(index=keys, columns="metric", values="value", aggfunc="first", dropna=False)
+    # dropna=False keeps a cell whose accuracy is NaN, but also makes every combination of
+    # the keys: keep the cells that have models (a half-trained matrix lacks some)
+    wide = wide[wide["seeds"].notna()]
     wide = wide.reset_index().sort_values(keys, key=lambda c: c.map({"study": 0, "fibctl": 1}) if c.name == "origin"
                                           else c).reset_index(drop=True)
     accs = sorted((c for c in wide.columns if c.startswith("acc_d")), key=lambda c: int(c[5:]))

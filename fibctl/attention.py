@@ -54,6 +54,13 @@ class Columns:
     frac: torch.Tensor | None = None  # (len(lo),) alpha * b_k - lo, carries the gradient to alpha
 
 
+def default_impl(device: torch.device | str) -> str:
+    """The path models train and evaluate with on `device`: `auto` on CUDA (gather, mask or
+    flex, whichever measures fastest there); `gather` on the CPU, where flex has no backward
+    and one fixed path keeps a resumed run bit for bit equal to an uninterrupted one."""
+    return "auto" if torch.device(device).type == "cuda" else "gather"
+
+
 def check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"unknown attention implementation {impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
@@ -261,6 +268,14 @@ def choose_impl(q, k, v, cols: Columns) -> str:
     times = {impl: _measure(impl, q, k, v, cols, backward) for impl in candidates}
     _chosen[key] = min(times, key=times.get)
     return _chosen[key]
+
+
+def chosen_impls() -> dict[str, int]:
+    """How many settings `auto` has sent to each path in this process."""
+    counts: dict[str, int] = {}
+    for impl in _chosen.values():
+        counts[impl] = counts.get(impl, 0) + 1
+    return counts
 
 
 def _measure(impl: str, q, k, v, cols: Columns, backward: bool) -> float:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fibctl.attention import default_impl
 from fibctl.config import RunConfig
 from fibctl.device import autocast, synchronize
 from fibctl.errors import FibctlError
@@ -114,6 +115,6 @@ def inference_speed(model: FibLM, window: np.ndarray, device: torch.device) -> d
 
 def load_model(config: RunConfig, state: dict, length: int, device: torch.device) -> FibLM:
     """The run's trained weights in a model built at `length`."""
-    model = FibLM(config.model.with_length(length))
+    model = FibLM(config.model.with_length(length), default_impl(device))
     model.load_state_dict(state)
     return model.to(device)

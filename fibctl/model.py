@@ -101,9 +101,17 @@ class Attention(nn.Module):
             c, centres = self.blur_columns(T)
             y = blur_attention(q, k, v, window_distances(cfg.window, T), c, centres, self.blur_width,
                                "reference" if self.impl == "reference" else "fast")
+        elif cfg.schedule == "learned":
+            y = self._learned_attention(q, k, v)
         else:
             y = sparse_attention(q, k, v, self.columns(T), self.impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * D))
+
+    # Traced, the rungs read on the host (.tolist()) would be guarded on as constants, and
+    # every optimizer step moves alpha: torch.compile would recompile each step.
+    @torch.compiler.disable
+    def _learned_attention(self, q, k, v) -> torch.Tensor:
+        return sparse_attention(q, k, v, self.columns(q.shape[2]), self.impl)
 
 
 class SwiGLU(nn.Module):

@@ -44,6 +44,7 @@ def test_bench_attention_prints_ratios_to_dense():
     for path in ("dense", "mask", "gather", "learned"):
         assert path in r.output
     assert "1.000" in r.output and "gather/mask forward" in r.output
+    assert "float32" in r.output and "cpu (1 thread)" in r.output  # the precision and device timed
 
 
 def test_bench_train_json_times_dense_first_and_gives_ratios_and_memory():
@@ -66,6 +67,16 @@ def test_bench_train_json_times_dense_first_and_gives_ratios_and_memory():
         assert row["memory_vs_dense"] == pytest.approx(row["peak_memory_mb"] / dense["peak_memory_mb"])
         assert row["peak_memory_mb"] >= row["base_memory_mb"] > 0
     assert dense["speed_vs_dense"] == 1.0 and rows["learned"]["params"] == dense["params"] + 2  # theta per layer
+    # the paths training takes on the CPU: SDPA for dense, gather for the sparse schedules
+    assert (dense["attention"], rows["fixed"]["attention"], rows["learned"]["attention"]) == ("sdpa", "gather", "gather")
+
+
+def test_bench_train_grad_accum_sets_the_micro_batches_per_step():
+    r = runner.invoke(app, ["bench", "train", "--preset", "micro", "--batch-size", "8", "--grad-accum", "1",
+                            "--steps", "1", "--warmup", "0", "--schedule", "dense", "--json"])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.output)
+    assert (record["batch_size"], record["grad_accum"], record["tokens_per_step"]) == (8, 1, 8 * 64)
 
 
 def test_bench_train_prints_a_table_against_dense():
@@ -92,6 +103,8 @@ def test_bench_train_keeps_the_tokens_of_a_micro_batch_at_other_lengths():
     (["bench", "train", "--warmup", "-1"], "--warmup -1 must be >= 0"),
     (["bench", "train", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
     (["bench", "train", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["bench", "train", "--grad-accum", "0"], "--grad-accum 0 must be >= 1"),
+    (["bench", "attention", "--device", "tpu"], "unknown device 'tpu'"),
     (["bench", "train", "--schedule", "sliding"], "unknown schedule 'sliding'"),
     (["bench", "train", "--preset", "huge"], "unknown preset 'huge'"),
     (["bench", "train", "--base", "fib3"], "unknown base 'fib3'"),

@@ -74,6 +74,27 @@ def test_a_compiled_micro_model_has_the_loss_and_gradients_of_eager(schedule):
 
 
 @needs_compile
+def test_a_compiled_learned_model_does_not_recompile_as_alpha_moves():
+    # alpha's rungs are read on the host: traced, their values became guards and every
+    # optimizer step recompiled (5 s a step on the CPU for `micro`)
+    cfg = dataclasses.replace(get_preset("micro").model, schedule="learned", window=4)
+    torch.manual_seed(0)
+    model = FibLM(cfg)
+    model.prepare(cfg.seq_len, "cpu")
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD([b.attn.theta for b in model.blocks], lr=1.0)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    alphas = []
+    for step in range(4):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            compiled(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        alphas.append([float(b.attn.alpha.detach()) for b in model.blocks])
+    assert alphas[0] != alphas[-1]  # alpha moved, and nothing was recompiled for it
+
+
+@needs_compile
 def test_a_compiled_training_run_follows_the_eager_one(data, tmp_path):
     config = micro_run("c", "stagger", steps=6, log_interval=1, checkpoint_interval=6)
     runs = {}

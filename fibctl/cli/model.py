@@ -110,15 +110,19 @@ def bench_attention_cmd(
     threads: Annotated[int, typer.Option(help="torch threads (1: comparable across machines and loads).")] = 1,
     window: Window = 8,
     base: Base = "fib",
+    device: Annotated[str | None, typer.Option(
+        help="cpu, cuda, cuda:N; default: the first GPU if there is one, else the CPU.")] = None,
 ) -> None:
     """Time forward and forward+backward of the attention core (paper heads: 8 query, 2 kv, dim 64).
 
     Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
     the gather path with fractional (learned) offsets, and FlexAttention with integer offsets
-    where it runs (forward only on the CPU: - for fwd+bwd). Ratios are to dense in the same run.
+    where it runs (forward only on the CPU: - for fwd+bwd). In the precision training gives
+    the attention: bf16 on CUDA, fp32 on the CPU. Ratios are to dense in the same run.
     """
     import torch
 
+    from fibctl.device import resolve_device
     from fibctl.flows.bench import bench_attention
 
     if any(T < 2 for T in length):
@@ -127,11 +131,13 @@ def bench_attention_cmd(
                                ("threads", threads, 1)):
         if value < least:
             raise ConfigError(f"--{name} {value} must be >= {least}")
+    resolved = resolve_device(device)
     torch.set_num_threads(threads)
     with console.status("benchmarking") as status:
         df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,
-                             progress=lambda msg: status.update(f"benchmarking {msg}"))
-    t = Table(title=f"attention core, fp32, batch {batch}, {threads} thread(s), median of {repeats}")
+                             device=resolved, progress=lambda msg: status.update(f"benchmarking {msg}"))
+    first = df.iloc[0]
+    t = Table(title=f"attention core, {first['dtype']}, batch {batch}, {first['device']}, median of {repeats}")
     for col in ("length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"):
         t.add_column(col, justify="right")
     for r in df.itertuples():
@@ -156,6 +162,8 @@ def bench_train_cmd(
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Sequences per micro-batch (default: as many tokens per micro-batch as the preset's).")]
         = None,
+    grad_accum: Annotated[int | None, typer.Option(
+        "--grad-accum", help="Micro-batches per optimizer step (default: the preset's).")] = None,
     steps: Annotated[int, typer.Option(help="Timed optimizer steps per schedule; the median is reported.")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed optimizer steps per schedule before the timed ones.")] = 3,
     device: Annotated[str | None, typer.Option(
@@ -164,21 +172,25 @@ def bench_train_cmd(
         help="CPU threads for torch (default 1 on CPU: comparable across machines and loads).")] = None,
     window: Window = 8,
     base: Base = "fib",
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="Run the steps through torch.compile, as `fibctl train --compile` does "
+                          "(the warm-up steps wait for compilation).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as one JSON record.")] = False,
 ) -> None:
     """Time whole training steps (forward, backward, clip, AdamW) of a preset's model per
     schedule, against dense measured in the same run, with each schedule's peak memory.
 
     Each schedule trains in a fresh process on random tokens, with the preset's grad_accum
-    micro-batches per step and its precision (bf16 autocast on CUDA, fp32 on the CPU). Peak
-    memory is CUDA's peak allocation on a GPU, else the process's peak RSS (torch included).
+    micro-batches per step, its precision (bf16 autocast on CUDA, fp32 on the CPU) and the
+    attention path training uses there (auto on CUDA, gather on the CPU). Peak memory is
+    CUDA's peak allocation on a GPU, else the process's peak RSS (torch included).
     """
     import datetime
     import json
 
     from fibctl.flows.bench import bench_train, train_bench
 
-    bench = train_bench(preset, seq_len, batch_size, steps, warmup, device, threads, window, base)
+    bench = train_bench(preset, seq_len, batch_size, steps, warmup, device, threads, window, base, grad_accum, compile)
     with console.status("benchmarking") as status:
         df = bench_train(bench, tuple(schedule), progress=lambda s: status.update(f"benchmarking {s}"))
     first = df.iloc[0]
@@ -190,7 +202,8 @@ def bench_train_cmd(
         print(json.dumps(record, indent=2))
         return
     t = Table(title=f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
-                    f"({bench.tokens_per_step:,} tokens) per step, {first.device}, median of {steps}")
+                    f"({bench.tokens_per_step:,} tokens) per step, {first.device}"
+                    f"{', compiled' if compile else ''}, median of {steps}")
     for col in ("schedule", "ms / step", "tokens/s", "vs dense", "peak MB", "above start MB", "peak / dense"):
         t.add_column(col, justify="right")
     for r in df.itertuples():
@@ -198,6 +211,9 @@ def bench_train_cmd(
                   f"{r.peak_memory_mb:,.0f}", f"{r.peak_memory_mb - r.base_memory_mb:,.0f}",
                   f"{r.memory_vs_dense:.3f}")
     console.print(t)
+    if bench.device.startswith("cuda"):  # auto chose per layer setting: say what it chose
+        console.print("attention paths: " + "; ".join(f"{r.schedule} {r.attention}" for r in df.itertuples()),
+                      highlight=False)
     if first.optimizer != get_preset(preset).train.optimizer:
         console.print(f"optimizer: {first.optimizer} ({get_preset(preset).train.optimizer} is unavailable here)",
                       highlight=False)

@@ -20,9 +20,9 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from fibctl.attention import dense_attention, flex_unavailable, sparse_attention
+from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.config import ConfigError, get_preset
-from fibctl.device import autocast, describe, resolve_device, setup_process, synchronize
+from fibctl.device import autocast, check_compile, describe, resolve_device, setup_process, synchronize
 from fibctl.errors import FibctlError
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
@@ -31,27 +31,35 @@ from fibctl.train.optim import build_optimizer, lr_at, set_lr
 PATHS = ("dense", "mask", "gather", "learned")
 
 
-def attention_paths() -> tuple[str, ...]:
-    """PATHS, and `flex` (the fixed schedule through FlexAttention) where it runs on the CPU."""
-    return PATHS + (("flex",) if flex_unavailable("cpu", backward=False) is None else ())
+def attention_paths(device_type: str = "cpu") -> tuple[str, ...]:
+    """PATHS, and `flex` (the fixed schedule through FlexAttention) where it runs."""
+    return PATHS + (("flex",) if flex_unavailable(device_type, backward=False) is None else ())
 
 
-def _time(fn: Callable[[], None], repeats: int, warmup: int) -> float:
+def attention_dtype(device: torch.device) -> torch.dtype:
+    """What the attention core computes in when a model trains on `device`: bf16 under CUDA's
+    autocast, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> float:
     for _ in range(warmup):
         fn()
+    synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        synchronize(device)  # CUDA returns before its kernels finish
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _core(path: str, T: int, window: int, base: str):
+def _core(path: str, T: int, window: int, base: str, device: torch.device):
     """A closure computing one path's attention output for a layer of the paper preset."""
     cfg = get_preset("paper").model
     schedule = {"dense": "dense", "learned": "learned"}.get(path, "fixed")
-    attn = Attention(dataclasses.replace(cfg, schedule=schedule, window=window, base=base), 0)
+    attn = Attention(dataclasses.replace(cfg, schedule=schedule, window=window, base=base), 0).to(device)
     if schedule == "learned":
         with torch.no_grad():
             attn.theta.fill_(0.3)  # alpha ~ 1.07: every rung fractional, the costly case
@@ -66,21 +74,26 @@ def _core(path: str, T: int, window: int, base: str):
 
 
 def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, batch: int = 1, repeats: int = 5,
-                    warmup: int = 2, window: int = 8, base: str = "fib",
+                    warmup: int = 2, window: int = 8, base: str = "fib", device: torch.device | str = "cpu",
                     progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
+    """Forward and forward+backward medians per length and path, in the dtype training gives
+    the attention on `device` (attention_dtype)."""
     cfg = get_preset("paper").model
-    paths = attention_paths() if paths is None else paths
+    device = torch.device(device)
+    dtype = attention_dtype(device)
+    paths = attention_paths(device.type) if paths is None else paths
+    no_flex_backward = flex_unavailable(device.type, backward=True) is not None
     rows = []
     for T in lengths:
         g = torch.Generator().manual_seed(T)
         shape = lambda h: (batch, h, T, cfg.head_dim)
-        q0 = torch.randn(shape(cfg.n_heads), generator=g)
-        k0, v0 = torch.randn(shape(cfg.n_kv_heads), generator=g), torch.randn(shape(cfg.n_kv_heads), generator=g)
-        grad_out = torch.randn(shape(cfg.n_heads), generator=g)
+        made = [torch.randn(shape(h), generator=g) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads,
+                                                              cfg.n_heads)]
+        q0, k0, v0, grad_out = (t.to(device, dtype) for t in made)
         for path in paths:
             if progress:
                 progress(f"T={T} {path}")
-            run, attn = _core(path, T, window, base)
+            run, attn = _core(path, T, window, base, device)
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
 
             def forward():
@@ -92,10 +105,11 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
 
             rows.append({
                 "length": T, "path": path,
-                "forward_ms": 1e3 * _time(forward, repeats, warmup),
+                "forward_ms": 1e3 * _time(forward, repeats, warmup, device),
                 # no backward where flex has none (the CPU): NaN, shown as -
-                "fwd_bwd_ms": (float("nan") if path == "flex" and flex_unavailable("cpu", backward=True)
-                               else 1e3 * _time(forward_backward, repeats, warmup)),
+                "fwd_bwd_ms": (float("nan") if path == "flex" and no_flex_backward
+                               else 1e3 * _time(forward_backward, repeats, warmup, device)),
+                "dtype": str(dtype).removeprefix("torch."), "device": describe(device),
             })
     df = pd.DataFrame(rows)
     dense = df[df.path == "dense"].set_index("length")
@@ -113,7 +127,8 @@ TRAIN_SCHEDULES = ("dense", "fixed", "stagger", "learned")
 @dataclasses.dataclass(frozen=True)
 class TrainBench:
     """One `bench train` setting: a preset's model and recipe at `seq_len`, `batch_size` sequences
-    per micro-batch and the preset's grad_accum micro-batches per optimizer step."""
+    per micro-batch and `grad_accum` micro-batches per optimizer step; with `compile`, the
+    steps run through torch.compile."""
 
     preset: str
     seq_len: int
@@ -125,6 +140,7 @@ class TrainBench:
     threads: int = 1
     window: int = 8
     base: str = "fib"
+    compile: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -133,26 +149,30 @@ class TrainBench:
 
 def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None = None, steps: int = 20,
                 warmup: int = 3, device: str | None = None, threads: int | None = None, window: int = 8,
-                base: str = "fib") -> TrainBench:
+                base: str = "fib", grad_accum: int | None = None, compile: bool = False) -> TrainBench:
     """The setting, checked. Without `batch_size`, a micro-batch holds as many tokens as the
-    preset's (its batch_size x its seq_len), so that every length does the same work per step."""
+    preset's (its batch_size x its seq_len), so that every length does the same work per step;
+    without `grad_accum`, the preset's."""
     p = get_preset(preset)
     T = p.model.seq_len if seq_len is None else seq_len
     if T < 2:
         raise ConfigError(f"--seq-len {T} must be >= 2")
     if batch_size is None:
         batch_size = max(1, p.train.batch_size * p.model.seq_len // T)
-    for name, value, least in (("batch-size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
-                               ("window", window, 0)):
+    grad_accum = p.train.grad_accum if grad_accum is None else grad_accum
+    for name, value, least in (("batch-size", batch_size, 1), ("grad-accum", grad_accum, 1), ("steps", steps, 1),
+                               ("warmup", warmup, 0), ("window", window, 0)):
         if value < least:
             raise ConfigError(f"--{name} {value} must be >= {least}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads} must be >= 1")
     resolved = resolve_device(device)
     dataclasses.replace(p.model, base=base, window=window).validate()  # an unknown base, here
-    return TrainBench(preset, T, batch_size, p.train.grad_accum, steps, warmup, str(resolved),
+    if compile:
+        check_compile(resolved)
+    return TrainBench(preset, T, batch_size, grad_accum, steps, warmup, str(resolved),
                       threads if threads is not None else (1 if resolved.type == "cpu" else torch.get_num_threads()),
-                      window, base)
+                      window, base, compile)
 
 
 def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
@@ -199,7 +219,11 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
     tc = dataclasses.replace(p.train, batch_size=bench.batch_size, steps=bench.warmup + bench.steps,
                              warmup_steps=min(p.train.warmup_steps, bench.warmup + bench.steps))
     torch.manual_seed(0)
-    model = FibLM(cfg).to(device)
+    model = FibLM(cfg, default_impl(device)).to(device)
+    step_model = model
+    if bench.compile:  # as the trainer compiles: tables built first, then the whole model
+        model.prepare(cfg.seq_len, device)
+        step_model = torch.compile(model)
     built = build_optimizer(model, tc, device)
     optimizer = built.optimizer
     g = torch.Generator().manual_seed(1)
@@ -217,7 +241,7 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
         for batch in batches:
             batch = batch.to(device, non_blocking=True)
             with autocast(device):
-                micro = model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
+                micro = step_model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
             micro.backward()
             total += micro.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_bound)
@@ -231,7 +255,17 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
     return {"schedule": schedule, "step_ms": 1e3 * step_s, "tokens_per_s": bench.tokens_per_step / step_s,
             "peak_memory_mb": _peak_memory_mb(device), "base_memory_mb": base_mb, "loss": loss,
             "optimizer": built.name, "device": describe(device), "torch_version": torch.__version__,
-            "params": model.param_counts()["total"]}
+            "params": model.param_counts()["total"], "attention": _paths_used(model)}
+
+
+def _paths_used(model: FibLM) -> str:
+    """The attention paths the model ran: its impl, or for `auto` what it chose, with how
+    many settings (layer, shape, grad mode) went to each."""
+    if model.cfg.schedule == "dense":
+        return "sdpa"
+    if model.blocks[0].attn.impl != "auto":
+        return model.blocks[0].attn.impl
+    return ", ".join(f"{impl} x{n}" for impl, n in sorted(chosen_impls().items())) or "auto"
 
 
 def _memory_mb(device: torch.device) -> float:

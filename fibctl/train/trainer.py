@@ -35,15 +35,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from fibctl.attention import default_impl
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
+from fibctl.device import autocast
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
 from fibctl.schedules import deviations
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
-from fibctl.device import autocast
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 from fibctl.train.sampler import WindowSampler
 
@@ -135,7 +136,7 @@ class Trainer:
         the optimizer (after seeding with data_seed)."""
         config, device, group = self.config, self.device, self.group
         _seed_everything(config.init_seed)
-        self.model = FibLM(config.model).to(device)
+        self.model = FibLM(config.model, default_impl(device)).to(device)
         self.compiled, self.ddp = compile, None
         self.step_model: torch.nn.Module = self.model
         if group is not None:

@@ -195,8 +195,20 @@ def _masked(q, k, v, cols: Columns) -> torch.Tensor:
 # ----------------------------------------------------------------------------- FlexAttention
 
 
+FLEX_CUDA_MIN_HEAD_DIM = 16  # inductor's flex kernels on CUDA refuse smaller heads
+
+
+def flex_fits(q: torch.Tensor) -> bool:
+    """Whether flex can take heads of q's size on q's device."""
+    return q.device.type != "cuda" or q.shape[-1] >= FLEX_CUDA_MIN_HEAD_DIM
+
+
 def _flex(q, k, v, cols: Columns) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
+
+    if not flex_fits(q):
+        raise ConfigError(f"the `flex` implementation on CUDA needs head_dim >= {FLEX_CUDA_MIN_HEAD_DIM}, "
+                          f"got {q.shape[-1]}; use `gather`")
 
     if not torch.is_grad_enabled():  # flex refuses inputs that require grad where it has no backward
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -264,7 +276,8 @@ def choose_impl(q, k, v, cols: Columns) -> str:
         return _chosen[key]
     if torch.compiler.is_compiling():  # a measurement cannot be traced: the default until one exists
         return "gather"
-    candidates = ["gather", "mask"] + ([] if flex_unavailable(q.device.type, backward) else ["flex"])
+    flex = flex_fits(q) and flex_unavailable(q.device.type, backward) is None
+    candidates = ["gather", "mask"] + (["flex"] if flex else [])
     times = {impl: _measure(impl, q, k, v, cols, backward) for impl in candidates}
     _chosen[key] = min(times, key=times.get)
     return _chosen[key]

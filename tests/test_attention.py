@@ -25,7 +25,9 @@ def layer_cfg(schedule, base, window, n_layers=4):
                        seq_len=64, schedule=schedule, base=base, window=window)
 
 
-def qkv(T, seed=0, B=1, H=4, Hkv=2, D=8, device="cpu"):
+def qkv(T, seed=0, B=1, H=4, Hkv=2, D=None, device="cpu"):
+    """Random q, k, v; heads of 8 on the CPU, 16 on CUDA (flex's least there)."""
+    D = D or (16 if device == "cuda" else 8)
     g = torch.Generator().manual_seed(seed)
     mk = lambda h: torch.randn(B, h, T, D, generator=g, dtype=torch.float64).float().to(device).requires_grad_()
     return mk(H), mk(Hkv), mk(Hkv)
@@ -47,7 +49,7 @@ def run_attention(attn: Attention, q, k, v, impl):
 
 
 def grads(out, tensors, seed=1):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device)
     return torch.autograd.grad((out * w).sum(), tensors, allow_unused=True)
 
 
@@ -102,6 +104,15 @@ def test_flex_is_checked_wherever_it_runs(device, backward):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if backward:
         assert all(g is not None and torch.isfinite(g).all() for g in grads(out, [q, k, v]))
+
+
+def test_flex_on_cuda_is_left_out_below_heads_of_16():
+    from types import SimpleNamespace
+
+    from fibctl.attention import flex_fits
+
+    heads = lambda device, D: SimpleNamespace(device=torch.device(device), shape=(1, 4, 32, D))
+    assert not flex_fits(heads("cuda", 8)) and flex_fits(heads("cuda", 16)) and flex_fits(heads("cpu", 8))
 
 
 def test_auto_measures_once_per_setting_and_picks_an_available_path(monkeypatch):

@@ -36,7 +36,7 @@ def test_on_cuda_adamw_is_fused_and_batches_arrive_equal_to_the_cpu_ones():
     model = FibLM(get_preset("micro").model).cuda()
     built = build_optimizer(model, get_preset("micro").train, torch.device("cuda"))
     assert built.fused and built.optimizer.defaults["fused"] is True
-    stream = np.arange(5000, dtype=np.uint16)
+    stream = np.arange(5000, dtype=np.uint16) % get_preset("micro").model.vocab_size  # token ids, not past the vocab
     x, y = WindowSampler(stream, 32, 4, seed=3).next_batch("cuda")
     cx, cy = WindowSampler(stream, 32, 4, seed=3).next_batch("cpu")
     assert x.is_cuda and torch.equal(x.cpu(), cx) and torch.equal(y.cpu(), cy)

@@ -7,6 +7,7 @@ the user fixes by waiting or freeing space, not by reading a traceback.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import typer
@@ -17,34 +18,34 @@ from fibctl.errors import FibctlError
 
 
 def _help_fixes() -> None:
-    """Three fixes to typer 0.29's help: a boolean flag shows as a flag (typer prints `<bool>`
-    after every flag, `--help` included); a paragraph after the first is wrapped to the
-    terminal like the first (typer keeps its source line breaks: half-empty lines at 80
-    columns); and help text is shown as written, not read as rich markup (which took
-    `pip install -e '.[slurm]'` for a style tag and printed `'.'`)."""
+    """Fixes to typer's help, each applied where this typer has the part it fixes (they are
+    internals, and typer's own `>=0.12` range is what fibctl allows): a boolean flag shows as
+    a flag (typer 0.29 prints `<bool>` after every flag, `--help` included); help text is
+    wrapped to the terminal, not at its source line breaks (half-empty lines at 80 columns);
+    and it is shown as written, not read as rich markup (which took `pip install -e
+    '.[slurm]'` for a style tag and printed `'.'`)."""
     from typer import rich_utils
     from typer.core import TyperOption
 
-    if getattr(TyperOption, "_fibctl_fixed", False):
+    if getattr(rich_utils, "_fibctl_fixed", False):
         return
-    shown_type = TyperOption.display_type_rich
+    rich_utils._fibctl_fixed = True
+    shown_type = getattr(TyperOption, "display_type_rich", None)
+    if shown_type is not None:
+        def display_type_rich(self, ctx):
+            return None if getattr(self, "is_flag", False) and self.metavar is None else shown_type(self, ctx)
 
-    def display_type_rich(self, ctx):
-        return None if getattr(self, "is_flag", False) and self.metavar is None else shown_type(self, ctx)
+        TyperOption.display_type_rich = display_type_rich
+    shown_text = getattr(rich_utils, "_make_rich_text", None)
+    if shown_text is not None:
+        def make_rich_text(*, text, style="", markup_mode):
+            if markup_mode == "rich":
+                if "\b" not in text:  # typer's mark for a block kept as laid out
+                    text = re.sub(r"(?<!\n)\n(?!\n)", " ", text)  # one line break: a space
+                text = escape(text)
+            return shown_text(text=text, style=style, markup_mode=markup_mode)
 
-    def fix_linebreaks(paragraphs, markup_mode):
-        return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
-
-    shown_text = rich_utils._make_rich_text
-
-    def make_rich_text(*, text, style="", markup_mode):
-        return shown_text(text=escape(text) if markup_mode == "rich" else text, style=style, markup_mode=markup_mode)
-
-    TyperOption.display_type_rich = display_type_rich
-    rich_utils._make_rich_text = make_rich_text
-    if hasattr(rich_utils, "_fix_linebreaks"):
-        rich_utils._fix_linebreaks = fix_linebreaks
-    TyperOption._fibctl_fixed = True
+        rich_utils._make_rich_text = make_rich_text
 
 
 _help_fixes()

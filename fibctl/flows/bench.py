@@ -263,6 +263,8 @@ def _paths_used(model: FibLM) -> str:
     many settings (layer, shape, grad mode) went to each."""
     if model.cfg.schedule == "dense":
         return "sdpa"
+    if model.cfg.schedule == "learned":
+        return "gather"  # the one path for fractional rungs, whatever impl says
     if model.blocks[0].attn.impl != "auto":
         return model.blocks[0].attn.impl
     return ", ".join(f"{impl} x{n}" for impl, n in sorted(chosen_impls().items())) or "auto"

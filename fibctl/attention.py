@@ -264,6 +264,7 @@ def flex_unavailable(device_type: str, backward: bool) -> str | None:
 
 AUTO_REPEATS = 3  # timed calls per candidate, after one warm-up call (which also compiles flex)
 _chosen: dict[tuple, str] = {}
+traced_defaults = 0  # settings torch.compile traced before any measurement: they took gather
 
 
 def choose_impl(q, k, v, cols: Columns) -> str:
@@ -274,7 +275,9 @@ def choose_impl(q, k, v, cols: Columns) -> str:
     key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), tuple(cols.dist), backward)
     if key in _chosen:
         return _chosen[key]
-    if torch.compiler.is_compiling():  # a measurement cannot be traced: the default until one exists
+    if torch.compiler.is_compiling():  # a measurement cannot be traced (FibLM.choose_paths measures first)
+        global traced_defaults
+        traced_defaults += 1
         return "gather"
     flex = flex_fits(q) and flex_unavailable(q.device.type, backward) is None
     candidates = ["gather", "mask"] + (["flex"] if flex else [])

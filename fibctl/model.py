@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
 from fibctl.config import ModelConfig
+from fibctl.device import autocast
 from fibctl.probe.blur import blur_attention
 from fibctl.schedules import (
     ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, blur_rungs, fractional_rungs, layer_alphas,
@@ -163,6 +164,20 @@ class FibLM(nn.Module):
         if key not in self._rope:
             self._rope[key] = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, device)
         return self._rope[key]
+
+    def choose_paths(self, batch_size: int, T: int, device) -> None:
+        """Let every `auto` layer measure its path now, eagerly, at the training shapes: one
+        forward and backward on random tokens under the device's autocast, its gradients
+        dropped (no weight changes, the global RNG untouched). Traced by torch.compile, a
+        layer cannot measure and takes `gather`, the slowest integer path on a GPU."""
+        if self.blocks[0].attn.impl != "auto" or self.cfg.schedule in ("dense", "learned"):
+            return  # nothing to choose: SDPA, or gather, the one path for fractional rungs
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, self.cfg.vocab_size, (batch_size, T + 1), generator=g).to(device)
+        with autocast(torch.device(device)):
+            loss = self(x[:, :-1], x[:, 1:])
+        loss.backward()
+        self.zero_grad(set_to_none=True)
 
     def prepare(self, T: int, device) -> None:
         """Build the tables of length T now (RoPE, the static layers' attended columns), so that

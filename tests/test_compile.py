@@ -95,6 +95,29 @@ def test_a_compiled_learned_model_does_not_recompile_as_alpha_moves():
 
 
 @needs_compile
+@pytest.mark.parametrize("measured_first", [True, False])
+def test_auto_layers_measure_their_path_before_they_are_compiled(measured_first):
+    # auto is the CUDA default: traced unmeasured, a layer took gather, the slowest integer
+    # path there; choose_paths measures eagerly at the training shapes first
+    from fibctl import attention
+
+    cfg = dataclasses.replace(get_preset("micro").model, schedule="stagger", window=4)
+    attention._chosen.clear()
+    model = FibLM(cfg, impl="auto")
+    before = [p.detach().clone() for p in model.parameters()]
+    if measured_first:
+        model.choose_paths(4, cfg.seq_len, "cpu")
+        assert len(attention._chosen) == cfg.n_layers  # one setting per layer: their distances differ
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model.prepare(cfg.seq_len, "cpu")
+    defaults = attention.traced_defaults
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    torch.compile(model)(x[:, :-1], x[:, 1:]).backward()
+    assert (attention.traced_defaults == defaults) == measured_first
+
+
+@needs_compile
 def test_a_compiled_training_run_follows_the_eager_one(data, tmp_path):
     config = micro_run("c", "stagger", steps=6, log_interval=1, checkpoint_interval=6)
     runs = {}

@@ -221,7 +221,8 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
     torch.manual_seed(0)
     model = FibLM(cfg, default_impl(device)).to(device)
     step_model = model
-    if bench.compile:  # as the trainer compiles: tables built first, then the whole model
+    if bench.compile:  # as the trainer compiles: paths measured and tables built first
+        model.choose_paths(bench.batch_size, cfg.seq_len, device)
         model.prepare(cfg.seq_len, device)
         step_model = torch.compile(model)
     built = build_optimizer(model, tc, device)

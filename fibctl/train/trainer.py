@@ -138,6 +138,8 @@ class Trainer:
         _seed_everything(config.init_seed)
         self.model = FibLM(config.model, default_impl(device)).to(device)
         self.compiled, self.ddp = compile, None
+        if compile:  # before DDP's hooks: a traced layer cannot measure which path is fastest
+            self.model.choose_paths(self.tc.batch_size, config.model.seq_len, device)
         self.step_model: torch.nn.Module = self.model
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel

@@ -209,7 +209,6 @@ def _flex(q, k, v, cols: Columns) -> torch.Tensor:
     if not flex_fits(q):
         raise ConfigError(f"the `flex` implementation on CUDA needs head_dim >= {FLEX_CUDA_MIN_HEAD_DIM}, "
                           f"got {q.shape[-1]}; use `gather`")
-
     if not torch.is_grad_enabled():  # flex refuses inputs that require grad where it has no backward
         q, k, v = q.detach(), k.detach(), v.detach()
     T = q.shape[2]

@@ -19,7 +19,7 @@ from fibctl.errors import FibctlError
 
 def _help_fixes() -> None:
     """Fixes to typer's help, each applied where this typer has the part it fixes (they are
-    internals, and typer's own `>=0.12` range is what fibctl allows): a boolean flag shows as
+    internals, and fibctl allows any typer from 0.16 on): a boolean flag shows as
     a flag (typer 0.29 prints `<bool>` after every flag, `--help` included); help text is
     wrapped to the terminal, not at its source line breaks (half-empty lines at 80 columns);
     and it is shown as written, not read as rich markup (which took `pip install -e

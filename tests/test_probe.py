@@ -20,6 +20,7 @@ from fibctl.config import ConfigError, ProbeConfig, RunConfig, get_preset
 from fibctl.db.engine import connect
 from fibctl.flows.worker import WorkerOptions, train_named
 from fibctl.model import FibLM
+from fibctl.probe import blur as blur_module
 from fibctl.probe.blur import blur_attention
 from fibctl.probe.cells import probe_runs
 from fibctl.probe.task import IGNORE, MarkedCopy
@@ -125,6 +126,21 @@ def test_fast_blur_equals_the_reference_in_output_and_theta_gradient(T, alpha):
             assert grad is None
         else:
             assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad))), width
+
+
+@pytest.mark.parametrize("T", [14, 30, 100])
+def test_fast_blur_in_query_blocks_equals_the_reference(T, monkeypatch):
+    # blocks of 4 and 7 queries: partial last blocks, and bands reaching past a block's keys
+    for block in (4, 7):
+        monkeypatch.setattr(blur_module, "BLUR_BLOCK", block)
+        for width in WIDTHS:
+            ref_out, ref_grad = _blur(T, width, "reference")
+            out, grad = _blur(T, width, "fast")
+            assert (out - ref_out).abs().max() <= 1e-5, (block, width)
+            if ref_grad is None:  # no rung fits at this length
+                assert grad is None
+            else:
+                assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad))), (block, width)
 
 
 def test_fast_blur_in_float32_at_the_probe_shape():

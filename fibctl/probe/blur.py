@@ -15,7 +15,8 @@ Implementations (`impl`):
   matrix (B, H, T, T) read by offset, and a (C, T) table of each column's weight at each
   offset, give every column's logits; the softmax goes back through the same table to one
   weight per key row. A dense attention's cost plus 2 C T^2 multiply-adds and a gather and
-  scatter of the scores, whatever the width; nothing (2R+1)-wide is built per rung.
+  scatter of the scores, whatever the width; nothing (2R+1)-wide is built per rung. Done in
+  blocks of queries, each against the key rows below its end (the causal part).
 """
 
 from __future__ import annotations

@@ -89,26 +89,29 @@ def _banded(q, k, v, window, c, centres, width) -> torch.Tensor:
     Hkv = k.shape[1]
     G = H // Hkv
     weights, valid = offset_weights(window, c, centres, width, T, q.dtype)  # (C, T), (T, C)
-    qg = q.view(B, Hkv, G, T, D) * D**-0.5
-    k, v = k[:, :, None], v[:, :, None]
+    # the G query heads that share a kv head side by side, (B, Hkv, T * G, D) with query t's
+    # heads in rows tG..tG+G-1: each product is one plain batched matmul, nothing broadcast
+    qg = (q * D**-0.5).view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, T * G, D)
     i = torch.arange(T, device=q.device)
-    by_offset = (i[:, None] - i[None, :]).clamp_min(0)  # (T, T): query i's key row at offset o
+    by_offset = (i[:, None] - i[None, :]).clamp_min(0).repeat_interleave(G, 0)  # key row of (tG + g, o)
+    valid = valid.repeat_interleave(G, 0)
     out = []
     # Score every key row once, read the scores by offset (row i - o, clamped at row 0), and
     # put the offsets' shares back on their rows to mix the values. Query block [s, e) reads
     # only key rows below e: its offsets from e on all land on row 0, so they count as one
     # column of summed weights (`tail`), and the T x T work shrinks to the causal blocks.
     # Measured on the CPU, reading by offset beat a strided view of the scores padded with
-    # row 0, a (T, T, C) share matrix, and, at every width, gathering only the rows the
-    # bands use.
+    # row 0, a (T, T, C) share matrix, gathering only the rows the bands use (at every
+    # width), and convolving keys and values with the bands by FFT.
     for s in range(0, T, BLUR_BLOCK):
         e = min(T, s + BLUR_BLOCK)
-        rows = by_offset[s:e, :e].expand(B, Hkv, G, e - s, e)
+        block = slice(s * G, e * G)
+        rows = by_offset[block, :e].expand(B, Hkv, (e - s) * G, e)
         near, tail = weights[:, :e], weights[:, e:].sum(-1)  # (C, e), (C,)
-        scores = qg[:, :, :, s:e] @ k[..., :e, :].transpose(-1, -2)  # (B, Hkv, G, e - s, e)
+        scores = qg[:, :, block] @ k[:, :, :e].transpose(-1, -2)  # (B, Hkv, (e - s) G, e)
         logits = scores.gather(-1, rows) @ near.T + scores[..., :1] * tail
-        p = logits.masked_fill(~valid[s:e], NEG).softmax(-1)
-        mixing = torch.zeros_like(scores).scatter_add(-1, rows, p @ near)
+        p = logits.masked_fill(~valid[block], NEG).softmax(-1)
+        mixing = torch.zeros_like(scores).scatter_add_(-1, rows, p @ near)
         mixing[..., 0] += p @ tail
-        out.append(mixing @ v[..., :e, :])
-    return torch.cat(out, -2).reshape(B, H, T, D)
+        out.append(mixing @ v[:, :, :e])
+    return torch.cat(out, -2).view(B, Hkv, T, G, D).transpose(2, 3).reshape(B, H, T, D)

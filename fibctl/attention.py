@@ -141,11 +141,16 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
         # per query, and one index_select serves integer and fractional columns alike.
         f = cols.frac.to(q.dtype)
-        # the model's k and v are transposed views; blending them laid out by time measured faster
-        k, v = _blended(k.contiguous(), f, cols.lo), _blended(v.contiguous(), f, cols.lo)
+        k, v = _Blend.apply(k, f, cols.lo), _Blend.apply(v, f, cols.lo)
         # copy r holds the T - lo_r rows its queries read, after x and the copies before it
         kept = torch.tensor([T - lo for lo in cols.lo], device=dev)
         copy_start = T + torch.cumsum(kept, 0) - kept
+    # Rows are gathered from the keys and values flattened to (rows, D): index_select along
+    # dim 0 of a 2-D tensor copies whole rows, several times faster on the CPU than along
+    # dim 2 of (B, Hkv, T, D) (docs/benchmarks.md).
+    Tk = k.shape[2]
+    k, v = k.contiguous().view(-1, D), v.contiguous().view(-1, D)
+    plane = torch.arange(B * Hkv, device=dev)[:, None] * Tk  # first row of each (b, h) plane
     qg = q.view(B, Hkv, G, T, D) * D**-0.5
     out = []
     for start in range(0, T, GATHER_CHUNK):
@@ -154,8 +159,9 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         index = (pos[:, None] - dist[None, :]).clamp_min(0)  # (n, C_int)
         if cols.lo:
             index = torch.cat([index, copy_start[None, :] + (pos[:, None] - lo[None, :]).clamp_min(0)], 1)
+        rows = (plane + index.flatten()[None, :]).flatten()
         shape = (B, Hkv, n, index.shape[1], D)
-        kr, vr = k.index_select(2, index.flatten()).view(shape), v.index_select(2, index.flatten()).view(shape)
+        kr, vr = k.index_select(0, rows).view(shape), v.index_select(0, rows).view(shape)
         s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C)
         valid = pos[:, None] >= valid_from[None, :]  # (n, C)
         p = s.masked_fill(~valid, NEG).softmax(-1)
@@ -163,13 +169,51 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     return torch.cat(out, 3).reshape(B, H, T, D)
 
 
-def _blended(x: torch.Tensor, f: torch.Tensor, lo: list[int]) -> torch.Tensor:
+class _Blend(torch.autograd.Function):
     """x (B, Hkv, T, D) followed by one copy per fractional rung r, rows 0 .. T-1-lo_r (the
-    rows its queries read) of x[t] + f_r (x[t-1] - x[t]), row -1 read as row 0."""
-    T = x.shape[2]
-    prev = torch.cat([x[:, :, :1], x[:, :, :-1]], 2)
-    copies = [torch.lerp(x[:, :, :T - l], prev[:, :, :T - l], f[r]) for r, l in enumerate(lo)]
-    return torch.cat([x, *copies], 2)
+    rows its queries read) of x[t] + f_r (x[t-1] - x[t]), row -1 read as row 0.
+
+    Written out by hand because autograd through per-rung slices and a concatenation
+    zero-fills a full-size gradient for every slice; here the backward accumulates into one
+    gradient of x in place (docs/benchmarks.md). `test_blend_gradients_match_autograd`
+    holds it to the plain formula in float64."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, f: torch.Tensor, lo: list[int]) -> torch.Tensor:
+        T = x.shape[2]
+        kept = [T - l for l in lo]
+        delta = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # x[t-1] - x[t]; 0 at row 0
+        delta[:, :, :1] = 0
+        torch.sub(x[:, :, :-1], x[:, :, 1:], out=delta[:, :, 1:])
+        out = x.new_empty(x.shape[0], x.shape[1], T + sum(kept), x.shape[3])
+        out[:, :, :T] = x
+        start = T
+        for r, n in enumerate(kept):
+            torch.addcmul(x[:, :, :n], delta[:, :, :n], f[r], out=out[:, :, start:start + n])
+            start += n
+        ctx.save_for_backward(f, delta)
+        ctx.kept = kept
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        f, delta = ctx.saved_tensors
+        T = delta.shape[2]
+        gx = grad[:, :, :T].clone()
+        gdelta = torch.zeros_like(delta)
+        gf = torch.empty_like(f)
+        start = T
+        for r, n in enumerate(ctx.kept):
+            g = grad[:, :, start:start + n]
+            gf[r] = (g * delta[:, :, :n]).sum()
+            gx[:, :, :n] += g
+            gdelta[:, :, :n].addcmul_(g, f[r])
+            start += n
+        # delta[t] = x[t-1] - x[t] for t >= 1
+        gx[:, :, 1:] -= gdelta[:, :, 1:]
+        gx[:, :, :-1] += gdelta[:, :, 1:]
+        return gx, gf, None
 
 
 def _integer_distances(cols: Columns, impl: str) -> list[int]:

@@ -136,6 +136,33 @@ def test_auto_measures_once_per_setting_and_picks_an_available_path(monkeypatch)
     assert choose_impl(q, k, v, learned.columns(200)) == "gather" and len(measured) == n  # the only path
 
 
+def plain_blend(x, f, lo):
+    """The blended copies as the docstring states them, through autograd."""
+    T = x.shape[2]
+    prev = torch.cat([x[:, :, :1], x[:, :, :-1]], 2)
+    return torch.cat([x] + [x[:, :, :T - l] + f[r] * (prev[:, :, :T - l] - x[:, :, :T - l])
+                            for r, l in enumerate(lo)], 2)
+
+
+@pytest.mark.parametrize("T,lo", [(1, [0]), (2, [1]), (9, [1, 3, 8]), (40, [13, 21, 34, 39])])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_blend_gradients_match_autograd(T, lo, layout):
+    """The hand-written blend: its output and its gradients to x and to every weight equal
+    autograd through the plain formula (float64), and torch's gradcheck passes."""
+    g = torch.Generator().manual_seed(T)
+    if layout == "transposed":  # the values reach attention as a transposed view
+        x = torch.randn(2, T, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    else:
+        x = torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64).requires_grad_()
+    f = torch.rand(len(lo), generator=g, dtype=torch.float64).requires_grad_()
+    out = attention_module._Blend.apply(x, f, lo)
+    ref = plain_blend(x, f, lo)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    for a, b in zip(grads(out, [x, f]), grads(ref, [x, f])):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, f: attention_module._Blend.apply(x, f, lo), (x, f))
+
+
 @pytest.mark.parametrize("base", ["fib", "pow2"])
 def test_learned_at_alpha_one_equals_fixed(base):
     learned, fixed = (Attention(layer_cfg(s, base, 8), 1) for s in ("learned", "fixed"))

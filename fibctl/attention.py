@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fibctl.config import ATTENTION_IMPLS, ConfigError
-from fibctl.device import synchronize
+from fibctl.device import constant, synchronize
 
 NEG = -1e9  # invalid logits: large negative, never -inf, so no row is ever NaN
 GATHER_CHUNK = 1024  # queries per gather chunk: bounds memory at long lengths, stays in cache
@@ -133,9 +133,9 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     Hkv = k.shape[1]
     G = H // Hkv
     dev = q.device
-    dist = torch.tensor(cols.dist, device=dev)
-    lo = torch.tensor(cols.lo, device=dev, dtype=torch.long)
-    valid_from = torch.cat([dist, lo])  # fractional columns: validity follows the near row
+    dist = constant(cols.dist, torch.long, dev)
+    lo = constant(cols.lo, torch.long, dev)
+    valid_from = constant(cols.dist + cols.lo, torch.long, dev)  # fractional columns: validity follows the near row
     if cols.lo:
         # Fractional rung r reads row i - lo_r of its own blended copy of the keys and values,
         # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
@@ -143,8 +143,10 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         f = cols.frac.to(q.dtype)
         k, v = _Blend.apply(k, f, cols.lo), _Blend.apply(v, f, cols.lo)
         # copy r holds the T - lo_r rows its queries read, after x and the copies before it
-        kept = torch.tensor([T - lo for lo in cols.lo], device=dev)
-        copy_start = T + torch.cumsum(kept, 0) - kept
+        starts = [T]
+        for l in cols.lo[:-1]:
+            starts.append(starts[-1] + T - l)
+        copy_start = constant(starts, torch.long, dev)
     # Rows are gathered from the keys and values flattened to (rows, D): index_select along
     # dim 0 of a 2-D tensor copies whole rows, several times faster on the CPU than along
     # dim 2 of (B, Hkv, T, D) (docs/benchmarks.md).
@@ -232,7 +234,7 @@ def _masked(q, k, v, cols: Columns) -> torch.Tensor:
     dist = _integer_distances(cols, "mask")
     T = q.shape[2]
     i = torch.arange(T, device=q.device)
-    allowed = torch.isin(i[:, None] - i[None, :], torch.tensor(dist, device=q.device))  # (T, T)
+    allowed = torch.isin(i[:, None] - i[None, :], constant(dist, torch.long, q.device))  # (T, T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 
 import torch
@@ -77,6 +78,21 @@ def autocast(device: torch.device):
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def constant(values: tuple, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A small tensor of fixed values (distances, rows) on `device`, made once per process and
+    shared: never write to it. On CUDA a tensor made from a Python list is a blocking copy;
+    made in a layer's forward, it would hold the host until the GPU caught up, in every layer
+    of every micro-batch, and the host could no longer queue kernels ahead of the GPU."""
+    if torch.compiler.is_compiling():  # traced, it is a constant of the graph
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _constant(tuple(values), dtype, str(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _constant(values: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def compile_unavailable(device: torch.device) -> str | None:

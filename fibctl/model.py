@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
 from fibctl.config import ModelConfig
-from fibctl.device import autocast
+from fibctl.device import autocast, constant
 from fibctl.probe.blur import blur_attention
 from fibctl.schedules import (
     ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, blur_rungs, fractional_rungs, layer_alphas,
@@ -54,6 +54,7 @@ class Attention(nn.Module):
         # a float32 alpha). Nothing is saved, so weights stay schedule-agnostic.
         self.alpha0 = layer_alphas(cfg.schedule, cfg.n_layers)[layer]
         self._static_cols: dict[int, Columns] = {}
+        self._rungs_read: tuple[tuple, list[tuple[int, int]]] | None = None  # (theta's state, its kept rungs)
         self.blur_width: float | None = None  # set (FibLM.set_blur_width): the probe's blur rungs
 
     @property
@@ -72,13 +73,22 @@ class Attention(nn.Module):
         # One product t_k = alpha * b_k in the parameter's dtype gives both the rung's row
         # (lo = floor(t_k)) and its interpolation weight (t_k - lo), as in the study.
         alpha = self.alpha
-        base = torch.tensor(base_sequence(cfg.base, T, cfg.n_rungs), dtype=alpha.dtype, device=alpha.device)
-        targets = alpha * base
-        kept = fractional_rungs(targets.detach().tolist(), cfg.window, T)
-        idx = torch.tensor([k for k, _ in kept], dtype=torch.long, device=alpha.device)
+        targets = alpha * constant(base_sequence(cfg.base, T, cfg.n_rungs), alpha.dtype, alpha.device)
+        kept = self._kept_rungs(targets, T)
         lo = [lo for _, lo in kept]
-        frac = targets[idx] - torch.tensor(lo, dtype=alpha.dtype, device=alpha.device)
+        rows = constant([k for k, _ in kept], torch.long, alpha.device)
+        frac = targets[rows] - constant(lo, alpha.dtype, alpha.device)
         return Columns(window_distances(cfg.window, T), lo, frac)
+
+    def _kept_rungs(self, targets: torch.Tensor, T: int) -> list[tuple[int, int]]:
+        """`fractional_rungs` of the targets, read from the device once per value of theta
+        (an optimizer step or a load changes theta's version or storage): on CUDA each read
+        waits for the GPU, and a step's micro-batches all see the same theta."""
+        theta = self.theta
+        key = (T, theta._version, theta.data_ptr(), theta.dtype, theta.device)
+        if self._rungs_read is None or self._rungs_read[0] != key:
+            self._rungs_read = (key, fractional_rungs(targets.detach().tolist(), self.cfg.window, T))
+        return self._rungs_read[1]
 
     def blur_columns(self, T: int) -> tuple[list[int], torch.Tensor]:
         """The probe's rungs at this length: rounded centres c_k and exact centres alpha * b_k."""

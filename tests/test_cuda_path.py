@@ -45,3 +45,62 @@ def test_on_cuda_adamw_is_fused_and_batches_arrive_equal_to_the_cpu_ones():
     loss.backward()
     built.optimizer.step()  # the fused kernel runs
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def learned_micro(device="cpu"):
+    import dataclasses
+
+    cfg = dataclasses.replace(get_preset("micro").model, schedule="learned")
+    return FibLM(cfg).to(device)
+
+
+def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypatch):
+    """The kept rungs of a learned layer (a read of alpha on the host, a wait for the GPU on
+    CUDA) are read once per value of theta, not once per layer call, and a new value (an
+    optimizer step, a write, a cast) is read again."""
+    import fibctl.model as model_module
+
+    reads = []
+    real = model_module.fractional_rungs
+    monkeypatch.setattr(model_module, "fractional_rungs", lambda *a: reads.append(1) or real(*a))
+    model = learned_micro()
+    L, T = model.cfg.n_layers, 40
+    x = torch.randint(0, model.cfg.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):  # three micro-batches of one step
+        model(x[:, :-1], x[:, 1:]).backward()
+    assert len(reads) == L
+    torch.optim.AdamW(model.parameters(), lr=0.5).step()
+    model(x[:, :-1], x[:, 1:])
+    assert len(reads) == 2 * L
+    model(x[:, :8], x[:, 1:9])  # another length
+    assert len(reads) == 3 * L
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.theta.fill_(1.3)  # alpha 0.5 + sigmoid(1.3) = 1.286: every rung moves
+    fresh = real((attn.alpha.detach() * torch.tensor([float(b) for b in model_module.base_sequence(
+        model.cfg.base, T, model.cfg.n_rungs)])).tolist(), model.cfg.window, T)
+    assert attn.columns(T).lo == [lo for _, lo in fresh]
+    model.double()  # a cast: new storage, the rungs read again in float64
+    before = len(reads)
+    attn.columns(T)
+    assert len(reads) == before + 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("schedule,impl", [("learned", "gather"), ("fixed", "gather"), ("fixed", "mask"),
+                                           ("fixed", "auto")])
+def test_a_training_micro_batch_on_cuda_never_waits_for_the_gpu(schedule, impl):
+    """After one warm-up step, forward and backward queue their kernels without a host-device
+    synchronisation (CUDA's sync debug mode raises on one), so the host runs ahead of the GPU."""
+    import dataclasses
+
+    cfg = dataclasses.replace(get_preset("micro").model, schedule=schedule)
+    model = FibLM(cfg, impl).cuda()
+    x = torch.randint(0, cfg.vocab_size, (2, 65), device="cuda")
+    model(x[:, :-1], x[:, 1:]).backward()  # warm-up: auto measures, rungs are read
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x[:, :-1], x[:, 1:]).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

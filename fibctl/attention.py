@@ -17,14 +17,17 @@ Implementations (`impl`):
   learning alpha adds no score columns and no per-query interpolation: with G query heads
   per kv head that is cheaper than scoring near and far rows separately and interpolating
   the logits, and than interpolating gathered rows per query (docs/benchmarks.md).
-- `mask`: a boolean T x T mask through `scaled_dot_product_attention`, integer columns
-  only; how the study ran its fixed paths, kept for parity and benchmarks.
-- `flex`: FlexAttention with a block mask built from the layer's integer distances (blocks
-  no distance reaches are skipped), integer columns only; compiled on CUDA. Where it cannot
-  run (torch 2.13 on the CPU has its forward only), `flex_unavailable` says why.
+- `mask`: a boolean T x T mask through `scaled_dot_product_attention`; how the study ran
+  its fixed paths, kept for parity and benchmarks. Fractional rungs append one whole
+  blended copy of the keys and values per rung (T rows each) and the mask reads copy r on
+  the diagonal row i - lo_r: a T x T (1 + R) mask.
+- `flex`: FlexAttention with a block mask built from the layer's distances (blocks no
+  distance reaches are skipped), over the same keys and copies as `mask`; compiled on
+  CUDA. Where it cannot run (torch 2.13 on the CPU has its forward only),
+  `flex_unavailable` says why.
 - `auto`: the fastest of gather, mask and flex for these inputs, measured on first use per
-  device, shape, columns and grad mode, and remembered for the process; gather wherever
-  the columns are fractional (the only path for them).
+  device, shape, columns (for learned rungs, their number) and grad mode, and remembered
+  for the process.
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
         # per query, and one index_select serves integer and fractional columns alike.
         f = cols.frac.to(q.dtype)
-        k, v = _Blend.apply(k, f, cols.lo), _Blend.apply(v, f, cols.lo)
+        rows = [T - l for l in cols.lo]
+        k, v = _Blend.apply(k, f, rows), _Blend.apply(v, f, rows)
         # copy r holds the T - lo_r rows its queries read, after x and the copies before it
         starts = [T]
         for l in cols.lo[:-1]:
@@ -172,8 +176,9 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
 
 
 class _Blend(torch.autograd.Function):
-    """x (B, Hkv, T, D) followed by one copy per fractional rung r, rows 0 .. T-1-lo_r (the
-    rows its queries read) of x[t] + f_r (x[t-1] - x[t]), row -1 read as row 0.
+    """x (B, Hkv, T, D) followed by one copy per fractional rung r, its first rows[r] rows
+    (`gather`: T - lo_r, the rows its queries read; `mask` and `flex`: all T) of
+    x[t] + f_r (x[t-1] - x[t]), row -1 read as row 0.
 
     Written out by hand because autograd through per-rung slices and a concatenation
     zero-fills a full-size gradient for every slice; here the backward accumulates into one
@@ -181,9 +186,9 @@ class _Blend(torch.autograd.Function):
     holds it to the plain formula in float64."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, f: torch.Tensor, lo: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, f: torch.Tensor, rows: list[int]) -> torch.Tensor:
         T = x.shape[2]
-        kept = [T - l for l in lo]
+        kept = list(rows)
         delta = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # x[t-1] - x[t]; 0 at row 0
         delta[:, :, :1] = 0
         torch.sub(x[:, :, :-1], x[:, :, 1:], out=delta[:, :, 1:])
@@ -218,23 +223,25 @@ class _Blend(torch.autograd.Function):
         return gx, gf, None
 
 
-def _integer_distances(cols: Columns, impl: str) -> list[int]:
-    """The columns' distances, for a path that takes integer offsets only (a fractional rung
-    at frac 0 is its integer row)."""
-    dist = list(cols.dist)
-    if cols.lo:
-        if cols.frac is not None and bool((cols.frac.detach() != 0).any()):
-            raise ConfigError(f"the `{impl}` implementation supports integer offsets only; use `gather` for "
-                              "learned alpha")
-        dist += cols.lo
-    return dist
+def _with_copies(q, k, v, cols: Columns) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values for `mask` and `flex` with fractional rungs: x followed by one whole
+    blended copy (T rows) per rung, so that the shapes stay fixed while alpha moves; query i
+    reads copy r at row i - lo_r, a diagonal like an integer distance."""
+    T = q.shape[2]
+    f = cols.frac.to(q.dtype)
+    rows = [T] * len(cols.lo)
+    return _Blend.apply(k, f, rows), _Blend.apply(v, f, rows)
 
 
 def _masked(q, k, v, cols: Columns) -> torch.Tensor:
-    dist = _integer_distances(cols, "mask")
     T = q.shape[2]
     i = torch.arange(T, device=q.device)
-    allowed = torch.isin(i[:, None] - i[None, :], constant(dist, torch.long, q.device))  # (T, T)
+    allowed = torch.isin(i[:, None] - i[None, :], constant(cols.dist, torch.long, q.device))  # (T, T)
+    if cols.lo:
+        k, v = _with_copies(q, k, v, cols)
+        lo = constant(cols.lo, torch.long, q.device)
+        copies = i[None, None, :] == (i[None, :, None] - lo[:, None, None])  # (R, T queries, T rows)
+        allowed = torch.cat([allowed, copies.permute(1, 0, 2).reshape(T, -1)], 1)  # (T, T (1 + R))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 
@@ -258,7 +265,9 @@ def _flex(q, k, v, cols: Columns) -> torch.Tensor:
     if not torch.is_grad_enabled():  # flex refuses inputs that require grad where it has no backward
         q, k, v = q.detach(), k.detach(), v.detach()
     T = q.shape[2]
-    mask = _block_mask(tuple(sorted(set(_integer_distances(cols, "flex")))), T, str(q.device))
+    if cols.lo:
+        k, v = _with_copies(q, k, v, cols)
+    mask = _block_mask(tuple(cols.dist), tuple(cols.lo), T, str(q.device))
     if q.device.type == "cuda":
         return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
     with warnings.catch_warnings():  # eager flex warns that it is unfused: on the CPU it is all there is
@@ -273,19 +282,25 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=256)  # a model has a few distinct distance sets per length
-def _block_mask(dist: tuple[int, ...], T: int, device: str):
-    """Query i sees key j iff i - j is one of `dist`: a lookup table over distances."""
+@functools.lru_cache(maxsize=256)  # a few distance sets per length; learned rungs move rarely
+def _block_mask(dist: tuple[int, ...], lo: tuple[int, ...], T: int, device: str):
+    """Query i sees key j < T iff i - j is one of `dist` (a lookup table over distances), and
+    row t of copy r (key T + r T + t, `_with_copies`) iff t = i - lo_r."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     allowed = torch.zeros(T, dtype=torch.bool, device=device)
     allowed[[d for d in dist if d < T]] = True
+    # the distance i - j at which each key is read: copy r's diagonal, lo_r - (T + r T)
+    diagonal = torch.zeros(T * (1 + len(lo)), dtype=torch.long, device=device)
+    for r, l in enumerate(lo):
+        diagonal[T * (1 + r):T * (2 + r)] = l - T * (1 + r)
 
     def mask_mod(b, h, q_idx, kv_idx):
         d = q_idx - kv_idx
-        return (d >= 0) & allowed[d.clamp(0, T - 1)]
+        near = (kv_idx < T) & (d >= 0) & allowed[d.clamp(0, T - 1)]
+        return near | ((kv_idx >= T) & (d == diagonal[kv_idx]))
 
-    return create_block_mask(mask_mod, None, None, T, T, device=device)
+    return create_block_mask(mask_mod, None, None, T, T * (1 + len(lo)), device=device)
 
 
 @functools.cache
@@ -310,14 +325,14 @@ def flex_unavailable(device_type: str, backward: bool) -> str | None:
 AUTO_REPEATS = 3  # timed calls per candidate, after one warm-up call (which also compiles flex)
 _chosen: dict[tuple, str] = {}
 traced_defaults = 0  # settings torch.compile traced before any measurement: they took gather
+skipped: dict[str, str] = {}  # path -> why its last measurement failed; `auto` went on without it
 
 
 def choose_impl(q, k, v, cols: Columns) -> str:
     """The fastest available path for these inputs and columns, measured once per process."""
-    if cols.lo:  # fractional rungs: gather is the path that learns alpha
-        return "gather"
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), tuple(cols.dist), backward)
+    # learned rungs move with alpha; their count, not their place, sets the work
+    key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), tuple(cols.dist), len(cols.lo), backward)
     if key in _chosen:
         return _chosen[key]
     if torch.compiler.is_compiling():  # a measurement cannot be traced (FibLM.choose_paths measures first)
@@ -326,7 +341,15 @@ def choose_impl(q, k, v, cols: Columns) -> str:
         return "gather"
     flex = flex_fits(q) and flex_unavailable(q.device.type, backward) is None
     candidates = ["gather", "mask"] + (["flex"] if flex else [])
-    times = {impl: _measure(impl, q, k, v, cols, backward) for impl in candidates}
+    times = {"gather": _measure("gather", q, k, v, cols, backward)}  # the path that always runs
+    for impl in candidates[1:]:
+        try:
+            times[impl] = _measure(impl, q, k, v, cols, backward)
+        except Exception as e:  # out of memory (a T x T mask at long T), a compiler failure
+            lines = str(e).strip().splitlines()
+            skipped[impl] = f"{type(e).__name__}: {lines[0] if lines else ''}"
+            if q.device.type == "cuda":
+                torch.cuda.empty_cache()
     _chosen[key] = min(times, key=times.get)
     return _chosen[key]
 
@@ -341,6 +364,8 @@ def chosen_impls() -> dict[str, int]:
 
 def _measure(impl: str, q, k, v, cols: Columns, backward: bool) -> float:
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    if cols.frac is not None:  # a measurement must not leave a gradient on theta
+        cols = Columns(cols.dist, cols.lo, cols.frac.detach())
 
     def call():
         out = sparse_attention(q, k, v, cols, impl)

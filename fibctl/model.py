@@ -180,8 +180,10 @@ class FibLM(nn.Module):
         forward and backward on random tokens under the device's autocast, its gradients
         dropped (no weight changes, the global RNG untouched). Traced by torch.compile, a
         layer cannot measure and takes `gather`, the slowest integer path on a GPU."""
+        # dense: SDPA, nothing to choose; learned: its attention runs outside the trace, and
+        # measures at its first call
         if self.blocks[0].attn.impl != "auto" or self.cfg.schedule in ("dense", "learned"):
-            return  # nothing to choose: SDPA, or gather, the one path for fractional rungs
+            return
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, self.cfg.vocab_size, (batch_size, T + 1), generator=g).to(device)
         with autocast(torch.device(device)):

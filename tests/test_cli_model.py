@@ -47,6 +47,20 @@ def test_bench_attention_prints_ratios_to_dense():
     assert "float32" in r.output and "cpu (1 thread)" in r.output  # the precision and device timed
 
 
+def test_bench_attention_times_learned_offsets_through_flex():
+    """`learned-flex` (listed on CUDA) times the learned layer through FlexAttention over its
+    blended copies; on the CPU, flex has a forward only, so its forward+backward is NaN."""
+    from fibctl.attention import flex_unavailable
+    from fibctl.flows.bench import attention_paths, bench_attention
+
+    if flex_unavailable("cpu", backward=False):
+        pytest.skip(f"flex does not run on this CPU: {flex_unavailable('cpu', backward=False)}")
+    assert "learned-flex" not in attention_paths("cpu")
+    df = bench_attention([64], paths=("dense", "learned", "learned-flex"), repeats=1, warmup=0).set_index("path")
+    assert df.loc["learned-flex"].forward_ms > 0 and math.isnan(df.loc["learned-flex"].fwd_bwd_ms)
+    assert df.loc["learned"].fwd_bwd_ms > 0
+
+
 def test_bench_train_json_times_dense_first_and_gives_ratios_and_memory():
     # fixed and learned asked for: dense is timed too, first, in the same run; T 32 halves the
     # preset's T 64, so a micro-batch holds twice the sequences (same tokens per step)

@@ -117,8 +117,9 @@ def bench_attention_cmd(
 
     Paths: dense causal SDPA, the boolean-mask SDPA path, the gather path with integer offsets,
     the gather path with fractional (learned) offsets, and FlexAttention with integer offsets
-    where it runs (forward only on the CPU: - for fwd+bwd). In the precision training gives
-    the attention: bf16 on CUDA, fp32 on the CPU. Ratios are to dense in the same run.
+    where it runs (forward only on the CPU: - for fwd+bwd); on CUDA also learned-flex, the
+    fractional offsets through FlexAttention. In the precision training gives the attention:
+    bf16 on CUDA, fp32 on the CPU. Ratios are to dense in the same run.
     """
     import torch
 

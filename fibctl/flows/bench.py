@@ -21,6 +21,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
+from fibctl.attention import skipped as attention_skipped
 from fibctl.config import ConfigError, get_preset
 from fibctl.device import autocast, check_compile, describe, resolve_device, setup_process, synchronize
 from fibctl.errors import FibctlError
@@ -32,8 +33,11 @@ PATHS = ("dense", "mask", "gather", "learned")
 
 
 def attention_paths(device_type: str = "cpu") -> tuple[str, ...]:
-    """PATHS, and `flex` (the fixed schedule through FlexAttention) where it runs."""
-    return PATHS + (("flex",) if flex_unavailable(device_type, backward=False) is None else ())
+    """PATHS, and `flex` (the fixed schedule through FlexAttention) where it runs; on CUDA also
+    `learned-flex`, learned offsets through FlexAttention over the blended copies (on the
+    CPU, flex's unfused forward over T (1 + R) keys would time nothing training uses)."""
+    flex = flex_unavailable(device_type, backward=False) is None
+    return PATHS + (("flex",) if flex else ()) + (("learned-flex",) if flex and device_type == "cuda" else ())
 
 
 def attention_dtype(device: torch.device) -> torch.dtype:
@@ -58,12 +62,12 @@ def _time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.devic
 def _core(path: str, T: int, window: int, base: str, device: torch.device):
     """A closure computing one path's attention output for a layer of the paper preset."""
     cfg = get_preset("paper").model
-    schedule = {"dense": "dense", "learned": "learned"}.get(path, "fixed")
+    schedule = "dense" if path == "dense" else "learned" if path.startswith("learned") else "fixed"
     attn = Attention(dataclasses.replace(cfg, schedule=schedule, window=window, base=base), 0).to(device)
     if schedule == "learned":
         with torch.no_grad():
             attn.theta.fill_(0.3)  # alpha ~ 1.07: every rung fractional, the costly case
-    impl = path if path in ("mask", "flex") else "gather"
+    impl = path.removeprefix("learned-") if path.removeprefix("learned-") in ("mask", "flex") else "gather"
 
     def run(q, k, v):
         if schedule == "dense":
@@ -107,7 +111,7 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
                 "length": T, "path": path,
                 "forward_ms": 1e3 * _time(forward, repeats, warmup, device),
                 # no backward where flex has none (the CPU): NaN, shown as -
-                "fwd_bwd_ms": (float("nan") if path == "flex" and no_flex_backward
+                "fwd_bwd_ms": (float("nan") if path.endswith("flex") and no_flex_backward
                                else 1e3 * _time(forward_backward, repeats, warmup, device)),
                 "dtype": str(dtype).removeprefix("torch."), "device": describe(device),
             })
@@ -264,11 +268,10 @@ def _paths_used(model: FibLM) -> str:
     many settings (layer, shape, grad mode) went to each."""
     if model.cfg.schedule == "dense":
         return "sdpa"
-    if model.cfg.schedule == "learned":
-        return "gather"  # the one path for fractional rungs, whatever impl says
     if model.blocks[0].attn.impl != "auto":
         return model.blocks[0].attn.impl
-    return ", ".join(f"{impl} x{n}" for impl, n in sorted(chosen_impls().items())) or "auto"
+    used = ", ".join(f"{impl} x{n}" for impl, n in sorted(chosen_impls().items())) or "auto"
+    return used + "".join(f"; {impl} failed: {why}" for impl, why in sorted(attention_skipped.items()))
 
 
 def _memory_mb(device: torch.device) -> float:

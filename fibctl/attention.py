@@ -138,14 +138,14 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     dev = q.device
     dist = constant(cols.dist, torch.long, dev)
     lo = constant(cols.lo, torch.long, dev)
-    valid_from = constant(cols.dist + cols.lo, torch.long, dev)  # fractional columns: validity follows the near row
+    valid_from = constant(cols.dist + cols.lo, torch.long, dev)  # a fractional column: from its near row
     if cols.lo:
         # Fractional rung r reads row i - lo_r of its own blended copy of the keys and values,
         # row t = k[t] + f_r (k[t-1] - k[t]): the rows are interpolated once per rung, not once
         # per query, and one index_select serves integer and fractional columns alike.
         f = cols.frac.to(q.dtype)
-        rows = [T - l for l in cols.lo]
-        k, v = _Blend.apply(k, f, rows), _Blend.apply(v, f, rows)
+        read = [T - l for l in cols.lo]
+        k, v = _Blend.apply(k, f, read), _Blend.apply(v, f, read)
         # copy r holds the T - lo_r rows its queries read, after x and the copies before it
         starts = [T]
         for l in cols.lo[:-1]:

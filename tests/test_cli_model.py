@@ -56,7 +56,8 @@ def test_bench_attention_times_learned_offsets_through_flex():
     if flex_unavailable("cpu", backward=False):
         pytest.skip(f"flex does not run on this CPU: {flex_unavailable('cpu', backward=False)}")
     assert "learned-flex" not in attention_paths("cpu")
-    df = bench_attention([64], paths=("dense", "learned", "learned-flex"), repeats=1, warmup=0).set_index("path")
+    df = bench_attention([64], paths=("dense", "learned", "learned-flex"), repeats=1, warmup=0)
+    df = df.set_index("path")
     assert df.loc["learned-flex"].forward_ms > 0 and math.isnan(df.loc["learned-flex"].fwd_bwd_ms)
     assert df.loc["learned"].fwd_bwd_ms > 0
 

@@ -87,8 +87,7 @@ def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypa
 
 
 @needs_cuda
-@pytest.mark.parametrize("schedule,impl", [("learned", "gather"), ("fixed", "gather"), ("fixed", "mask"),
-                                           ("fixed", "auto")])
+@pytest.mark.parametrize("schedule,impl", [(s, i) for s in ("fixed", "learned") for i in ("gather", "mask", "auto")])
 def test_a_training_micro_batch_on_cuda_never_waits_for_the_gpu(schedule, impl):
     """After one warm-up step, forward and backward queue their kernels without a host-device
     synchronisation (CUDA's sync debug mode raises on one), so the host runs ahead of the GPU."""

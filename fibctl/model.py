@@ -72,32 +72,29 @@ class Attention(nn.Module):
             return self._static_cols[T]
         # One product t_k = alpha * b_k in the parameter's dtype gives both the rung's row
         # (lo = floor(t_k)) and its interpolation weight (t_k - lo), as in the study.
-        alpha = self.alpha
-        targets = alpha * constant(base_sequence(cfg.base, T, cfg.n_rungs), alpha.dtype, alpha.device)
-        kept = self._kept_rungs(targets, T)
+        targets, kept = self._rungs(T, fractional_rungs)
         lo = [lo for _, lo in kept]
-        rows = constant([k for k, _ in kept], torch.long, alpha.device)
-        frac = targets[rows] - constant(lo, alpha.dtype, alpha.device)
+        dev = targets.device
+        frac = targets[constant([k for k, _ in kept], torch.long, dev)] - constant(lo, targets.dtype, dev)
         return Columns(window_distances(cfg.window, T), lo, frac)
-
-    def _kept_rungs(self, targets: torch.Tensor, T: int) -> list[tuple[int, int]]:
-        """`fractional_rungs` of the targets, read from the device once per value of theta
-        (an optimizer step or a load changes theta's version or storage): on CUDA each read
-        waits for the GPU, and a step's micro-batches all see the same theta."""
-        theta = self.theta
-        key = (T, theta._version, theta.data_ptr(), theta.dtype, theta.device)
-        if self._rungs_read is None or self._rungs_read[0] != key:
-            self._rungs_read = (key, fractional_rungs(targets.detach().tolist(), self.cfg.window, T))
-        return self._rungs_read[1]
 
     def blur_columns(self, T: int) -> tuple[list[int], torch.Tensor]:
         """The probe's rungs at this length: rounded centres c_k and exact centres alpha * b_k."""
+        centres, kept = self._rungs(T, blur_rungs)
+        return [c for _, c in kept], centres[constant([k for k, _ in kept], torch.long, centres.device)]
+
+    def _rungs(self, T: int, keep) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The products alpha * b_k (on the device, carrying alpha's gradient) and `keep` of
+        them read on the host: (k, row) of each rung kept. The host read happens once per value
+        of theta (an optimizer step or a load changes its version or storage): on CUDA each
+        read waits for the GPU, and a step's micro-batches all see the same theta."""
         alpha = self.alpha
-        base = torch.tensor(base_sequence(self.cfg.base, T, self.cfg.n_rungs), dtype=alpha.dtype, device=alpha.device)
-        centres = alpha * base
-        kept = blur_rungs(centres.detach().tolist(), self.cfg.window, T)
-        idx = torch.tensor([k for k, _ in kept], dtype=torch.long, device=alpha.device)
-        return [c for _, c in kept], centres[idx]
+        products = alpha * constant(base_sequence(self.cfg.base, T, self.cfg.n_rungs), alpha.dtype, alpha.device)
+        theta = self.theta
+        key = (T, keep, theta._version, theta.data_ptr(), theta.dtype, theta.device)
+        if self._rungs_read is None or self._rungs_read[0] != key:
+            self._rungs_read = (key, keep(products.detach().tolist(), self.cfg.window, T))
+        return products, self._rungs_read[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

@@ -3,6 +3,8 @@ small functions that the CPU tests cover; the CUDA tests run where there is a GP
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -47,11 +49,8 @@ def test_on_cuda_adamw_is_fused_and_batches_arrive_equal_to_the_cpu_ones():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def learned_micro(device="cpu"):
-    import dataclasses
-
-    cfg = dataclasses.replace(get_preset("micro").model, schedule="learned")
-    return FibLM(cfg).to(device)
+def micro(schedule: str, impl: str = "gather") -> FibLM:
+    return FibLM(dataclasses.replace(get_preset("micro").model, schedule=schedule), impl)
 
 
 def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypatch):
@@ -63,7 +62,7 @@ def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypa
     reads = []
     real = model_module.fractional_rungs
     monkeypatch.setattr(model_module, "fractional_rungs", lambda *a: reads.append(1) or real(*a))
-    model = learned_micro()
+    model = micro("learned")
     L, T = model.cfg.n_layers, 40
     x = torch.randint(0, model.cfg.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(3):  # three micro-batches of one step
@@ -91,11 +90,8 @@ def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypa
 def test_a_training_micro_batch_on_cuda_never_waits_for_the_gpu(schedule, impl):
     """After one warm-up step, forward and backward queue their kernels without a host-device
     synchronisation (CUDA's sync debug mode raises on one), so the host runs ahead of the GPU."""
-    import dataclasses
-
-    cfg = dataclasses.replace(get_preset("micro").model, schedule=schedule)
-    model = FibLM(cfg, impl).cuda()
-    x = torch.randint(0, cfg.vocab_size, (2, 65), device="cuda")
+    model = micro(schedule, impl).cuda()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 65), device="cuda")
     model(x[:, :-1], x[:, 1:]).backward()  # warm-up: auto measures, rungs are read
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

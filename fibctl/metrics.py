@@ -42,6 +42,7 @@ class StreamLoss:
     tokens: int  # predicted tokens the mean is over: windows * length
     windows: int
     position_losses: np.ndarray  # (length - 1,) mean loss at each of a window's first length - 1 positions
+    position_windows: int  # the first windows position_losses averages over
 
 
 def eval_windows(stream: np.ndarray, length: int, tokens: int) -> np.ndarray:
@@ -56,14 +57,18 @@ def eval_windows(stream: np.ndarray, length: int, tokens: int) -> np.ndarray:
     return np.lib.stride_tricks.sliding_window_view(stream[: n * length + 1], length + 1)[::length]
 
 
-def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int,
-                device: torch.device, batch_tokens: int = BATCH_TOKENS) -> StreamLoss:
-    """Loss of `model` on the stream's first windows of `length` tokens."""
+def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int, device: torch.device,
+                batch_tokens: int = BATCH_TOKENS, position_tokens: int | None = None) -> StreamLoss:
+    """Loss of `model` on the stream's first windows of `length` tokens; the per-position
+    loss over the first `position_tokens // length` of them (at least one), or all."""
     windows = eval_windows(stream, length, tokens)
+    head = len(windows) if position_tokens is None else min(len(windows), max(1, position_tokens // length))
     batch = max(1, batch_tokens // length)
     while True:
         try:
-            sums = _position_sums(model, windows, batch, device)
+            # the first `head` windows summed apart, for the per-position loss
+            head_sums = _position_sums(model, windows[:head], batch, device)
+            sums = head_sums + _position_sums(model, windows[head:], batch, device)
             break
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not _out_of_memory(e):
@@ -74,9 +79,8 @@ def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             batch //= 2
-    per_position = sums / len(windows)  # (length,)
-    return StreamLoss(float(per_position.mean()), len(windows) * length, len(windows),
-                      per_position[:-1].numpy())
+    loss = float((sums / len(windows)).mean())
+    return StreamLoss(loss, len(windows) * length, len(windows), (head_sums / head)[:-1].numpy(), head)
 
 
 def _out_of_memory(e: Exception) -> bool:

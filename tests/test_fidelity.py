@@ -126,6 +126,51 @@ def test_evaluation_scores_t_targets_per_window_at_stride_t(n_tokens, windows):
     assert res.position_losses.tolist() == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("position_tokens,head", [(None, 5), (8, 2), (11, 2), (1, 1), (400, 5)])
+def test_per_position_loss_averages_the_first_windows_of_its_budget(position_tokens, head):
+    """T = 4, 5 windows: the perplexity scores all of them; the per-position loss only the
+    first position_tokens // T (at least one, at most all)."""
+    res = stream_loss(Echo(), np.arange(40), 4, 20, torch.device("cpu"), position_tokens=position_tokens)
+    assert (res.windows, res.position_windows) == (5, head)
+    assert res.loss == pytest.approx(np.mean(range(1, 21)))
+    expected = [np.mean([4 * w + p + 1 for w in range(head)]) for p in range(3)]
+    assert res.position_losses.tolist() == pytest.approx(expected)
+
+
+def test_optional_train_settings_leave_older_config_hashes_alone():
+    """Unset, `full_eval_interval` and `position_tokens` are left out of a run's config, so
+    a run queued before they existed keeps its hash (and resumes from its checkpoints)."""
+    config = micro_run("x")
+    d = config.to_dict()
+    assert "full_eval_interval" not in d["train"] and "position_tokens" not in d["train"]
+    assert RunConfig.from_dict(d).config_hash == config.config_hash
+    cadence = micro_run("x", full_eval_interval=20, position_tokens=512)
+    assert RunConfig.from_dict(cadence.to_dict()) == cadence and cadence.config_hash != config.config_hash
+
+
+def test_full_evaluations_keep_their_own_cadence_apart_from_checkpoints(tmp_path):
+    """full_eval_interval 4, checkpoints every 3, light evaluations every 2: full budgets at
+    4, 8 and 12 only, light ones at 2, 6 and 10, checkpoints at 3, 6, 9 and 12; the last
+    step's per-position loss over the windows of position_tokens."""
+    from sqlalchemy import text
+
+    from fibctl.flows.worker import WorkerOptions, work
+    from fibctl.train.checkpoint import list_checkpoints
+    from train_helpers import Quiet, queued_db
+
+    data = write_data(tmp_path / "data")
+    config = micro_run("cadence", steps=12, eval_interval=2, checkpoint_interval=3, keep_checkpoints=10,
+                       full_eval_interval=4, eval_tokens=128, final_eval_tokens=256, position_tokens=128)
+    engine = queued_db(tmp_path / "r.db", config)
+    work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs", device="cpu"), Quiet())
+    with engine.connect() as conn:
+        budgets = dict(conn.execute(text("SELECT step, MAX(tokens) FROM evaluations GROUP BY step")).all())
+        windows = conn.execute(text("SELECT DISTINCT step, windows FROM position_losses")).all()
+    assert budgets == {2: 128, 4: 256, 6: 128, 8: 256, 10: 128, 12: 256}
+    assert windows == [(12, 2)]  # 128 tokens: 2 windows of 64, of the 4 the perplexity scores
+    assert [int(p.stem.split("_")[-1]) for p in list_checkpoints(tmp_path / "runs" / "cadence")] == [3, 6, 9, 12]
+
+
 def test_replicas_share_initial_weights_and_differ_in_data_order(tmp_path):
     data = write_data(tmp_path / "data")
     same_init = [dataclasses.replace(micro_run("a"), init_seed=42, data_seed=s) for s in (42, 43)]
@@ -147,8 +192,26 @@ def test_paper_matrix_fixes_the_init_seed_and_uses_the_study_optimizer():
     assert {c.data_seed for c in configs.values()} == {42, 43, 44}
     assert configs["h02__fib_stagger_w12_s44"].data_seed == 44
     assert {c.train.optimizer for c in configs.values()} == {"adamw8bit"}
-    tc = configs["f06__fib_fixed_w8"].train
-    assert (tc.batch_size, tc.grad_accum) == (4, 8)  # the study's 4 x 8 x 1024 tokens per step
+
+
+
+def test_paper_matrix_splits_each_step_as_the_study_did():
+    """The study's runs record their split: 8 windows x 4 micro-batches, and 4 x 8 for its
+    learned runs; always 32,768 tokens per optimizer step."""
+    for c in load_matrix("paper").resolve():
+        split = (c.train.batch_size, c.train.grad_accum)
+        assert split == ((4, 8) if c.model.schedule == "learned" else (8, 4)), c.name
+        assert c.train.batch_size * c.train.grad_accum * c.model.seq_len == 32_768
+
+
+def test_paper_preset_evaluates_on_the_study_cadence_and_table4_budget():
+    """Full evaluations with the study's checkpoints (every 2,500 steps and the last), the
+    per-position loss over 488 windows of 1,024 as in its published file."""
+    tc = get_preset("paper").train
+    full = [s for s in range(1, tc.steps + 1) if s == tc.steps or s % tc.full_eval_interval == 0]
+    assert full == [2500, 5000, 7500, 10000, 12500, 13000]
+    assert tc.checkpoint_interval < tc.full_eval_interval  # checkpoints stay more frequent
+    assert tc.position_tokens // 1024 == 488
 
 
 def test_old_configs_with_one_seed_load_with_both_seeds_equal():
@@ -190,6 +253,8 @@ def test_unknown_optimizer_in_a_matrix_is_one_line_exit_2_nothing_queued(tmp_pat
     ("lr = nan", "train.lr = nan must be a finite number"),
     ("batch_size = 0", "train.batch_size = 0 must be >= 1"),
     ("beta2 = 1.0", "train.beta2 = 1.0 is out of range"),
+    ("full_eval_interval = 0", "train.full_eval_interval = 0 must be >= 1"),
+    ("position_tokens = 1.5", "train.position_tokens = 1.5 must be an integer"),
 ])
 def test_train_overrides_are_validated_when_the_matrix_is_read(tmp_path, override, problem):
     matrix = tmp_path / "m.toml"

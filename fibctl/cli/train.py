@@ -233,7 +233,9 @@ def eval_cmd(
         "--dataset", help="Held-out set; repeat for several (default: all of the manifest's).")] = None,
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", help="Token budget per set and length (default: the run's final_eval_tokens).")] = None,
-    positions: Annotated[bool, typer.Option("--positions", help="Also record the mean loss at every position.")] = False,
+    positions: Annotated[bool, typer.Option(
+        "--positions", help="Also record the mean loss at every position, over the windows of the "
+        "run's position_tokens (default: all).")] = False,
     speed: Annotated[bool, typer.Option("--speed", help="Also record inference tokens/s and latency per sequence.")] = False,
     db: DbOption = DEFAULT_DB,
     data: DataOption = DEFAULT_DATA,

@@ -139,10 +139,11 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
     for length in lengths:
         model = load_model(t.config, weights, length, device)
         for dataset, stream in streams.items():
-            res = stream_loss(model, stream, length, budget, device)
+            res = stream_loss(model, stream, length, budget, device,
+                              position_tokens=t.config.train.position_tokens if positions else None)
             recorder.log_eval(step, dataset, length, res.tokens, res.loss)
             if positions:
-                recorder.log_positions(step, dataset, length, res.position_losses.tolist(), res.windows)
+                recorder.log_positions(step, dataset, length, res.position_losses.tolist(), res.position_windows)
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
                    "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss)}
             rows.append(row)

@@ -36,7 +36,8 @@ def check_split(grad_accum: int, world: int, name: str) -> None:
     """The micro-batches of a step must split evenly, or the global batch would change."""
     if grad_accum % world:
         raise FibctlError(f"run {name!r} accumulates {grad_accum} micro-batches per step, which "
-                          f"{world} processes cannot share evenly: use a process count that divides {grad_accum}")
+                          f"{world} processes cannot share evenly: use a process count that divides {grad_accum}, "
+                          "or queue it with more, smaller micro-batches (train.grad_accum)")
 
 
 @dataclass

@@ -4,8 +4,9 @@ It reports through `Reporter` (the database's `RunRecorder` implements it) and k
 nothing of SQL or queues. Each step accumulates `grad_accum` micro-batches, clips the
 gradient norm, sets the scheduled lr and steps AdamW. Light evaluations run every
 `eval_interval` steps on `eval_tokens` per held-out set; full ones (`final_eval_tokens`)
-at every checkpoint and at the last step, which also records the per-position loss at the
-training length (Table 4). Alphas are logged at step 0 and, for `learned`, at every
+every `full_eval_interval` steps (unset: at every checkpoint) and at the last step, which
+also records the per-position loss at the training length (Table 4, over the windows of
+`position_tokens`). Alphas are logged at step 0 and, for `learned`, at every
 evaluation. With `compile`, the training steps run through torch.compile (evaluations and
 checkpoints use the same weights, eagerly): equal to eager within float rounding, not bit
 for bit. With a `group` (fibctl.train.distributed: one run over several processes), each
@@ -245,20 +246,22 @@ class Trainer:
 
     def _evaluate_and_checkpoint(self) -> Path | None:
         final = self.step == self.tc.steps
-        full = final or self.step % self.tc.checkpoint_interval == 0
+        save = final or self.step % self.tc.checkpoint_interval == 0
+        full = final or self.step % (self.tc.full_eval_interval or self.tc.checkpoint_interval) == 0
         if not self.main:  # rank 0 evaluates and writes the checkpoint
-            return ckpt.checkpoint_path(self.run_dir, self.step) if full else None
+            return ckpt.checkpoint_path(self.run_dir, self.step) if save else None
         if full or self.step % self.tc.eval_interval == 0:
             self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
-        return self.save() if full else None
+        return self.save() if save else None
 
     def evaluate(self, tokens: int, positions: bool) -> None:
         T = self.config.model.seq_len
         for name, stream in self.heldout.items():
-            res = stream_loss(self.model, stream, T, tokens, self.device)
+            res = stream_loss(self.model, stream, T, tokens, self.device,
+                              position_tokens=self.tc.position_tokens if positions else None)
             self.reporter.log_eval(self.step, name, T, res.tokens, res.loss)
             if positions:
-                self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.windows)
+                self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.position_windows)
             self._heartbeat()
         if self.config.model.schedule == "learned":
             self.reporter.log_alphas(self.step, self.model.alphas())

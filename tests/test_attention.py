@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fibctl import attention as attention_module
-from fibctl.attention import choose_impl, dense_attention, flex_unavailable, sparse_attention
+from fibctl.attention import Columns, choose_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.config import SCHEDULES, ConfigError, ModelConfig
 from fibctl.model import Attention, FibLM, apply_rope, rope_tables
 from fibctl.schedules import (
@@ -268,3 +268,9 @@ def test_rope_rotate_half_preserves_norm_and_relative_position():
     qs, ks = q.expand(16, 8)[None, None], k.expand(16, 8)[None, None]
     rq, rk = apply_rope(qs, cos, sin)[0, 0], apply_rope(ks, cos, sin)[0, 0]
     assert math.isclose(float(rq[5] @ rk[3]), float(rq[9] @ rk[7]), rel_tol=1e-5)
+
+
+def test_an_unknown_implementation_is_named_with_the_allowed_ones():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="unknown attention implementation 'fast'; allowed: gather, mask, reference, flex, auto$"):
+        sparse_attention(q, q[:, :1], q[:, :1], Columns([0], []), "fast")

@@ -173,6 +173,8 @@ CASES = [
     (["figure", "coverage", "--layers", "0", "--out", "{tmp}/cov.png"], "coverage needs --layers >= 1"),
     (["figure", "coverage", "--window", "-1", "--out", "{tmp}/cov.png"], "coverage needs"),
     (["bench", "attention", "--length", "8", "--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["eval", "x", "--length", "8", "--threads", "0", "--db", "{good_db}", "--data", "{data}"],
+     "--threads must be >= 1, got 0"),
 ]
 
 

@@ -110,7 +110,29 @@ def test_bench_train_keeps_the_tokens_of_a_micro_batch_at_other_lengths():
 
     assert train_bench("tiny", seq_len=1024).batch_size == 2  # 16 x 128 tokens
     assert train_bench("tiny").batch_size == 16 and train_bench("tiny", seq_len=4096).batch_size == 1
-    assert train_bench("paper", seq_len=512, batch_size=3).tokens_per_step == 3 * 8 * 512
+    assert train_bench("paper", seq_len=512, batch_size=3).tokens_per_step == 3 * 4 * 512
+
+
+def test_bench_train_compiled_times_compiled_steps_of_every_schedule():
+    """`--compile` on the CPU (inductor's C++ kernels): the steps train and the record says so."""
+    r = runner.invoke(app, ["bench", "train", "--preset", "micro", "--steps", "1", "--warmup", "1",
+                            "--schedule", "learned", "--compile", "--json"])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.output)
+    assert record["compile"] is True
+    assert [row["schedule"] for row in record["results"]] == ["dense", "learned"]
+    assert all(row["tokens_per_s"] > 0 and math.isfinite(row["loss"]) for row in record["results"])
+
+
+def test_a_measurement_whose_process_dies_is_one_error():
+    """A measuring process killed (out of memory, say) is said, not a BrokenProcessPool."""
+    import os
+
+    from fibctl.errors import FibctlError
+    from fibctl.flows.bench import in_fresh_process
+
+    with pytest.raises(FibctlError, match="^the process died$"):
+        in_fresh_process(os.abort, died="the process died")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -123,6 +145,8 @@ def test_bench_train_keeps_the_tokens_of_a_micro_batch_at_other_lengths():
     (["bench", "train", "--schedule", "sliding"], "unknown schedule 'sliding'"),
     (["bench", "train", "--preset", "huge"], "unknown preset 'huge'"),
     (["bench", "train", "--base", "fib3"], "unknown base 'fib3'"),
+    (["bench", "train", "--threads", "0"], "--threads 0 must be >= 1"),
+    (["bench", "train", "--device", "cuda"], "device 'cuda' requested but CUDA is not available"),
     (["model", "--schedule", "sliding"], "unknown schedule 'sliding'; allowed: dense, fixed, learned, stagger, coprime"),
     (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),

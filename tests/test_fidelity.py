@@ -137,6 +137,42 @@ def test_per_position_loss_averages_the_first_windows_of_its_budget(position_tok
     assert res.position_losses.tolist() == pytest.approx(expected)
 
 
+class Cramped(Echo):
+    """Echo on a device that runs out of memory above `fits` windows per batch."""
+
+    def __init__(self, fits: int):
+        super().__init__()
+        self.fits, self.batches = fits, []
+
+    def token_losses(self, idx, targets):
+        self.batches.append(len(idx))
+        if len(idx) > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().token_losses(idx, targets)
+
+
+def test_evaluation_halves_its_batch_until_it_fits_and_says_when_nothing_does():
+    stream, cpu = np.arange(400), torch.device("cpu")
+    plain = stream_loss(Echo(), stream, 4, 80, cpu, batch_tokens=64)  # 16 windows per batch
+    model = Cramped(fits=3)
+    cramped = stream_loss(model, stream, 4, 80, cpu, batch_tokens=64)
+    assert (cramped.loss, cramped.windows) == (plain.loss, plain.windows)
+    assert cramped.position_losses.tolist() == plain.position_losses.tolist()
+    assert model.batches[:3] == [16, 8, 4] and set(model.batches[3:]) <= {1, 2}
+    with pytest.raises(FibctlError, match="^length 4 is out of reach on cpu: out of memory with a single window$"):
+        stream_loss(Cramped(fits=0), stream, 4, 80, cpu)
+
+
+@pytest.mark.parametrize("length,tokens,problem", [
+    (1, 100, "evaluation length 1 is below 2: a window must predict a token"),
+    (64, 32, "no window of 64 tokens (and its next token) fits in a budget of 32 tokens from a stream of 400"),
+    (400, 10_000, "no window of 400 tokens (and its next token) fits in a budget of 10,000 tokens"),
+])
+def test_an_evaluation_without_a_window_is_one_error(length, tokens, problem):
+    with pytest.raises(FibctlError, match=re.escape(problem)):
+        stream_loss(Echo(), np.arange(400), length, tokens, torch.device("cpu"))
+
+
 def test_optional_train_settings_leave_older_config_hashes_alone():
     """Unset, `full_eval_interval` and `position_tokens` are left out of a run's config, so
     a run queued before they existed keeps its hash (and resumes from its checkpoints)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -19,7 +20,9 @@ from fibctl.data.streams import load_manifest
 
 from fibctl.config import get_preset
 from fibctl.model import FibLM
-from fibctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from fibctl.errors import FibctlError
+from fibctl.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
+                                     stored_config_hash)
 from fibctl.train.optim import build_optimizer, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
@@ -110,6 +113,46 @@ def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
     (tmp_path / "step_00000040.pt.tmp").write_bytes(b"half-written")  # a crash mid-save
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000030.pt"]
     assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 30
+
+
+@pytest.mark.parametrize("make,problem", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: torch.save({"weights": {}}, p), "is not a fibctl checkpoint (no model weights and step)"),
+    (lambda p: torch.save([1, 2], p), "is not a fibctl checkpoint"),
+])
+def test_a_checkpoint_that_is_not_one_is_named_in_one_error(tmp_path, make, problem):
+    path = tmp_path / "step_00000010.pt"
+    make(path)
+    with pytest.raises(FibctlError, match=f"checkpoint {re.escape(str(path))} {re.escape(problem)}"):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_without_a_config_has_no_hash_and_is_refused(data, tmp_path):
+    config = micro_run("a")
+    assert stored_config_hash({"model": {}, "step": 1}) == "(none recorded)"
+    save_checkpoint(tmp_path / "a", 5, {"model": {}, "step": 5, "config": {"name": "a"}}, keep=2)
+    trainer = Trainer(config, load_manifest(data), tmp_path / "a", reporter=NullReporter())
+    with pytest.raises(FibctlError, match=r"has config hash \(none recorded\) but run 'a' has"):
+        trainer.resume()
+
+
+def test_a_checkpoint_of_another_optimizer_is_not_resumed(data, tmp_path):
+    """A run whose checkpoint was written by adamw8bit (on a GPU) must not go on with adamw
+    on a machine where 8-bit AdamW cannot run: the optimizer state would not be its own."""
+    config = micro_run("a", optimizer="adamw8bit")
+    trainer = Trainer(config, load_manifest(data), tmp_path / "a", reporter=NullReporter())
+    assert trainer.optimizer_name == "adamw"  # the CPU's fallback
+    save_checkpoint(tmp_path / "a", 5, {"model": {}, "step": 5, "config": config.to_dict(),
+                                        "data_hash": trainer.data_hash, "optimizer_name": "adamw8bit"}, keep=2)
+    with pytest.raises(FibctlError, match="was trained with adamw8bit, but this worker would resume with adamw "
+                                          r"\(optimizer adamw8bit unavailable"):
+        trainer.resume()
+
+
+def test_a_training_stream_shorter_than_a_window_is_one_error():
+    with pytest.raises(FibctlError, match="training stream has 16 tokens; a window needs 17"):
+        WindowSampler(np.arange(16, dtype=np.uint16), 16, 4, seed=1)
 
 
 # ----------------------------------------------------------------------------- the worker

@@ -181,3 +181,28 @@ def test_readonly_connection_refuses_writes(db_url):
             conn.execute(text("DELETE FROM runs"))
     with connect(db).connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 1
+
+
+def test_read_only_commands_leave_a_wal_database_and_its_folder_as_they_were(tmp_path):
+    """SQLite makes -wal and -shm files for every connection to a WAL database and keeps them
+    after a read-only one: each command below must leave the folder byte for byte as it was."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from fibctl.db.engine import connect
+    from fibctl.queue import add_runs
+    from train_helpers import micro_run
+
+    db = tmp_path / "r.db"
+    engine = connect(str(db))
+    add_runs(engine, [micro_run("a")])
+    engine.dispose()
+    state = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}  # noqa: E731
+    before = state()
+    assert list(before) == ["r.db"]
+    for args in (["queue", "ls"], ["status"], ["db", "current"], ["report", "table1"], ["sql", "select 1"],
+                 ["sql", "select * from nope"], ["figure", "alphas", "--out", str(tmp_path / "no" / "a.png")]):
+        done = subprocess.run([sys.executable, "-m", "fibctl", *args, "--db", str(db)], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert state() == before, (args, done.stderr)

@@ -53,3 +53,17 @@ def test_cli_copy(study, tmp_path):  # noqa: F811
     again = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", study, "--to", out],
                            capture_output=True, text=True, timeout=120)
     assert "nothing (already copied)" in " ".join(again.stdout.split())
+
+
+def test_cli_copy_onto_itself_is_refused_and_changes_nothing(study, tmp_path):  # noqa: F811
+    import hashlib
+    import shutil
+
+    db = tmp_path / "self.db"
+    shutil.copy(study, db)
+    before = sorted(p.name for p in tmp_path.iterdir()), hashlib.sha256(db.read_bytes()).hexdigest()
+    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", str(db), "--to",
+                           f"{tmp_path}/../{tmp_path.name}/self.db"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: --from and --to are the same database ({db}); nothing to copy"]
+    assert (sorted(p.name for p in tmp_path.iterdir()), hashlib.sha256(db.read_bytes()).hexdigest()) == before

@@ -128,3 +128,24 @@ def test_eval_refuses_a_checkpoint_of_another_config(trained, tmp_path):
     with pytest.raises(FibctlError, match="has config hash .* it is another run's"):
         evaluate(connect(str(copy)), ["fixed"], [128], data_dir=data)
     assert sqlite3.connect(copy).execute("select count(*) from evaluations").fetchone() == before
+
+
+def test_eval_refuses_data_other_than_the_runs_own(trained, tmp_path):
+    """Held-out sets of other data under the same names: their numbers would replace the
+    run's recorded ones, so eval names both data hashes and writes nothing."""
+    import json
+    import shutil
+
+    from fibctl.errors import FibctlError
+
+    engine, data, db = trained
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["inputs_hash"] = "1" * 16
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    before = rows(db, "select step, dataset, eval_length, loss from evaluations order by 1, 2, 3")
+    with pytest.raises(FibctlError, match=f"run 'fixed' was trained on data {'0' * 16} but {other} has data "
+                                          f"{'1' * 16}: its results would replace"):
+        evaluate(engine, ["fixed"], [64], data_dir=other)
+    assert rows(db, "select step, dataset, eval_length, loss from evaluations order by 1, 2, 3") == before

@@ -335,6 +335,21 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path,
     assert [r["name"] for r in queue.list_runs(engine)] == ["r000"]
     assert (tmp_path / "elsewhere" / "r000" / "step_00000010.pt").is_file()
 
+    # a folder of the run's name holding what fibctl did not write there is refused, the run kept
+    (runs / "r000").unlink()
+    (runs / "r000" / "tensorboard").mkdir(parents=True)
+    (runs / "r000" / "step_00000020.pt.tmp").write_bytes(b"half")
+    (runs / "r000" / "notes.txt").write_text("mine")
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
+                           "--runs-dir", str(runs))
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: {runs / 'r000'} holds 1 file(s) fibctl did not write there ('notes.txt'); nothing was removed"]
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (runs / "r000" / "notes.txt").is_file()
+    (runs / "r000" / "notes.txt").unlink()  # checkpoints and loggers' folders only: deleted whole
+    code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
+                         "--runs-dir", str(runs))
+    assert code == 0 and not (runs / "r000").exists() and queue.list_runs(engine) == []
+
 
 def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     engine = connect(db)

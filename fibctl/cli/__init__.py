@@ -87,6 +87,10 @@ def main() -> None:
         if message is None:
             raise
         _fail(message)
+    finally:  # a command that read a database leaves its folder as it found it
+        engines = sys.modules.get("fibctl.db.engine")
+        if engines is not None:
+            engines.release()
 
 
 def _fail(message: str) -> None:

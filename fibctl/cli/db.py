@@ -54,6 +54,8 @@ def db_copy(
     """Copy a whole results database into another (e.g. SQLite to PostgreSQL); again changes nothing."""
     from fibctl.db.copy import copy_database, counts
 
+    if db_engine.same_database(source, target):
+        raise FibctlError(f"--from and --to are the same database ({db_engine.shown(source)}); nothing to copy")
     src, dst = db_engine.connect_readonly(source), db_engine.connect(target)
     summary = copy_database(src, dst)
     mine, theirs = counts(src), counts(dst)
@@ -248,4 +250,10 @@ def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
         raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
     if folder.exists() and folder.resolve().parent != runs_dir.resolve():
         raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
+    from fibctl.train.checkpoint import foreign_entries  # torch: only for this command
+
+    foreign = foreign_entries(folder) if folder.exists() else []
+    if foreign:  # a folder of the same name that is not (only) this run's checkpoints
+        raise FibctlError(f"{folder} holds {len(foreign)} file(s) fibctl did not write there ({foreign[0][:60]!r}"
+                          f"{', ...' if len(foreign) > 1 else ''}); nothing was removed")
     return folder

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sqlite3
+import weakref
 from pathlib import Path
 from urllib.parse import quote
 
@@ -57,6 +59,16 @@ def shown(db: str | URL) -> str:
         return "(an unparsable URL)"
 
 
+def same_database(a: str, b: str) -> bool:
+    """Whether two --db values name one database: one SQLite file, or one server database."""
+    ua, ub = resolve_url(a), resolve_url(b)
+    pa, pb = _sqlite_path(ua), _sqlite_path(ub)
+    if pa is not None or pb is not None:
+        return pa is not None and pb is not None and pa.resolve() == pb.resolve()
+    keys = ("drivername", "host", "port", "database")
+    return [getattr(ua, k) for k in keys] == [getattr(ub, k) for k in keys]
+
+
 def _sqlite_path(url: URL) -> Path | None:
     """The file behind a SQLite URL; None for other dialects and in-memory databases."""
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
@@ -64,7 +76,41 @@ def _sqlite_path(url: URL) -> Path | None:
     return Path(url.database)
 
 
+# Every engine this process made, and the SQLite files it opened with whether their -wal and
+# -shm files were absent then: `release` closes the one and removes what it added to the other.
+_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_opened: dict[Path, bool] = {}
+
+
+def _wal_files(path: Path) -> list[Path]:
+    return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
+
+
+def release() -> None:
+    """Close this process's connections, and leave a SQLite database's folder as it was.
+
+    A connection to a WAL database makes -wal and -shm files; SQLite removes them when the
+    last connection closes, but not when that one is read-only (`mode=ro`, the reports'). So
+    where this process found neither file, one plain connection opened and closed here
+    removes them, after a checkpoint of nothing; where another process still has the database
+    open, SQLite leaves them to it."""
+    for engine in list(_engines):
+        engine.dispose()
+    for path, absent in list(_opened.items()):
+        if absent and path.is_file() and any(p.exists() for p in _wal_files(path)):
+            try:
+                conn = sqlite3.connect(path)
+                try:
+                    conn.execute("PRAGMA schema_version")
+                finally:
+                    conn.close()
+            except sqlite3.Error:  # locked or unreadable: the files stay, as they would have
+                pass
+    _opened.clear()
+
+
 def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
+    _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
     if path.is_dir():
         raise FibctlError(f"{path} is a directory, not a database file")
     if not path.exists():
@@ -103,7 +149,9 @@ def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> No
 def _create_engine(url: URL, **kwargs) -> Engine:
     """`create_engine`, with a missing driver or an unknown dialect as one line."""
     try:
-        return create_engine(url, **kwargs)
+        engine = create_engine(url, **kwargs)
+        _engines.add(engine)
+        return engine
     except NoSuchModuleError:
         raise FibctlError(f"--db {shown(url)}: unknown database kind {url.drivername!r}; "
                           "use a SQLite path or a postgresql:// URL") from None
@@ -240,7 +288,7 @@ def connect_readonly(db: str, *, current: bool = True) -> Engine:
     path = _sqlite_path(url)
     if path is not None:
         _check_sqlite_file(path, must_exist=True)
-        engine = create_engine(_readonly_sqlite_url(path))
+        engine = _create_engine(make_url(_readonly_sqlite_url(path)))
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):

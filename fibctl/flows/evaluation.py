@@ -109,17 +109,23 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     report = (lambda row: on_result(row, total)) if on_result else None
     rows = []
     for t in targets:
-        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to)
+        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
+                              data=(data_dir, manifest.inputs_hash))
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl"])
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
-                  log_to: tuple[str, ...] = ()) -> list[dict]:
+                  log_to: tuple[str, ...] = (), *, data: tuple[Path, str]) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
         raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "
                           f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
+    data_dir, data_hash = data
+    if ckpt.get("data_hash", data_hash) != data_hash:  # its held-out sets are other text: not its results
+        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data_dir} has data "
+                          f"{data_hash}: its results would replace the recorded ones; give the --data it was "
+                          "trained on")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     recorder = RunRecorder(engine, t.run.id)
     if not log_to:

@@ -19,7 +19,7 @@ ATTENTION_IMPLS = ("gather", "mask", "reference", "flex", "auto")
 # adamw: torch.optim.AdamW, full-precision state; adamw8bit: bitsandbytes' 8-bit AdamW (CUDA
 # only), what the study trained its published runs with
 OPTIMIZERS = ("adamw", "adamw8bit")
-SEED_MAX = 2**63 - 1
+SEED_MAX = 2**32 - 1  # numpy's global generator, seeded with every run's seeds, takes no more
 DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
 
 
@@ -249,7 +249,7 @@ def get_preset(name: str) -> Preset:
 
 def check_seed(value, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= SEED_MAX:
-        raise ConfigError(f"{what} = {value!r} must be an integer from 0 to 2**63 - 1")
+        raise ConfigError(f"{what} = {value!r} must be an integer from 0 to 2**32 - 1")
     return value
 
 
@@ -287,9 +287,15 @@ class RunConfig:
             train = dataclasses.replace(p.train, **overrides) if overrides else p.train
         except TypeError as e:
             raise ConfigError(f"unknown training setting: {e}") from None
+        data_seed = check_seed(seed, "seed")  # first: init_seed defaults to it
+        train.validate()
+        for budget in ("eval_tokens", "final_eval_tokens", "position_tokens"):
+            value = getattr(train, budget)
+            if value is not None and value < model.seq_len:  # refused now, not at its first evaluation
+                raise ConfigError(f"train.{budget} = {value} is below one window of {model.seq_len} tokens")
         return cls(name=name, matrix=matrix, preset=preset, init_seed=check_seed(
                        seed if init_seed is None else init_seed, "init_seed"),
-                   data_seed=check_seed(seed, "seed"), model=model, train=train.validate())
+                   data_seed=data_seed, model=model, train=train)
 
     def to_dict(self) -> dict:
         d = {

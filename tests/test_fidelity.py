@@ -291,6 +291,8 @@ def test_unknown_optimizer_in_a_matrix_is_one_line_exit_2_nothing_queued(tmp_pat
     ("beta2 = 1.0", "train.beta2 = 1.0 is out of range"),
     ("full_eval_interval = 0", "train.full_eval_interval = 0 must be >= 1"),
     ("position_tokens = 1.5", "train.position_tokens = 1.5 must be an integer"),
+    ("eval_tokens = 63", "train.eval_tokens = 63 is below one window of 64 tokens"),
+    ("final_eval_tokens = 1", "train.final_eval_tokens = 1 is below one window of 64 tokens"),
 ])
 def test_train_overrides_are_validated_when_the_matrix_is_read(tmp_path, override, problem):
     matrix = tmp_path / "m.toml"
@@ -300,9 +302,15 @@ def test_train_overrides_are_validated_when_the_matrix_is_read(tmp_path, overrid
         load_matrix(str(matrix))
 
 
-def test_seeds_are_validated():
-    with pytest.raises(ConfigError, match="seed = -1"):
-        RunConfig.resolve("a", "m", "micro", schedule="fixed", seed=-1)
+@pytest.mark.parametrize("seeds,problem", [
+    (dict(seed=-1), "^seed = -1 must be"),  # the seed given, not init_seed, which defaults to it
+    (dict(seed=2**32), "^seed = 4294967296 must be an integer from 0 to 2\\*\\*32 - 1$"),
+    (dict(seed=1, init_seed=2**32), "^init_seed = 4294967296 must be"),
+])
+def test_seeds_are_validated(seeds, problem):
+    with pytest.raises(ConfigError, match=problem):
+        RunConfig.resolve("a", "m", "micro", schedule="fixed", **seeds)
+    RunConfig.resolve("a", "m", "micro", schedule="fixed", seed=2**32 - 1)  # the largest numpy takes
 
 
 def _replicates_db(path, init_seeds):

@@ -324,7 +324,7 @@ class Trainer:
             self.lost = True
 
     def _diverged(self, loss: float) -> TrainResult:
-        error = f"loss became {loss} at step {self.step}"
+        error = f"step {self.step} gave a loss of {loss}"  # shown after "failed at step N - 1"
         self.reporter.event("diverged", error, {"step": self.step})
         self.step -= 1  # the failed step did not complete
         return self._result("diverged", ckpt.latest_checkpoint(self.run_dir), error)

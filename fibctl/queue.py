@@ -4,7 +4,7 @@ A run moves queued -> running -> done | failed; `cancel` and `retry` are the use
 Claiming is one transaction (SQLite: BEGIN IMMEDIATE, see fibctl.db.engine; PostgreSQL:
 SELECT ... FOR UPDATE SKIP LOCKED), so no two workers ever get the same run. A running
 run whose heartbeat is older than the timeout is taken back by the next claim, and failed
-once it has used `max_attempts` claims.
+once it has used `max_attempts` claims; a claim that ended in a clean release is not one.
 """
 
 from __future__ import annotations
@@ -292,15 +292,25 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
 
 
 def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:
-    """Return a running run to the queue (e.g. on SIGTERM); its attempts stay counted.
+    """Return a running run to the queue (e.g. on SIGTERM, Ctrl-C, a SLURM preemption) with
+    this attempt not counted: a clean stop is not one of the crashes `max_attempts` limits.
     False if it was no longer running (cancelled meanwhile: stays cancelled)."""
     def write(conn: Connection) -> bool:
         done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
-            status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None)).rowcount
+            status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None,
+            attempts=Run.attempts - 1)).rowcount
         if done:
             add_event(conn, run_id, "released", reason)
         return bool(done)
     return write_retrying(engine, write)
+
+
+def _claims_kept(run_id: int):
+    """Claims of a run not undone by `unclaim`: with this one alone, it set `started_at`.
+    (Its attempts cannot tell: a released claim is not counted either.)"""
+    def count(*kinds: str):
+        return select(func.count()).where(Event.run_id == run_id, Event.kind.in_(kinds)).scalar_subquery()
+    return count("claimed", "reclaimed") - count("unclaimed")
 
 
 def unclaim(engine: Engine, run_id: int, reason: str) -> None:
@@ -310,7 +320,7 @@ def unclaim(engine: Engine, run_id: int, reason: str) -> None:
         done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
             status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None,
             attempts=Run.attempts - 1,
-            started_at=case((Run.attempts <= 1, None), else_=Run.started_at))).rowcount
+            started_at=case((_claims_kept(run_id) <= 1, None), else_=Run.started_at))).rowcount
         if done:
             add_event(conn, run_id, "unclaimed", reason)
     write_retrying(engine, write)

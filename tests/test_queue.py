@@ -92,7 +92,7 @@ def test_claim_release_finish(db):
     assert queue.claim_next(engine, "w2") is None  # the only run is taken and alive
     assert queue.release(engine, run.id)
     run = queue.claim_next(engine, "w2")
-    assert (run.name, run.attempts) == ("r000", 2)
+    assert (run.name, run.attempts) == ("r000", 1)  # a clean stop used no attempt
     queue.finish(engine, run.id)
     (row,) = queue.list_runs(engine)
     assert (row["status"], row["worker"], row["finished_at"] is not None) == ("done", "w2", True)

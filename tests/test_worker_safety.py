@@ -239,7 +239,7 @@ def test_worker_exits_1_when_a_run_failed_and_retry_all_failed_requeues(data, tm
                   capsys, monkeypatch)
     assert code == 1
     assert [(n, s) for n, s, *_ in runs(db)] == [("nan", "failed"), ("ok", "done")]
-    assert "at step" in sqlite3.connect(db).execute("select error from runs where name = 'nan'").fetchone()[0]
+    assert "gave a loss of nan" in sqlite3.connect(db).execute("select error from runs where name = 'nan'").fetchone()[0]
     code, out = cli(["queue", "retry", "--all-failed", "--db", db], capsys, monkeypatch, "out")
     assert code == 0 and "queued 1 failed run(s) again: nan" in out
     assert [(n, s) for n, s, *_ in runs(db)] == [("nan", "queued"), ("ok", "done")]
@@ -321,7 +321,7 @@ def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, 
 
     with pytest.raises(FibctlError, match="checkpointed step 5 .*; it is queued again"):
         work(engine, opts(data, tmp_path / "runs"), Quiet())
-    assert runs(tmp_path / "r.db")[0][:3] == ("run", "queued", 1)
+    assert runs(tmp_path / "r.db")[0][:3] == ("run", "queued", 0)  # released: the attempt not counted
     assert (tmp_path / "runs" / "run" / "step_00000005.pt").is_file()
 
 

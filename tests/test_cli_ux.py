@@ -174,3 +174,15 @@ def test_report_tables_at_80_columns_cut_no_cell():
         assert out.returncode == 0, out.stderr
         assert "…" not in out.stdout and max(map(len, out.stdout.splitlines())) <= 80
         assert "27.52" in out.stdout or "3.598" in out.stdout or "27.84" in out.stdout
+
+
+@pytest.mark.parametrize("args,line", [
+    (["eval", "x", "--length", "nan"], "error: Invalid value for '--length': "),
+    (["queue", "ls", "--bogus"], "error: No such option: --bogus (see `fibctl queue ls --help`)"),
+    (["bogus"], "error: No such command 'bogus'. (see `fibctl --help`)"),
+    (["eval", "x"], "error: Missing option '--length'. (see `fibctl eval --help`)"),
+])
+def test_a_usage_error_is_one_line_and_exit_2(args, line):
+    done = fibctl(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(line), done.stderr

@@ -50,6 +50,25 @@ def _help_fixes() -> None:
 
 _help_fixes()
 
+
+def _one_line_usage_errors() -> None:
+    """A usage error (an unknown option, a value of the wrong type, a missing argument) as
+    one line, like every other error, instead of typer's usage block and boxed message."""
+    from typer import rich_utils
+
+    def one_line(e) -> None:
+        if e.__class__.__name__ == "NoArgsIsHelpError":  # `fibctl` alone: typer printed the help
+            return
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        err_console.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False,
+                          soft_wrap=True)
+
+    rich_utils.rich_format_error = one_line
+
+
+_one_line_usage_errors()
+
 app = typer.Typer(
     name="fibctl",
     help="Reproduce and extend the scaled-Fibonacci sparse-attention study: queue a matrix of "

@@ -177,12 +177,14 @@ def test_report_tables_at_80_columns_cut_no_cell():
 
 
 @pytest.mark.parametrize("args,line", [
-    (["eval", "x", "--length", "nan"], "error: Invalid value for '--length': "),
-    (["queue", "ls", "--bogus"], "error: No such option: --bogus (see `fibctl queue ls --help`)"),
-    (["bogus"], "error: No such command 'bogus'. (see `fibctl --help`)"),
-    (["eval", "x"], "error: Missing option '--length'. (see `fibctl eval --help`)"),
+    (["eval", "x", "--length", "nan"], r"error: Invalid value for '--length': .* \(see `.*fibctl eval --help`\)"),
+    (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),
+    (["bogus"], r"error: No such command 'bogus'. \(see `.*fibctl --help`\)"),
+    (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(args, line):
+    import re
+
     done = fibctl(*args)
     assert done.returncode == 2 and done.stdout == ""
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(line), done.stderr
+    assert re.fullmatch(line, done.stderr.strip()), done.stderr

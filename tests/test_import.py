@@ -287,3 +287,124 @@ def test_the_dense_baseline_has_one_name_queued_or_imported(tmp_path, db_url):
     queued = [c.name for c in load_matrix("paper").resolve() if c.model.schedule == "dense"]
     engine, _ = imported(tmp_path, db_url)
     assert queued == [DENSE_BASELINE] == [r[0] for r in rows(engine, "SELECT name FROM runs WHERE schedule = 'dense'")]
+
+
+# --- malformed values in the study's files: one line, exit code 2, nothing written -----------
+
+F13 = "(SELECT id FROM runs WHERE title = 'f13__fib_stagger_w12')"
+M500 = f"WHERE run_id = {F13} AND step = 500 AND dataset = 'fineweb_edu_val'"
+MODEL = "WHERE source = 'marked' AND depth = 2 AND seed = 1 AND staggered = 1"  # one probe model's rows
+MARKED = f"{MODEL} AND distance = 350"
+EVAL = f"WHERE run_id = {F13} AND step = 500"
+RUN = "WHERE title = 'f13__fib_stagger_w12'"
+P11 = ("f11__fib_stagger_w8", "fineweb_edu_val")
+HUGE_W = "f05__fib_w99999999999999999999"
+
+# (file, change, words the one line holds): the change is SQL run on fib.db, or for a JSON
+# file (keys, value) to set; keys () replace the whole file with the value
+BAD_STUDY = [
+    ("fib.db", f"UPDATE metrics SET ppl = 0 {M500}", ("fib.db", "metrics.ppl = 0", "'f13__fib_stagger_w12' step 500",
+                                                      "finite positive number")),
+    ("fib.db", f"UPDATE metrics SET ppl = -3 {M500}", ("metrics.ppl = -3", "f13__fib_stagger_w12", "positive")),
+    ("fib.db", f"UPDATE metrics SET ppl = 'abc' {M500}", ("metrics.ppl = 'abc'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE metrics SET loss = 'x' {M500}", ("metrics.loss = 'x'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE metrics SET step = 'x' {M500}", ("metrics.step = 'x'", "f13__fib_stagger_w12", "integer")),
+    ("fib.db", f"UPDATE metrics SET recorded_at = 'yesterday' {M500}", ("metrics.recorded_at = 'yesterday'",
+                                                                      "timestamp")),
+    ("fib.db", f"UPDATE metrics SET eval_tokens = 2.5 {M500}", ("metrics.eval_tokens = 2.5", "integer")),
+    ("fib.db", f"UPDATE metrics SET dataset = x'ff' {M500}", ("metrics.dataset = b'\\xff'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE runs SET created_at = 'soon' {RUN}", ("runs.created_at = 'soon'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE runs SET started_at = '2026-13-45' {RUN}", ("runs.started_at = '2026-13-45'", "timestamp")),
+    ("fib.db", f"UPDATE runs SET ended_at = '0001-01-01T00:00:00+05:00' {RUN}", ("runs.ended_at", "timestamp")),
+    ("fib.db", f"UPDATE runs SET wall_seconds = 'long' {RUN}", ("runs.wall_seconds = 'long'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE runs SET params_effective = 'many' {RUN}", ("runs.params_effective = 'many'", "integer")),
+    ("fib.db", f"UPDATE runs SET tokens_trained = -5 {RUN}", ("runs.tokens_trained = -5", "integer from 0")),
+    ("fib.db", f"UPDATE runs SET title = '{HUGE_W}' {RUN}", ("fib.db", "window = '9999", "f05__fib_w9999",
+                                                              "2**31 - 1")),
+    ("fib.db", f"UPDATE runs SET title = 'f05__fib_w5000000000' {RUN}", ("window = 5000000000",
+                                                                          "f05__fib_w5000000000")),
+    ("fib.db", f"UPDATE runs SET title = 'f13__fib_w12_s99999999999999999999' {RUN}", ("fib.db", "seed = '9999",
+                                                                                       "2**32 - 1")),
+    ("fib.db", f"UPDATE runs SET title = x'00' {RUN}", ("fib.db", "runs.title = b'\\x00'")),
+    ("fib.db", f"UPDATE runs SET status = CAST(x'ff' AS TEXT) {RUN}", ("study database fib.db", "cannot read",
+                                                                      "UTF-8")),
+    ("fib.db", f"UPDATE eval_results SET value = 'x' {EVAL}", ("eval_results.value = 'x'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE eval_results SET step = 'x' {EVAL}", ("eval_results.step = 'x'", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE eval_results SET metric = x'ff' {EVAL}", ("eval_results.metric", "f13__fib_stagger_w12")),
+    ("fib.db", f"UPDATE eval_results SET eval_name = '{'n' * 90}' {EVAL}", ("eval_results.eval_name = 'nnn",
+                                                                          "1 to 85 characters")),
+    ("fib.db", f"UPDATE retrieval_results SET alphas = '[NaN,1.0]' {MODEL}", ("retrieval_results.alphas[0] = nan",
+                                                                             "probe_marked_d2_stagger_s1")),
+    ("fib.db", f"UPDATE retrieval_results SET alphas = '[true,1.0]' {MODEL}", ("retrieval_results.alphas[0] = True",)),
+    ("fib.db", f"UPDATE retrieval_results SET alphas = '{'[' * 100000}' {MODEL}", ("retrieval_results.alphas",
+                                                                                  "a JSON list of numbers")),
+    ("fib.db", f"UPDATE retrieval_results SET depth = 'x' {MARKED}", ("retrieval_results.depth = 'x'", "integer")),
+    ("fib.db", f"UPDATE retrieval_results SET depth = 0 {MARKED}", ("retrieval_results.depth = 0", "integer from 1")),
+    ("fib.db", f"UPDATE retrieval_results SET seed = -1 {MARKED}", ("retrieval_results.seed = -1", "2**32 - 1")),
+    ("fib.db", f"UPDATE retrieval_results SET staggered = 2 {MARKED}", ("retrieval_results.staggered = 2", "0 to 1")),
+    ("fib.db", f"UPDATE retrieval_results SET distance = 'far' {MARKED}", ("retrieval_results.distance = 'far'",
+                                                                         "probe_marked_d2_stagger_s1")),
+    ("fib.db", f"UPDATE retrieval_results SET acc = 'high' {MARKED}", ("retrieval_results.acc = 'high'",)),
+    ("fib.db", f"UPDATE retrieval_results SET acc = 1.5 {MARKED}", ("retrieval_results.acc = 1.5", "from 0 to 1")),
+    ("posloss.json", ((*P11, "per_position", 5), "a"), ("posloss.json", "per_position[5] = 'a'",
+                                                        "'f11__fib_stagger_w8' dataset 'fineweb_edu_val'")),
+    ("posloss.json", ((*P11, "per_position", 5), None), ("posloss.json", "per_position[5] = None",
+                                                         "f11__fib_stagger_w8")),
+    ("posloss.json", ((*P11, "per_position", 7), -1.0), ("per_position[7] = -1.0", ">= 0")),
+    ("posloss.json", ((*P11, "seq_len"), 10**30), ("posloss.json", "seq_len = 1000000", "2**31 - 1")),
+    ("posloss.json", ((*P11, "n_windows"), True), ("posloss.json", "n_windows = True")),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "²"), {"fineweb_edu_val": 40.0}), ("lenextrap.json", "length = '²'")),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "9" * 20), {"fineweb_edu_val": 40.0}), ("length = '9999",)),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "2048", "fineweb_edu_val"), math.inf), ("lenextrap.json", "ppl = inf",
+                                                                                       "length 2048")),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "2048", "fineweb_edu_val"), True), ("ppl = True",)),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "2048", "fineweb_edu_val"), 10**400), ("ppl = 1000000",)),
+    ("lenextrap.json", (("f11__fib_stagger_w8", "2048", "d" * 150), 40.0), ("lenextrap.json", "dataset = 'ddd",
+                                                                          "length 2048", "1 to 100 characters")),
+    ("lenextrap.json", ((HUGE_W,), {"1024": {"fineweb_edu_val": 40.0}}), ("lenextrap.json", "window = '9999",
+                                                                         "f05__fib_w9999")),
+    ("lenextrap.json", ((), "[" * 100000), ("lenextrap.json", "cannot read JSON")),
+]
+
+
+def _spoil(files: dict[str, Path], file: str, change) -> None:
+    if file == "fib.db":
+        with sqlite3.connect(files[file]) as study:
+            study.execute(change)
+        return
+    keys, value = change
+    if not keys:
+        files[file].write_text(value)
+        return
+    data = json.loads(files[file].read_text())
+    inner = data
+    for k in keys[:-1]:
+        inner = inner[k]
+    inner[keys[-1]] = value
+    files[file].write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("file, change, words", BAD_STUDY,
+                         ids=[f"{i}-{w[0][:30]}" for i, (_, _, w) in enumerate(BAD_STUDY)])
+def test_a_malformed_study_value_is_one_line_exit_2_nothing_written(file, change, words, tmp_path, monkeypatch,
+                                                                   capsys):
+    from fibctl.cli import main
+    fib_db, extrap, posloss = make_study(tmp_path)
+    _spoil({"fib.db": fib_db, "lenextrap.json": extrap, "posloss.json": posloss}, file, change)
+    out_db = str(tmp_path / "out.db")
+    engine = connect(out_db)
+    before = _dump(engine)
+    engine.dispose()
+    monkeypatch.setattr(sys, "argv", ["fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
+                                      "--posloss", str(posloss), "--db", out_db])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 2, out
+    assert "Traceback" not in out.err + out.out
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), out.err
+    assert len(lines[0].replace(str(tmp_path), "")) <= 200, out.err  # short, apart from the path given
+    engine = connect(out_db)
+    assert _dump(engine) == before  # the import is one transaction: the runs written before the bad value are gone
+    engine.dispose()

@@ -293,6 +293,9 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--distance", "512"], "distance 512 must be from 1 to the length - 1"),
     (["--vocab", "513"], "vocab 513 is not divisible by the 2 distances"),
     (["--init", "ramp"], "--init 'ramp'"),
+    (["--length", "0"], "seq_len=0 must be >= 1"),  # 0 is a value, not "the default"
+    (["--eval-sequences", "0"], "probe eval_sequences = 0 must be an integer >= 1"),
+    (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):
     r = _fibctl(tmp_path, "probe", "--db", "r.db", *args)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import sqlite3
 import subprocess
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -274,3 +277,101 @@ def test_report_tables_print_markup_in_their_data_as_written():
     text = render.to_text(t, 80)
     for shown in ("[i]t[/i]", "[b]x[/b]", "[/]", "\\[y]", "[bold red]boom[/bold red]", "[/] note"):
         assert shown in text
+
+
+def test_terminal_tables_show_control_characters_escaped():
+    """A value from the database is shown, not obeyed: ESC would colour or clear the terminal,
+    CR overwrite the line, a bidi override reorder it. The .md/.csv/.json files keep it exact."""
+    t = tables.Table("t", "title\x1b[2J", pd.DataFrame({"a\x1b": ["x\x1b[31my\rz", "\u202eab"]}), "SELECT 1",
+                     notes=["note\x07"])
+    text = render.to_text(t, 80)
+    for shown in ("title\\x1b[2J", "a\\x1b", "x\\x1b[31my\\rz", "\\u202eab", "note\\x07"):
+        assert shown in text, shown
+    assert not any(c in text for c in "\x1b\r\x07\u202e")
+    assert json.loads(render.render(t, "json")) == [{"a\x1b": "x\x1b[31my\rz"}, {"a\x1b": "\u202eab"}]
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+def snapshot(root: Path) -> dict[str, str | bool]:
+    """Every path under `root`, folders too, with each file's checksum; but SQLite's shared-memory
+    index and an empty write-ahead log, which a reader's connection makes and which hold no data."""
+    return {str(p.relative_to(root)): p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if not p.name.endswith("-shm")
+            and not (p.name.endswith("-wal") and p.stat().st_size == 0)}
+
+
+def fails_in_one_line(args: list[str], folder: Path, words: str, monkeypatch, capsys) -> str:
+    """`fibctl ARGS` run in `folder` through the real entry point: exit 2, one line on stderr
+    holding `words`, no traceback, nothing under `folder` created or changed. The line."""
+    from fibctl.cli import main
+    before = snapshot(folder)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 2, out
+    assert "Traceback" not in out.err + out.out
+    assert len(out.err.strip().splitlines()) == 1 and words in out.err, out.err
+    assert snapshot(folder) == before
+    return out.err
+
+
+@pytest.fixture
+def report_folder(tmp_path) -> Path:
+    """The demo's runs (with alphas for one) in r.db; d.db without its runs table, c.db without a
+    column; afile, a file where a folder would be."""
+    _fill_demo(str(tmp_path / "r.db"))
+    engine = connect(str(tmp_path / "r.db"))
+    with engine.begin() as conn:
+        conn.execute(insert(schema.Alpha), [dict(run_id=3, step=600, layer=i, alpha=1.0) for i in range(2)])
+    engine.dispose()
+    for name, change in (("d.db", "DROP TABLE runs"), ("c.db", "ALTER TABLE evaluations DROP COLUMN tokens")):
+        (tmp_path / name).write_bytes((tmp_path / "r.db").read_bytes())
+        with sqlite3.connect(tmp_path / name) as con:  # foreign keys off, as in the sqlite3 shell
+            con.execute(change)
+        con.close()
+    (tmp_path / "afile").write_text("a file, not a folder\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, words", [
+    # a matrix, held-out set or run the database lacks, or '' (which read as "every run" / the default)
+    (["report", "all", "-o", "out", "--matrix", "nope"], "--matrix 'nope': no runs of that matrix in r.db"),
+    (["report", "all", "-o", "out", "--dataset", "nope"], "--dataset 'nope': no evaluations on that set"),
+    (["report", "table1", "--matrix", ""], "--matrix '': no runs"),
+    (["report", "table3", "--dataset", ""], "--dataset '': no evaluations"),
+    (["figure", "alphas", "--run", "", "-o", "a.png"], "--run '': no run of that name"),
+    (["figure", "alphas", "--run", "nope", "-o", "a.png"], "--run 'nope': no run of that name"),
+    (["report", "table1", "--compare", ""], "--compare is empty"),
+    (["report", "table1", "--db", ""], "--db is empty"),
+    # a database changed by hand: a table or a column dropped
+    (["report", "table1", "--db", "d.db"], "d.db lacks table runs"),
+    (["report", "table1", "--compare", "d.db"], "d.db lacks table runs"),
+    (["report", "all", "--db", "d.db", "-o", "out"], "d.db lacks table runs"),
+    (["figure", "curves", "--db", "d.db", "-o", "c.png"], "d.db lacks table runs"),
+    (["report", "table3", "--db", "c.db"], "c.db lacks column evaluations.tokens"),
+    # --out: empty (the current folder), or under a file
+    (["report", "all", "-o", ""], "--out is empty"),
+    (["report", "all", "-o", " "], "--out is empty"),
+    (["figure", "coverage", "-o", ""], "--out is empty"),
+    (["figure", "coverage", "-o", "afile/x.png"], "cannot write afile/x.png: afile is not a folder"),
+    (["figure", "curves", "-o", "afile/sub/x.png"], "afile is not a folder"),
+    (["report", "all", "-o", "afile/sub"], "cannot write the report into afile/sub: afile is not a folder"),
+])
+def test_report_and_figure_bad_input_is_one_line_exit_2_and_writes_nothing(args, words, report_folder,
+                                                                           monkeypatch, capsys):
+    args = args if "--db" in args else [*args, "--db", "r.db"]
+    fails_in_one_line(args, report_folder, words, monkeypatch, capsys)
+
+
+def test_report_all_without_data_writes_nothing(tmp_path):
+    """Only coverage (drawn from the schedule, not the database) would be written: no report."""
+    empty = str(tmp_path / "empty.db")
+    connect(empty).dispose()
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["report", "all", "--db", empty, "-o", str(out)])
+    assert r.exit_code != 0 and "nothing to report" in str(r.exception), r.output
+    assert not out.exists()

@@ -17,7 +17,7 @@ from fibctl.cli import app
 from fibctl.db.engine import connect, resolve_url
 from fibctl.errors import FibctlError
 from fibctl.reports.sql import query_rows, run_query
-from test_reports import add_eval, add_run
+from test_reports import add_eval, add_run, fails_in_one_line
 
 
 def _filled(db: str) -> str:
@@ -207,3 +207,40 @@ def test_postgresql_server_files_and_programs_are_out_of_reach(db, tmp_path, sta
         run_query(db, statement.format(out=out))
     assert not out.exists()
     assert run_query(db, "SELECT COUNT(*) AS n FROM runs")["n"].iloc[0] == 2  # tables still read
+
+
+@pytest.mark.parametrize("args, words", [
+    (["select 1", "--max-rows", "99999999999999999999"], "--max-rows must be 1 to 1,000,000,000"),
+    (["select 1", "--max-rows", "9223372036854775807"], "--max-rows must be 1 to"),
+    (["select 1", "--timeout", "inf"], "--timeout must be above 0"),
+    (["select 1", "--timeout", "nan"], "--timeout must be above 0"),
+    # nothing to run: "(no rows)" and exit 0 said it had worked
+    ([""], "the SQL statement is empty"),
+    ([" \n\t "], "the SQL statement is empty"),
+    (["/* only a comment */"], "returned no result set"),
+    ([";"], "returned no result set"),
+    # two output formats: --format table is no default to override
+    (["select 1", "--format", "table", "--csv"], "give one output format"),
+    # the driver's message carries the query's names: shown, not obeyed
+    (['select * from "a\x1b[31m"', "--max-rows", "5"], "SQL error: no such table: a\\x1b[31m"),
+])
+def test_cli_bad_input_is_one_line_exit_2(sqlite_db, args, words, monkeypatch, capsys):
+    line = fails_in_one_line(["sql", *args, "--db", sqlite_db], Path(sqlite_db).parent, words, monkeypatch, capsys)
+    assert "\x1b" not in line
+
+
+def test_control_characters_are_escaped_in_the_table_and_exact_in_csv_and_json(db):
+    """The table is for a terminal, which obeys ESC (colours, clearing), CR (overwriting) and
+    bidi overrides: it shows them escaped, and keeps line breaks. CSV and JSON are data: exact."""
+    char = "char" if _is_sqlite(db) else "chr"
+    value = "\x1b[31mRED\rx\ty\u202e\nnext"
+    query = (f"SELECT {char}(27) || '[31mRED' || {char}(13) || 'x' || {char}(9) || 'y' || {char}(8238) || "
+             f"{char}(10) || 'next' AS \"v\x1b\"")
+    r = CliRunner().invoke(app, ["sql", query, "--db", db])
+    assert r.exit_code == 0, r.output
+    assert "v\\x1b" in r.stdout and "\\x1b[31mRED\\rx\\ty\\u202e" in r.stdout and "next" in r.stdout
+    assert not any(c in r.stdout for c in "\x1b\r\t\u202e")
+    r = CliRunner().invoke(app, ["sql", query, "--db", db, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == [{"v\x1b": value}]
+    r = CliRunner().invoke(app, ["sql", query, "--db", db, "--csv"])
+    assert r.exit_code == 0 and "\x1b[31mRED\rx\ty\u202e" in r.stdout

@@ -11,14 +11,18 @@ from rich.markup import escape
 from rich.progress import track
 from rich.table import Table as RichTable
 from rich.text import Text
+from sqlalchemy import inspect as schema_of, text
+from sqlalchemy.engine import Engine
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
+from fibctl.db import schema
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import import_study as run_import
+from fibctl.reports.render import printable
 from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, query_rows
 from fibctl.reports.sql import cell as sql_cell
 
@@ -36,6 +40,53 @@ MatrixOption = Annotated[str | None, typer.Option(
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=sqlite_int)]
 DatasetOption = Annotated[str | None, typer.Option(
     "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
+
+
+# what a --matrix, --dataset or --run names: (table, column, what a row of it is)
+_NAMED = {"matrix": ("runs", "matrix", "runs of that matrix"), "dataset": ("evaluations", "dataset",
+          "evaluations on that set"), "run": ("runs", "name", "run of that name")}
+
+
+def _open(db: str, option: str = "--db", **named: str | None) -> Engine:
+    """`db` read-only, checked so that a report fails in one line before anything is written:
+    fibctl's tables and columns all there (a database changed by hand fails mid-query with a
+    traceback otherwise), and each of `named` (see _NAMED) held by it: a typo, or '' (which
+    would read as "every run"), would report nothing."""
+    if not db.strip():
+        raise FibctlError(f"{option} is empty; name a database")
+    engine = connect_readonly(db)
+    found = schema_of(engine)
+    tables = set(found.get_table_names())
+    missing = [f"table {t.name}" for t in schema.Base.metadata.sorted_tables if t.name not in tables]
+    missing += [f"column {t.name}.{c}" for t in schema.Base.metadata.sorted_tables if t.name in tables
+                for c in sorted(set(t.columns.keys()) - {c["name"] for c in found.get_columns(t.name)})]
+    if missing:
+        raise FibctlError(f"{shown(db)} lacks {', '.join(missing)}: it was changed outside fibctl; "
+                          "restore it from a copy")
+    for name, value in ((n, v) for n, v in named.items() if v is not None):
+        table, column, what = _NAMED[name]
+        with engine.connect() as conn:
+            known = conn.execute(text(f"SELECT DISTINCT {column} FROM {table} ORDER BY 1")).scalars().all()
+        if value not in known:
+            listed = ", ".join(map(repr, known[:5])) + (", ..." if len(known) > 5 else "") or "none"
+            raise FibctlError(f"--{name} {value!r}: no {what} in {shown(db)} (it has: {listed})")
+    return engine
+
+
+def _output(value: str, *, folder: bool) -> Path:
+    """--out checked before anything is drawn: '' would write into the current folder, and a
+    file where a folder should be ("afile/x.png") failed as "File exists"."""
+    if not value.strip():
+        raise FibctlError("--out is empty; name the " + ("folder to write into" if folder else "image file"))
+    path = Path(value)
+    start = path if folder else path.parent
+    for above in (start, *start.parents):  # the nearest that exists must be a folder
+        if above.exists():
+            if not above.is_dir():
+                raise FibctlError(f"cannot write {'the report into ' if folder else ''}{path}: "
+                                  f"{above} is not a folder")
+            break
+    return path
 
 
 def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
@@ -70,10 +121,11 @@ def _table_command(name: str, build):
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in TABLE_OPTIONS]
 
     def command(db: str, fmt: str, show_sql: bool, **options) -> None:
-        if options.get("compare"):
+        engine = _open(db, **{k: options[k] for k in _NAMED if k in options})
+        if options.get("compare") is not None:
             path = options["compare"]
-            options.update(compare=connect_readonly(path), compare_label=Path(path).stem)
-        _show(build(connect_readonly(db), **options), fmt, show_sql)
+            options.update(compare=_open(path, "--compare"), compare_label=Path(path).stem)
+        _show(build(engine, **options), fmt, show_sql)
 
     fixed = [("db", DbOption, DEFAULT_DB), ("fmt", FormatOption, "rich"), ("show_sql", ShowSqlOption, False)]
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a) for n, a, d in fixed]
@@ -92,14 +144,16 @@ for _name, _build in tables.TABLES.items():
 
 @report_app.command("all")
 def report_all(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the tables and figures into.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="<path>",
+                                     help="Folder to write the tables and figures into.")],
     db: DbOption = DEFAULT_DB, seed: SeedOption = DEFAULT_SEED, matrix: MatrixOption = None,
     dataset: DatasetOption = None,
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
     from fibctl.reports import export
 
-    engine = connect_readonly(db)
+    out = _output(out, folder=True)
+    engine = _open(db, matrix=matrix, dataset=dataset)
     try:
         written, skipped = export.write_all(
             engine, out, seed=seed, matrix=matrix, dataset=dataset,
@@ -117,8 +171,8 @@ def report_all(
 def figure(
     name: Annotated[str, typer.Argument(
         help=f"One of {', '.join(figures.FIGURES)}.", show_default=False)],
-    out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", metavar="<path>", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
     db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = DEFAULT_SEED,
     matrix: MatrixOption = None,
     window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="posloss, coverage: window W.")] = 8,
@@ -134,7 +188,7 @@ def figure(
     """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
-    path = figures.check_path(out or Path(f"{name}.png"))
+    path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:
         if name == "coverage":
             model = get_preset(preset).model
@@ -145,7 +199,7 @@ def figure(
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:
             draw = figures.FIGURES[name]
-            draw(connect_readonly(db), path, **export.options_for(
+            draw(_open(db, matrix=matrix, dataset=dataset, run=run), path, **export.options_for(
                 draw, dataset=dataset, seed=seed, matrix=matrix, window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
@@ -160,8 +214,9 @@ def sql(
     query: Annotated[str, typer.Argument(help="One SQL statement, e.g. \"SELECT name, status FROM runs\".",
                                          show_default=False)],
     db: DbOption = DEFAULT_DB,
-    fmt: Annotated[str, typer.Option(
-        "--format", "-f", help="table (default), csv (NULL as an empty field) or json (NULL as null).")] = "table",
+    fmt: Annotated[str | None, typer.Option(
+        "--format", "-f", help="table (default; control characters shown escaped, e.g. \\x1b), csv (NULL as an "
+        "empty field) or json (NULL as null): these two keep every value exact.", show_default=False)] = None,
     csv: Annotated[bool, typer.Option("--csv", help="The same as --format csv.")] = False,
     json: Annotated[bool, typer.Option("--json", help="The same as --format json.")] = False,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Print at most this many rows.")] = MAX_ROWS,
@@ -173,24 +228,24 @@ def sql(
     returns them: NULL as NULL, integers as integers."""
     from fibctl.reports.sql import to_csv, to_json
 
-    if fmt not in SQL_FORMATS:
+    if fmt is not None and fmt not in SQL_FORMATS:
         raise FibctlError(f"--format {fmt!r}: allowed: {', '.join(SQL_FORMATS)}")
-    if csv + json > 1 or ((csv or json) and fmt != "table"):
+    if csv + json + (fmt is not None) > 1:  # even --format table --csv: which one was meant?
         raise FibctlError("give one output format: --format table|csv|json (--csv and --json are its older names)")
-    fmt = "csv" if csv else "json" if json else fmt
+    fmt = "csv" if csv else "json" if json else fmt or "table"
     result = query_rows(db, query, max_rows=max_rows, timeout_s=timeout)
-    if fmt == "csv":
-        typer.echo(to_csv(result), nl=False)
+    if fmt == "csv":  # color=True: click would strip what looks like a colour code from a value in a pipe
+        typer.echo(to_csv(result), nl=False, color=True)
     elif fmt == "json":
         typer.echo(to_json(result))
     elif result.empty:
         console.print("(no rows)")
-    else:  # Text cells: a value from the database is shown as it is, never read as markup
+    else:  # Text cells: a value from the database is never read as markup, nor obeyed as a control code
         table = RichTable()
         for column in result.columns:
-            table.add_column(Text(column), overflow="fold")
+            table.add_column(Text(printable(column)), overflow="fold")
         for row in result.rows:
-            table.add_row(*(Text("NULL" if v is None else str(sql_cell(v))) for v in row))
+            table.add_row(*(Text("NULL" if v is None else printable(str(sql_cell(v)))) for v in row))
         console.print(table)
     if result.truncated:
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",

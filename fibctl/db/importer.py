@@ -35,7 +35,7 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
-from fibctl.config import ProbeConfig, RunConfig, get_preset
+from fibctl.config import SEED_MAX, ProbeConfig, RunConfig, get_preset
 from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
@@ -45,6 +45,10 @@ STUDY_MATRIX = "paper"
 STUDY_LENGTH = 1024
 STUDY_INIT_SEED = 42  # the paper matrix's shared init seed, for the reproducing config
 DENSE_BASELINE = "ref_e0000"
+INT32 = 2**31 - 1  # the schema's Integer columns are 32-bit on PostgreSQL
+INT64 = 2**63 - 1  # SQLite's integers
+_TOPS = {INT32: "2**31 - 1", INT64: "2**63 - 1", SEED_MAX: "2**32 - 1"}  # how an error names a range's top
+STEP_MIN = -1  # step -1: the study's mark for the final step (eval_results)
 
 _TITLE = re.compile(r"^(?P<tag>[a-z]\d+)__(?P<base>fib|logsparse)"
                     r"(?:_(?P<schedule>fixed|learned|stagger|hdc))?_w(?P<window>\d+)(?:_s(?P<seed>\d+))?$")
@@ -81,15 +85,23 @@ class ImportSummary:
     skipped: list[str] = field(default_factory=list)  # study runs with no fibctl meaning
 
 
-def study_run(title: str) -> StudyRun | None:
-    """What a published run name means, or None for names outside the study's matrix."""
+def study_run(title: str, where: str = "study run name") -> StudyRun | None:
+    """What a published run name means, or None for names outside the study's matrix; a
+    window or seed out of range is an error (`where`: the file it came from)."""
     if title == DENSE_BASELINE:
         return StudyRun(title, None, "dense", None, 42)
-    m = _TITLE.match(title)
+    m = _TITLE.fullmatch(title)  # not match: `$` also matches before a final newline
     if not m:
         return None
-    return StudyRun(title, _BASES[m["base"]], _SCHEDULES[m["schedule"]], int(m["window"]),
-                    int(m["seed"] or 42))
+
+    def number(group: str, top: int) -> int | None:
+        text = m[group]  # int() of at most 19 digits: Python refuses to parse thousands
+        return None if text is None else _num(int(text) if len(text) < 20 else text, f"{where}: {group}",
+                                              f"in run name {_shown(title)}", integer=True, hi=top)
+
+    seed = number("seed", SEED_MAX)
+    return StudyRun(title, _BASES[m["base"]], _SCHEDULES[m["schedule"]], number("window", INT32),
+                    42 if seed is None else seed)
 
 
 def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | None = None,
@@ -108,6 +120,8 @@ def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | Non
                 _import_lenextrap(conn, extrap, Path(lenextrap).name, runs, summary)
             if losses is not None:
                 _import_posloss(conn, losses, Path(posloss).name, runs, summary)
+    except sqlite3.Error as e:  # only the study raises these (SQLAlchemy wraps the output's): damaged, bad UTF-8
+        raise FibctlError(f"study database {fib_db.name}: cannot read it ({_cut(str(e), 80)})") from None
     finally:
         study.close()
     return summary
@@ -139,19 +153,65 @@ def _open_study(path: Path) -> sqlite3.Connection:
 def _load_json(path: str | Path, layout: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise FibctlError(f"{path}: cannot read JSON ({e}); expected {layout}") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+        raise FibctlError(f"{path}: cannot read JSON ({_cut(str(e), 80)}); expected {layout}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise FibctlError(f"{path}: expected an object {layout}")
     return data
 
 
-def _time(value: str | None) -> datetime | None:
-    """The study's ISO timestamps as naive UTC (how the schema stores times)."""
-    if not value:
+# Every value read from the study's files is checked where it is read: a bad one ends the
+# import (rolled back) with one line naming the file, column, row and value.
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _shown(value) -> str:
+    return _cut(repr(value))  # repr: quotes, and newlines escaped (one line)
+
+
+def _bad(what: str, value, of: str, expected: str) -> FibctlError:
+    return FibctlError(f"{what} = {_shown(value)}{' ' + of if of else ''} is not {expected}")
+
+
+def _num(value, what: str, of: str = "", *, lo: float = 0, hi: float = math.inf, integer: bool = False,
+         positive: bool = False, null: bool = False):
+    """`value` if it is a finite number (an int with `integer`) from `lo` to `hi` (above 0 with
+    `positive`), or None with `null`; else the error for `what` (file: column) `of` (row)."""
+    if value is None and null:
         return None
-    t = datetime.fromisoformat(value)
-    return t.astimezone(timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+    try:
+        ok = (isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and lo <= value <= hi and not (positive and value <= 0))
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if ok:
+        return value if integer else float(value)
+    if positive:
+        raise _bad(what, value, of, "a finite positive number")
+    if integer:
+        raise _bad(what, value, of, f"an integer from {lo} to {_TOPS.get(hi, hi)}")
+    raise _bad(what, value, of, f"a number from {lo} to {hi}" if hi < math.inf else
+               "a finite number" if lo == -math.inf else f"a finite number >= {lo}")
+
+
+def _text(value, what: str, of: str = "", limit: int = 100) -> str:
+    """A name (dataset, metric): a string that fits its column (String(100) on PostgreSQL)."""
+    if not isinstance(value, str) or not 0 < len(value) <= limit:
+        raise _bad(what, value, of, f"a name of 1 to {limit} characters")
+    return value
+
+
+def _time(value, what: str, of: str = "") -> datetime | None:
+    """The study's ISO timestamps as naive UTC (how the schema stores times)."""
+    if value is None or value == "":
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+        return t.astimezone(timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+    except (TypeError, ValueError, OverflowError):  # OverflowError: year 1 moved to UTC
+        raise _bad(what, value, of, "an ISO 8601 timestamp") from None
 
 
 def _now() -> datetime:
@@ -201,30 +261,37 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
                  summary: ImportSummary) -> dict[str, _Imported]:
     """Each study run's chosen attempt with its evaluations and auxiliary metrics."""
     out = {}
-    for title, attempts in _attempts(study).items():
-        run = study_run(title)
+    where = f"study database {source}"
+    for title, attempts in _attempts(study, where).items():
+        run = study_run(title, where)
         chosen = _chosen_attempt(attempts)
         if run is None or chosen is None:
             summary.skipped.append(title)
             continue
-        final_step = _final_step(study, chosen["id"])
+        of = f"for run {_shown(title)}"
+        final_step = _final_step(study, chosen["id"], where, of)
+        count = dict(integer=True, hi=INT64, null=True)
         details = dict(
-            attempts=len(attempts), created_at=_time(chosen["created_at"]),
-            started_at=_time(chosen["started_at"]), finished_at=_time(chosen["ended_at"]),
-            wall_seconds=chosen["wall_seconds"], params_total=chosen["params_effective"] or None,
-            tokens_trained=chosen["tokens_trained"])
+            attempts=len(attempts),
+            created_at=_time(chosen["created_at"], f"{where}: runs.created_at", of) or _now(),
+            started_at=_time(chosen["started_at"], f"{where}: runs.started_at", of),
+            finished_at=_time(chosen["ended_at"], f"{where}: runs.ended_at", of),
+            wall_seconds=_num(chosen["wall_seconds"], f"{where}: runs.wall_seconds", of, null=True),
+            params_total=_num(chosen["params_effective"], f"{where}: runs.params_effective", of, **count) or None,
+            tokens_trained=_num(chosen["tokens_trained"], f"{where}: runs.tokens_trained", of, **count))
         run_id, written = _put_run(conn, _run_values(run, source, final_step, **details))
         out[title] = _Imported(run_id, final_step)
         summary.runs += written
-        summary.evaluations += _import_metrics(conn, study, chosen["id"], run_id)
-        summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step)
+        summary.evaluations += _import_metrics(conn, study, chosen["id"], run_id, where, of)
+        summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step, where, of)
     return out
 
 
-def _attempts(study: sqlite3.Connection) -> dict[str, list[sqlite3.Row]]:
+def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.Row]]:
     out: dict[str, list[sqlite3.Row]] = {}
     for row in study.execute("SELECT * FROM runs ORDER BY id"):
-        out.setdefault(row["title"], []).append(row)
+        title = _text(row["title"], f"{where}: runs.title", f"for id {_shown(row['id'])}", limit=200)
+        out.setdefault(title, []).append(row)
     return out
 
 
@@ -237,31 +304,45 @@ def _chosen_attempt(attempts: list[sqlite3.Row]) -> sqlite3.Row | None:
     return refs[-1] if refs else None
 
 
-def _final_step(study: sqlite3.Connection, study_id: int) -> int:
+def _final_step(study: sqlite3.Connection, study_id: int, where: str, of: str) -> int:
     """The last evaluated step; the paper recipe's last step when nothing was evaluated."""
-    (step,) = study.execute(
-        "SELECT MAX(step) FROM (SELECT step FROM metrics WHERE run_id = ? "
-        "UNION ALL SELECT step FROM eval_results WHERE run_id = ?)", (study_id, study_id)).fetchone()
-    return int(step) if step is not None and step >= 0 else get_preset("paper").train.steps
+    steps = [_num(step, f"{where}: {table}.step", of, integer=True, lo=STEP_MIN, hi=INT32)
+             for table in ("metrics", "eval_results")
+             for (step,) in study.execute(f"SELECT step FROM {table} WHERE run_id = ?", (study_id,))]
+    return max(steps) if steps and max(steps) >= 0 else get_preset("paper").train.steps
 
 
-def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int) -> int:
-    rows = [dict(run_id=run_id, step=r["step"], dataset=r["dataset"], eval_length=STUDY_LENGTH,
-                 tokens=r["eval_tokens"], ppl=r["ppl"],
-                 loss=r["loss"] if r["loss"] is not None else math.log(r["ppl"]),
-                 created_at=_time(r["recorded_at"]))
-            for r in study.execute("SELECT * FROM metrics WHERE run_id = ? AND ppl IS NOT NULL "
-                                   "ORDER BY step, dataset", (study_id,))]
-    return upsert(conn, schema.Evaluation.__table__, rows, ("run_id", "step", "dataset", "eval_length"))
+def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
+                    where: str, of: str) -> int:
+    # by key, the last of a repeated row (a study table without its primary key): PostgreSQL
+    # refuses an upsert that meets one key twice
+    rows = {}
+    for r in study.execute("SELECT * FROM metrics WHERE run_id = ? AND ppl IS NOT NULL "
+                           "ORDER BY step, dataset", (study_id,)):
+        at = f"{of} step {_shown(r['step'])}"  # the step itself was checked by _final_step
+        ppl = _num(r["ppl"], f"{where}: metrics.ppl", at, positive=True)
+        row = dict(run_id=run_id, step=r["step"], dataset=_text(r["dataset"], f"{where}: metrics.dataset", at),
+                   eval_length=STUDY_LENGTH,
+                   tokens=_num(r["eval_tokens"], f"{where}: metrics.eval_tokens", at, integer=True, hi=INT64,
+                               null=True),
+                   ppl=ppl, loss=_num(r["loss"], f"{where}: metrics.loss", at, null=True),
+                   created_at=_time(r["recorded_at"], f"{where}: metrics.recorded_at", at))
+        row["loss"] = math.log(ppl) if row["loss"] is None else row["loss"]
+        rows[row["step"], row["dataset"]] = row
+    return upsert(conn, schema.Evaluation.__table__, list(rows.values()), ("run_id", "step", "dataset", "eval_length"))
 
 
 def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
-                         final_step: int) -> int:
+                         final_step: int, where: str, of: str) -> int:
     latest: dict[tuple[str, str], dict] = {}
     for r in study.execute("SELECT * FROM eval_results WHERE run_id = ? ORDER BY id", (study_id,)):
-        name = r["eval_name"] if r["step"] in (final_step, -1) else f"{r['eval_name']}@step{r['step']}"
-        latest[(name, r["metric"])] = dict(run_id=run_id, name=name, metric=r["metric"],
-                                           value=r["value"], text=None)
+        at = f"{of} step {_shown(r['step'])}"
+        # 85 characters: with '@step<N>' the name still fits aux_metrics.name (100)
+        eval_name = _text(r["eval_name"], f"{where}: eval_results.eval_name", at, limit=85)
+        name = eval_name if r["step"] in (final_step, -1) else f"{eval_name}@step{r['step']}"
+        metric = _text(r["metric"], f"{where}: eval_results.metric", at)
+        latest[(name, metric)] = dict(run_id=run_id, name=name, metric=metric, text=None,
+                                      value=_num(r["value"], f"{where}: eval_results.value", at, lo=-math.inf))
     return upsert(conn, schema.AuxMetric.__table__, list(latest.values()), ("run_id", "name", "metric"))
 
 
@@ -280,37 +361,42 @@ def _probe_config(name: str, depth: int, seed: int, staggered: bool) -> RunConfi
 
 
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
+    where = f"study database {source}: retrieval_results"
     models: dict[tuple[int, int, int], list[sqlite3.Row]] = {}
     for r in study.execute("SELECT * FROM retrieval_results WHERE source = 'marked' AND kind = 'target' "
                            "ORDER BY depth, staggered, seed, distance"):
-        models.setdefault((r["depth"], r["staggered"], r["seed"]), []).append(r)
+        key = (_num(r["depth"], f"{where}.depth", "in a 'marked' row", integer=True, lo=1, hi=INT32),
+               _num(r["staggered"], f"{where}.staggered", "in a 'marked' row", integer=True, hi=1),
+               _num(r["seed"], f"{where}.seed", "in a 'marked' row", integer=True, hi=SEED_MAX))
+        models.setdefault(key, []).append(r)
     for (depth, staggered, seed), rows in models.items():
         name = f"probe_marked_d{depth}_{'stagger' if staggered else 'uniform'}_s{seed}"
         config = _probe_config(name, depth, seed, bool(staggered))
         run_id, written = _put_run(conn, run_row(config, init_seed=None, status=schema.RunStatus.DONE,
                                                  final_step=PROBE_STEPS, source=source,
                                                  created_at=_now()))
-        metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED,
-                   **{f"acc_d{r['distance']}": r["acc"] for r in rows}}
+        of = f"for {name}"
+        accs = {f"acc_d{_num(r['distance'], f'{where}.distance', of, integer=True, hi=INT32)}":
+                _num(r["acc"], f"{where}.acc", of, hi=1) for r in rows}
+        metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED, **accs}
         written += upsert(conn, schema.AuxMetric.__table__,
                            [dict(run_id=run_id, name=PROBE_METRICS, metric=k, value=float(v), text=None)
                             for k, v in metrics.items()], ("run_id", "name", "metric"))
-        alphas = _alphas(rows[0]["alphas"], name)
+        alphas = _alphas(rows[0]["alphas"], f"{where}.alphas", of)
         written += upsert(conn, schema.Alpha.__table__,
                            [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],
                            ("run_id", "step", "layer"))
         summary.probe_runs += bool(written)  # a probe model whose row, accuracies or alphas were written
 
 
-def _alphas(text: str | None, name: str) -> list[float]:
+def _alphas(text: str | None, what: str, of: str) -> list[float]:
     try:
         alphas = json.loads(text or "")
-    except ValueError:
+    except (TypeError, ValueError, RecursionError):
         alphas = None
-    if not isinstance(alphas, list) or not all(isinstance(a, (int, float)) for a in alphas):
-        raise FibctlError(f"retrieval_results for {name}: expected alphas as a JSON list of numbers, "
-                          f"got {text!r}")
-    return [float(a) for a in alphas]
+    if not isinstance(alphas, list):
+        raise _bad(what, text, of, "a JSON list of numbers")
+    return [_num(a, f"{what}[{i}]", of, lo=-math.inf) for i, a in enumerate(alphas)]  # json reads NaN
 
 
 def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Imported],
@@ -318,9 +404,9 @@ def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Import
     """A run named in a JSON dump: imported from fib.db, or created from its name alone."""
     if title in runs:
         return runs[title]
-    run = study_run(title)
+    run = study_run(title, source)
     if run is None:
-        raise FibctlError(f"{source}: {title!r} is not a study run name "
+        raise FibctlError(f"{source}: {_shown(title)} is not a study run name "
                           f"(expected names like f13__fib_stagger_w12, or {DENSE_BASELINE})")
     step = get_preset("paper").train.steps
     values = _run_values(run, source, step, created_at=_now())
@@ -335,14 +421,19 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
     rows = []
     for title, by_length in data.items():
         run = _json_run(conn, title, source, runs, summary)
+        of = f"for run {_shown(title)}"
         for length, by_dataset in by_length.items():
-            if not str(length).isdigit() or not isinstance(by_dataset, dict) or not all(
-                    isinstance(v, (int, float)) and v > 0 for v in by_dataset.values()):
-                raise FibctlError(f"{source}: {title}.{length}: expected {{length: {{dataset: ppl}}}} "
-                                  "with integer lengths and positive perplexities")
-            rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=int(length),
-                          tokens=None, ppl=float(v), loss=math.log(v), created_at=None)
-                     for ds, v in by_dataset.items()]
+            if not isinstance(by_dataset, dict):
+                raise FibctlError(f"{source}: run {_shown(title)} length {_shown(length)}: expected "
+                                  "{length: {dataset: ppl}} with integer lengths and positive perplexities")
+            # int() only of ASCII digits, few enough to parse ('²' is a digit to str.isdigit)
+            n = _num(int(length) if re.fullmatch(r"[0-9]{1,12}", length) else length, f"{source}: length", of,
+                     integer=True, lo=1, hi=INT32)
+            for ds, v in by_dataset.items():
+                _text(ds, f"{source}: dataset", f"{of} length {n}")
+                ppl = _num(v, f"{source}: ppl", f"{of} length {n} dataset {_shown(ds)}", positive=True)
+                rows.append(dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=n, tokens=None,
+                                 ppl=ppl, loss=math.log(ppl), created_at=None))
     summary.evaluations += upsert(conn, schema.Evaluation.__table__, rows,
                                    ("run_id", "step", "dataset", "eval_length"), replace=False)
 
@@ -353,12 +444,15 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
         run = _json_run(conn, title, source, runs, summary)
         rows = []
         for ds, entry in by_dataset.items():
+            of = f"for run {_shown(title)} dataset {_shown(ds)}"
             if not (isinstance(entry, dict) and isinstance(entry.get("per_position"), list)
                     and isinstance(entry.get("n_windows"), int) and isinstance(entry.get("seq_len"), int)):
-                raise FibctlError(f"{source}: {title}.{ds}: expected {{per_position: [losses], "
-                                  "n_windows: int, seq_len: int}")
-            rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=entry["seq_len"],
-                          position=i, mean_loss=float(v), windows=entry["n_windows"])
+                raise FibctlError(f"{source}: expected {{per_position: [losses], n_windows: int, seq_len: int}} {of}")
+            _text(ds, f"{source}: dataset", f"for run {_shown(title)}")
+            seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=1, hi=INT32)
+            windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, hi=INT32)
+            rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=seq_len, position=i,
+                          mean_loss=_num(v, f"{source}: per_position[{i}]", of), windows=windows)
                      for i, v in enumerate(entry["per_position"])]
         summary.position_losses += upsert(conn, schema.PositionLoss.__table__, rows,
                                            ("run_id", "step", "dataset", "eval_length", "position"))

@@ -31,11 +31,12 @@ def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None 
     for depth in depths:
         if depth < 1:
             raise ConfigError(f"--depth {depth} must be >= 1")
-    model = dataclasses.replace(preset.model, seq_len=length or preset.model.seq_len,
-                                vocab_size=vocab or preset.model.vocab_size).validate()
+    given = lambda value, default: default if value is None else value  # noqa: E731  (0 is a value)
+    model = dataclasses.replace(preset.model, seq_len=given(length, preset.model.seq_len),
+                                vocab_size=given(vocab, preset.model.vocab_size)).validate()
     task = ProbeConfig()
     task = dataclasses.replace(task, distances=tuple(distances or task.distances),
-                               eval_sequences=eval_sequences or task.eval_sequences)
+                               eval_sequences=given(eval_sequences, task.eval_sequences))
     study_task = (model.seq_len, model.vocab_size, task.distances) == (
         preset.model.seq_len, preset.model.vocab_size, ProbeConfig().distances)
     train = dataclasses.replace(preset.train, steps=steps).validate()

@@ -43,6 +43,7 @@ def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | N
         def job() -> list[Path]:
             table = build(engine, **options_for(build, **shared))
             built.tables.append(table)
+            out.mkdir(parents=True, exist_ok=True)  # here, not before: a report with no data creates nothing
             paths = [out / f"{name}.sql"]
             paths[0].write_text(table.sql + "\n")
             for fmt, ext in render.EXTENSIONS.items():
@@ -61,18 +62,22 @@ def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | N
             return paths
         return job
 
+    # coverage last: write_all leaves it out when no job before it found data
     return ([(name, table_job(name, build)) for name, build in tables.TABLES.items()]
-            + [(name, figure_job(name, draw)) for name, draw in figures.FIGURES.items()])
+            + sorted([(name, figure_job(name, draw)) for name, draw in figures.FIGURES.items()],
+                     key=lambda named: named[0] == "coverage"))
 
 
 def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterable[Job]] = iter,
               title: str = "fibctl report", **kwargs) -> tuple[list[Path], list[tuple[str, str]]]:
     """Run every job, then write index.html; a table or figure whose data is missing is
-    skipped with the reason (listed on the page too)."""
-    out.mkdir(parents=True, exist_ok=True)
+    skipped with the reason (listed on the page too). Coverage, drawn from the schedule alone,
+    comes last and is left out too when nothing else had data: no report is written then."""
     built = Built()
     written, skipped = [], []
     for name, job in track(jobs(engine, out, built=built, **kwargs)):
+        if name == "coverage" and not written:  # the last job; alone it reports nothing
+            break
         try:
             written += job()
         except FibctlError as e:

@@ -20,6 +20,14 @@ from fibctl.reports.tables import Table
 FORMATS = ("rich", "md", "latex", "csv", "json")
 EXTENSIONS = {"rich": "txt", "md": "md", "latex": "tex", "csv": "csv", "json": "json"}
 MISSING = "-"
+# what a terminal obeys instead of showing (ESC colours or clears, CR overwrites, a bidi override
+# reorders): control characters but the line break, and the bidi controls
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: its control characters escaped (\\x1b), line breaks kept."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def cell(table: Table, column: str, value) -> str:
@@ -59,9 +67,9 @@ def fitted(table: Table, width: int):
     from rich.cells import cell_len
     from rich.console import Group
 
-    texts = [[cell(table, c, v) for c, v in zip(table.frame.columns, row)]
+    texts = [[printable(cell(table, c, v)) for c, v in zip(table.frame.columns, row)]
              for row in table.frame.itertuples(index=False)]
-    headers = [str(c) for c in table.frame.columns]
+    headers = [printable(str(c)) for c in table.frame.columns]
     least = [max([cell_len(w) for w in h.split()] + [cell_len(row[i]) for row in texts] + [1])
              for i, h in enumerate(headers)]
     chunks: list[list[int]] = [[0]]
@@ -69,7 +77,7 @@ def fitted(table: Table, width: int):
         if sum(least[j] + 3 for j in chunks[-1]) + least[i] + 3 + 1 > width and len(chunks[-1]) > 1:
             chunks.append([0])
         chunks[-1].append(i)
-    bolded = _cells(table, "[bold]{}[/bold]", escape)
+    bolded = _cells(table, "[bold]{}[/bold]", lambda s: escape(printable(s)))
     natural = [max(cell_len(h), least[i]) for i, h in enumerate(headers)]
     parts = []
     for n, chunk in enumerate(chunks):
@@ -82,8 +90,8 @@ def fitted(table: Table, width: int):
             widths[i] -= cut
             excess -= cut
         last = n == len(chunks) - 1
-        title = escape(table.title) if n == 0 else escape(f"{table.title} (continued)")
-        caption = escape("\n".join(table.notes)) if table.notes and last else None
+        title = escape(printable(table.title if n == 0 else f"{table.title} (continued)"))
+        caption = escape("\n".join(map(printable, table.notes))) if table.notes and last else None
         out = RichTable(title=title, title_justify="left", caption=caption, caption_justify="left")
         for i in chunk:
             c = table.frame.columns[i]

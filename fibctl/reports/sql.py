@@ -19,9 +19,12 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
 from fibctl.db.engine import connect_readonly
 from fibctl.errors import FibctlError
+from fibctl.reports.render import printable
 
 MAX_ROWS = 100_000
+MAX_ROWS_LIMIT = 10**9  # the driver fetches a C int's worth of rows at most (2**31 - 1)
 TIMEOUT_S = 60.0
+TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count of milliseconds
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
 
@@ -49,8 +52,12 @@ class Rows:
 def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> Rows:
     """Run one SQL statement read-only and return up to `max_rows` of its rows, each value as
     the driver returned it (an integer stays an integer beside a NULL, a NULL stays None)."""
-    if max_rows < 1 or not timeout_s > 0:
-        raise FibctlError(f"--max-rows must be >= 1 and --timeout above 0 (got {max_rows}, {timeout_s:g})")
+    if not 1 <= max_rows <= MAX_ROWS_LIMIT:
+        raise FibctlError(f"--max-rows must be 1 to {MAX_ROWS_LIMIT:,} (got {max_rows})")
+    if not 0 < timeout_s <= TIMEOUT_LIMIT_S:  # also refuses nan
+        raise FibctlError(f"--timeout must be above 0 and at most {TIMEOUT_LIMIT_S:,} s (got {timeout_s:g})")
+    if not sql.strip():
+        raise FibctlError('the SQL statement is empty; give one, e.g. "SELECT name, status FROM runs"')
     engine = connect_readonly(db, current=False)
     try:
         with engine.connect() as conn:
@@ -66,8 +73,9 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 try:
                     rows = result.fetchmany(max_rows + 1)
                     columns = list(result.keys())
-                except ResourceClosedError:  # a statement that returns no rows
-                    rows, columns = [], []
+                except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
+                    raise FibctlError("the statement returned no result set (is it only a comment?); "
+                                      "fibctl sql prints the rows of a query") from None
                 return Rows([str(c) for c in columns], [tuple(r) for r in rows[:max_rows]], len(rows) > max_rows)
             finally:
                 if guard:
@@ -191,7 +199,7 @@ def to_json(result: Rows) -> str:
 
 
 def _sql_error(e: DBAPIError, timeout_s: float) -> str:
-    msg = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]
+    msg = printable((str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0])  # it may quote the query
     flat = msg.replace("-", "").replace(" ", "").lower()
     if "readonly" in flat:
         return f"refused: the database is opened read-only, nothing was written ({msg})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import sys
 
 import torch
@@ -61,11 +62,16 @@ def keep_freed_memory() -> None:
             pass
 
 
+def check_threads(threads: int) -> int:
+    cpus = os.cpu_count() or 1
+    if not 1 <= threads <= cpus:  # more would only contend (and a huge count exhausts memory)
+        raise FibctlError(f"--threads must be from 1 to this machine's {cpus} CPUs, got {threads}")
+    return threads
+
+
 def set_threads(threads: int | None) -> None:
     if threads is not None:
-        if threads < 1:
-            raise FibctlError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_threads(threads))
 
 
 def autocast(device: torch.device):

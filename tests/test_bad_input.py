@@ -174,7 +174,15 @@ CASES = [
     (["figure", "coverage", "--window", "-1", "--out", "{tmp}/cov.png"], "coverage needs"),
     (["bench", "attention", "--length", "8", "--repeats", "0"], "--repeats 0 must be >= 1"),
     (["eval", "x", "--length", "8", "--threads", "0", "--db", "{good_db}", "--data", "{data}"],
-     "--threads must be >= 1, got 0"),
+     "--threads must be from 1 to this machine's"),
+    (["eval", "x", "--length", "8", "--threads", "999999", "--db", "{good_db}", "--data", "{data}"],
+     "CPUs, got 999999"),
+    (["status", "--watch", "--every", "nan", "--db", "{good_db}"], "--every must be above 0"),
+    (["status", "--watch", "--every", "inf", "--db", "{good_db}"], "at most a day"),
+    (["queue", "ls", "--db", ""], "--db is empty; name a database"),
+    (["sql", "select 1", "--db", " "], "--db is empty"),
+    (["queue", "ls", "--db", "{tmp}/" + "a" * 300 + "/r.db"], "File name too long"),
+    (["matrix", "show", "{tmp}/" + "a" * 300 + ".toml"], "File name too long"),
 ]
 
 

@@ -99,6 +99,10 @@ def main() -> None:
         app()
     except FibctlError as e:
         _fail(str(e))
+    except OSError as e:  # the system refused a path: too long a name, no space, no permission
+        if not e.strerror:
+            raise
+        _fail(f"{str(e.filename)[:120]}: {e.strerror}" if e.filename else e.strerror)
     except Exception as e:
         from fibctl.db.engine import refusal
 

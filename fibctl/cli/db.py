@@ -157,8 +157,8 @@ def status_cmd(
     from rich.console import Group
     from rich.live import Live
 
-    if every <= 0:
-        raise FibctlError(f"--every must be above 0, got {every:g}")
+    if not 0 < every <= 86_400:  # nan and inf too: time.sleep takes neither
+        raise FibctlError(f"--every must be above 0 and at most a day (86400), got {every:g}")
     engine = db_engine.connect_readonly(db)
 
     def view():

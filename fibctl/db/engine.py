@@ -40,6 +40,8 @@ DRIVER_HINTS = {"postgresql": "pip install -e '.[postgres]' (psycopg 3) and name
 def resolve_url(db: str) -> URL:
     """A SQLAlchemy URL as given; a bare path means SQLite (the path taken whole: a '?' or
     '#' in it is part of the file name, not a URL query)."""
+    if not db.strip():  # '' would be an in-memory SQLite database, not the one meant
+        raise FibctlError("--db is empty; name a database (a file path or a URL)")
     if "://" not in db:
         return URL.create("sqlite", database=db)
     try:

@@ -23,7 +23,7 @@ import torch
 from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.attention import skipped as attention_skipped
 from fibctl.config import ConfigError, get_preset
-from fibctl.device import autocast, check_compile, describe, resolve_device, setup_process, synchronize
+from fibctl.device import autocast, check_compile, check_threads, describe, resolve_device, setup_process, synchronize
 from fibctl.errors import FibctlError
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
@@ -82,7 +82,7 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
                     progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
     """Forward and forward+backward medians per length and path, in the dtype training gives
     the attention on `device` (attention_dtype)."""
-    cfg = get_preset("paper").model
+    cfg = dataclasses.replace(get_preset("paper").model, window=window, base=base).validate()  # W >= 0, a known base
     device = torch.device(device)
     dtype = attention_dtype(device)
     paths = attention_paths(device.type) if paths is None else paths
@@ -168,8 +168,8 @@ def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None 
                                ("warmup", warmup, 0), ("window", window, 0)):
         if value < least:
             raise ConfigError(f"--{name} {value} must be >= {least}")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads {threads} must be >= 1")
+    if threads is not None:
+        check_threads(threads)
     resolved = resolve_device(device)
     dataclasses.replace(p.model, base=base, window=window).validate()  # an unknown base, here
     if compile:

@@ -149,3 +149,27 @@ def test_eval_refuses_data_other_than_the_runs_own(trained, tmp_path):
                                           f"{'1' * 16}: its results would replace"):
         evaluate(engine, ["fixed"], [64], data_dir=other)
     assert rows(db, "select step, dataset, eval_length, loss from evaluations order by 1, 2, 3") == before
+
+
+@pytest.mark.parametrize("tamper,problem", [
+    (lambda w: {**w, "embed.weight": w["embed.weight"][:-1]},
+     r"does not fit run 'fixed''s model \(size mismatch for embed.weight"),
+    (lambda w: {k: torch.full_like(v, float("nan")) for k, v in w.items()},
+     r"run 'fixed' scores a loss of nan on .* holds weights that are not finite"),
+])
+def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tmp_path, tamper, problem):
+    import shutil
+
+    from fibctl.errors import FibctlError
+    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
+
+    engine, data, db = trained
+    runs = tmp_path / "runs"
+    shutil.copytree(db.parent / "runs", runs)
+    path = list_checkpoints(runs / "fixed")[-1]
+    state = load_checkpoint(path)
+    torch.save({**state, "model": tamper(state["model"])}, path)
+    before = rows(db, "select * from evaluations order by id")
+    with pytest.raises(FibctlError, match=problem):
+        evaluate(engine, ["fixed"], [64], data_dir=data, runs_dir=runs)
+    assert rows(db, "select * from evaluations order by id") == before

@@ -143,10 +143,18 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
              on_result) -> list[dict]:
     rows = []
     for length in lengths:
-        model = load_model(t.config, weights, length, device)
+        try:
+            model = load_model(t.config, weights, length, device)
+        except RuntimeError as e:  # shapes or names that are not the run's model: a file changed by hand
+            detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            raise FibctlError(f"checkpoint {t.checkpoint} does not fit run {t.run.name!r}'s model "
+                              f"({detail[:160]})") from None
         for dataset, stream in streams.items():
             res = stream_loss(model, stream, length, budget, device,
                               position_tokens=t.config.train.position_tokens if positions else None)
+            if not math.isfinite(res.loss):  # weights that are not finite: there is no number to record
+                raise FibctlError(f"run {t.run.name!r} scores a loss of {res.loss} on {dataset} at length "
+                                  f"{length}: its checkpoint {t.checkpoint} holds weights that are not finite")
             recorder.log_eval(step, dataset, length, res.tokens, res.loss)
             if positions:
                 recorder.log_positions(step, dataset, length, res.position_losses.tolist(), res.position_windows)

@@ -60,6 +60,19 @@ def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.tex"]
 
 
+def test_demo_refuses_the_other_plans_folder_before_changing_it(quick_demo):
+    """A full demo over a --quick one would rebuild its data and then refuse its runs."""
+    import hashlib
+
+    out, _ = quick_demo
+    state = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}  # noqa: E731
+    before = state()
+    r = fibctl("demo", "--out", str(out), "--plain")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --out {out} holds a `fibctl demo --quick`; run that to resume it, or choose another folder"]
+    assert state() == before
+
+
 def _db_with(tmp_path, ppl: dict[str, tuple[float, float]]):
     """A demo database whose runs have the given perplexity at 1x and 4x (T = 128)."""
     engine = connect(str(tmp_path / "h.db"))

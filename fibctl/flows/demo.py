@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ HEARTBEAT_TIMEOUT_S = 60
 
 @dataclass(frozen=True)
 class DemoPlan:
+    name: str  # "full" or "quick" (--quick)
     recipe: str
     preset: str
     train_length: int
@@ -44,23 +46,30 @@ class DemoPlan:
         return [f * self.train_length for f in LENGTH_FACTORS]
 
 
-FULL = DemoPlan(recipe="demo", preset="tiny", train_length=128)
-QUICK = DemoPlan(recipe="quick", preset="micro", train_length=64)
+FULL = DemoPlan("full", recipe="demo", preset="tiny", train_length=128)
+QUICK = DemoPlan("quick", recipe="quick", preset="micro", train_length=64)
 
 
 def plan(quick: bool) -> DemoPlan:
     return QUICK if quick else FULL
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse a folder that holds something other than a fibctl demo; mark ours."""
+def check_out_dir(out: Path, p: DemoPlan) -> None:
+    """Refuse a folder that holds something other than a fibctl demo of this plan (before
+    anything in it changes: the other plan's data would be rebuilt, then its runs refused);
+    mark ours, with its plan."""
     if out.exists() and not out.is_dir():
         raise FibctlError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+    marker = out / MARKER
+    if out.is_dir() and any(out.iterdir()) and not marker.exists():
         raise FibctlError(f"--out {out} holds files that are not a fibctl demo; "
                           "choose an empty or new folder so results are not mixed")
+    theirs = re.search(r"^plan: (\w+)$", marker.read_text(), re.M) if marker.exists() else None
+    if theirs and theirs[1] != p.name:
+        raise FibctlError(f"--out {out} holds a {'`fibctl demo --quick`' if theirs[1] == 'quick' else '`fibctl demo`'}"
+                          f"; run that to resume it, or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("made by `fibctl demo`; a later `fibctl demo` resumes here\n")
+    marker.write_text(f"made by `fibctl demo`; a later `fibctl demo` of the same plan resumes here\nplan: {p.name}\n")
 
 
 def fastest_threads(preset: str, steps: int = 4) -> tuple[int, dict[int, float]]:
@@ -202,7 +211,7 @@ def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
 
     started = time.perf_counter()
     p = plan(quick)
-    check_out_dir(out)
+    check_out_dir(out, p)
     data_dir, db = out / "data", str(out / "results.db")
 
     view.section(f"1/5 data: recipe {p.recipe!r} (documentation installed on this machine)")

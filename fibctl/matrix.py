@@ -26,7 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fibctl.config import DEFAULT_SEED, RunConfig, TrainConfig
+from fibctl.config import DEFAULT_SEED, SCHEDULES, RunConfig, TrainConfig
 from fibctl.errors import FibctlError
 from fibctl.names import NAME_RULE, check_name, is_name
 
@@ -81,7 +81,7 @@ def load_matrix(name_or_path: str) -> Matrix:
     # a shipped name wins over a folder or file of that name in the working directory
     if path.suffix == ".toml" or len(path.parts) > 1 or (path.is_file() and name_or_path not in shipped_matrices()):
         if not path.is_file():
-            raise FibctlError(f"no matrix file {path}")
+            raise FibctlError(f"{path} is a folder, not a matrix file" if path.is_dir() else f"no matrix file {path}")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -141,6 +141,8 @@ def _entry(i: int, run, bad) -> MatrixEntry:
             raise bad(f"{where} needs a string `{key}`")
     if not is_name(run["name"]):
         raise bad(f"{where}: run names use {NAME_RULE}")
+    if run["schedule"] not in SCHEDULES:  # before the settings that depend on it
+        raise bad(f"{where}: unknown schedule {run['schedule']!r}; allowed: {', '.join(SCHEDULES)}")
     dense = run["schedule"] == "dense"
     if dense and ({"base", "window"} & set(run)):
         raise bad(f"{where}: a dense run has no base or window")

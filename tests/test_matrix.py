@@ -90,6 +90,7 @@ def test_unknown_matrix_names_the_shipped_ones():
     ("[[runs]]\nname = 'a'\nschedule = 'dense'\nwindow = 8\n", "dense run has no base or window"),
     ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 'eight'\n", "`window` must be an integer"),
     ("[[runs]]\nname = 'a'\nschedule = 'sideways'\nwindow = 8\n", "unknown schedule 'sideways'"),
+    ("[[runs]]\nname = 'a'\nschedule = 'zzz'\n", "unknown schedule 'zzz'; allowed: dense, "),  # not "needs a window"
     ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 8\n[[runs]]\nname = 'a'\nschedule = 'dense'\n",
      "duplicate run name.*a"),
     ("[matrix]\npreset = 'huge'\n[[runs]]\nname = 'a'\nschedule = 'dense'\n", "unknown preset 'huge'"),

@@ -270,6 +270,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
         (("queue", "ls", "--db", str(notes)), "is not a SQLite database"),
         (("db", "upgrade", "--db", str(future)), "newer fibctl"),
         (("queue", "add", str(tmp_path / "missing.toml"), "--db", str(tmp_path / "x.db")), "no matrix file"),
+        (("queue", "add", str(tmp_path), "--db", str(tmp_path / "x.db")), f"{tmp_path} is a folder, not a matrix file"),
     ]
     for args, message in cases:
         code, err = _main_exit(monkeypatch, capsys, *args)

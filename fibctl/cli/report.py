@@ -21,7 +21,7 @@ from fibctl.db import schema
 from fibctl.db.engine import connect, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
-from fibctl.db.importer import import_study as run_import
+from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.reports.render import printable
 from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, query_rows
 from fibctl.reports.sql import cell as sql_cell
@@ -262,6 +262,7 @@ def import_study(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
+    check_inputs(fib_db, lenextrap, posloss)  # before `connect` makes a database for them
     engine = connect(db)
     with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
         s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)

@@ -107,6 +107,7 @@ def study_run(title: str, where: str = "study run name") -> StudyRun | None:
 def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | None = None,
                  posloss: str | Path | None = None) -> ImportSummary:
     """Load the study's database (and optionally its two JSON dumps) into `engine`'s schema."""
+    check_inputs(fib_db, lenextrap, posloss)
     fib_db = Path(fib_db)
     extrap = _load_json(lenextrap, "{run: {length: {dataset: ppl}}}") if lenextrap else None
     losses = _load_json(posloss, "{run: {dataset: {per_position, n_windows, seq_len}}}") if posloss else None
@@ -129,9 +130,15 @@ def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | Non
 
 # --- reading the study's files -------------------------------------------------------------
 
+def check_inputs(fib_db: str | Path, lenextrap: str | Path | None = None, posloss: str | Path | None = None) -> None:
+    """The study's files are there: checked before anything is read or an output database made."""
+    for path, what in ((fib_db, "the study's SQLite database, fib.db"), (lenextrap, "the study's lenextrap.json"),
+                       (posloss, "the study's posloss.json")):
+        if path is not None and not Path(path).is_file():
+            raise FibctlError(f"{path}: no such file (expected {what})")
+
+
 def _open_study(path: Path) -> sqlite3.Connection:
-    if not path.is_file():
-        raise FibctlError(f"{path}: no such file (expected the study's SQLite database, fib.db)")
     conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
     try:

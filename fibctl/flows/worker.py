@@ -313,7 +313,9 @@ def check_nproc(nproc: int | None, device: str | None) -> int:
         if resolved.type != "cuda":
             raise FibctlError("--ddp on the CPU (gloo): give the process count with --nproc N")
         nproc = available
-    if nproc < 1 or nproc > available:
+    if nproc < 1:
+        raise FibctlError(f"--nproc {nproc} must be >= 1")
+    if nproc > available:
         raise FibctlError(f"--nproc {nproc}: this machine has {available} {what}")
     return nproc
 

@@ -97,8 +97,8 @@ def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest
     if config.probe is not None:
         return manifest
     if manifest is None:
-        raise WorkerError(f"run {config.name!r} trains on text, and this worker has no prepared data folder: "
-                          "give --data (fibctl data prepare makes one)")
+        raise WorkerError(f"run {config.name!r} trains on text, and this worker's --data folder does not exist: "
+                          "give a prepared one (fibctl data prepare makes one)")
     if manifest.vocab_size != config.model.vocab_size:
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
                           f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "

@@ -267,6 +267,11 @@ def test_cli_prepare_show_and_recipes(corpora, tmp_path):
     assert result.exit_code == 0 and "news_val" in result.output and "20,000" in result.output
     result = runner.invoke(app, ["data", "recipes"])
     assert result.exit_code == 0 and all(n in result.output for n in ("demo", "paper", "quick"))
+    # a split file cut short is said, as a worker would say it, not summarised as fine
+    split = tmp_path / "d" / "news_val.bin"
+    split.write_bytes(split.read_bytes()[:-2])
+    result = runner.invoke(app, ["data", "show", str(tmp_path / "d")])
+    assert result.exit_code == 1 and "news_val.bin is missing or not the size its manifest says" in str(result.exception)
 
 
 @pytest.mark.parametrize("change, message", [

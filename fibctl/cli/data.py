@@ -72,8 +72,12 @@ def prepare_cmd(
 def show_cmd(
     data_dir: Annotated[Path, typer.Argument(help="A folder written by `fibctl data prepare`.")],
 ) -> None:
-    """Summarise a prepared data folder: vocab, hashes, tokens per split and per source."""
-    _print_manifest(load_manifest(data_dir))
+    """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; a
+    split file missing, cut short or holding ids past the vocabulary is an error (exit 2)."""
+    manifest = load_manifest(data_dir)
+    for split in manifest.splits:  # as a worker checks them before it trains on them
+        manifest.stream(split)
+    _print_manifest(manifest)
 
 
 @data_app.command("recipes")

@@ -98,8 +98,9 @@ def load_checkpoint(path: Path) -> dict:
         raise FibctlError(f"checkpoint {path} was refused: it holds more than tensors and plain values "
                           f"({reason[:200]})") from None
     except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
+        first = (str(e).strip().splitlines() or ["no detail"])[0]
         raise FibctlError(f"checkpoint {path} is damaged or not a checkpoint "
-                          f"({type(e).__name__}: {str(e).strip()[:200] or 'no detail'})") from None
+                          f"({type(e).__name__}: {first[:160]})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise FibctlError(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
     return state

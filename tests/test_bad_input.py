@@ -183,6 +183,7 @@ CASES = [
     (["sql", "select 1", "--db", " "], "--db is empty"),
     (["queue", "ls", "--db", "{tmp}/" + "a" * 300 + "/r.db"], "File name too long"),
     (["matrix", "show", "{tmp}/" + "a" * 300 + ".toml"], "File name too long"),
+    (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
 ]
 

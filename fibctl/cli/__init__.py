@@ -117,5 +117,7 @@ def main() -> None:
 
 
 def _fail(message: str) -> None:
+    # a word of thousands of characters (a pasted name, a path) would bury the line: its start is enough
+    message = re.sub(r"\S{200,}", lambda m: f"{m[0][:60]}... ({len(m[0]):,} characters)", message)
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(2)

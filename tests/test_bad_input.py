@@ -64,6 +64,8 @@ def build(tmp: Path) -> dict[str, str]:
     queued_db(tmp / "good.db", micro_run("run")).dispose()
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
+    os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
+    p["fifo"] = str(tmp / "pipe.db")
     corrupt = bytearray((tmp / "good.db").read_bytes())
     corrupt[100:4096 * 3] = os.urandom(4096 * 3 - 100)  # the header survives, the pages do not
     (tmp / "corrupt.db").write_bytes(bytes(corrupt))
@@ -183,6 +185,7 @@ CASES = [
     (["sql", "select 1", "--db", " "], "--db is empty"),
     (["queue", "ls", "--db", "{tmp}/" + "a" * 300 + "/r.db"], "File name too long"),
     (["matrix", "show", "{tmp}/" + "a" * 300 + ".toml"], "File name too long"),
+    (["queue", "ls", "--db", "{fifo}"], "is not a regular file"),
     (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
 ]

@@ -115,6 +115,8 @@ def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
     if path.is_dir():
         raise FibctlError(f"{path} is a directory, not a database file")
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading its header would block
+        raise FibctlError(f"{path} is not a regular file, not a database file")
     if not path.exists():
         if must_exist:
             raise FibctlError(f"no database at {path}")

@@ -11,19 +11,16 @@ from rich.markup import escape
 from rich.progress import track
 from rich.table import Table as RichTable
 from rich.text import Text
-from sqlalchemy import inspect as schema_of, text
-from sqlalchemy.engine import Engine
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
-from fibctl.db import schema
-from fibctl.db.engine import connect, connect_readonly, shown
+from fibctl.db.engine import connect, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.reports.render import printable
-from fibctl.reports.sql import MAX_ROWS, TIMEOUT_S, query_rows
+from fibctl.reports.sql import MAX_ROWS, NAMED, TIMEOUT_S, open_for_reports, query_rows
 from fibctl.reports.sql import cell as sql_cell
 
 report_app = typer.Typer(
@@ -40,37 +37,6 @@ MatrixOption = Annotated[str | None, typer.Option(
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=sqlite_int)]
 DatasetOption = Annotated[str | None, typer.Option(
     "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
-
-
-# what a --matrix, --dataset or --run names: (table, column, what a row of it is)
-_NAMED = {"matrix": ("runs", "matrix", "runs of that matrix"), "dataset": ("evaluations", "dataset",
-          "evaluations on that set"), "run": ("runs", "name", "run of that name")}
-
-
-def _open(db: str, option: str = "--db", **named: str | None) -> Engine:
-    """`db` read-only, checked so that a report fails in one line before anything is written:
-    fibctl's tables and columns all there (a database changed by hand fails mid-query with a
-    traceback otherwise), and each of `named` (see _NAMED) held by it: a typo, or '' (which
-    would read as "every run"), would report nothing."""
-    if not db.strip():
-        raise FibctlError(f"{option} is empty; name a database")
-    engine = connect_readonly(db)
-    found = schema_of(engine)
-    tables = set(found.get_table_names())
-    missing = [f"table {t.name}" for t in schema.Base.metadata.sorted_tables if t.name not in tables]
-    missing += [f"column {t.name}.{c}" for t in schema.Base.metadata.sorted_tables if t.name in tables
-                for c in sorted(set(t.columns.keys()) - {c["name"] for c in found.get_columns(t.name)})]
-    if missing:
-        raise FibctlError(f"{shown(db)} lacks {', '.join(missing)}: it was changed outside fibctl; "
-                          "restore it from a copy")
-    for name, value in ((n, v) for n, v in named.items() if v is not None):
-        table, column, what = _NAMED[name]
-        with engine.connect() as conn:
-            known = conn.execute(text(f"SELECT DISTINCT {column} FROM {table} ORDER BY 1")).scalars().all()
-        if value not in known:
-            listed = ", ".join(map(repr, known[:5])) + (", ..." if len(known) > 5 else "") or "none"
-            raise FibctlError(f"--{name} {value!r}: no {what} in {shown(db)} (it has: {listed})")
-    return engine
 
 
 def _output(value: str, *, folder: bool) -> Path:
@@ -121,10 +87,10 @@ def _table_command(name: str, build):
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in TABLE_OPTIONS]
 
     def command(db: str, fmt: str, show_sql: bool, **options) -> None:
-        engine = _open(db, **{k: options[k] for k in _NAMED if k in options})
+        engine = open_for_reports(db, **{k: options[k] for k in NAMED if k in options})
         if options.get("compare") is not None:
             path = options["compare"]
-            options.update(compare=_open(path, "--compare"), compare_label=Path(path).stem)
+            options.update(compare=open_for_reports(path, "--compare"), compare_label=Path(path).stem)
         _show(build(engine, **options), fmt, show_sql)
 
     fixed = [("db", DbOption, DEFAULT_DB), ("fmt", FormatOption, "rich"), ("show_sql", ShowSqlOption, False)]
@@ -153,7 +119,7 @@ def report_all(
     from fibctl.reports import export
 
     out = _output(out, folder=True)
-    engine = _open(db, matrix=matrix, dataset=dataset)
+    engine = open_for_reports(db, matrix=matrix, dataset=dataset)
     try:
         written, skipped = export.write_all(
             engine, out, seed=seed, matrix=matrix, dataset=dataset,
@@ -199,7 +165,7 @@ def figure(
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:
             draw = figures.FIGURES[name]
-            draw(_open(db, matrix=matrix, dataset=dataset, run=run), path, **export.options_for(
+            draw(open_for_reports(db, matrix=matrix, dataset=dataset, run=run), path, **export.options_for(
                 draw, dataset=dataset, seed=seed, matrix=matrix, window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None

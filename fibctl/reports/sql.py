@@ -15,9 +15,12 @@ import time
 from dataclasses import dataclass
 
 from fibctl.lazy import pandas as pd
+from sqlalchemy import inspect as schema_of, text
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
-from fibctl.db.engine import connect_readonly
+from fibctl.db import schema
+from fibctl.db.engine import connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
@@ -34,6 +37,38 @@ _READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index
                  "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check", "collation_list",
                  "function_list", "pragma_list"}
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
+
+
+# what a --matrix, --dataset or --run names: (table, column, what a row of it is)
+NAMED = {"matrix": ("runs", "matrix", "runs of that matrix"), "dataset": ("evaluations", "dataset",
+          "evaluations on that set"), "run": ("runs", "name", "run of that name")}
+
+
+def open_for_reports(db: str, option: str = "--db", **named: str | None) -> Engine:
+    """`db` read-only, checked so that a report fails in one line before anything is written:
+    fibctl's tables and columns all there (a database changed by hand fails mid-query with a
+    traceback otherwise), and each of `named` (see NAMED) held by it: a typo, or '' (which
+    would read as "every run"), would report nothing."""
+    if not db.strip():
+        raise FibctlError(f"{option} is empty; name a database")
+    engine = connect_readonly(db)
+    found = schema_of(engine)
+    tables = set(found.get_table_names())
+    missing = [f"table {t.name}" for t in schema.Base.metadata.sorted_tables if t.name not in tables]
+    missing += [f"column {t.name}.{c}" for t in schema.Base.metadata.sorted_tables if t.name in tables
+                for c in sorted(set(t.columns.keys()) - {c["name"] for c in found.get_columns(t.name)})]
+    if missing:
+        raise FibctlError(f"{shown(db)} lacks {', '.join(missing)}: it was changed outside fibctl; "
+                          "restore it from a copy")
+    for name, value in ((n, v) for n, v in named.items() if v is not None):
+        table, column, what = NAMED[name]
+        with engine.connect() as conn:
+            known = conn.execute(text(f"SELECT DISTINCT {column} FROM {table} ORDER BY 1")).scalars().all()
+        if value not in known:
+            listed = ", ".join(map(repr, known[:5])) + (", ..." if len(known) > 5 else "") or "none"
+            raise FibctlError(f"--{name} {value!r}: no {what} in {shown(db)} (it has: {listed})")
+    return engine
+
 
 
 @dataclass

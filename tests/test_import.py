@@ -289,6 +289,21 @@ def test_the_dense_baseline_has_one_name_queued_or_imported(tmp_path, db_url):
     assert queued == [DENSE_BASELINE] == [r[0] for r in rows(engine, "SELECT name FROM runs WHERE schedule = 'dense'")]
 
 
+def test_imported_runs_have_the_paper_matrix_configs_so_queueing_it_adds_only_the_rest(tmp_path, db_url):
+    """A learned run's micro-batch split (4 x 8) is the matrix's, not the preset's: queueing
+    the matrix beside the imported study finds the imported runs already there."""
+    from fibctl.matrix import load_matrix
+    from fibctl.queue import add_runs
+
+    engine, _ = imported(tmp_path, db_url)
+    hashes = dict(rows(engine, "SELECT name, config_hash FROM runs WHERE matrix = 'paper'"))
+    configs = load_matrix("paper").resolve()
+    assert any(c.model.schedule == "learned" and c.name in hashes for c in configs)
+    assert all(hashes[c.name] == c.config_hash for c in configs if c.name in hashes)
+    added, present = add_runs(engine, configs)
+    assert sorted(present) == sorted(hashes) and len(added) + len(present) == len(configs)
+
+
 # --- malformed values in the study's files: one line, exit code 2, nothing written -----------
 
 F13 = "(SELECT id FROM runs WHERE title = 'f13__fib_stagger_w12')"

@@ -24,6 +24,7 @@ counts the rows written or changed (a second import of the same files counts non
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -40,6 +41,7 @@ from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
+from fibctl.matrix import load_matrix
 
 STUDY_MATRIX = "paper"
 STUDY_LENGTH = 1024
@@ -248,10 +250,17 @@ def _put_run(conn: Connection, values: dict, replace: bool = True) -> tuple[int,
     return row.id, bool(changes)
 
 
+@functools.cache
+def _matrix_configs() -> dict[str, RunConfig]:
+    return {c.name: c for c in load_matrix(STUDY_MATRIX).resolve()}
+
+
 def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
-    config = RunConfig.resolve(run.name, STUDY_MATRIX, "paper", schedule=run.schedule,
-                               base=run.base or "fib", window=run.window if run.window is not None else 8,
-                               seed=run.seed, init_seed=STUDY_INIT_SEED)
+    # a run of the paper matrix gets its config there (its micro-batch split included), so that
+    # queueing the matrix beside the imported study finds the same runs
+    config = _matrix_configs().get(run.name) or RunConfig.resolve(
+        run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
+        window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
     # init seed was never recorded (NULL), though replicates shared their initial weights.
     return run_row(config, init_seed=None, status=schema.RunStatus.DONE,

@@ -4,6 +4,7 @@ as flags, option names that agree across commands, tables that fit 80 columns.""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,8 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     assert done.returncode == 0, done.stderr
     assert_fits(done.stdout)
     for config in load_matrix("paper").resolve(None, None):
-        assert f"│ {config.name} " in done.stdout
+        split = f"{config.train.batch_size}x{config.train.grad_accum}"  # the micro-batch split, per run
+        assert re.search(rf"│ {config.name} .*│ {split} +│", done.stdout), config.name
     assert "preset paper; layers 16; T 1024; steps 13000" in " ".join(done.stdout.split())
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
@@ -183,8 +185,6 @@ def test_report_tables_at_80_columns_cut_no_cell():
     (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(args, line):
-    import re
-
     done = fibctl(*args)
     assert done.returncode == 2 and done.stdout == ""
     assert re.fullmatch(line, done.stderr.strip()), done.stderr

@@ -93,16 +93,16 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
     """Show each run of a matrix with its resolved settings and config hash."""
     m = load_matrix(matrix)
     configs = m.resolve(preset, only)
-    headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "config hash"]
+    headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "batch", "config hash"]
     rows = []
     for c in configs:
         dense = c.model.schedule == "dense"
         rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
-                     c.config_hash])
+                     f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     table, dropped = fitted_table(headers, rows, width=console.width, title=plain(f"{m.name}: {m.description}"),
-                                  optional=("preset", "layers", "T", "steps", "config hash", "seed"),
+                                  optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
                                   right=("W", "seed", "layers", "T", "steps"))
     console.print(table)
     note = left_out(headers, dropped, rows)

@@ -56,14 +56,23 @@ def test_cli_copy(study, tmp_path):  # noqa: F811
 
 
 def test_cli_copy_onto_itself_is_refused_and_changes_nothing(study, tmp_path):  # noqa: F811
+    """The same SQLite file by another path, or the same server database: refused, untouched."""
     import hashlib
     import shutil
 
-    db = tmp_path / "self.db"
-    shutil.copy(study, db)
-    before = sorted(p.name for p in tmp_path.iterdir()), hashlib.sha256(db.read_bytes()).hexdigest()
-    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", str(db), "--to",
-                           f"{tmp_path}/../{tmp_path.name}/self.db"], capture_output=True, text=True, timeout=120)
+    from fibctl.db.engine import shown
+
+    if "://" in study:  # a server database: the same URL again
+        source = target = study
+        state = lambda: counts(connect(study))  # noqa: E731
+    else:
+        source, target = str(tmp_path / "self.db"), f"{tmp_path}/../{tmp_path.name}/self.db"
+        shutil.copy(study, source)
+        state = lambda: (sorted(p.name for p in tmp_path.iterdir()),  # noqa: E731
+                         hashlib.sha256((tmp_path / "self.db").read_bytes()).hexdigest())
+    before = state()
+    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", source, "--to", target],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        f"error: --from and --to are the same database ({db}); nothing to copy"]
-    assert (sorted(p.name for p in tmp_path.iterdir()), hashlib.sha256(db.read_bytes()).hexdigest()) == before
+        f"error: --from and --to are the same database ({shown(source)}); nothing to copy"]
+    assert state() == before

@@ -358,14 +358,20 @@ def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, 
     assert runs(tmp_path / "r.db")[0][1] == "queued"
 
 
-def test_a_database_error_mid_command_is_one_line_without_the_statement(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_database_error_mid_command_is_one_line_without_the_statement(tmp_path, capsys, monkeypatch, wrapped):
+    """Raised as it is, or wrapped by pandas mid-query (its DatabaseError, an OSError)."""
+    import pandas as pd
     from sqlalchemy.exc import OperationalError
 
     from fibctl import queue
 
     def full(engine, name):
-        raise OperationalError("UPDATE runs SET status=? -- secret parameters", ("x",),
-                               sqlite3.OperationalError("database or disk is full"))
+        error = OperationalError("UPDATE runs SET status=? -- secret parameters", ("x",),
+                                 sqlite3.OperationalError("database or disk is full"))
+        if not wrapped:
+            raise error
+        raise pd.errors.DatabaseError("Execution failed on sql 'UPDATE runs SET status=?': ...") from error
     queued_db(tmp_path / "r.db", micro_run("run"))
     monkeypatch.setattr(queue, "cancel", full)
     code, err = cli(["queue", "cancel", "run", "--db", str(tmp_path / "r.db")], capsys, monkeypatch)

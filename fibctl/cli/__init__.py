@@ -99,14 +99,13 @@ def main() -> None:
         app()
     except FibctlError as e:
         _fail(str(e))
-    except OSError as e:  # the system refused a path: too long a name, no space, no permission
-        if not e.strerror:
-            raise
-        _fail(f"{str(e.filename)[:120]}: {e.strerror}" if e.filename else e.strerror)
     except Exception as e:
         from fibctl.db.engine import refusal
 
-        message = refusal(e)
+        if isinstance(e, OSError) and e.strerror:  # the system refused a path: a name too long, no space
+            _fail(f"{str(e.filename)[:120]}: {e.strerror}" if e.filename else e.strerror)
+        # a database's refusal, or one that pandas wrapped (its DatabaseError) mid-query
+        message = refusal(e) or (refusal(e.__cause__) if e.__cause__ is not None else None)
         if message is None:
             raise
         _fail(message)

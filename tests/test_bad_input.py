@@ -186,6 +186,9 @@ CASES = [
     (["queue", "ls", "--db", "{tmp}/" + "a" * 300 + "/r.db"], "File name too long"),
     (["matrix", "show", "{tmp}/" + "a" * 300 + ".toml"], "File name too long"),
     (["queue", "ls", "--db", "{fifo}"], "is not a regular file"),
+    (["figure", "coverage", "--layers", "100000", "--out", "{tmp}/cov.png"], "draws at most 128 layers"),
+    (["figure", "coverage", "--window", "5000", "--length", "100000", "--out", "{tmp}/cov.png"], "window of 4,096"),
+    (["coverage", "--layers", "100000"], "--layers 100000: at most 1,024 layers"),
     (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
 ]

@@ -12,7 +12,10 @@ from rich.table import Table
 from fibctl.cli import app
 from fibctl.cli.common import console
 from fibctl.config import BASES, SCHEDULES, ConfigError, get_preset
+from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
+
+COVERAGE_MAX_LAYERS = 1024
 
 Preset = Annotated[str, typer.Option(help="Model preset: paper, tiny or micro.")]
 Schedule = Annotated[str, typer.Option(help=f"Per-layer spacing: {', '.join(SCHEDULES)}.")]
@@ -78,6 +81,8 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
                  layers: Annotated[int, typer.Option(help="Number of layers L.")] = 16,
                  length: Annotated[int, typer.Option(help="Sequence length T.")] = 1024) -> None:
     """Count the distinct distances each layer reaches, and their union over layers."""
+    if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
+        raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
     cfg = _model_config("paper", schedule, base, window, length)
     cfg = dataclasses.replace(cfg, n_layers=layers).validate()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))

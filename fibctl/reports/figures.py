@@ -25,6 +25,8 @@ from fibctl.reports.tables import (
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
 FIGURE_SUFFIXES = (".png", ".pdf")
+COVERAGE_FIGURE_MAX_LAYERS = 128
+COVERAGE_FIGURE_MAX_WINDOW = 4096
 STYLE = {
     "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType, not Type 3: accepted by venues
     "font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
@@ -291,6 +293,10 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     """The distances each layer attends to, one panel per schedule: the picture of staggering.
     Grey: the local window; rungs coloured by the layer's alpha."""
     check_path(path)
+    # a row per layer and a dot per distance: past these the figure is unreadable (and slow to draw)
+    if n_layers > COVERAGE_FIGURE_MAX_LAYERS or window > COVERAGE_FIGURE_MAX_WINDOW:
+        raise FibctlError(f"the coverage figure draws at most {COVERAGE_FIGURE_MAX_LAYERS} layers and a window of "
+                          f"{COVERAGE_FIGURE_MAX_WINDOW:,} (got {n_layers} and {window}); `fibctl coverage` counts them")
     fig = _figure(4.2 * len(schedules) + 0.8, 0.22 * n_layers + 1.8)
     axes = fig.subplots(1, len(schedules), sharey=True, squeeze=False).ravel()
     cmap = colormaps["viridis"]

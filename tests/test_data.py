@@ -211,6 +211,24 @@ def test_refuses_a_folder_of_something_else(corpora, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("manifest", ['{"name": "app"}', None])
+def test_a_rebuild_never_takes_files_it_did_not_write(corpora, tmp_path, manifest):
+    """Another program's manifest.json, or a real data folder the user added to: a rebuild
+    would replace the folder whole, so it is refused and the folder left as it was."""
+    out = tmp_path / "d"
+    if manifest is None:  # a fibctl data folder, then a file of the user's, then another recipe
+        prepare(load_recipe(_recipe_file(corpora, 20_000)), out)
+    else:
+        out.mkdir()
+        (out / "manifest.json").write_text(manifest)
+    (out / "src").mkdir()
+    (out / "src" / "important.txt").write_text("mine")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(FibctlError, match=f"{out} holds 1 file\\(s\\) `fibctl data prepare` did not write \\('src'\\)"):
+        prepare(load_recipe(_recipe_file(corpora, 30_000)), out)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 HUB = """
 name = "hubmix"
 vocab_size = 512

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 import shutil
 import time
 from collections import deque
@@ -51,6 +52,11 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     existing = _existing(out)
     if existing and existing.inputs_hash == inputs_hash and _complete(existing):
         return PrepareResult(existing, True, {})
+    foreign = sorted(p.name for p in out.iterdir() if not _OWN.fullmatch(p.name)) if out.is_dir() else []
+    if foreign:  # the rebuild replaces the folder whole: it would take these with it
+        raise FibctlError(f"{out} holds {len(foreign)} file(s) `fibctl data prepare` did not write "
+                          f"({foreign[0][:60]!r}{', ...' if len(foreign) > 1 else ''}); it would replace the "
+                          "folder whole: move them, or choose another --data")
     _remove_leftovers(out)
     work = out.parent / f".{out.name}.partial-{os.getpid()}"
     work.mkdir(parents=True)
@@ -230,6 +236,10 @@ def _inputs_hash(recipe: Recipe) -> str:
     inputs = {"recipe": recipe.recipe_hash,
               "sources": {s.name: sources.fingerprint(recipe, s) for s in recipe.sources}}
     return short_hash(inputs)
+
+
+# what a data folder holds: its manifest, its tokenizer and one token stream per split
+_OWN = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(TOKENIZER)}|[A-Za-z0-9][A-Za-z0-9_.-]*\.bin")
 
 
 def _existing(out: Path) -> DataManifest | None:

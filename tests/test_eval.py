@@ -72,7 +72,7 @@ def test_every_schedule_evaluates_at_four_times_the_training_length(trained):
 def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained):
     engine, data, db = trained
     args = ["eval", "fixed", "dense", "--length", "64", "--length", "128", "--positions", "--speed",
-            "--db", str(db), "--data", str(data), "--tokens", "1024"]
+            "--db", str(db), "--data", str(data), "--tokens", "4096"]  # the budget training recorded at 64
     counts = "select (select count(*) from evaluations), (select count(*) from position_losses), " \
              "(select count(*) from aux_metrics)"
     result = CliRunner().invoke(app, args)
@@ -173,3 +173,21 @@ def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tm
     with pytest.raises(FibctlError, match=problem):
         evaluate(engine, ["fixed"], [64], data_dir=data, runs_dir=runs)
     assert rows(db, "select * from evaluations order by id") == before
+
+
+def test_eval_refuses_to_replace_a_result_over_another_budget(trained):
+    """The final evaluation's row would be replaced by a quick look over fewer tokens: refused
+    before anything is measured; the recorded budget again replaces it in place."""
+    from fibctl.errors import FibctlError
+
+    engine, data, db = trained
+    query = "select dataset, tokens, loss from evaluations where run_id = (select id from runs where name = 'stagger') " \
+            "and eval_length = 64 and step = 10 order by dataset"
+    before = rows(db, query)
+    assert {tokens for _, tokens, _ in before} == {4096}
+    with pytest.raises(FibctlError, match="over 4,096 tokens; this one would score 128 and replace it: "
+                                          "give --tokens 4096 to measure it again"):
+        evaluate(engine, ["stagger"], [64], data_dir=data, tokens=130)
+    assert rows(db, query) == before
+    evaluate(engine, ["stagger"], [64], data_dir=data, tokens=4096)
+    assert rows(db, query) == before  # the same windows, the same numbers

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
-from fibctl.db.schema import Run
+from fibctl.db.schema import Evaluation, Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
@@ -127,6 +127,8 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
                           f"{data_hash}: its results would replace the recorded ones; give the --data it was "
                           "trained on")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
+    _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
+                                    for length in lengths for d, s in streams.items()})
     recorder = RunRecorder(engine, t.run.id)
     if not log_to:
         return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
@@ -137,6 +139,21 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
                         on_result)
     finally:
         tee.close()
+
+
+def _check_budget(engine: Engine, t: _Target, step: int, planned: dict[tuple[str, int], int]) -> None:
+    """A result over another number of tokens would replace the recorded one (a row per run,
+    step, set and length): the final evaluation's 1,048,576 tokens by a quick look at 65,
+    say. Refused before anything is measured; the same budget again replaces it in place."""
+    with engine.connect() as conn:
+        recorded = conn.execute(select(Evaluation.dataset, Evaluation.eval_length, Evaluation.tokens).where(
+            Evaluation.run_id == t.run.id, Evaluation.step == step)).all()
+    for dataset, length, tokens in recorded:
+        mine = planned.get((dataset, length))
+        if mine is not None and tokens is not None and tokens != mine:
+            raise FibctlError(f"run {t.run.name!r} has a step-{step} evaluation on {dataset} at length {length} over "
+                              f"{tokens:,} tokens; this one would score {mine:,} and replace it: give --tokens "
+                              f"{tokens} to measure it again")
 
 
 def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams, positions, speed, device,

@@ -20,6 +20,17 @@ def is_name(value) -> bool:
     return isinstance(value, str) and _NAME.fullmatch(value) is not None
 
 
+def refuse_foreign(folder, own: re.Pattern, writer: str, then: str) -> None:
+    """Refuse a folder fibctl would delete or replace whole when it holds an entry whose name
+    `own` does not match (not written there by `writer`), naming the first one."""
+    from pathlib import Path
+
+    foreign = sorted(p.name for p in Path(folder).iterdir() if not own.fullmatch(p.name))
+    if foreign:
+        raise FibctlError(f"{folder} holds {len(foreign)} file(s) {writer} did not write there "
+                          f"({foreign[0][:60]!r}{', ...' if len(foreign) > 1 else ''}); {then}")
+
+
 def check_name(kind: str, value) -> str:
     """`value` if it is a valid name; FibctlError naming the `kind` of name otherwise."""
     if not is_name(value):

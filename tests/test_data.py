@@ -224,7 +224,7 @@ def test_a_rebuild_never_takes_files_it_did_not_write(corpora, tmp_path, manifes
     (out / "src").mkdir()
     (out / "src" / "important.txt").write_text("mine")
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    with pytest.raises(FibctlError, match=f"{out} holds 1 file\\(s\\) `fibctl data prepare` did not write \\('src'\\)"):
+    with pytest.raises(FibctlError, match=f"{out} holds 1 file\\(s\\) `fibctl data prepare` did not write there \\('src'\\)"):
         prepare(load_recipe(_recipe_file(corpora, 30_000)), out)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 

@@ -17,7 +17,7 @@ from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
-from fibctl.names import check_name
+from fibctl.names import check_name, refuse_foreign
 
 db_app = typer.Typer(help="The results database: schema revision and upgrades.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
@@ -250,10 +250,8 @@ def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
         raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
     if folder.exists() and folder.resolve().parent != runs_dir.resolve():
         raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
-    from fibctl.train.checkpoint import foreign_entries  # torch: only for this command
+    from fibctl.train.checkpoint import OWN  # torch: only for this command
 
-    foreign = foreign_entries(folder) if folder.exists() else []
-    if foreign:  # a folder of the same name that is not (only) this run's checkpoints
-        raise FibctlError(f"{folder} holds {len(foreign)} file(s) fibctl did not write there ({foreign[0][:60]!r}"
-                          f"{', ...' if len(foreign) > 1 else ''}); nothing was removed")
+    if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
+        refuse_foreign(folder, OWN, "fibctl", "nothing was removed")
     return folder

@@ -32,6 +32,7 @@ from fibctl.data.recipe import Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError
 from fibctl.hashes import short_hash
+from fibctl.names import refuse_foreign
 
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
 FLUSH_TOKENS = 1 << 20
@@ -52,11 +53,9 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     existing = _existing(out)
     if existing and existing.inputs_hash == inputs_hash and _complete(existing):
         return PrepareResult(existing, True, {})
-    foreign = sorted(p.name for p in out.iterdir() if not _OWN.fullmatch(p.name)) if out.is_dir() else []
-    if foreign:  # the rebuild replaces the folder whole: it would take these with it
-        raise FibctlError(f"{out} holds {len(foreign)} file(s) `fibctl data prepare` did not write "
-                          f"({foreign[0][:60]!r}{', ...' if len(foreign) > 1 else ''}); it would replace the "
-                          "folder whole: move them, or choose another --data")
+    if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
+        refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: move them, "
+                       "or choose another --data")
     _remove_leftovers(out)
     work = out.parent / f".{out.name}.partial-{os.getpid()}"
     work.mkdir(parents=True)

@@ -28,7 +28,7 @@ from fibctl.errors import FibctlError
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 # everything fibctl writes into a run's folder: checkpoints, their temporary files, loggers' folders
-_OWN = re.compile(r"^(step_\d+\.pt(\.tmp)?|tensorboard|wandb)$")
+OWN = re.compile(r"^(step_\d+\.pt(\.tmp)?|tensorboard|wandb)$")
 # What checkpoints written before weights-only loading hold besides tensors: numpy's RNG
 # state, a plain uint32 array. Rebuilding an array runs no code of the file's choosing.
 _LEGACY_NUMPY = [np.dtype, np.ndarray, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
@@ -45,12 +45,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
-
-
-def foreign_entries(run_dir: Path) -> list[str]:
-    """Names in a run's folder that fibctl did not write there (sorted), which deleting the
-    folder would take with it."""
-    return sorted(p.name for p in Path(run_dir).iterdir() if not _OWN.match(p.name))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -3,6 +3,8 @@
 Everything is built in a hidden sibling folder and renamed into place only when complete, so an
 interrupted or failed run (an unreachable hub, say) leaves nothing a later run could mistake for
 finished data. Same recipe and inputs -> same bytes; an up-to-date folder is reused as is.
+A rebuild holds a lock beside the folder, so a second prepare into it refuses rather than
+deleting the first one's work.
 
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
@@ -12,6 +14,8 @@ copy of it) is either held out or trained on, never both; held-out documents are
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import os
@@ -53,18 +57,20 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     existing = _existing(out)
     if existing and existing.inputs_hash == inputs_hash and _complete(existing):
         return PrepareResult(existing, True, {})
-    if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
-        refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: move them, "
-                       "or choose another --data")
-    _remove_leftovers(out)
-    work = out.parent / f".{out.name}.partial-{os.getpid()}"
-    work.mkdir(parents=True)
-    try:
-        seconds = _build(recipe, inputs_hash, work, progress)
-        _swap_into_place(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return PrepareResult(load_manifest(out), False, seconds)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out):
+        if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
+            refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: "
+                           "move them, or choose another --data")
+        _remove_leftovers(out)
+        work = out.parent / f".{out.name}.partial-{os.getpid()}"
+        work.mkdir()
+        try:
+            seconds = _build(recipe, inputs_hash, work, progress)
+            _swap_into_place(work, out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return PrepareResult(load_manifest(out), False, seconds)
 
 
 def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> dict[str, float]:
@@ -260,8 +266,40 @@ def _complete(manifest: DataManifest) -> bool:
         for s in manifest.splits)
 
 
+def lock_path(out: Path) -> Path:
+    """The file a prepare holds locked (flock) while it rebuilds `out`. It lies beside `out`,
+    never in it, and the kernel drops the lock when its holder dies: a killed prepare leaves
+    the file, unlocked, for the next prepare to take over."""
+    return out.parent / f".{out.name}.lock"
+
+
+@contextlib.contextmanager
+def _building(out: Path) -> Iterator[None]:
+    """Hold `out`'s lock while rebuilding it; refuse at once if another prepare holds it."""
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FibctlError(f"{out}: another `fibctl data prepare` is building it now; "
+                              "wait for it to finish, or choose another --data") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # a finishing prepare removed the file we locked: lock the one at `path` now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # removed by hand: the build still stands
+            os.unlink(path)  # while still locked, so no one else can have locked the file at `path`
+        os.close(fd)
+
+
 def _remove_leftovers(out: Path) -> None:
-    """Folders an interrupted run (killed before it could clean up) left beside `out`."""
+    """Folders an interrupted run (killed before it could clean up) left beside `out`; called
+    holding `out`'s lock, so none is a running prepare's."""
     for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
         for path in out.parent.glob(pattern):
             shutil.rmtree(path, ignore_errors=True)

@@ -83,21 +83,98 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     assert not (tmp_path / "jobs").exists()
 
 
-def test_bad_options_are_one_line_each(data, tmp_path):
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, data):
+    """A queue of one text run, and the folders and databases the refusals are given."""
+    root = tmp_path_factory.mktemp("inputs")
+    queued_db(root / "r.db", micro_run("a", steps=4))
+    (root / "empty").mkdir()
+    sqlite3.connect(root / "foreign.db").execute("create table t (x)")
+    write_data(root / "vocab600", vocab=600, train_tokens=2_000, heldout_tokens=500)
+    short = write_data(root / "short", train_tokens=2_000, heldout_tokens=500)
+    (short / "train.bin").write_bytes((short / "train.bin").read_bytes()[:-2])
+    return dict(root=root, db=root / "r.db", data=data)
+
+
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """fibctl in this process (its main: a refusal is one line and exit 2): status, stdout, stderr."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    return done.value.code, out.out, out.err
+
+
+# what a worker on a node would refuse, and what sbatch would: {root} is the `inputs` folder
+BAD_OPTIONS = [
+    (["--threads", "0"], ["--threads", "got 0"]),
+    (["--threads", "999999"], ["--threads", "got 999999"]),
+    (["--cpus-per-task", "2", "--threads", "4"], ["--threads 4", "--cpus-per-task 2"]),
+    (["--max-runs", "0"], ["--max-runs (0)"]),
+    (["--max-attempts", "0"], ["--max-attempts (0)"]),
+    (["--heartbeat-timeout", "nan"], ["--heartbeat-timeout nan"]),
+    (["--heartbeat-timeout", "inf"], ["--heartbeat-timeout inf"]),
+    (["--heartbeat-timeout", "0"], ["--heartbeat-timeout 0"]),
+    (["--data", "{root}/missing"], ["--data", "missing", "trains on text"]),
+    (["--data", "{root}/empty"], ["--data", "no data manifest"]),
+    (["--data", "{root}/short"], ["--data", "train.bin", "not the size"]),
+    (["--data", "{root}/vocab600"], ["--data", "vocab 512", "600"]),
+    (["--runs-dir", "{root}/r.db"], ["--runs-dir", "not a folder"]),
+    (["--runs-dir", "{root}/r.db/runs"], ["--runs-dir", "not a folder"]),
+    (["--db", "{root}/none.db"], ["no database", "none.db"]),
+    (["--db", "{root}/foreign.db"], ["foreign.db", "not a fibctl database"]),
+    (["--nodes", "0"], ["--nodes 0"]),
+    (["--nodes", "2"], ["--nodes 2", "SQLite"]),
+    (["--gpus-per-node", "-1"], ["--gpus-per-node -1"]),
+    (["--tasks-per-node", "0"], ["--tasks-per-node 0"]),
+    (["--gpus-per-node", "4", "--tasks-per-node", "2"], ["--tasks-per-node 2", "--gpus-per-node 4"]),
+    (["--cpus-per-task", "0"], ["--cpus-per-task 0"]),
+    (["--time", "4h"], ["--time", "HH:MM:SS"]),
+    (["--time", "00:01:00"], ["--time", "too short"]),
+    (["--max-requeues", "-1"], ["--max-requeues -1"]),
+    (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
+]
+
+
+@pytest.mark.parametrize("extra, words", BAD_OPTIONS, ids=[" ".join(extra) for extra, _ in BAD_OPTIONS])
+def test_bad_options_are_one_line_before_anything_is_submitted(inputs, tmp_path, monkeypatch, capsys, extra, words):
+    """Checked on this host before the job exists, with or without --dry-run: otherwise every
+    task of the job would fail on its node, a traceback in its log. Without sbatch on the PATH
+    a missed check would say `no sbatch` instead."""
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
-    db = tmp_path / "r.db"
-    queued_db(db, micro_run("a", steps=4))
-    base = ["slurm", "submit", "--db", str(db), "--data", str(data), "--dry-run"]
-    for extra, words in [(["--time", "4h"], ["--time", "HH:MM:SS"]),
-                         (["--time", "00:01:00"], ["too short"]),
-                         (["--nodes", "0"], ["--nodes"]),
-                         (["--gpus-per-node", "4", "--tasks-per-node", "2"], ["--tasks-per-node"]),
-                         (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
-                         (["--nodes", "2"], ["SQLite"]),
-                         (["--max-runs", "0"], ["--max-runs"]),
-                         (["--max-requeues", "-1"], ["--max-requeues"])]:
-        one_line_error(fibctl(*base, *extra), *words)
-    one_line_error(fibctl("slurm", "submit", "--db", str(tmp_path / "none.db"), "--dry-run"), "none.db")
+    args = ["slurm", "submit", "--db", str(inputs["db"]), "--data", str(inputs["data"]),
+            "--runs-dir", str(tmp_path / "runs"), "--folder", str(tmp_path / "jobs"),
+            *(a.format(root=inputs["root"]) for a in extra)]
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    for dry_run in (["--dry-run"], []):
+        code, out, err = cli(monkeypatch, capsys, *args, *dry_run)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (dry_run, out, err)
+        assert all(w in lines[0] for w in words), (dry_run, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # no runs folder, no job folder
+    assert runs(inputs["db"]) == [("a", "queued", None, None)]
+
+
+def test_what_a_worker_accepts_is_accepted(inputs, tmp_path, monkeypatch, capsys):
+    """The checks refuse no more than a worker would: threads up to --cpus-per-task, not this
+    host's CPUs; no data folder for a queue of probe runs (they make their own data)."""
+    pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
+    from fibctl.probe.cells import probe_runs
+
+    base = ["slurm", "submit", "--runs-dir", str(tmp_path / "new" / "runs"), "--dry-run"]
+    threads = str((os.cpu_count() or 1) + 1)
+    code, out, err = cli(monkeypatch, capsys, *base, "--db", str(inputs["db"]), "--data", str(inputs["data"]),
+                         "--cpus-per-task", threads, "--threads", threads)
+    assert code == 0 and f"--cpus-per-task={threads}" in out, err
+    queued_db(tmp_path / "probe.db", *probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10))
+    code, out, err = cli(monkeypatch, capsys, *base, "--db", str(tmp_path / "probe.db"),
+                         "--data", str(tmp_path / "no-data"))
+    assert code == 0 and "#SBATCH" in out, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.db"]  # a dry run makes no folder
 
 
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path):

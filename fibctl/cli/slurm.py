@@ -9,7 +9,8 @@ import typer
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain
-from fibctl.cli.train import DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption
+from fibctl.cli.train import (DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption,
+                              _positive_timeout)
 from fibctl.db.schema import RunStatus
 from fibctl.errors import FibctlError
 
@@ -51,10 +52,10 @@ def submit_cmd(
     in the queue, and the job requeues itself."""
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
 
-    if max_attempts < 1:
-        raise FibctlError(f"--max-attempts {max_attempts} must be >= 1")
-    if not heartbeat_timeout > 0:
-        raise FibctlError(f"--heartbeat-timeout {heartbeat_timeout:g} must be a number of seconds above 0")
+    # the checks of `fibctl worker`: here, before a job whose every task would refuse them
+    _positive_timeout(heartbeat_timeout)
+    if max_attempts < 1 or (max_runs is not None and max_runs < 1):
+        raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
     spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
                    cpus_per_task=cpus_per_task, partition=partition, account=account, time=time,
                    max_requeues=max_requeues)

@@ -18,6 +18,7 @@ Each run a task starts gets a `slurm` event naming the job id, the task and the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -35,8 +36,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from fibctl import queue
+from fibctl.config import RunConfig
+from fibctl.data.streams import load_manifest
 from fibctl.db.engine import connect, resolve_url, shown
-from fibctl.db.schema import Event, Run
+from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError
 
@@ -164,6 +167,58 @@ def absolute_db(db: str) -> str:
     return path if "://" not in db else url.set(database=path).render_as_string(hide_password=False)
 
 
+def queued_configs(engine: Engine) -> list[RunConfig]:
+    """The queued runs' configs, in queue order."""
+    q = select(Run.name, Run.config_json).where(Run.status == RunStatus.QUEUED.value).order_by(Run.id)
+    with engine.connect() as conn:
+        rows = conn.execute(q).all()
+    configs = []
+    for name, config_json in rows:
+        try:
+            configs.append(RunConfig.from_dict(json.loads(config_json)))
+        except (ValueError, KeyError, TypeError):  # a worker claiming it would fail the same way
+            raise FibctlError(f"queued run {name!r}: its stored config is not a fibctl config") from None
+    return configs
+
+
+def check_worker(worker: WorkerSettings, spec: JobSpec, configs: list[RunConfig]) -> None:
+    """What each task's worker would check before its first claim (as `fibctl worker` does),
+    checked on this host before submitting: the data and runs folders are on a filesystem the
+    nodes share, and a refusal there ends every task, each with a traceback in its log."""
+    from fibctl.device import check_threads  # torch: loaded to submit, not for `slurm status`
+    from fibctl.train.trainer import check_data
+
+    if worker.threads is not None:
+        if spec.cpus_per_task is None:
+            check_threads(worker.threads)  # this host's CPUs stand in for a node's
+        elif not 1 <= worker.threads <= spec.cpus_per_task:  # a task may not use more CPUs than it has
+            raise FibctlError(f"--threads {worker.threads} must be from 1 to --cpus-per-task {spec.cpus_per_task}")
+    manifest = None  # no folder: probe runs make their own data; check_data refuses text runs
+    try:
+        if worker.data_dir.exists():
+            manifest = load_manifest(worker.data_dir)
+            for split in manifest.splits:
+                manifest.stream(split)
+        for config in configs:
+            check_data(config, manifest)
+    except FibctlError as e:
+        raise FibctlError(f"--data {worker.data_dir}: {e}") from None
+    check_runs_dir(worker.runs_dir)
+
+
+def check_runs_dir(runs_dir: Path) -> None:
+    """The worker's check that --runs-dir can hold checkpoints, without making the folder (a
+    dry run changes nothing): it, or the nearest folder above it (the worker makes the rest),
+    must be a folder this user may write to."""
+    existing = runs_dir
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not writable")
+
+
 @dataclass
 class Submission:
     job_id: str | None  # None on a dry run
@@ -175,26 +230,25 @@ class Submission:
 
 def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool = False) -> Submission:
     """Submit the job (or, with `dry_run`, only write out its sbatch script). Every refusal
-    is one line and comes before anything is submitted."""
+    is one line and comes before anything is submitted: the options first, then the tools."""
     spec.check()
-    if worker.max_runs is not None and worker.max_runs < 1:
-        raise FibctlError(f"--max-runs {worker.max_runs} must be >= 1")
-    submitit = require_submitit()
-    if not dry_run:
-        require_slurm("sbatch")
-        require_slurm("srun")
     db = absolute_db(worker.db)
     if spec.nodes > 1 and resolve_url(db).get_backend_name() == "sqlite":
         raise FibctlError(f"--nodes {spec.nodes} with the SQLite database {shown(db)}: SQLite's locks do not "
                           "hold over a network filesystem; give a database server every node reaches "
                           "(--db postgresql+psycopg://...), see docs/cluster.md")
-    engine = connect(db, must_exist=True)
-    queued = queue.status_counts(engine).get("queued", 0)
+    configs = queued_configs(connect(db, must_exist=True))
+    queued = len(configs)
     if not queued and not dry_run:
         raise FibctlError(f"no queued runs in {shown(db)}: nothing for the workers to do (fibctl queue add)")
-    folder = folder.expanduser().resolve()
     settings = WorkerSettings(db, worker.data_dir.expanduser().resolve(), worker.runs_dir.expanduser().resolve(),
                               worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
+    check_worker(settings, spec, configs)
+    submitit = require_submitit()
+    if not dry_run:
+        require_slurm("sbatch")
+        require_slurm("srun")
+    folder = folder.expanduser().resolve()
     # the paths travel as variables: a node whose filesystem differs sets its own in its TaskProlog
     setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
              f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]

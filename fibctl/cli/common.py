@@ -40,19 +40,29 @@ def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
     return value
 
 
+FOLD_WIDTH = 12  # optional columns go before a `fold` column (free text) narrows below this,
+NAME_WIDTH = 24  # or a `names` column (a name may be 100 characters) below this
+
+
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),
-                 fold: Sequence[str] = (), right: Sequence[str] = (), title=None) -> tuple[Table, list[str]]:
+                 fold: Sequence[str] = (), names: Sequence[str] = (), right: Sequence[str] = (),
+                 title=None) -> tuple[Table, list[str]]:
     """A rich table no wider than `width` whose cells are never cut with '…': columns in
     `optional` are left out, in that order, until the rest fits; a header wraps at its spaces;
-    a cell of a `fold` column (free text: errors, descriptions) folds onto more lines, any
-    other cell keeps its full width. Returns the table and the headers left out."""
+    a cell of a `fold` column (free text: errors, descriptions) folds onto more lines, as does a
+    long one of a `names` column (run and matrix names: whole, so they can be read and copied);
+    any other cell keeps its full width. The widest columns give way first. Returns the table
+    and the headers left out."""
     texts = [[c if isinstance(c, Text) else plain(c) for c in row] for row in rows]
+
+    def widest(i: int) -> int:  # a column's width with no cell or header wrapped
+        return max([cell_len(headers[i]), *(line.cell_len for row in texts for line in row[i].split())])
 
     def least(i: int) -> int:  # the narrowest a column may become without cutting a cell
         header = max((cell_len(w) for w in headers[i].split()), default=1)
-        cells = [t.cell_len for row in texts for t in row[i].split()] if headers[i] in fold else \
-            [t.cell_len for row in texts for t in [row[i]]]
-        return max([header, *(min(c, 12) if headers[i] in fold else c for c in cells)])
+        cells = [line.cell_len for row in texts for line in row[i].split()]
+        floor = FOLD_WIDTH if headers[i] in fold else NAME_WIDTH if headers[i] in names else None
+        return max([header, *(c if floor is None else min(c, floor) for c in cells)])
 
     shown = list(range(len(headers)))
     dropped: list[str] = []
@@ -61,13 +71,30 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
             break
         shown.remove(headers.index(name))
         dropped.append(name)
+    room = width - 3 * len(shown) - 1  # less each column's padding and border
+    most = [widest(i) for i in shown]
+    # where the least widths do not fit (a very narrow terminal), names and free text fold
+    # further, then every column
+    for floors in ([least(i) for i in shown], [1 if headers[i] in (*fold, *names) else least(i) for i in shown],
+                   [1] * len(shown)):
+        widths = _narrowed(floors, most, room)
+        if sum(widths) <= room:
+            break
     table = Table(title=title)
-    for i in shown:
-        table.add_column(headers[i], min_width=least(i), overflow="fold",
-                         justify="right" if headers[i] in right else "left")
+    for i, w in zip(shown, widths):
+        table.add_column(headers[i], width=w, overflow="fold", justify="right" if headers[i] in right else "left")
     for row in texts:
         table.add_row(*(row[i] for i in shown))
     return table, dropped
+
+
+def _narrowed(least: Sequence[int], most: Sequence[int], room: int) -> list[int]:
+    """Column widths, each from its least to its most, that fit `room` if any can: the widest
+    columns are narrowed first, together, so the narrow ones stay whole."""
+    cap = max(most, default=0)
+    while cap > 1 and sum(max(lo, min(hi, cap)) for lo, hi in zip(least, most)) > room:
+        cap -= 1
+    return [max(lo, min(hi, cap)) for lo, hi in zip(least, most)]
 
 
 def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequence]) -> str | None:

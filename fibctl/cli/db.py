@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from fibctl import queue
 from fibctl.cli import app
@@ -79,10 +78,12 @@ def db_current(db: DbOption = DEFAULT_DB) -> None:
 @matrix_app.command("list")
 def matrix_list() -> None:
     """List the matrices shipped with fibctl."""
-    table = Table("matrix", "runs", "preset", "description")
+    rows = []
     for name in shipped_matrices():
         m = load_matrix(name)
-        table.add_row(name, str(len(m.entries)), m.preset, plain(m.description))
+        rows.append([name, str(len(m.entries)), m.preset, m.description])
+    table, _ = fitted_table(["matrix", "runs", "preset", "description"], rows, width=console.width,
+                            names=("matrix",), fold=("description",), right=("runs",))
     console.print(table)
 
 
@@ -102,6 +103,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     table, dropped = fitted_table(headers, rows, width=console.width, title=plain(f"{m.name}: {m.description}"),
+                                  names=("name",),
                                   optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
                                   right=("W", "seed", "layers", "T", "steps"))
     console.print(table)
@@ -133,6 +135,7 @@ def queue_ls(db: DbOption = DEFAULT_DB,
              r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else "",
              (r["error"] or "").partition("\n")[0]] for r in runs]
     table, dropped = fitted_table(headers, rows, width=console.width, fold=("error", "worker"),
+                                  names=("name", "matrix"),
                                   optional=("preset", "heartbeat", "worker", "matrix", "attempts"),
                                   right=("id", "attempts"))
     console.print(table)
@@ -172,7 +175,8 @@ def status_cmd(
         parts = []
         if rows:
             table, dropped = fitted_table(headers, rows, width=console.width, fold=("device", "host"),
-                                          optional=("device", "host"), right=("step", "tok/s", "ETA"))
+                                          names=("run",), optional=("device", "host"),
+                                          right=("step", "tok/s", "ETA"))
             parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(

@@ -1,0 +1,96 @@
+"""Long names at a narrow terminal: `fibctl status`, `queue ls` and `matrix show` show every
+run's whole name (folded within its column, never cut with '…'), so it can be read and copied
+into `fibctl queue retry NAME`; every line fits the terminal, also when stdout is no terminal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fibctl import queue
+from fibctl.config import RunConfig
+from fibctl.db.engine import connect
+from fibctl.db.store import RunRecorder
+
+# names may be 100 characters; each differs from the others at its start and its end
+RUNS = [(f"r{i}_" + "a_very-long.run_name_" * 5)[:99] + str(i) for i in range(3)] + ["short"]
+MATRIX = ("m_" + "a_long_matrix_name_" * 6)[:100]
+
+
+def fibctl(*args, columns: int | None, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(TERM="dumb", NO_COLOR="1", **({"COLUMNS": str(columns)} if columns else {}))
+    # stdin too is no terminal: rich would take a terminal's width from it
+    return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, cwd=cwd, timeout=120)
+
+
+def column(text: str, index: int) -> str:
+    """Table column `index` read top to bottom, its folded cells joined up."""
+    return "".join(line.split("│")[index + 1].strip() for line in text.splitlines() if line.startswith("│"))
+
+
+def assert_fits(done: subprocess.CompletedProcess, width: int) -> None:
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "…" not in done.stdout, done.stdout
+    assert all(len(line) <= width for line in done.stdout.splitlines()), done.stdout
+
+
+@pytest.fixture
+def db(tmp_path) -> str:
+    """Two runs running, one failed with a long error, one queued; all of a long-named matrix."""
+    path = str(tmp_path / "q.db")
+    engine = connect(path)
+    queue.add_runs(engine, [RunConfig.resolve(name, MATRIX, "micro", schedule="fixed", seed=i, steps=13_000)
+                            for i, name in enumerate(RUNS)])
+    for i in range(2):
+        run = queue.claim_next(engine, f"gpu-node-004{i}.cluster.example.org:123456:gpu{i}",
+                               host=f"gpu-node-004{i}.cluster.example.org", device=f"cuda:{i} (NVIDIA H200)")
+        RunRecorder(engine, run.id).log_step(12_345, 3.5, 1e-3, 0.5, tokens_per_s=123_456.0, elapsed_s=40.0)
+    run = queue.claim_next(engine, "w")
+    queue.fail(engine, run.id, "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79 GiB)")
+    engine.dispose()
+    return path
+
+
+@pytest.mark.parametrize("columns", [80, None, 40])
+def test_queue_ls_and_status_show_whole_long_names(db, columns):
+    width = columns or 80  # no terminal and no COLUMNS: 80
+    done = fibctl("queue", "ls", "--db", db, columns=columns)
+    assert_fits(done, width)
+    names = column(done.stdout, 1)
+    assert names == "".join(RUNS), done.stdout  # in queue order, each whole
+    assert "failed" in done.stdout and "queued" in done.stdout
+    assert MATRIX in "".join(done.stdout.split())  # the matrix every run shares, under the table
+
+    done = fibctl("status", "--db", db, columns=columns)
+    assert_fits(done, width)
+    assert column(done.stdout, 0) == "".join(RUNS[:2]), done.stdout
+    assert "2 running; 1 queued, 0 done, 1 failed" in " ".join(done.stdout.split())
+    if columns == 80:  # the other columns keep their numbers whole
+        assert "12,345/13,000" in done.stdout and "123,456" in done.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_matrix_show_with_long_names(tmp_path, columns):
+    toml = tmp_path / f"{MATRIX}.toml"
+    toml.write_text('[matrix]\ndescription = "runs with long names"\npreset = "micro"\n'
+                    + "".join(f'[[runs]]\nname = "{name}"\nschedule = "fixed"\nwindow = 8\n' for name in RUNS))
+    done = fibctl("matrix", "show", str(toml), columns=columns)
+    assert_fits(done, columns)
+    assert column(done.stdout, 0) == "".join(RUNS), done.stdout
+    title = done.stdout.partition("┏")[0]
+    assert "".join(title.split()).startswith(f"{MATRIX}:"), title
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_matrix_list_and_db_current_fit(tmp_path, columns):
+    assert_fits(fibctl("matrix", "list", columns=columns), columns)
+    path = tmp_path / f"{MATRIX}.db"
+    connect(str(path)).dispose()
+    done = fibctl("db", "current", "--db", str(path), columns=columns)
+    assert_fits(done, columns)
+    assert str(path) in "".join(done.stdout.split())

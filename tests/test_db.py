@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
@@ -10,7 +11,8 @@ from sqlalchemy.exc import InternalError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from fibctl.config import RunConfig
-from fibctl.db.engine import connect, connect_readonly, current_revision, head_revision, resolve_url, upgrade
+from fibctl.db.engine import (alembic_config, connect, connect_readonly, current_revision, head_revision, resolve_url,
+                              upgrade)
 from fibctl.db.schema import Base
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
@@ -55,6 +57,38 @@ def test_upgrade_from_first_revision_keeps_rows(db_url):
         assert conn.execute(text("SELECT ppl FROM evaluations WHERE run_id = :r"), {"r": run.id}).scalar() == 7.389
         assert conn.execute(text("SELECT count(*) FROM position_losses")).scalar() == 63
         assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0
+
+
+def test_upgrade_names_the_task_of_probe_models_scored_before(db_url):
+    """Revision 0007: a probe model scored before it gets its task (Table 2 groups by it) from
+    its config and the distances it was scored at; other runs and metrics are left alone."""
+    from fibctl.probe.cells import probe_runs
+
+    db = db_url
+    upgrade(db, "0006")
+    [probe] = probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10, length=64, distances=(35, 20))
+    lm = RunConfig.resolve("lm", "m", "micro", schedule="stagger", window=8)
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    with engine.begin() as conn:
+        for run in (probe, lm):
+            conn.execute(text(
+                'INSERT INTO runs (name, matrix, preset, schedule, seed, train_length, config_json, config_hash,'
+                " status, attempts, created_at, source) VALUES (:n, 'm', 'micro', 'learned', 0, 64, :c, 'h',"
+                " 'done', 1, '2026-01-01 00:00:00', 'fibctl')"), {"n": run.name, "c": run.to_json()})
+        conn.execute(text("INSERT INTO aux_metrics (run_id, name, metric, value) VALUES (1, 'marked_retrieval', :m, 0.5)"),
+                     [{"m": m} for m in ("depth", "acc_d20", "acc_d35")])
+        conn.execute(text("INSERT INTO aux_metrics (run_id, name, metric, value) VALUES (2, 'lambada', 'acc', 0.1)"))
+    engine.dispose()
+    upgrade(db)
+    [tasks, count] = _inspect(db, "SELECT run_id, text FROM aux_metrics WHERE metric = 'task'",
+                              "SELECT count(*) FROM aux_metrics")
+    assert tasks == [(1, "length 64, vocab 512, distances 20/35")] and count == [(5,)]
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    with engine.begin() as conn:  # and back: the task rows go, the scores stay
+        command.downgrade(alembic_config(conn), "0006")
+    engine.dispose()
+    assert _inspect(db, "SELECT count(*) FROM aux_metrics WHERE metric = 'task'", "SELECT count(*) FROM aux_metrics") \
+        == [[(0,)], [(4,)]]
 
 
 def test_failed_upgrade_changes_nothing(db_url):

@@ -178,6 +178,9 @@ def test_import_aux_probe_extrapolation_and_position_losses(tmp_path, db_url):
     assert [p[0] for p in probe] == ["probe_marked_d2_stagger_s0", "probe_marked_d2_stagger_s1",
                                      "probe_marked_d2_uniform_s0", "probe_marked_d2_uniform_s1"]
     assert probe[0][1:] == ("learned", 8, 0, 512)
+    # each probe model names the task it was scored on, the distances of its own rows
+    assert rows(engine, "SELECT DISTINCT text FROM aux_metrics WHERE name = 'marked_retrieval' AND metric = 'task'") \
+        == [("length 512, vocab 512, distances 200/350",)]
     assert rows(engine, "SELECT a.layer, a.alpha FROM alphas a JOIN runs r ON r.id = a.run_id "
                         "WHERE r.name = 'probe_marked_d2_stagger_s0' ORDER BY a.layer") == [(0, 0.588), (1, 1.389)]
     # lenextrap: rows at the longer lengths at the run's final step; the 1024 row from metrics is kept

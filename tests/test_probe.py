@@ -201,7 +201,7 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
 
     class Keep(NullReporter):
         def log_metric(self, name, metric, value=None, text=None):
-            logged.append((name, metric, value))
+            logged.append((name, metric, value if text is None else text))
 
         def log_alphas(self, step, alphas):
             logged.append(("alphas", step, list(alphas)))
@@ -214,6 +214,7 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
     metrics = {m: v for name, m, v in logged if name == "marked_retrieval"}
     assert metrics["depth"] == 2 and metrics["staggered_init"] == 1 and metrics["eval_sequences"] == 16
     assert 0 <= metrics["acc_d20"] <= 1 and 0 <= metrics["acc_d35"] <= 1 and metrics["heldout_loss"] > 0
+    assert metrics["task"] == f"length {run.model.seq_len}, vocab {run.model.vocab_size}, distances 20/35"
 
 
 def _worker(tmp_path, *extra):
@@ -279,7 +280,9 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     assert db.execute("select count(distinct step) from alphas").fetchone() == (3,)  # steps 0, 100 and 200
     table = _fibctl(tmp_path, "report", "table2", "--db", "r.db")
     assert table.returncode == 0, table.stderr
-    assert "fibctl's models, 200 steps" in " ".join(table.stdout.split()) and "staggered" in table.stdout
+    said = " ".join(table.stdout.split())
+    assert "fibctl's models, 200 steps" in said and "staggered" in table.stdout
+    assert "Task: marked copy at length 512, vocab 512, distances 200/350." in said  # the one task: no column
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
     frame = tables.table2(connect(str(tmp_path / "r.db"), must_exist=True)).frame.set_index("Init")
     assert frame.loc["staggered", "Depth"] == 2 and frame.loc["staggered", "Seeds"] == 1

@@ -145,6 +145,33 @@ def test_table2_of_a_half_trained_probe_matrix_shows_the_cells_it_has(tmp_path):
     assert done.exit_code == 0, done.output
 
 
+def test_table2_keeps_the_scores_of_different_tasks_apart(tmp_path):
+    """Depth 2, uniform, two seeds on the study's task and one on a shorter task with other
+    distances: two rows, each averaging only its own task's models, named by letter."""
+    db = str(tmp_path / "tasks.db")
+    engine = connect(db)
+    study_task, short_task = ("length 512, vocab 512, distances 200/350", "length 64, vocab 512, distances 20/35")
+    models = ((study_task, {"acc_d200": 0.9, "acc_d350": 0.3}), (study_task, {"acc_d200": 0.7, "acc_d350": 0.1}),
+              (short_task, {"acc_d20": 0.2, "acc_d35": 0.4}))
+    with engine.begin() as conn:
+        for i, (task, accs) in enumerate(models):
+            run_id = add_run(conn, f"probe_{i}", "learned", matrix="probe")
+            metrics = {"depth": 2, "staggered_init": 0, "eval_sequences": 16, **accs}
+            conn.execute(insert(schema.AuxMetric), [dict(run_id=run_id, name="marked_retrieval", metric=m, value=v,
+                                                        text=None) for m, v in metrics.items()]
+                         + [dict(run_id=run_id, name="marked_retrieval", metric="task", value=None, text=task)])
+            conn.execute(insert(schema.Alpha), [dict(run_id=run_id, step=200, layer=0, alpha=1.0 + i / 10)])
+    engine.dispose()
+    t = tables.table2(ro(db))
+    f = t.frame.set_index("Task")
+    assert sorted(f.index) == ["A", "B"] and f["Seeds"].to_dict() == {"A": 2, "B": 1}
+    assert f.loc["A", "acc d=200"] == pytest.approx(0.8) and pd.isna(f.loc["A", "acc d=20"])
+    assert f.loc["B", "acc d=20"] == 0.2 and pd.isna(f.loc["B", "acc d=200"]) and f.loc["B", "α max"] == 1.2
+    assert f"Task A: marked copy at {study_task}." in t.notes and f"Task B: marked copy at {short_task}." in t.notes
+    shown = CliRunner().invoke(app, ["report", "table2", "--db", db], env={"COLUMNS": "80"})
+    assert shown.exit_code == 0 and max(map(len, shown.output.splitlines())) <= 80, shown.output
+
+
 def test_table3_paper_rows_and_change_at_4x(study):
     t = tables.table3(ro(study))
     assert list(t.frame["Run"]) == ["ref_e0000", "f13__fib_stagger_w12", "f11__fib_stagger_w8", "f06__fib_fixed_w8"]

@@ -11,8 +11,8 @@
 - `retrieval_results` rows with source 'marked' (Table 2's probe) -> one run per probe model
   in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W 8,
   T 512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
-  `acc_d<distance>`, `eval_sequences` 2: the study scored one batch of 2), and its final
-  alphas in `alphas`.
+  `acc_d<distance>`, `eval_sequences` 2: the study scored one batch of 2; `task`, text: the
+  length, vocabulary and distances Table 2 groups by), and its final alphas in `alphas`.
 - `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens NULL: the
   file does not record them); a row already imported from `metrics` is kept.
 - `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
@@ -37,7 +37,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import SEED_MAX, ProbeConfig, RunConfig, get_preset
-from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS
+from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS, task_label
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
@@ -395,9 +395,14 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
         accs = {f"acc_d{_num(r['distance'], f'{where}.distance', of, integer=True, hi=INT32)}":
                 _num(r["acc"], f"{where}.acc", of, hi=1) for r in rows}
         metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED, **accs}
+        # the study's length and vocabulary, the distances it scored: as a fibctl probe records its task
+        task = task_label(config.model.seq_len, config.model.vocab_size,
+                          sorted(int(k[len("acc_d"):]) for k in accs))
         written += upsert(conn, schema.AuxMetric.__table__,
                            [dict(run_id=run_id, name=PROBE_METRICS, metric=k, value=float(v), text=None)
-                            for k, v in metrics.items()], ("run_id", "name", "metric"))
+                            for k, v in metrics.items()]
+                           + [dict(run_id=run_id, name=PROBE_METRICS, metric="task", value=None, text=task)],
+                           ("run_id", "name", "metric"))
         alphas = _alphas(rows[0]["alphas"], f"{where}.alphas", of)
         written += upsert(conn, schema.Alpha.__table__,
                            [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],

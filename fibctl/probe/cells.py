@@ -14,6 +14,12 @@ DEPTHS, SEEDS = (2, 4, 8), (0, 1)
 QUICK_STEPS = 200  # --quick: depth 2, both inits, seed 0
 
 
+def task_label(seq_len: int, vocab_size: int, distances) -> str:
+    """What a probe model was trained and scored on, as Table 2 groups and names it: scores of
+    different tasks are not comparable (a `--length 64 --distance 20` probe is not the study's)."""
+    return f"length {seq_len}, vocab {vocab_size}, distances {'/'.join(str(d) for d in sorted(distances))}"
+
+
 def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None = None,
                distances: tuple[int, ...] | None = None, length: int | None = None, vocab: int | None = None,
                eval_sequences: int | None = None) -> list[RunConfig]:

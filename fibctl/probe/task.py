@@ -12,6 +12,7 @@ import torch
 
 from fibctl.config import ProbeConfig
 from fibctl.hashes import short_hash
+from fibctl.probe.cells import task_label
 
 IGNORE = -100  # cross_entropy's ignore_index
 HELDOUT_SEED_OFFSET = 2**32  # held-out sequences come from a generator no training batch uses
@@ -25,6 +26,10 @@ class MarkedCopy:
     @classmethod
     def of(cls, model, probe: ProbeConfig) -> "MarkedCopy":
         return cls(model.vocab_size, model.seq_len, probe.distances)
+
+    @property
+    def label(self) -> str:
+        return task_label(self.seq_len, self.vocab_size, self.distances)
 
     @property
     def hash(self) -> str:

@@ -95,4 +95,5 @@ class ProbeTrainer(Trainer):
                    "eval_sequences": n, "heldout_loss": loss_sum / max(1, loss_n)}
         for name, value in metrics.items():
             self.reporter.log_metric(PROBE_METRICS, name, float(value))
+        self.reporter.log_metric(PROBE_METRICS, "task", text=self.task.label)  # Table 2 groups by it
         return metrics

@@ -231,11 +231,13 @@ def table2(engine: Engine) -> Table:
     """The mechanism probe: learned-alpha range and retrieval accuracy per depth and init, for
     the study's imported probe models and fibctl's own probe runs (`fibctl probe`) alike."""
     sql = """WITH probe AS (
-    -- one row per probe model: who trained it, for how many steps, its depth, whether alpha
-    -- started staggered, and how many held-out sequences scored it
+    -- one row per probe model: who trained it, for how many steps, on which task (length,
+    -- vocabulary, distances), its depth, whether alpha started staggered, and how many
+    -- held-out sequences scored it
     SELECT m.run_id,
            CASE WHEN r.source = 'fibctl' THEN 'fibctl' ELSE 'study' END AS origin,
            COALESCE(r.final_step, 0) AS steps,
+           COALESCE(MAX(CASE WHEN m.metric = 'task' THEN m.text END), 'not recorded') AS task,
            MAX(CASE WHEN m.metric = 'depth' THEN m.value END) AS depth,
            MAX(CASE WHEN m.metric = 'staggered_init' THEN m.value END) AS staggered,
            MAX(CASE WHEN m.metric = 'eval_sequences' THEN m.value END) AS scored
@@ -247,32 +249,32 @@ final_alpha AS (
     SELECT a.run_id, a.alpha FROM alphas a
     WHERE a.step = (SELECT MAX(a2.step) FROM alphas a2 WHERE a2.run_id = a.run_id)
 )
-SELECT p.origin, p.steps, p.depth, p.staggered, 'alpha_min' AS metric, MIN(fa.alpha) AS value
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'alpha_min' AS metric, MIN(fa.alpha) AS value
 FROM probe p JOIN final_alpha fa ON fa.run_id = p.run_id
-GROUP BY p.origin, p.steps, p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered
 UNION ALL
-SELECT p.origin, p.steps, p.depth, p.staggered, 'alpha_max', MAX(fa.alpha)
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'alpha_max', MAX(fa.alpha)
 FROM probe p JOIN final_alpha fa ON fa.run_id = p.run_id
-GROUP BY p.origin, p.steps, p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered
 UNION ALL
-SELECT p.origin, p.steps, p.depth, p.staggered, 'seeds', COUNT(*)
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'seeds', COUNT(*)
 FROM probe p
-GROUP BY p.origin, p.steps, p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered
 UNION ALL
-SELECT p.origin, p.steps, p.depth, p.staggered, 'scored', MIN(p.scored)
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'scored', MIN(p.scored)
 FROM probe p
-GROUP BY p.origin, p.steps, p.depth, p.staggered
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered
 UNION ALL
 -- accuracy at each distance (metric acc_d<distance>), mean over seeds
-SELECT p.origin, p.steps, p.depth, p.staggered, m.metric, AVG(m.value)
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, m.metric, AVG(m.value)
 FROM probe p JOIN aux_metrics m ON m.run_id = p.run_id AND m.name = 'marked_retrieval'
 WHERE m.metric LIKE 'acc_d%'
-GROUP BY p.origin, p.steps, p.depth, p.staggered, m.metric"""
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric"""
     long, sql_text = read_sql(engine, sql)
     if long.empty:
         raise FibctlError("table2: no probe results (aux_metrics named 'marked_retrieval'); run the probe with "
                           "`fibctl probe` and `fibctl worker`, or import the study's with `fibctl import-study fib.db`")
-    keys = ["origin", "steps", "depth", "staggered"]
+    keys = ["origin", "steps", "task", "depth", "staggered"]
     wide = long.pivot_table(index=keys, columns="metric", values="value", aggfunc="first", dropna=False)
     # dropna=False keeps a cell whose accuracy is NaN, but also makes every combination of
     # the keys: keep the cells that have models (a half-trained matrix lacks some)
@@ -280,8 +282,12 @@ GROUP BY p.origin, p.steps, p.depth, p.staggered, m.metric"""
     wide = wide.reset_index().sort_values(keys, key=lambda c: c.map({"study": 0, "fibctl": 1}) if c.name == "origin"
                                           else c).reset_index(drop=True)
     accs = sorted((c for c in wide.columns if c.startswith("acc_d")), key=lambda c: int(c[5:]))
+    # a task's description is long: rows name their task by letter, the notes spell it out
+    tasks = list(dict.fromkeys(wide["task"]))
+    letter = {task: chr(ord("A") + i) if i < 26 else str(i + 1) for i, task in enumerate(tasks)}
     frame = pd.DataFrame({
         "Source": wide["origin"], "Steps": wide["steps"].astype(int),
+        "Task": wide["task"].map(letter),
         "Depth": wide["depth"].astype(int),
         "Init": wide["staggered"].map({0: "uniform", 1: "staggered"}),
         "α min": wide.get("alpha_min"), "α max": wide.get("alpha_max"),
@@ -292,16 +298,19 @@ GROUP BY p.origin, p.steps, p.depth, p.staggered, m.metric"""
     formats = {"α min": lambda x: f"{x:.2f}", "α max": lambda x: f"{x:.2f}",
                **{f"acc d={c[5:]}": loss for c in accs},
                "Scored": lambda x: "" if pd.isna(x) else f"{x:.0f}"}
-    # who trained the models and for how long: columns only where the rows differ
-    shared = [c for c in ("Source", "Steps") if frame[c].nunique() == 1]
+    # who trained the models, for how long, on what: columns only where the rows differ
+    shared = [c for c in ("Source", "Steps", "Task") if frame[c].nunique() == 1]
     title = "Table 2: mechanism probe (learned alpha range, retrieval accuracy)"
-    if shared:
-        title += "; " + ", ".join(f"{frame[c].iloc[0]:,} steps" if c == "Steps" else f"{frame[c].iloc[0]}'s models"
-                                  for c in shared)
-        frame = frame.drop(columns=shared)
+    said = [f"{frame[c].iloc[0]:,} steps" if c == "Steps" else f"{frame[c].iloc[0]}'s models"
+            for c in shared if c != "Task"]
+    if said:
+        title += "; " + ", ".join(said)
+    frame = frame.drop(columns=shared)
+    described = [f"Task: marked copy at {tasks[0]}."] if len(tasks) == 1 else \
+        [f"Task {letter[t]}: marked copy at {t}." for t in tasks]
     return Table("table2", title, frame, sql_text, formats,
-                 notes=["Scored: held-out sequences per model (the study scored 2); accuracy is the mean "
-                        "over seeds; α min / max range over layers and seeds at the last step."])
+                 notes=described + ["Scored: held-out sequences per model (the study scored 2); accuracy is the mean "
+                                    "over seeds; α min / max range over layers and seeds at the last step."])
 
 
 def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SEED,

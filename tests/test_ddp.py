@@ -203,7 +203,7 @@ def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp
     wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
     status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
     assert status == "queued" and "released at step" in out
     assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 20

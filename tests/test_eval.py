@@ -79,6 +79,13 @@ def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained
     assert result.exit_code == 0, result.output
     assert "fixed" in result.output and "ppl" in result.output
     first = rows(db, counts)
+    # --speed shows what it recorded: a row per run and length, with its tokens/s
+    recorded = rows(db, "select r.name, a.name, value from aux_metrics a join runs r on r.id = a.run_id "
+                        "where metric = 'tokens_per_s' order by r.name, a.name")
+    shown = [[cell.strip() for cell in line.split("│")[1:-1]] for line in result.output.splitlines()]
+    assert len(recorded) == 4 and "tokens/s" in result.output
+    for run, metric, value in recorded:
+        assert [run, "10", metric.removeprefix("speed@"), f"{value:,.0f}"] in shown, result.output
     assert CliRunner().invoke(app, args).exit_code == 0
     assert rows(db, counts) == first
     speed = rows(db, "select a.name, metric, value from aux_metrics a join runs r on r.id = a.run_id "

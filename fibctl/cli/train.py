@@ -46,7 +46,8 @@ DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
 class RunDisplay:
-    """Per-run progress: a rich bar (step, loss, tokens/s, ETA) or a log line per interval."""
+    """Per-run progress: a rich bar (step, loss, tokens/s, ETA) or a log line per interval.
+    Each line is printed unwrapped (soft_wrap): in a log file, one event stays one line."""
 
     def __init__(self, plain: bool, every: int = 10):
         self.plain = plain or not console.is_terminal
@@ -57,7 +58,8 @@ class RunDisplay:
             def line(p: trainer.Progress) -> None:
                 if p.step % self.every == 0 or p.step == p.steps:
                     console.print(f"{name} step {p.step}/{p.steps} loss {p.loss:.4f} "
-                                  f"{p.tokens_per_s:,.0f} tok/s elapsed {p.elapsed_s:.0f}s", highlight=False)
+                                  f"{p.tokens_per_s:,.0f} tok/s elapsed {p.elapsed_s:.0f}s", highlight=False,
+                                  markup=False, soft_wrap=True)
             return line
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
@@ -70,7 +72,7 @@ class RunDisplay:
         return bar
 
     def warn(self, message: str) -> None:
-        console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False)
+        console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)
 
     def finish(self, outcome: Outcome) -> None:
         if self.progress:
@@ -80,7 +82,7 @@ class RunDisplay:
         detail = f": {outcome.error}" if outcome.error else ""
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
         console.print(f"[{style}]{escape(outcome.name)}: {outcome.status} at step {outcome.step}{escape(detail)}[/]"
-                      f"{escape(where)}", highlight=False)
+                      f"{escape(where)}", highlight=False, soft_wrap=True)
 
 
 @app.command("train")
@@ -102,8 +104,10 @@ def train_cmd(
 ) -> None:
     """Train one run of the database (resuming from its last checkpoint if it has one).
     Under torchrun (`torchrun --nproc-per-node N -m fibctl train NAME`) each process trains its
-    share of every step and rank 0 alone writes to the database and the checkpoints."""
-    from fibctl.flows.worker import WorkerOptions, train_named
+    share of every step and rank 0 alone writes to the database and the checkpoints.
+    Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
+    signal); a failed run exits 1, and bad input (its data included) 2, the run left queued."""
+    from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
     from fibctl.train.distributed import launched
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
@@ -120,12 +124,14 @@ def train_cmd(
         args += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
         args += ["--plain"] if plain else []
         raise typer.Exit(launch_ddp(nproc, args, env={"FIBCTL_DB": db}))
+    stop = StopRequest()
     if launched():
         from fibctl.flows.worker import train_distributed
 
-        outcome = train_distributed(lambda: connect(db, must_exist=True), name, opts, RunDisplay(plain))
+        outcome = train_distributed(lambda: connect(db, must_exist=True), name, opts, RunDisplay(plain), stop)
     else:
-        outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain))
+        outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain), stop)
+    _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
 
@@ -155,13 +161,16 @@ def worker_cmd(
 ) -> None:
     """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
     Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
-    or database is at fault."""
-    from fibctl.flows.worker import WorkerOptions, launch_per_gpu, parse_gpus, work
+    or database is at fault, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal: the
+    queue may not be finished)."""
+    from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
     from fibctl.train.distributed import ENVIRONMENT, launched
 
     _positive_timeout(heartbeat_timeout)
-    if max_attempts < 1 or (max_runs is not None and max_runs < 1):
-        raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
+    bad = [f"--{option} ({value})" for option, value in (("max-attempts", max_attempts), ("max-runs", max_runs))
+           if value is not None and value < 1]  # only what was given: an unset --max-runs is no limit
+    if bad:
+        raise FibctlError(f"{' and '.join(bad)} must be >= 1")
     missing = [k for k in ENVIRONMENT if k not in os.environ]
     _check_ddp_options(ddp, nproc, gpus, launched(), missing if len(missing) < len(ENVIRONMENT) else [])
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
@@ -184,19 +193,32 @@ def worker_cmd(
         shared += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
         raise typer.Exit(launch_ddp(n, ["worker", "--ddp", *shared] + (["--plain"] if plain else []),
                                     env={"FIBCTL_DB": db}))
+    stop = StopRequest()
     if ddp:
         from fibctl.flows.worker import work_distributed
 
-        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain))
+        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain), stop)
         if int(os.environ["RANK"]) != 0:  # rank 0 reports the group's runs
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
-        outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain))
+        outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain), stop)
     console.print(f"worker: {len(outcomes)} run(s): "
                   + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),
-                  highlight=False, markup=False)
+                  highlight=False, markup=False, soft_wrap=True)
+    _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
+
+
+def _exit_after_signal(stop) -> None:
+    """Exit 128 + the signal that stopped the command (the run checkpointed and requeued), as
+    a shell or SLURM reads a process a signal ended. Not in a rank under torchrun: torchrun
+    takes a rank's nonzero exit for a failure and stops the other ranks, rank 0 perhaps still
+    requeueing; the command that launched the group (launch_ddp) exits so instead."""
+    from fibctl.train.distributed import launched
+
+    if stop.signal is not None and not launched():
+        raise typer.Exit(128 + stop.signal)
 
 
 def _check_ddp_options(ddp: bool, nproc: int | None, gpus: str | None, under_torchrun: bool,
@@ -260,7 +282,7 @@ def eval_cmd(
             progress.update(task, advance=1, total=total, description=f"{row['run']} @ {row['eval_length']} {row['dataset']}")
             if not console.is_terminal:
                 console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
-                              highlight=False)
+                              highlight=False, markup=False, soft_wrap=True)
 
         df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
                       tokens=tokens, positions=positions, speed=speed, device=device, runs_dir=runs_dir,
@@ -270,3 +292,8 @@ def eval_cmd(
         table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
                       f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf")
     console.print(table)
+    if speed:  # one measurement per run and length, whatever the held-out sets
+        speeds = Table("run", "step", "length", "tokens/s", title="inference speed, one sequence")
+        for r in df.drop_duplicates(["run", "eval_length"]).itertuples():
+            speeds.add_row(r.run, str(r.step), str(r.eval_length), f"{r.tokens_per_s:,.0f}")
+        console.print(speeds)

@@ -82,7 +82,8 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
-    Returns one row per run x length x dataset; `on_result(row, total)` sees each as it is
+    Returns one row per run x length x dataset, with the run's inference tokens/s at that
+    length when `speed` measured it (else NaN); `on_result(row, total)` sees each as it is
     written, with the number of rows to expect. `log_to` back-ends (fibctl.train.loggers) get
     a copy of each result, their files in the folder of the run's checkpoint.
     """
@@ -111,7 +112,8 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     for t in targets:
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
                               data=(data_dir, manifest.inputs_hash))
-    return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl"])
+    return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
+                                       "tokens_per_s"])
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
@@ -176,13 +178,16 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             if positions:
                 recorder.log_positions(step, dataset, length, res.position_losses.tolist(), res.position_windows)
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
-                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss)}
+                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan}
             rows.append(row)
             if on_result:
                 on_result(row)
         if speed:
             first = next(iter(streams.values()))
-            for metric, value in inference_speed(model, eval_windows(first, length, length)[0], device).items():
+            measured = inference_speed(model, eval_windows(first, length, length)[0], device)
+            for metric, value in measured.items():
                 recorder.log_metric(f"speed@{length}", metric, value)
+            for row in rows[-len(streams):]:  # this length's rows: the speed is the model's, not a set's
+                row["tokens_per_s"] = measured["tokens_per_s"]
         del model
     return rows

@@ -5,13 +5,16 @@ run's row and claims the next, until the queue is empty, `max_runs` is reached o
 asked to stop. A stop request (SIGTERM, Ctrl-C) finishes the step in progress, writes a
 checkpoint and returns the run to the queue; a second one aborts at once (the run is then
 taken back by a later claim once its heartbeat is stale, and resumes from its last
-checkpoint). A diverged run (NaN or infinite loss) or one that raises is marked failed and
-the worker moves on.
+checkpoint). A `StopRequest` remembers the signal, for the command's exit code (128 + its
+number). A diverged run (NaN or infinite loss) or one that raises is marked failed and the
+worker moves on.
 
 A failure that is the worker's, not the run's (`WorkerError`: data that does not fit, a runs
 folder without the run's checkpoint or with another run's, a database that keeps refusing
 writes), puts the run back in the queue and stops the worker with that one line: one wrong
-option must not fail a whole queue. The data and runs folder are checked before any claim.
+option must not fail a whole queue. The data and runs folder are checked before any claim,
+and the data again against each claimed run (its windows, its held-out sets) before anything
+of it is written; a run claimed by name is checked before the claim.
 
 One run can also span several processes (`train_distributed`, under torchrun; `launch_ddp`
 starts torchrun): rank 0 claims the run and does everything the single process does with
@@ -120,12 +123,24 @@ def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest
     return manifest
 
 
+class StopRequest(threading.Event):
+    """A stop event that remembers the signal that set it (None: not set by a signal), so
+    that the command can exit with 128 + its number, as a shell or SLURM expects of a
+    process a signal ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.signal: int | None = None
+
+
 @contextmanager
 def stop_on_signals(stop: threading.Event):
     """SIGINT/SIGTERM set `stop` (graceful); a second one raises KeyboardInterrupt."""
     def handler(signum, _frame):
         if stop.is_set():
             raise KeyboardInterrupt
+        if isinstance(stop, StopRequest):
+            stop.signal = signum
         stop.set()
 
     if threading.current_thread() is not threading.main_thread():
@@ -330,12 +345,12 @@ def check_launch(opts: WorkerOptions, nproc: int | None) -> int:
 
 
 def check_ddp(engine: Engine, run_name: str, nproc: int, opts: WorkerOptions) -> None:
-    """`check_launch` for one run, and N divides the run's grad_accum."""
+    """`check_launch` for one run: N divides the run's grad_accum, and the data fits the run."""
     config = queue.run_config(engine, run_name)
     if config.probe is not None:
         raise FibctlError(f"run {run_name!r} is a probe run: it trains in one process; drop --nproc")
     check_split(config.train.grad_accum, check_nproc(nproc, opts.device), run_name)
-    check_launch(opts, nproc)
+    check_data(config, check_environment(opts, resolve_device(opts.device)))
 
 
 def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = None) -> int:
@@ -343,12 +358,15 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     `fibctl_args`), in its own session; its exit code. SIGINT/SIGTERM here go to every rank as
     SIGTERM (each finishes the step, rank 0 checkpoints and requeues the run, and torchrun ends
     with them); where the ranks cannot be listed (no /proc), to torchrun, which stops them the
-    same way but reports the signal."""
+    same way but reports the signal. After a stop request that every rank obeyed, the exit code
+    is 128 + the signal received (130 after Ctrl-C, 143 after SIGTERM)."""
     child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
                              env={**os.environ, **(env or {})}, start_new_session=True)
+    received: list[int] = []
 
     def forward(signum, _frame):
+        received.append(signum)
         for pid in _children(child.pid) or ([child.pid] if child.poll() is None else []):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -357,7 +375,7 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return child.wait()
+        return stopped_code([child.wait()], received)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -381,6 +399,9 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     recorder: RunRecorder | loggers.Tee = RunRecorder(engine, claimed.id, worker)
     trainer, tee = None, None
     try:
+        # data that cannot train or evaluate this run is the worker's fault: back to the queue
+        # (WorkerError below) before a logger or checkpoint writes anything of it
+        data = check_data(claimed.config, manifest)
         run_dir = _run_dir(claimed, opts)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
@@ -392,9 +413,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             trainer = ProbeTrainer(claimed.config, run_dir, recorder, device=device, stop=stop,
                                    on_checkpoint=on_checkpoint)
         else:
-            trainer = Trainer(claimed.config, check_data(claimed.config, manifest), run_dir, recorder,
-                              device=device, stop=stop, on_checkpoint=on_checkpoint, compile=opts.compile,
-                              group=group)
+            trainer = Trainer(claimed.config, data, run_dir, recorder, device=device, stop=stop,
+                              on_checkpoint=on_checkpoint, compile=opts.compile, group=group)
         counts = trainer.model.param_counts()
         recorder.update_run(device=_describe(device, group),
                             **provenance(manifest) | {"data_hash": trainer.data_hash},
@@ -516,8 +536,10 @@ def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[
     command line every user of the machine can read).
 
     SIGINT/SIGTERM here are forwarded to every child as SIGTERM (each checkpoints and
-    releases its run). Returns the worst child exit code.
+    releases its run). Returns the worst child exit code, or after such a stop that every
+    child obeyed, 128 + the signal received.
     """
+    received: list[int] = []
     children = []
     for gpu in gpus:
         child_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": str(gpu)}
@@ -528,6 +550,7 @@ def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[
             on_start(gpu, children[-1].pid)
 
     def forward(signum, _frame):
+        received.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -538,4 +561,13 @@ def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    return stopped_code(codes, received)
+
+
+def stopped_code(codes: list[int], received: list[int]) -> int:
+    """A launcher's exit code: 128 + the first signal it received and passed on as SIGTERM,
+    when every process it started ended as asked (0: a torchrun group, or a worker with
+    nothing left to train; 143: a worker that stopped); otherwise the worst code."""
+    if received and all(code in (0, 128 + signal.SIGTERM) for code in codes):
+        return 128 + received[0]
     return max(codes, key=abs, default=0)

@@ -92,8 +92,9 @@ class TrainResult:
 
 
 def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest | None:
-    """The data manifest, after checking it fits the run (raises WorkerError otherwise: the
-    data folder given is at fault, not the run). A probe run makes its own data."""
+    """The data manifest, after checking it fits the run: its vocabulary, held-out sets to
+    evaluate on, and a window of the run's length in every stream (raises WorkerError
+    otherwise: the data folder given is at fault, not the run). A probe run makes its own data."""
     if config.probe is not None:
         return manifest
     if manifest is None:
@@ -103,6 +104,18 @@ def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
                           f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "
                           f"{manifest.vocab_size:,}")
+    # the run evaluates every held-out set of the manifest (Trainer.evaluate): with none it
+    # would record no evaluation, the numbers the tables read
+    if not manifest.heldout:
+        raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but {manifest.data_dir} "
+                          f"has none (its manifest lists only {manifest.train_split!r}): prepare the data again")
+    # a training batch and an evaluation each read windows of seq_len inputs and the next token
+    window = config.model.seq_len + 1
+    for split in manifest.splits:
+        if manifest.tokens[split] < window:
+            raise WorkerError(f"run {config.name!r}: the {split} stream of {manifest.data_dir} holds "
+                              f"{manifest.tokens[split]:,} tokens, fewer than one window of {window:,} "
+                              f"(seq_len {config.model.seq_len:,} + 1): prepare more data")
     return manifest
 
 

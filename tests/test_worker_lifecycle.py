@@ -1,0 +1,147 @@
+"""A worker's start and end: data that cannot train or evaluate a run is the worker's fault
+(one line, exit 2, the run queued as it was), a stop by signal exits 128 + the signal, and
+a --plain log line stays one line in a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fibctl.train.checkpoint import load_checkpoint
+from train_helpers import HELDOUT, micro_run, queued_db, write_data
+
+REPO = Path(__file__).resolve().parent.parent
+SHORT = dict(steps=10, eval_interval=10, checkpoint_interval=10)
+
+
+def cli(args, capsys, monkeypatch) -> tuple[int, str]:
+    """Run `fibctl ARGS` in-process: (exit code, stderr)."""
+    from fibctl.cli import main
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    return exit_.value.code, capsys.readouterr().err
+
+
+def runs(db: Path) -> list[tuple]:
+    return sqlite3.connect(db).execute("select name, status, attempts, started_at, error, checkpoint_path "
+                                       "from runs order by id").fetchall()
+
+
+def spawn(args: list[str], cwd: Path) -> subprocess.Popen:
+    # no COLUMNS: the width rich gives output that is not a terminal (80)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "fibctl", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- data at fault
+
+
+def short_train(d: Path) -> Path:
+    return write_data(d, train_tokens=40)
+
+
+def short_heldout(d: Path) -> Path:
+    return write_data(d, heldout_tokens=40)
+
+
+def without_heldout(d: Path) -> Path:
+    """A folder whose manifest lists only the train split (made by hand, or damaged)."""
+    write_data(d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["heldout"] = []
+    for name in HELDOUT:
+        del manifest["tokens"][name]
+        (d / f"{name}.bin").unlink()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.mark.parametrize("command", [["worker"], ["train", "run"], pytest.param(
+    ["train", "run", "--nproc", "2", "--device", "cpu"],  # refused before torchrun starts the ranks
+    marks=pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="gloo runs one process per CPU; this has 1"))])
+@pytest.mark.parametrize("make, words", [
+    (short_train, "the train stream of {d} holds 40 tokens, fewer than one window of 65 (seq_len 64 + 1)"),
+    (short_heldout, f"the {HELDOUT[0]} stream of {{d}} holds 40 tokens, fewer than one window of 65"),
+    (without_heldout, "records evaluations on held-out sets, but {d} has none (its manifest lists only 'train')"),
+])
+def test_data_that_cannot_train_or_evaluate_the_run_leaves_it_queued(command, make, words, tmp_path, capsys,
+                                                                    monkeypatch):
+    data, db = make(tmp_path / "data"), tmp_path / "r.db"
+    queued_db(db, micro_run("run", **SHORT)).dispose()
+    before = runs(db)
+    code, err = cli([*command, "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                     "--plain"], capsys, monkeypatch)
+    assert code == 2 and words.format(d=data) in err and len(err.strip().splitlines()) == 1, err
+    assert runs(db) == before  # queued, the attempt not counted, nothing recorded
+    assert sqlite3.connect(db).execute("select count(*) from evaluations").fetchone() == (0,)
+    assert not (tmp_path / "runs" / "run").exists()
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+def test_ctrl_c_checkpoints_requeues_and_exits_130(tmp_path):
+    data = write_data(tmp_path / "data")
+    # far more steps than the time the signal takes to arrive: the run cannot end first
+    queued_db(tmp_path / "r.db", micro_run("run", steps=5000, eval_interval=5000, checkpoint_interval=10)).dispose()
+    proc = spawn(["train", "run", "--db", "r.db", "--data", str(data), "--runs-dir", "runs", "--plain"], tmp_path)
+    wait_for(tmp_path / "runs" / "run" / "step_00000010.pt", proc)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
+    assert status == "queued" and "run: released at step" in out, out
+    assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 10
+
+
+def test_a_launcher_exits_128_plus_the_signal_only_when_every_process_stopped_as_asked():
+    from fibctl.flows.worker import stopped_code
+
+    sigint, sigterm = int(signal.SIGINT), int(signal.SIGTERM)
+    assert stopped_code([143, 0], [sigint]) == 130  # one worker stopped, one had nothing queued
+    assert stopped_code([0], [sigterm, sigint]) == 143  # a torchrun group: the first signal counts
+    assert stopped_code([143, 2], [sigint]) == 143  # a worker that refused: the worst code
+    assert stopped_code([1, 0], []) == 1 and stopped_code([], []) == 0
+
+
+def test_an_option_not_given_is_not_named_in_the_refusal(tmp_path, capsys, monkeypatch):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run")).dispose()
+    code, err = cli(["worker", "--db", str(db), "--max-attempts", "0"], capsys, monkeypatch)
+    assert code == 2 and err.strip() == "error: --max-attempts (0) must be >= 1", err
+    code, err = cli(["worker", "--db", str(db), "--max-runs", "0", "--max-attempts", "0"], capsys, monkeypatch)
+    assert code == 2 and err.strip() == "error: --max-attempts (0) and --max-runs (0) must be >= 1", err
+
+
+# ----------------------------------------------------------------------------- log lines
+
+
+def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
+    data, name = write_data(tmp_path / "data"), "a_run_whose_name_alone_is_wider_than_eighty_columns_" + "x" * 40
+    queued_db(tmp_path / "r.db", micro_run(name, **SHORT)).dispose()
+    done = spawn(["worker", "--db", "r.db", "--data", str(data), "--runs-dir", "runs", "--plain"], tmp_path)
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    # step 10, the outcome with its checkpoint, the worker's summary: each whole, on its line
+    assert [line.split(" ")[0] for line in lines] == [name, f"{name}:", "worker:"], out
+    assert all(name in line for line in lines), out
+    assert lines[1] == f"{name}: done at step 10 (runs/{name}/step_00000010.pt)"

@@ -10,9 +10,8 @@ import typer
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain
 from fibctl.cli.train import (DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption,
-                              _positive_timeout)
+                              check_worker_limits)
 from fibctl.db.schema import RunStatus
-from fibctl.errors import FibctlError
 
 slurm_app = typer.Typer(help="Workers on a SLURM cluster (needs the slurm extra: pip install -e '.[slurm]').",
                         no_args_is_help=True)
@@ -53,9 +52,7 @@ def submit_cmd(
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
 
     # the checks of `fibctl worker`: here, before a job whose every task would refuse them
-    _positive_timeout(heartbeat_timeout)
-    if max_attempts < 1 or (max_runs is not None and max_runs < 1):
-        raise FibctlError(f"--max-attempts ({max_attempts}) and --max-runs ({max_runs}) must be >= 1")
+    check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
                    cpus_per_task=cpus_per_task, partition=partition, account=account, time=time,
                    max_requeues=max_requeues)

@@ -166,11 +166,7 @@ def worker_cmd(
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
     from fibctl.train.distributed import ENVIRONMENT, launched
 
-    _positive_timeout(heartbeat_timeout)
-    bad = [f"--{option} ({value})" for option, value in (("max-attempts", max_attempts), ("max-runs", max_runs))
-           if value is not None and value < 1]  # only what was given: an unset --max-runs is no limit
-    if bad:
-        raise FibctlError(f"{' and '.join(bad)} must be >= 1")
+    check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     missing = [k for k in ENVIRONMENT if k not in os.environ]
     _check_ddp_options(ddp, nproc, gpus, launched(), missing if len(missing) < len(ENVIRONMENT) else [])
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
@@ -236,6 +232,15 @@ def _check_ddp_options(ddp: bool, nproc: int | None, gpus: str | None, under_tor
     if ddp and missing:
         raise FibctlError(f"--ddp: torchrun's environment is incomplete ({', '.join(missing)} not set); start the "
                           "ranks with torchrun, or run fibctl worker --ddp outside torchrun to launch them")
+
+
+def check_worker_limits(heartbeat_timeout: float, max_attempts: int, max_runs: int | None) -> None:
+    """The limits a worker runs under (`fibctl worker`, and each task of `fibctl slurm submit`)."""
+    _positive_timeout(heartbeat_timeout)
+    bad = [f"--{option} ({value})" for option, value in (("max-attempts", max_attempts), ("max-runs", max_runs))
+           if value is not None and value < 1]  # only what was given: an unset --max-runs is no limit
+    if bad:
+        raise FibctlError(f"{' and '.join(bad)} must be >= 1")
 
 
 def _positive_timeout(seconds: float) -> float:

@@ -153,6 +153,9 @@ def test_a_checkpoint_of_another_optimizer_is_not_resumed(data, tmp_path):
 def test_a_training_stream_shorter_than_a_window_is_one_error():
     with pytest.raises(FibctlError, match="training stream has 16 tokens; a window needs 17"):
         WindowSampler(np.arange(16, dtype=np.uint16), 16, 4, seed=1)
+    # one window exactly: its one start, every time
+    x, y = WindowSampler(np.arange(17, dtype=np.uint16), 16, 4, seed=1).next_batch()
+    assert x.tolist() == [list(range(16))] * 4 and y.tolist() == [list(range(1, 17))] * 4
 
 
 # ----------------------------------------------------------------------------- the worker

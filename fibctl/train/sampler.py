@@ -20,7 +20,7 @@ def pinned_copy(device: torch.device | str) -> bool:
 
 class WindowSampler:
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int):
-        if len(stream) < seq_len + 2:
+        if len(stream) < seq_len + 1:
             raise FibctlError(f"training stream has {len(stream):,} tokens; a window needs {seq_len + 1:,}")
         self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
         self.generator = torch.Generator().manual_seed(seed)

@@ -41,7 +41,7 @@ def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
 
 
 FOLD_WIDTH = 12  # optional columns go before a `fold` column (free text) narrows below this,
-NAME_WIDTH = 24  # or a `names` column (a name may be 100 characters) below this
+NAME_WIDTH = 32  # or a `names` column (a name may be 100 characters) below this
 
 
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),

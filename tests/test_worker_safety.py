@@ -261,6 +261,30 @@ def test_a_run_that_raises_records_the_step_it_failed_at(data, tmp_path, monkeyp
     assert runs(tmp_path / "r.db")[0][4].startswith("at step 7: RuntimeError: simulated fault")
 
 
+def test_a_second_ctrl_c_puts_the_run_back_in_the_queue_at_once(data, tmp_path, monkeypatch):
+    """The second Ctrl-C (KeyboardInterrupt, mid-step) stops without a checkpoint: the run
+    goes back to the queue now, attempts untouched, instead of staying `running` until its
+    heartbeat is stale; the next claim resumes its last checkpoint."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+
+    def interrupted(self):
+        if self.step == 7:
+            raise KeyboardInterrupt
+        return original(self)
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    display = Quiet()
+    with pytest.raises(KeyboardInterrupt):
+        work(engine, opts(data, tmp_path / "runs"), display)
+    [(name, status, attempts, started_at, error, checkpoint)] = runs(tmp_path / "r.db")
+    assert (status, attempts, error) == ("queued", 0, None)
+    [outcome] = display.outcomes
+    assert (outcome.status, outcome.step) == ("released", 7) and "aborted" in outcome.error
+    released = sqlite3.connect(tmp_path / "r.db").execute(
+        "select message from events where kind = 'released'").fetchone()[0]
+    assert released.startswith("aborted at step 7 by a second signal")
+
+
 # ----------------------------------------------------------------------------- 10: a database that refuses writes
 
 

@@ -424,7 +424,14 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
+        step = trainer.step if trainer else 0
+        try:  # back to the queue now, rather than running until its heartbeat is stale
+            queue.release(engine, claimed.id, f"aborted at step {step} by a second signal; it resumes from its "
+                          "last checkpoint")
+            display.finish(Outcome(claimed.name, "released", step, "aborted; it resumes from its last checkpoint"))
+        except Exception:  # noqa: BLE001 (the database may be why the user pressed it twice: the heartbeat hands it on)
+            pass
         raise
     except DatabaseUnavailable as e:
         error = _requeue_after_database_failure(engine, claimed, trainer, e)

@@ -3,9 +3,9 @@
 A worker claims a run (fibctl.queue), trains it with `Trainer`, records the outcome on the
 run's row and claims the next, until the queue is empty, `max_runs` is reached or it is
 asked to stop. A stop request (SIGTERM, Ctrl-C) finishes the step in progress, writes a
-checkpoint and returns the run to the queue; a second one aborts at once (the run is then
-taken back by a later claim once its heartbeat is stale, and resumes from its last
-checkpoint). A `StopRequest` remembers the signal, for the command's exit code (128 + its
+checkpoint and returns the run to the queue; a second one aborts at once, without a
+checkpoint, and returns the run to the queue too (where the database cannot be reached, a
+later claim takes it back once its heartbeat is stale); it resumes from its last checkpoint. A `StopRequest` remembers the signal, for the command's exit code (128 + its
 number). A diverged run (NaN or infinite loss) or one that raises is marked failed and the
 worker moves on.
 

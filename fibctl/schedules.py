@@ -145,5 +145,9 @@ def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq
 
 
 def coverage(per_layer: list[list[int]]) -> tuple[list[int], int]:
-    """Distinct distances per layer, and in the union over layers."""
-    return [len(set(d)) for d in per_layer], len(set().union(*map(set, per_layer)))
+    """Distinct distances per layer, and in the union over layers (one set at a time: a dense
+    layer lists every distance up to T)."""
+    union: set[int] = set()
+    for d in per_layer:
+        union.update(d)
+    return [len(set(d)) for d in per_layer], len(union)

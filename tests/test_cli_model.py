@@ -32,6 +32,13 @@ def test_model_prints_paper_breakdown_and_layers():
     assert "60,850,704" in runner.invoke(app, ["model", "--schedule", "learned"]).output
 
 
+def test_dense_coverage_counts_every_distance_and_a_window_shows_capped_at_the_length():
+    r = runner.invoke(app, ["coverage", "--schedule", "dense", "--layers", "2", "--length", "3000"])
+    assert r.exit_code == 0 and r.output.strip().splitlines()[-2].split("│")[-2].strip() == "3000"
+    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "1000"])  # T = 64
+    assert r.exit_code == 0 and "│ 64        │ 0..63 +" in r.output and "0..1000" not in r.output
+
+
 def test_coverage_fixed_fib_w8_is_19():
     r = runner.invoke(app, ["coverage", "--base", "fib", "--schedule", "fixed", "--window", "8", "--length", "1024"])
     assert r.exit_code == 0
@@ -153,6 +160,15 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),
     (["coverage", "--layers", "0"], "n_layers=0 must be >= 1"),
+    # every layer's distances are listed: a mistyped length is one line, not gigabytes
+    (["coverage", "--schedule", "dense", "--layers", "1024", "--length", "100000"],
+     "--layers 1024 x --length 100,000: coverage lists every layer's distances, at most 16,777,216"),
+    (["coverage", "--layers", "1", "--length", "2000000"], "length 2,000,000 must be from 2 to 1,048,576"),
+    (["model", "--preset", "micro", "--length", "100000000"], "length 100,000,000 must be from 2 to 1,048,576"),
+    (["figure", "coverage", "--schedule", "dense", "--length", "1000000", "-o", "/tmp/never.png"],
+     "the coverage figure draws at most 2,097,152 dots a panel (got 16 layers x 1,000,000 distances)"),
+    (["figure", "coverage", "--layers", "0", "--length", "1", "-o", "/tmp/never.png"],
+     "coverage needs --layers >= 1 (got 0) and --length >= 2 (got 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = fibctl(*args)

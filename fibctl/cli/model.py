@@ -11,13 +11,17 @@ from rich.table import Table
 
 from fibctl.cli import app
 from fibctl.cli.common import console
-from fibctl.config import BASES, SCHEDULES, ConfigError, get_preset
+from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
 COVERAGE_MAX_LAYERS = 1024
+# `model` and `coverage` list every layer's attended distances (a dense layer's, and a window's,
+# reach T): bounded so that a mistyped length is one line, not gigabytes
+MAX_LENGTH = 2**20
+MAX_LISTED = 2**24  # layers x length
 
-Preset = Annotated[str, typer.Option(help="Model preset: paper, tiny or micro.")]
+Preset = Annotated[str, typer.Option(help=f"Model preset: {', '.join(PRESETS)}.")]
 Schedule = Annotated[str, typer.Option(help=f"Per-layer spacing: {', '.join(SCHEDULES)}.")]
 Base = Annotated[str, typer.Option(help=f"Rung sequence: {', '.join(BASES)}.")]
 Window = Annotated[int, typer.Option(help="Local window W: distances 0..W are always attended.")]
@@ -27,8 +31,8 @@ Length = Annotated[int | None, typer.Option(help="Sequence length to build at (d
 def _model_config(preset: str, schedule: str, base: str, window: int, length: int | None):
     cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
     if length is not None:
-        if length < 2:
-            raise ConfigError(f"length {length} must be >= 2")
+        if not 2 <= length <= MAX_LENGTH:
+            raise ConfigError(f"length {length:,} must be from 2 to {MAX_LENGTH:,}")
         cfg = cfg.with_length(length)
     return cfg.validate()
 
@@ -70,7 +74,8 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
     for col in ("layer", "alpha", "distances", "attended distances (window, then rungs)"):
         lt.add_column(col)
     for l, (a, d) in enumerate(zip(alphas, per_layer)):
-        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{window} + " + ", ".join(map(str, d[window + 1:])))
+        near = min(window, cfg.seq_len - 1)  # the window, capped at T - 1 as the model caps it
+        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{near} + " + ", ".join(map(str, d[near + 1:])))
     console.print(lt)
     for note in deviations(schedule, cfg.n_layers):
         console.print(f"note: {note}", highlight=False, markup=False)
@@ -83,6 +88,9 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     """Count the distinct distances each layer reaches, and their union over layers."""
     if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
         raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
+    if layers * length > MAX_LISTED:
+        raise FibctlError(f"--layers {layers} x --length {length:,}: coverage lists every layer's distances, "
+                          f"at most {MAX_LISTED:,} in all")
     cfg = _model_config("paper", schedule, base, window, length)
     cfg = dataclasses.replace(cfg, n_layers=layers).validate()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))

@@ -158,9 +158,11 @@ def figure(
     try:
         if name == "coverage":
             model = get_preset(preset).model
-            if (layers is not None and layers < 1) or (length is not None and length < 2) or window < 0:
-                raise FibctlError(f"coverage needs --layers >= 1, --length >= 2 and --window >= 0 "
-                                  f"(got {layers}, {length}, {window})")
+            bad = [f"--{option} >= {least} (got {value})" for option, value, least in
+                   (("layers", layers, 1), ("length", length, 2), ("window", window, 0))
+                   if value is not None and value < least]  # only what was given: unset is the preset's
+            if bad:
+                raise FibctlError(f"coverage needs {' and '.join(bad)}")
             figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:

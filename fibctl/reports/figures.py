@@ -27,6 +27,7 @@ from fibctl.schedules import attended_distances, coverage as coverage_counts, la
 FIGURE_SUFFIXES = (".png", ".pdf")
 COVERAGE_FIGURE_MAX_LAYERS = 128
 COVERAGE_FIGURE_MAX_WINDOW = 4096
+COVERAGE_FIGURE_MAX_DOTS = 2**21  # layers x length where a panel is dense (a dot per distance)
 STYLE = {
     "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType, not Type 3: accepted by venues
     "font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
@@ -297,6 +298,11 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     if n_layers > COVERAGE_FIGURE_MAX_LAYERS or window > COVERAGE_FIGURE_MAX_WINDOW:
         raise FibctlError(f"the coverage figure draws at most {COVERAGE_FIGURE_MAX_LAYERS} layers and a window of "
                           f"{COVERAGE_FIGURE_MAX_WINDOW:,} (got {n_layers} and {window}); `fibctl coverage` counts them")
+    # a sparse layer draws its window and rungs; a dense one a dot per distance up to T
+    reach = seq_len if "dense" in schedules else min(window + 1, seq_len) + n_rungs
+    if n_layers * reach > COVERAGE_FIGURE_MAX_DOTS:
+        raise FibctlError(f"the coverage figure draws at most {COVERAGE_FIGURE_MAX_DOTS:,} dots a panel "
+                          f"(got {n_layers} layers x {reach:,} distances); `fibctl coverage` counts them")
     fig = _figure(4.2 * len(schedules) + 0.8, 0.22 * n_layers + 1.8)
     axes = fig.subplots(1, len(schedules), sharey=True, squeeze=False).ravel()
     cmap = colormaps["viridis"]

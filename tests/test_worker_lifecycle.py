@@ -145,3 +145,24 @@ def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
     assert [line.split(" ")[0] for line in lines] == [name, f"{name}:", "worker:"], out
     assert all(name in line for line in lines), out
     assert lines[1] == f"{name}: done at step 10 (runs/{name}/step_00000010.pt)"
+
+
+def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
+    """torchrun sends SIGTERM to the group once a rank has ended; rank 0, its loop over, is
+    then saying why the run is queued again: the signal is noted, not fatal. Elsewhere the
+    handlers are restored as they were."""
+    from fibctl.flows.worker import StopRequest, stop_on_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        with stop_on_signals(stop, rank=True):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # would end this process under the default handler
+        assert stop.is_set()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    with stop_on_signals(StopRequest()):
+        pass
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -134,8 +134,12 @@ class StopRequest(threading.Event):
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event):
-    """SIGINT/SIGTERM set `stop` (graceful); a second one raises KeyboardInterrupt."""
+def stop_on_signals(stop: threading.Event, *, rank: bool = False):
+    """SIGINT/SIGTERM set `stop` (graceful); a second one raises KeyboardInterrupt.
+
+    A torchrun `rank` keeps noting them after the loop: torchrun sends SIGTERM to the group
+    when one rank ends, and rank 0, its loop over, is then only reporting (the one line saying
+    why the run is queued again), which the default handler would cut short."""
     def handler(signum, _frame):
         if stop.is_set():
             raise KeyboardInterrupt
@@ -151,7 +155,13 @@ def stop_on_signals(stop: threading.Event):
         yield
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            signal.signal(s, _noted(stop) if rank else h)
+
+
+def _noted(stop: threading.Event):
+    def note(signum, _frame):  # the process is on its way out: it exits once it has reported
+        stop.set()
+    return note
 
 
 def work(engine: Engine, opts: WorkerOptions, display: Display,
@@ -245,7 +255,7 @@ def _distributed(connect: Callable[[], Engine], claim: Callable, opts: WorkerOpt
     outcomes: list[Outcome] = []
     lead = _Lead(connect, claim, opts, display, stop, group, device) if group.main else None
     try:
-        with stop_on_signals(stop):
+        with stop_on_signals(stop, rank=True):
             while opts.max_runs is None or len(outcomes) < opts.max_runs:
                 if outcomes and group.any(stop.is_set(), device=device)[0]:
                     break

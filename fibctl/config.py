@@ -21,6 +21,10 @@ ATTENTION_IMPLS = ("gather", "mask", "reference", "flex", "auto")
 OPTIMIZERS = ("adamw", "adamw8bit")
 SEED_MAX = 2**32 - 1  # numpy's global generator, seeded with every run's seeds, takes no more
 DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
+# the database stores step and token counts in Integer columns: 32-bit on PostgreSQL
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the model's parameters are float32: a larger lr overflows them
+FLOAT32_ZERO = 2**-150  # half the smallest positive float32: float32 rounds this and less to 0
 
 
 class ConfigError(FibctlError, ValueError):
@@ -130,6 +134,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} = {value!r} must be an integer")
             if value < (1 if name in at_least_one else 0):
                 raise ConfigError(f"train.{name} = {value} must be >= {1 if name in at_least_one else 0}")
+            if value > INT32_MAX:
+                raise ConfigError(f"train.{name} = {value} is too large: at most 2**31 - 1, "
+                                  "the database's 32-bit INTEGER")
         # grad_clip 0: no clipping (the probe's recipe, torch's AdamW defaults)
         ranges = {"lr": (0, math.inf, False), "min_lr_ratio": (0, 1, True), "weight_decay": (0, math.inf, True),
                   "beta1": (0, 1, True), "beta2": (0, 1, True), "grad_clip": (0, math.inf, True)}
@@ -139,6 +146,14 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} = {value!r} must be a finite number")
             if value < low or (value == low and not low_ok) or value > high or (name.startswith("beta") and value == 1):
                 raise ConfigError(f"train.{name} = {value} is out of range")
+            if value > FLOAT32_MAX:
+                raise ConfigError(f"train.{name} = {value} is too large: the model trains in float32, "
+                                  f"at most {FLOAT32_MAX:.7g}")
+            if 0 < value <= FLOAT32_ZERO:
+                raise ConfigError(f"train.{name} = {value} is too small: it is 0 in float32, "
+                                  "which the model trains in")
+        if not isinstance(self.optimizer, str):
+            raise ConfigError(f"train.optimizer = {self.optimizer!r} must be a string")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         return self
@@ -283,6 +298,11 @@ class RunConfig:
         """`seed` is the data seed; `init_seed` defaults to it."""
         p = get_preset(preset)
         model = dataclasses.replace(p.model, schedule=schedule, base=base, window=window).validate()
+        # distances reach T - 1 at most: a window that reaches it attends to every one, and the
+        # run would train as dense attention under a sparse schedule's name
+        if schedule != "dense" and window >= model.seq_len - 1:
+            raise ConfigError(f"window W={window} is too large: at most T - 2 = {model.seq_len - 2} at "
+                              f"the training length T={model.seq_len}; a window of T - 1 is dense attention")
         try:
             train = dataclasses.replace(p.train, **overrides) if overrides else p.train
         except TypeError as e:
@@ -293,6 +313,10 @@ class RunConfig:
             value = getattr(train, budget)
             if value is not None and value < model.seq_len:  # refused now, not at its first evaluation
                 raise ConfigError(f"train.{budget} = {value} is below one window of {model.seq_len} tokens")
+        tokens = train.steps * train.batch_size * train.grad_accum * model.seq_len
+        if tokens > INT32_MAX:  # refused now, not when the finished run records it
+            raise ConfigError(f"train.steps x batch_size x grad_accum x T = {tokens:,} tokens is too large: "
+                              "at most 2**31 - 1, the database's 32-bit runs.tokens_trained")
         return cls(name=name, matrix=matrix, preset=preset, init_seed=check_seed(
                        seed if init_seed is None else init_seed, "init_seed"),
                    data_seed=data_seed, model=model, train=train)

@@ -7,7 +7,9 @@ weights: the run's own, else the matrix's, else the run's `seed`) and `train` (o
 preset's training recipe, e.g. `train = { steps = 100, optimizer = "adamw" }`). Shipped
 matrices live in `fibctl/matrices/`; any other file is named by its path (one ending in
 .toml or holding a '/'). Run names and the matrix name (the file's stem) follow
-`fibctl.names.NAME_PATTERN`.
+`fibctl.names.NAME_PATTERN`; a file's matrix name may not be a shipped matrix's (nor the
+probe's), and its run names may not differ only by case (one checkpoint folder on a
+case-insensitive filesystem).
 
 Dense runs carry base "fib" and window 0 in their config (unused by dense attention);
 the runs table stores NULL for both.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -26,13 +30,21 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fibctl.config import DEFAULT_SEED, SCHEDULES, RunConfig, TrainConfig
+from fibctl.config import DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, get_preset
 from fibctl.errors import FibctlError
 from fibctl.names import NAME_RULE, check_name, is_name
+from fibctl.probe.cells import PROBE_MATRIX
 
-MATRIX_KEYS = {"description", "preset", "init_seed"}
-RUN_KEYS = {"name", "schedule", "base", "window", "seed", "init_seed", "train"}
+# each key and the type its value must have (train's own keys: TrainConfig.validate checks them)
+MATRIX_KEYS = {"description": str, "preset": str, "init_seed": int}
+RUN_KEYS = {"name": str, "schedule": str, "base": str, "window": int, "seed": int, "init_seed": int, "train": dict}
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+# TOML's word for each type a value can have
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+               dict: "a table"}
+# what a terminal obeys instead of showing (as fibctl.reports.render.printable escapes), and
+# line breaks: a description is one line of a table's title
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 @dataclass(frozen=True)
@@ -61,13 +73,18 @@ class Matrix:
         entries = [e for e in self.entries if only is None or fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
-        return [
-            RunConfig.resolve(e.name, self.name, preset or self.preset, schedule=e.schedule,
-                              base=e.base, window=e.window, seed=e.seed,
-                              init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
-                              **e.train)
-            for e in entries
-        ]
+        preset = preset or self.preset
+        get_preset(preset)  # an unknown preset is no one run's problem
+        return [self._resolve(e, preset) for e in entries]
+
+    def _resolve(self, e: MatrixEntry, preset: str) -> RunConfig:
+        try:
+            return RunConfig.resolve(e.name, self.name, preset, schedule=e.schedule, base=e.base,
+                                     window=e.window, seed=e.seed,
+                                     init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
+                                     **e.train)
+        except ConfigError as err:  # which run, at a preset other than the one it was read at
+            raise ConfigError(f"run {e.name}: {err}") from None
 
 
 def shipped_matrices() -> list[str]:
@@ -80,18 +97,34 @@ def load_matrix(name_or_path: str) -> Matrix:
     path = Path(name_or_path)
     # a shipped name wins over a folder or file of that name in the working directory
     if path.suffix == ".toml" or len(path.parts) > 1 or (path.is_file() and name_or_path not in shipped_matrices()):
-        if not path.is_file():
-            raise FibctlError(f"{path} is a folder, not a matrix file" if path.is_dir() else f"no matrix file {path}")
+        if path.is_dir():
+            raise FibctlError(f"{path} is a folder, not a matrix file")
+        if not path.exists():
+            raise FibctlError(f"no matrix file {path}")
+        if not path.is_file():  # a FIFO would block the read, a device never end it
+            raise FibctlError(f"{path} is not a regular file, not a matrix file")
+        name = check_name("matrix", path.stem)
+        if name in (*shipped_matrices(), PROBE_MATRIX) and not _is_shipped(path, name):
+            raise FibctlError(f"matrix file {path}: {name!r} names a matrix of fibctl's own; rename the "
+                              "file, or its runs would mix into that matrix's tables")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise FibctlError(f"cannot read matrix file {path}: {e}") from None
-        return parse_matrix(text, check_name("matrix", path.stem), str(path))
+        return parse_matrix(text, name, str(path))
     if name_or_path not in shipped_matrices():
         raise FibctlError(f"unknown matrix {name_or_path!r}; shipped: {', '.join(shipped_matrices())} "
                           "(or give the path of a .toml file)")
     res = resources.files("fibctl.matrices") / f"{name_or_path}.toml"
     return parse_matrix(res.read_text(), name_or_path, f"fibctl/matrices/{name_or_path}.toml")
+
+
+def _is_shipped(path: Path, name: str) -> bool:
+    """Whether `path` is the shipped matrix `name`'s file itself (e.g. read from a checkout)."""
+    try:
+        return os.path.samefile(path, str(resources.files("fibctl.matrices") / f"{name}.toml"))
+    except OSError:  # no such shipped file (the probe's), or not on disk
+        return False
 
 
 def parse_matrix(text: str, name: str, source: str) -> Matrix:
@@ -105,6 +138,11 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     _check_keys(doc, {"matrix", "runs"}, "top level", bad)
     head = doc.get("matrix", {})
     _check_keys(head, MATRIX_KEYS, "[matrix]", bad)
+    _check_seeds(head, "[matrix]", bad)
+    control = _CONTROL.search(head.get("description", ""))
+    if control:
+        raise bad(f"[matrix]: `description` holds the control character {ascii(control.group())[1:-1]}; "
+                  "a terminal would obey it, not show it")
     runs = doc.get("runs")
     if not isinstance(runs, list) or not runs:
         raise bad("no [[runs]] entries")
@@ -113,9 +151,12 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise bad(f"duplicate run name(s) {', '.join(dupes)}")
-    if "init_seed" in head and not _is_int(head["init_seed"]):
-        raise bad("[matrix] `init_seed` must be an integer")
-    matrix = Matrix(name=name, description=str(head.get("description", "")),
+    first = {}  # each name folded to lower case -> the first run name folding to it
+    for n in names:
+        if first.setdefault(n.lower(), n) != n:
+            raise bad(f"run names {first[n.lower()]!r} and {n!r} differ only by case "
+                      "(one checkpoint folder on a case-insensitive filesystem)")
+    matrix = Matrix(name=name, description=head.get("description", ""),
                     preset=head.get("preset", "paper"), source=source, entries=entries,
                     init_seed=head.get("init_seed"))
     try:
@@ -125,20 +166,34 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     return matrix
 
 
-def _check_keys(table, allowed: set, where: str, bad) -> None:
+def _check_keys(table, allowed, where: str, bad) -> None:
+    """`table` is a table of `allowed` keys; where `allowed` maps each to a type, each value has it."""
     if not isinstance(table, dict):
         raise bad(f"{where} must be a table")
-    unknown = sorted(set(table) - allowed)
+    unknown = sorted(set(table) - set(allowed))
     if unknown:
         raise bad(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(allowed))}")
+    if isinstance(allowed, dict):
+        for key, value in table.items():
+            if type(value) is not allowed[key]:  # not isinstance: a boolean is an int to Python
+                raise bad(f"{where}: `{key}` must be {_TOML_TYPES[allowed[key]]}, not "
+                          f"{_TOML_TYPES.get(type(value), 'a date or time')}")
+
+
+def _check_seeds(table: dict, where: str, bad) -> None:
+    for key in ("seed", "init_seed"):
+        if table.get(key, 0) > SEED_MAX:  # a negative one: RunConfig.resolve says the range
+            raise bad(f"{where}: `{key}` = {table[key]} is too large: at most 2**32 - 1, "
+                      "what numpy's generator takes")
 
 
 def _entry(i: int, run, bad) -> MatrixEntry:
-    where = f"run {i}" + (f" ({run['name']})" if isinstance(run, dict) and "name" in run else "")
-    _check_keys(run, RUN_KEYS, where, bad)
+    where = f"run {i}" + (f" ({run['name']})" if isinstance(run, dict) and is_name(run.get("name")) else "")
     for key in ("name", "schedule"):
-        if not isinstance(run.get(key), str):
+        if isinstance(run, dict) and key not in run:
             raise bad(f"{where} needs a string `{key}`")
+    _check_keys(run, RUN_KEYS, where, bad)
+    _check_seeds(run, where, bad)
     if not is_name(run["name"]):
         raise bad(f"{where}: run names use {NAME_RULE}")
     if run["schedule"] not in SCHEDULES:  # before the settings that depend on it
@@ -148,16 +203,8 @@ def _entry(i: int, run, bad) -> MatrixEntry:
         raise bad(f"{where}: a dense run has no base or window")
     if not dense and "window" not in run:
         raise bad(f"{where} needs a `window`")
-    for key in ("window", "seed", "init_seed"):
-        if key in run and not _is_int(run[key]):
-            raise bad(f"{where}: `{key}` must be an integer")
     train = run.get("train", {})
     _check_keys(train, TRAIN_FIELDS, f"{where} train", bad)
     return MatrixEntry(name=run["name"], schedule=run["schedule"], base=run.get("base", "fib"),
                        window=run.get("window", 0), seed=run.get("seed", DEFAULT_SEED),
                        init_seed=run.get("init_seed"), train=dict(train))
-
-
-def _is_int(value) -> bool:
-    """An integer that fits the database's 64-bit columns."""
-    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63

@@ -42,6 +42,12 @@ def matrix(tmp: Path, file: str, train: str) -> str:
     return str(path)
 
 
+def matrix_file(path: Path, run: str, head: str = 'preset = "micro"') -> str:
+    """A matrix of `head` and one run "r" of fib fixed with `run`'s keys."""
+    path.write_text(f'[matrix]\n{head}\n\n[[runs]]\nname = "r"\nschedule = "fixed"\n{run}\n')
+    return str(path)
+
+
 def checkpoint_db(tmp: Path, name: str, content: bytes, data: Path) -> str:
     """A database whose one run records a checkpoint holding `content`."""
     db = tmp / f"{name}.db"
@@ -103,6 +109,24 @@ def build(tmp: Path) -> dict[str, str]:
     (tmp / "m seed.toml").write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r"\nschedule = "dense"\n'
                                      "seed = -1\n")
     p["m_seed"] = str(tmp / "m seed.toml")
+    # matrix files: wrong types, numbers too large to train or to record, names, odd files
+    micro = 'preset = "micro"\n'
+    for label, run, head in [
+            ("preset_list", "", 'preset = ["micro"]'), ("preset_table", "", "preset = { a = 1 }"),
+            ("batch_huge", "train = { batch_size = 1000000000000 }", micro),
+            ("lr_huge", "train = { lr = 1e300 }", micro),
+            ("steps_huge", "train = { steps = 99999999999999999999999 }", micro),
+            ("init_seed_huge", "", micro + "init_seed = 99999999999999999999"),
+            ("description_esc", "", micro + 'description = "\\u001b]0;title\\u0007"')]:
+        p[f"m_{label}"] = matrix_file(tmp / f"m_{label}.toml", f"window = 4\n{run}", head)
+    p["m_window_max"] = matrix_file(tmp / "m_window_max.toml", "window = 9223372036854775807")
+    p["m_case"] = matrix_file(tmp / "m_case.toml", 'window = 4\n[[runs]]\nname = "R"\nschedule = "dense"')
+    os.mkfifo(tmp / "m_fifo.toml")
+    p["m_fifo"] = str(tmp / "m_fifo.toml")
+    (tmp / "m_zero.toml").symlink_to("/dev/zero")
+    p["m_zero"] = str(tmp / "m_zero.toml")
+    (tmp / "mine").mkdir()
+    p["m_paper"] = matrix_file(tmp / "mine" / "paper.toml", "window = 4")
     return p
 
 
@@ -171,7 +195,19 @@ CASES = [
     (["sql", "select 1", "--db", "{good_db}", "--max-rows", "0"], "--max-rows"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--max-runs", "-1"], "--max-runs (-1) must be >= 1"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--max-attempts", "0"], "--max-attempts (0)"),
-    (["queue", "add", "{m_window_big}", "--db", "{good_db}"], "`window` must be an integer"),
+    (["queue", "add", "{m_window_big}", "--db", "{good_db}"], "window W=99999999999999999999 is too large"),
+    (["matrix", "show", "{m_preset_list}"], "[matrix]: `preset` must be a string, not an array"),
+    (["queue", "add", "{m_preset_table}", "--db", "{good_db}"], "`preset` must be a string, not a table"),
+    (["queue", "add", "{m_batch_huge}", "--db", "{good_db}"], "train.batch_size = 1000000000000 is too large"),
+    (["queue", "add", "{m_lr_huge}", "--db", "{good_db}"], "train.lr = 1e+300 is too large"),
+    (["queue", "add", "{m_steps_huge}", "--db", "{good_db}"], "train.steps = 99999999999999999999999 is too large"),
+    (["queue", "add", "{m_window_max}", "--db", "{good_db}"], "at most T - 2 = 62"),
+    (["queue", "add", "{m_init_seed_huge}", "--db", "{good_db}"], "`init_seed` = 99999999999999999999 is too large"),
+    (["matrix", "show", "{m_description_esc}"], "`description` holds the control character \\x1b"),
+    (["queue", "add", "{m_case}", "--db", "{good_db}"], "run names 'r' and 'R' differ only by case"),
+    (["matrix", "show", "{m_fifo}"], "m_fifo.toml is not a regular file"),
+    (["queue", "add", "{m_zero}", "--db", "{good_db}"], "m_zero.toml is not a regular file"),
+    (["queue", "add", "{m_paper}", "--db", "{good_db}"], "'paper' names a matrix of fibctl's own; rename the file"),
     (["figure", "coverage", "--layers", "0", "--out", "{tmp}/cov.png"], "coverage needs --layers >= 1"),
     (["figure", "coverage", "--window", "-1", "--out", "{tmp}/cov.png"], "coverage needs"),
     (["bench", "attention", "--length", "8", "--repeats", "0"], "--repeats 0 must be >= 1"),

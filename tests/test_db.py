@@ -240,3 +240,138 @@ def test_read_only_commands_leave_a_wal_database_and_its_folder_as_they_were(tmp
         done = subprocess.run([sys.executable, "-m", "fibctl", *args, "--db", str(db)], capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert state() == before, (args, done.stderr)
+
+
+MEMORY = ["sqlite://", "sqlite:///:memory:", "sqlite+pysqlite:///:memory:", ":memory:",
+          "sqlite:///file::memory:?cache=shared&uri=true", "sqlite:///file:scratch?mode=memory&uri=true"]
+
+
+@pytest.mark.parametrize("db", MEMORY)
+def test_an_in_memory_database_is_refused(db, tmp_path, monkeypatch):
+    """It would be gone when the command ends: `db upgrade` said "already at revision None"
+    and `queue add` "no such table: runs"."""
+    monkeypatch.chdir(tmp_path)
+    for open_ in (resolve_url, connect, connect_readonly, upgrade):
+        with pytest.raises(FibctlError, match=r"^--db .* is an in-memory database: it keeps nothing between "
+                                              r"commands; name a file"):
+            open_(db)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["db", "upgrade"], ["db", "current"], ["queue", "add", "demo"],
+                                  ["queue", "ls"], ["sql", "select 1"]])
+def test_cli_refuses_an_in_memory_database_in_one_line(args, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fibctl", *args, "--db", "sqlite://"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: --db sqlite:// is an in-memory database: it keeps nothing between commands; name a file "
+        "(e.g. results.db)"]
+
+
+def test_a_server_that_never_answers_fails_in_one_line_instead_of_hanging(tmp_path):
+    """A server that takes the TCP connection and says nothing (a firewall, a wedged host):
+    every --db command hung (psycopg waits 130 s, libpq forever) until fibctl gave the
+    connection a timeout of its own. Within a generous bound: the default, then
+    PGCONNECT_TIMEOUT's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    pytest.importorskip("psycopg")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held = []  # accepted and never answered
+
+    def accept():
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"postgresql+psycopg://fib@127.0.0.1:{port}/fib"
+    env = {k: v for k, v in os.environ.items() if k != "PGCONNECT_TIMEOUT"}
+    try:
+        for extra, waited in (({}, "10"), ({"PGCONNECT_TIMEOUT": "2"}, "2")):
+            done = subprocess.run([sys.executable, "-m", "fibctl", "db", "current", "--db", url],
+                                  capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**env, **extra})
+            assert done.returncode == 2
+            assert done.stderr.strip().splitlines() == [
+                f"error: the database server 127.0.0.1:{port} did not answer within {waited} s ({url}); "
+                "is it up, and is that its address?"]
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert held  # the connections did reach the listener
+
+
+def test_a_database_whose_folder_cannot_be_written_says_so():
+    """`db upgrade --db rodir/new.db` said "unable to open database file". Root may write
+    anywhere, so as root the upgrade runs in a child process that has given up root; a
+    database in a writable folder beside it is the control."""
+    import os
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp()  # not under pytest's root-only folder: the child must reach it
+    try:
+        os.chmod(base, 0o755)
+        for name, mode in (("ro", 0o555), ("rw", 0o777)):
+            os.mkdir(os.path.join(base, name), mode)
+            os.chmod(os.path.join(base, name), mode)
+        outcomes = _without_root(lambda: [_outcome(upgrade, os.path.join(base, d, "new.db")) for d in ("ro", "rw")])
+        assert outcomes == [f"cannot create database {base}/ro/new.db: directory {base}/ro is not writable",
+                            f"(None, '{head_revision()}')"]
+    finally:
+        os.chmod(os.path.join(base, "ro"), 0o755)
+        shutil.rmtree(base)
+
+
+def test_a_database_under_a_file_or_a_missing_folder_is_refused(tmp_path):
+    (tmp_path / "a.db").write_bytes(b"")
+    with pytest.raises(FibctlError, match=f"^cannot create database {tmp_path}/a.db/new.db: {tmp_path}/a.db "
+                                          "is not a directory$"):
+        upgrade(str(tmp_path / "a.db" / "new.db"))
+    with pytest.raises(FibctlError, match="directory .*/nope does not exist"):
+        upgrade(str(tmp_path / "nope" / "new.db"))
+
+
+def _outcome(call, *args) -> str:
+    try:
+        return str(call(*args))
+    except FibctlError as e:
+        return str(e)
+
+
+def _without_root(call):
+    """call()'s result; as root, from a forked child running as nobody (the interpreter may
+    live where nobody can read it, so a new process could not start)."""
+    import json
+    import os
+
+    if os.geteuid() != 0:
+        return call()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, json.dumps(call()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    assert out, "the child running as nobody reported nothing"
+    return json.loads(out)

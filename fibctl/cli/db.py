@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,16 +51,31 @@ def db_copy(
     target: Annotated[str, typer.Option("--to", help="Where to copy it (created and migrated if needed).",
                                         show_default=False)],
 ) -> None:
-    """Copy a whole results database into another (e.g. SQLite to PostgreSQL); again changes nothing."""
+    """Copy a whole results database into another (e.g. SQLite to PostgreSQL); again changes nothing.
+
+    Runs are matched by name, metrics by their keys. A run never goes backwards: where the
+    target has it as far along or further (done over running over failed or cancelled over
+    queued), or with results the source lacks, the target's run stays as it is and only
+    metrics it lacks are added; nothing in the target is deleted. The summary says how
+    many runs were kept so, and why.
+    """
     from fibctl.db.copy import copy_database, counts
 
+    for db, option in ((source, "--from"), (target, "--to")):  # a refusal names the option given
+        db_engine.resolve_url(db, option)
     if db_engine.same_database(source, target):
         raise FibctlError(f"--from and --to are the same database ({db_engine.shown(source)}); nothing to copy")
-    src, dst = db_engine.connect_readonly(source), db_engine.connect(target)
+    src = db_engine.connect_readonly(source, option="--from")
+    dst = db_engine.connect(target, option="--to")
     summary = copy_database(src, dst)
     mine, theirs = counts(src), counts(dst)
-    written = ", ".join(f"{n:,} {t}" for t, n in summary.rows.items() if n) or "nothing (already copied)"
+    written = ", ".join(f"{n:,} {t}" for t, n in summary.rows.items() if n) \
+        or ("nothing" if summary.kept else "nothing (already copied)")
     console.print(f"{db_engine.shown(source)} -> {db_engine.shown(target)}: wrote {written}", markup=False)
+    if summary.kept:
+        why = Counter(summary.kept.values())
+        console.print(f"kept {len(summary.kept):,} run(s) as the target has them: "
+                      + ", ".join(f"{n:,} {reason}" for reason, n in why.items()), markup=False)
     short = [t for t in mine if theirs[t] < mine[t]]
     if short:
         raise FibctlError(f"the copy holds fewer rows than the source in {', '.join(short)}")

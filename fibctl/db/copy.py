@@ -5,6 +5,14 @@ Runs are matched by name and every metric by its natural key, so copying again c
 nothing and a target that already holds other runs keeps them. Row ids are the target's own
 (a PostgreSQL sequence would collide with copied ids). A run the target trained itself under
 the same name with another config is refused, naming it, before anything is written.
+
+A run never goes backwards: where the target has it as far along as the source or further
+(done over running over failed or cancelled over queued, then the later final step), or
+with a result the source's row lacks, the target's row stays as it is and of the source's
+metrics for it only those the target has no row for are added; none of its rows is ever
+replaced or deleted. A stale copy (the same runs queued again elsewhere, say) thus cannot
+undo a trained run, nor make a worker train it again. Otherwise the source's row replaces
+the target's, and its metrics replace the target's of the same key.
 Events have no natural key: a run's events are copied when the target has none for it.
 """
 
@@ -16,17 +24,28 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from fibctl.db import schema
+from fibctl.db.schema import RunStatus
 from fibctl.db.store import upsert
 from fibctl.errors import FibctlError
 
 # tables keyed by run: (model, its natural key without run_id)
 METRIC_TABLES = (schema.TrainStep, schema.Evaluation, schema.PositionLoss, schema.Alpha, schema.AuxMetric)
 RUN_COLUMNS = [c.name for c in schema.Run.__table__.columns if c.name != "id"]
+# how far along a run is; a failed or cancelled run has stopped, a running one may finish
+PROGRESS = {RunStatus.QUEUED: 0, RunStatus.FAILED: 1, RunStatus.CANCELLED: 1, RunStatus.RUNNING: 2,
+            RunStatus.DONE: 3}
+# what training recorded about a run (a retried run is queued again but keeps them)
+RESULT_COLUMNS = ("final_step", "tokens_trained", "wall_seconds", "params_total", "params_non_embedding",
+                  "checkpoint_path")
+# why a run stayed as the target has it, as the summary says it
+FURTHER, MORE_RESULTS, AS_FAR = "further along there", "with results the source lacks", \
+    "as far along, recorded otherwise"
 
 
 @dataclass
 class CopySummary:
     rows: dict[str, int] = field(default_factory=dict)  # table -> rows written or changed
+    kept: dict[str, str] = field(default_factory=dict)  # run kept as the target has it -> why
 
     @property
     def written(self) -> int:
@@ -35,21 +54,29 @@ class CopySummary:
 
 def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopySummary:
     """Copy every run with its metrics and events from `source` into `target` (both at the
-    current schema revision)."""
+    current schema revision); a run the target has further along stays as it is there."""
     runs = schema.Run.__table__
     with source.connect() as src:
         rows = [dict(r._mapping) for r in src.execute(select(runs).order_by(runs.c.id))]
-    with target.connect() as dst:
-        theirs = {r.name: r.config_hash for r in dst.execute(select(runs.c.name, runs.c.config_hash))}
-    clashes = [r["name"] for r in rows if r["name"] in theirs and theirs[r["name"]] != r["config_hash"]]
-    if clashes:
-        raise FibctlError(f"the target already has run(s) {', '.join(map(repr, clashes[:5]))} with another "
-                          "config; nothing was copied")
     summary = CopySummary()
+    # the target's runs are read, and locked on PostgreSQL, in the transaction that writes them:
+    # a worker cannot move one on in between
     with target.begin() as dst:
-        summary.rows["runs"] = upsert(dst, runs, [{c: r[c] for c in RUN_COLUMNS} for r in rows], ("name",))
+        theirs = {r.name: {c: r._mapping[c] for c in RUN_COLUMNS}
+                  for r in dst.execute(select(runs).with_for_update())}
+        clashes = [r["name"] for r in rows
+                   if r["name"] in theirs and theirs[r["name"]]["config_hash"] != r["config_hash"]]
+        if clashes:
+            raise FibctlError(f"the target already has run(s) {', '.join(map(repr, clashes[:5]))} with another "
+                              "config; nothing was copied")
+        for r in rows:
+            if r["name"] in theirs and (why := _kept_because(theirs[r["name"]], r)):
+                summary.kept[r["name"]] = why
+        taken = [{c: r[c] for c in RUN_COLUMNS} for r in rows if r["name"] not in summary.kept]
+        summary.rows["runs"] = upsert(dst, runs, taken, ("name",))
         ids = {name: id_ for id_, name in dst.execute(select(runs.c.id, runs.c.name))}
     id_map = {r["id"]: ids[r["name"]] for r in rows}
+    kept = {ids[name] for name in summary.kept}  # their metrics only add to the target's
     for model in METRIC_TABLES:
         table = model.__table__
         columns = [c.name for c in table.columns if c.name != "id"]
@@ -57,11 +84,32 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
         with source.connect() as src, target.begin() as dst:
             result = src.execution_options(stream_results=True).execute(select(table).order_by(table.c.id))
             while chunk := result.fetchmany(batch):
-                written += upsert(dst, table, [{c: (id_map[r.run_id] if c == "run_id" else getattr(r, c))
-                                                for c in columns} for r in chunk])
+                copied = [{c: (id_map[r.run_id] if c == "run_id" else getattr(r, c)) for c in columns}
+                          for r in chunk]
+                written += upsert(dst, table, [r for r in copied if r["run_id"] not in kept])
+                written += upsert(dst, table, [r for r in copied if r["run_id"] in kept], replace=False)
         summary.rows[table.name] = written
     summary.rows["events"] = _copy_events(source, target, id_map)
     return summary
+
+
+def _kept_because(theirs: dict, mine: dict) -> str | None:
+    """Why the target's row of a run stays as it is rather than becoming the source's; None
+    where the source's row is the same or further along, and holds every result the
+    target's does."""
+    if all(theirs[c] == mine[c] for c in RUN_COLUMNS):
+        return None
+    if _progress(theirs) > _progress(mine):
+        return FURTHER
+    if any(theirs[c] is not None and (mine[c] is None or (c in ("final_step", "tokens_trained")
+                                                          and mine[c] < theirs[c]))
+           for c in RESULT_COLUMNS):
+        return MORE_RESULTS
+    return AS_FAR if _progress(theirs) == _progress(mine) else None
+
+
+def _progress(run: dict) -> tuple[int, int]:
+    return PROGRESS.get(run["status"], 0), -1 if run["final_step"] is None else run["final_step"]
 
 
 def _copy_events(source: Engine, target: Engine, id_map: dict[int, int]) -> int:

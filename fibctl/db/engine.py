@@ -3,8 +3,11 @@
 `connect` brings a database to the latest Alembic revision before handing it out;
 `connect_readonly` opens one whose connection itself refuses writes (for `fibctl sql`).
 A file that is not a database, or a database written by a newer fibctl, is refused with a
-`FibctlError` before anything is written to it (WAL mode included). Messages name a
-database by `shown(db)`: its URL with any password masked.
+`FibctlError` before anything is written to it (WAL mode included); so is an in-memory
+SQLite database, which would be gone when the command ends. Messages name a database by
+`shown(db)`: its URL with any password masked; `option` is the one the user gave it with
+(--db, or `db copy`'s --from and --to). A PostgreSQL server gets CONNECT_TIMEOUT_S to
+answer, so that one that accepts a connection and never answers fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from fibctl.errors import FibctlError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
+CONNECT_TIMEOUT_S = 10  # unless the URL's connect_timeout or PGCONNECT_TIMEOUT says otherwise
+LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
 
 
 # the extra to install for a dialect whose driver is missing
@@ -37,18 +42,31 @@ DRIVER_HINTS = {"postgresql": "pip install -e '.[postgres]' (psycopg 3) and name
                 "mysql": "pip install pymysql, and name it: mysql+pymysql://..."}
 
 
-def resolve_url(db: str) -> URL:
+def resolve_url(db: str, option: str = "--db") -> URL:
     """A SQLAlchemy URL as given; a bare path means SQLite (the path taken whole: a '?' or
-    '#' in it is part of the file name, not a URL query)."""
+    '#' in it is part of the file name, not a URL query). An in-memory database is refused."""
     if not db.strip():  # '' would be an in-memory SQLite database, not the one meant
-        raise FibctlError("--db is empty; name a database (a file path or a URL)")
+        raise FibctlError(f"{option} is empty; name a database (a file path or a URL)")
     if "://" not in db:
-        return URL.create("sqlite", database=db)
-    try:
-        return make_url(db)
-    except ArgumentError:
-        raise FibctlError(f"--db {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
-                          "postgresql://user@host/db) or a file path") from None
+        url = URL.create("sqlite", database=db)
+    else:
+        try:
+            url = make_url(db)
+        except ArgumentError:
+            raise FibctlError(f"{option} {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
+                              "postgresql://user@host/db) or a file path") from None
+    if _in_memory(url):
+        raise FibctlError(f"{option} {db if url.password is None else shown(url)} is an in-memory database: "
+                          "it keeps nothing between commands; name a file (e.g. results.db)")
+    return url
+
+
+def _in_memory(url: URL) -> bool:
+    """sqlite://, sqlite:///:memory:, and SQLite URIs such as file::memory: or mode=memory."""
+    name = url.database or ""
+    return url.get_backend_name() == "sqlite" and (
+        name in ("", ":memory:") or name.startswith("file::memory:")
+        or (name.startswith("file:") and url.query.get("mode") == "memory"))
 
 
 def shown(db: str | URL) -> str:
@@ -72,8 +90,9 @@ def same_database(a: str, b: str) -> bool:
 
 
 def _sqlite_path(url: URL) -> Path | None:
-    """The file behind a SQLite URL; None for other dialects and in-memory databases."""
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+    """The file behind a SQLite URL (`resolve_url` refused in-memory ones); None for other
+    dialects."""
+    if url.get_backend_name() != "sqlite":
         return None
     return Path(url.database)
 
@@ -120,6 +139,8 @@ def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
     if not path.exists():
         if must_exist:
             raise FibctlError(f"no database at {path}")
+        if path.parent.exists() and not path.parent.is_dir():
+            raise FibctlError(f"cannot create database {path}: {path.parent} is not a directory")
         if not path.parent.is_dir():
             raise FibctlError(f"cannot create database {path}: directory {path.parent} does not exist")
         return
@@ -150,25 +171,33 @@ def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> No
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _create_engine(url: URL, **kwargs) -> Engine:
+def _create_engine(url: URL, option: str = "--db", **kwargs) -> Engine:
     """`create_engine`, with a missing driver or an unknown dialect as one line."""
+    if _connect_timeout(url) is None and url.get_backend_name() == "postgresql" \
+            and url.get_driver_name() in LIBPQ_DRIVERS:
+        kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S, **kwargs.get("connect_args", {})}
     try:
         engine = create_engine(url, **kwargs)
         _engines.add(engine)
         return engine
     except NoSuchModuleError:
-        raise FibctlError(f"--db {shown(url)}: unknown database kind {url.drivername!r}; "
+        raise FibctlError(f"{option} {shown(url)}: unknown database kind {url.drivername!r}; "
                           "use a SQLite path or a postgresql:// URL") from None
     except ArgumentError as e:
-        raise FibctlError(f"--db {shown(url)} is not a usable database URL: "
+        raise FibctlError(f"{option} {shown(url)} is not a usable database URL: "
                           f"{str(e).strip().splitlines()[0]}") from None
     except ImportError as e:
         hint = DRIVER_HINTS.get(url.get_backend_name(), f"install the {url.drivername} driver")
-        raise FibctlError(f"--db {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None
+        raise FibctlError(f"{option} {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None
 
 
-def _engine(url: URL, *, foreign_keys: bool = True, **kwargs) -> Engine:
-    engine = _create_engine(url, **kwargs)
+def _connect_timeout(url: URL) -> str | None:
+    """The connect timeout the user set (the URL's, else PGCONNECT_TIMEOUT's), in seconds."""
+    return url.query.get("connect_timeout") or os.environ.get("PGCONNECT_TIMEOUT") or None
+
+
+def _engine(url: URL, option: str = "--db", *, foreign_keys: bool = True, **kwargs) -> Engine:
+    engine = _create_engine(url, option, **kwargs)
     if engine.dialect.name == "sqlite":
         _install_sqlite_settings(engine, foreign_keys=foreign_keys)
     return engine
@@ -210,10 +239,23 @@ def _check_revision(engine: Engine, db: str) -> str | None:
         rev = current_revision(engine)
         tables = inspect(engine).get_table_names() if rev is None else []
     except DatabaseError as e:
+        if _timed_out(e):
+            url = engine.url
+            server = f"{url.host or url.query.get('host') or 'localhost'}:{url.port or 5432}"
+            waited = _connect_timeout(url) or CONNECT_TIMEOUT_S
+            raise FibctlError(f"the database server {server} did not answer within {waited} s "
+                              f"({shown(db)}); is it up, and is that its address?") from None
         if "locked" in str(e.orig):
             raise FibctlError(f"{shown(db)} is locked by another process: waited {BUSY_TIMEOUT_MS / 1000:g} s "
                               "for its write lock; try again when it is done") from None
         reason = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]  # the driver's first line
+        path = _sqlite_path(resolve_url(db))
+        if path is not None and "unable to open" in reason \
+                and not os.access(path.absolute().parent, os.W_OK | os.X_OK):
+            # SQLite makes a new database, and a WAL one's -wal and -shm files, in its folder
+            doing = "write to" if path.exists() else "create"
+            raise FibctlError(f"cannot {doing} database {path}: directory {path.absolute().parent} "
+                              "is not writable") from None
         raise FibctlError(f"{shown(db)} is not a usable database: {reason}") from None
     if rev is None and tables:
         raise FibctlError(
@@ -228,18 +270,27 @@ def _check_revision(engine: Engine, db: str) -> str | None:
     return rev
 
 
-def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
+def _timed_out(e: DatabaseError) -> bool:
+    """Whether the server took the connection and did not answer within the connect timeout."""
+    try:
+        from psycopg.errors import ConnectionTimeout
+    except ImportError:  # psycopg2's timeout, or none: the driver's own line names the server
+        return False
+    return isinstance(e.orig, ConnectionTimeout)
+
+
+def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str | None, str]:
     """Bring `db` to `revision`; returns (revision before, revision after).
 
     The whole upgrade is one transaction. SQLite runs it with foreign keys off: batch
     migrations rebuild tables, and dropping a parent table with them on would cascade-delete
     its children's rows.
     """
-    url = resolve_url(db)
+    url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
         _check_sqlite_file(path, must_exist=False)
-    engine = _engine(url, foreign_keys=False, poolclass=NullPool)
+    engine = _engine(url, option, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
         if path is not None:  # a fibctl database (or a new one): now it may change mode
@@ -264,44 +315,45 @@ def _set_wal(engine: Engine) -> None:
         raw.close()
 
 
-def connect(db: str, *, create: bool = True, must_exist: bool = False) -> Engine:
+def connect(db: str, *, create: bool = True, must_exist: bool = False, option: str = "--db") -> Engine:
     """An engine on `db`. With `create`, a missing database is created and an older schema
     upgraded to the latest revision; without it, the database must exist and be current.
     `must_exist` still upgrades but creates nothing: for commands that only make sense on a
     database with runs in it, where a mistyped path would otherwise be a new empty one."""
-    url = resolve_url(db)
+    url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None and must_exist:
         _check_sqlite_file(path, must_exist=True)
     if create:
-        upgrade(db)
+        upgrade(db, option=option)
     elif path is not None:
         _check_sqlite_file(path, must_exist=True)
-    engine = _engine(url)
+    engine = _engine(url, option)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
         raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db {shown(db)}`")
     return engine
 
 
-def connect_readonly(db: str, *, current: bool = True) -> Engine:
+def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> Engine:
     """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
     transactions), for reports and SQL a user typed. With `current`, the database must be a
     fibctl one at the latest revision (the reports' queries need its columns)."""
-    url = resolve_url(db)
+    url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
         _check_sqlite_file(path, must_exist=True)
-        engine = _create_engine(make_url(_readonly_sqlite_url(path)))
+        engine = _create_engine(make_url(_readonly_sqlite_url(path)), option)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
             dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             dbapi_conn.execute("PRAGMA query_only=ON")
     elif url.get_backend_name() == "postgresql":
-        engine = _create_engine(url, execution_options={"postgresql_readonly": True})
+        engine = _create_engine(url, option, execution_options={"postgresql_readonly": True})
     else:
-        raise FibctlError(f"read-only access supports SQLite and PostgreSQL databases, not {shown(url)}")
+        raise FibctlError(f"{option} {shown(url)}: read-only access supports SQLite and PostgreSQL "
+                          "databases only")
     rev = _check_revision(engine, db)
     if current and rev != head_revision():
         engine.dispose()

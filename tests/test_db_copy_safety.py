@@ -1,0 +1,151 @@
+"""`fibctl db copy` never moves a run backwards: a target that has a run further along (or
+with results the source lacks) keeps it, and its metrics, as they were; the source's rows
+only add. The target is each backend in turn (`db_url`), the source a SQLite file. And
+`db copy`'s messages name the option (--from, --to) the user gave the database with."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import datetime
+
+import pytest
+from sqlalchemy import select, text
+
+from fibctl.db import schema
+from fibctl.db.copy import AS_FAR, FURTHER, METRIC_TABLES, MORE_RESULTS, copy_database
+from fibctl.db.engine import connect
+from fibctl.db.store import RunRecorder
+from fibctl.queue import add_runs
+from train_helpers import micro_run
+
+RUNS = ("a", "b")
+
+
+def recorder(engine, name: str) -> RunRecorder:
+    with engine.connect() as conn:
+        return RunRecorder(engine, conn.execute(select(schema.Run.id).where(schema.Run.name == name)).scalar_one())
+
+
+def trained(engine, name: str, loss: float = 1.0) -> None:
+    """The run done, with what training records: results, a train step, an evaluation, an event."""
+    rec = recorder(engine, name)
+    rec.update_run(status="done", attempts=1, final_step=30, tokens_trained=30 * 512, params_total=1000,
+                   params_non_embedding=800, wall_seconds=12.5, checkpoint_path=f"{name}/step_30.pt",
+                   finished_at=datetime(2026, 1, 2))
+    rec.log_step(30, loss, 1e-3)
+    rec.log_eval(30, "math_val", 64, 4096, loss)
+    rec.event("done", "trained")
+
+
+def snapshot(engine) -> dict[str, list[str]]:
+    """Every row of every table the copy writes, ids included."""
+    with engine.connect() as conn:
+        return {m.__tablename__: sorted(map(repr, conn.execute(select(m.__table__)).all()))
+                for m in (schema.Run, *METRIC_TABLES, schema.Event)}
+
+
+def databases(target_url: str, tmp_path, names=("a",)):
+    """The target and the source, each with the same runs queued (same names and configs)."""
+    target, source = connect(target_url), connect(str(tmp_path / "source.db"))
+    for engine in (target, source):
+        add_runs(engine, [micro_run(n) for n in names])
+    return target, source
+
+
+def test_a_stale_queued_copy_leaves_done_runs_and_their_metrics_as_they_were(db_url, tmp_path):
+    """The audit's case: the same runs queued again elsewhere, copied onto a database where
+    they were trained. Nothing in the target changes, now or when copied again."""
+    target, source = databases(db_url, tmp_path, RUNS)
+    for name in RUNS:
+        trained(target, name)
+    before = snapshot(target)
+    summary = copy_database(source, target)
+    assert summary.kept == {"a": FURTHER, "b": FURTHER} and summary.written == 0
+    assert snapshot(target) == before
+    again = copy_database(source, target)
+    assert again.written == 0 and snapshot(target) == before
+
+
+def test_a_kept_run_gains_only_the_metrics_it_lacks(db_url, tmp_path):
+    target, source = databases(db_url, tmp_path)
+    trained(target, "a", loss=1.0)
+    stopped = recorder(source, "a")  # an attempt elsewhere that failed early
+    stopped.update_run(status="failed", final_step=10, error="out of memory")
+    stopped.log_step(30, 9.0, 1e-3)  # the target's key: its value stays
+    stopped.log_eval(10, "math_val", 64, 4096, 3.0)  # a key the target lacks: added
+    summary = copy_database(source, target)
+    assert summary.kept == {"a": FURTHER}
+    assert (summary.rows["train_steps"], summary.rows["evaluations"]) == (0, 1)
+    with target.connect() as conn:
+        assert conn.execute(text("SELECT status, final_step, error FROM runs WHERE name = 'a'")).one() == (
+            "done", 30, None)
+        assert conn.execute(text("SELECT step, loss FROM train_steps")).all() == [(30, 1.0)]
+        assert conn.execute(text("SELECT step, loss FROM evaluations ORDER BY step")).all() == [(10, 3.0), (30, 1.0)]
+
+
+def test_a_retried_run_keeps_the_progress_the_source_lacks(db_url, tmp_path):
+    """Queued again after a failure, it keeps its checkpoint and final step to resume from:
+    a source row that failed without either does not take its place."""
+    target, source = databases(db_url, tmp_path)
+    recorder(target, "a").update_run(final_step=20, checkpoint_path="a/step_20.pt")
+    recorder(source, "a").update_run(status="failed", error="killed")
+    before = snapshot(target)
+    assert copy_database(source, target).kept == {"a": MORE_RESULTS}
+    assert snapshot(target) == before
+
+
+def test_runs_as_far_along_but_recorded_otherwise_stay_as_the_target_has_them(db_url, tmp_path):
+    target, source = databases(db_url, tmp_path)
+    recorder(source, "a").update_run(created_at=datetime(2020, 1, 1))
+    before = snapshot(target)
+    assert copy_database(source, target).kept == {"a": AS_FAR}
+    assert snapshot(target) == before
+
+
+def test_a_run_further_along_in_the_source_moves_the_target_on(db_url, tmp_path):
+    target, source = databases(db_url, tmp_path)
+    trained(source, "a")
+    recorder(target, "a").log_step(10, 5.0, 1e-3)  # the target's own row of another key stays
+    summary = copy_database(source, target)
+    assert summary.kept == {} and summary.rows["runs"] == 1
+    with target.connect() as conn:
+        assert conn.execute(text("SELECT status, final_step, checkpoint_path FROM runs WHERE name = 'a'")).one() == (
+            "done", 30, "a/step_30.pt")
+        assert conn.execute(text("SELECT step, loss FROM train_steps ORDER BY step")).all() == [(10, 5.0), (30, 1.0)]
+        assert conn.execute(text("SELECT kind FROM events")).all() == [("done",)]
+
+
+def fibctl(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd, env={**os.environ, "COLUMNS": "80"})
+
+
+def test_cli_copy_says_how_many_runs_it_kept_and_why(tmp_path):
+    target, source = databases(str(tmp_path / "target.db"), tmp_path, RUNS)
+    for name in RUNS:
+        trained(target, name)
+    before = snapshot(target)
+    done = fibctl("db", "copy", "--from", "source.db", "--to", "target.db", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert " ".join(done.stdout.split()) == ("source.db -> target.db: wrote nothing "
+                                             "kept 2 run(s) as the target has them: 2 further along there")
+    assert snapshot(target) == before
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--from", "source.db", "--to", "foo://x"], "--to foo://x: unknown database kind 'foo'"),
+    (["--from", "foo://x", "--to", "new.db"], "--from foo://x: read-only access supports"),
+    (["--from", "source.db", "--to", "sqlite://"], "--to sqlite:// is an in-memory database"),
+    (["--from", "sqlite:///:memory:", "--to", "new.db"], "--from sqlite:///:memory: is an in-memory database"),
+    (["--from", "source.db", "--to", " "], "--to is empty"),
+    (["--from", "source.db", "--to", "sqlite://x:y:z@@/"], "--to "),
+])
+def test_cli_copy_names_the_option_it_refuses(tmp_path, args, line):
+    connect(str(tmp_path / "source.db")).dispose()
+    done = fibctl("db", "copy", *args, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [error] = done.stderr.strip().splitlines()
+    assert error.startswith(f"error: {line}") and "--db" not in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source.db"]  # nothing created

@@ -94,3 +94,22 @@ def test_matrix_list_and_db_current_fit(tmp_path, columns):
     done = fibctl("db", "current", "--db", str(path), columns=columns)
     assert_fits(done, columns)
     assert str(path) in "".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
+    """A source's kind (`installed-docs`) was cut to `installe…` at 80 columns."""
+    import dataclasses
+
+    from fibctl.data.streams import load_manifest
+    from train_helpers import write_data
+
+    folder = write_data(tmp_path / ("data_" + "deep_folder_name_" * 4))
+    source = {"kind": "installed-docs", "target_tokens": 40_000, "train_tokens": 40_000, "train_documents": 11_509,
+              "exhausted": False, "heldout": "docs_val", "heldout_tokens": 8_192, "heldout_documents": 735}
+    dataclasses.replace(load_manifest(folder), sources={"docs": source}).write()
+    done = fibctl("data", "show", str(folder), columns=columns)
+    assert_fits(done, columns)
+    tables = done.stdout.split("┏")
+    assert f"{folder}/train.bin" in column(tables[1], 2)  # the rows' paths, each whole
+    assert column(tables[2], 1) == "installed-docs"

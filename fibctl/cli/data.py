@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import console, err_console, plain
+from fibctl.cli.common import console, err_console, fitted_table, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
 
@@ -93,15 +93,20 @@ def recipes_cmd() -> None:
 def _print_manifest(m: DataManifest) -> None:
     console.print(f"recipe {m.recipe} ({m.recipe_hash}); vocab {m.vocab_size:,} "
                   f"(tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); eos id {m.eos_id}", markup=False)
-    splits = Table("split", "tokens", "file")
-    for split in m.splits:
-        splits.add_row(plain(split), f"{m.tokens[split]:,}", plain(m.split_path(split)))
+    # every cell whole at any width: names and paths fold within their column
+    splits, _ = fitted_table(["split", "tokens", "file"],
+                             [[split, f"{m.tokens[split]:,}", str(m.split_path(split))] for split in m.splits],
+                             width=console.width, names=("split", "file"), right=("tokens",))
     console.print(splits)
-    per_source = Table("source", "kind", "train tokens", "share", "train docs", "held-out set", "held-out docs")
+    rows = []
     for name, s in m.sources.items():
         share = s["train_tokens"] / m.tokens["train"] if m.tokens["train"] else 0.0
-        per_source.add_row(plain(name), plain(s["kind"]), f"{s['train_tokens']:,}", f"{share:.1%}",
-                           f"{s['train_documents']:,}", plain(s["heldout"] or "-"), f"{s['heldout_documents']:,}")
+        rows.append([name, s["kind"], f"{s['train_tokens']:,}", f"{share:.1%}", f"{s['train_documents']:,}",
+                     s["heldout"] or "-", f"{s['heldout_documents']:,}"])
+    per_source, _ = fitted_table(["source", "kind", "train tokens", "share", "train docs", "held-out set",
+                                  "held-out docs"], rows, width=console.width,
+                                 names=("source", "kind", "held-out set"),
+                                 right=("train tokens", "share", "train docs", "held-out docs"))
     console.print(per_source)
 
 

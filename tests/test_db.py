@@ -335,6 +335,34 @@ def test_a_database_whose_folder_cannot_be_written_says_so():
         shutil.rmtree(base)
 
 
+def test_reading_a_wal_database_one_cannot_write_leaves_no_files_beside_it():
+    """A read-only command on a WAL database whose file (not folder) this user cannot write
+    left -wal and -shm files that nothing removed. Root may write anywhere: as root the read
+    runs in a child process that has given up root."""
+    import os
+    import shutil
+    import tempfile
+
+    from fibctl.db.engine import release
+
+    base = tempfile.mkdtemp()  # not under pytest's root-only folder: the child must reach it
+    try:
+        os.chmod(base, 0o777)
+        db = os.path.join(base, "r.db")
+        connect(db).dispose()  # a WAL database
+        os.chmod(db, 0o444)
+
+        def read():
+            engine = connect_readonly(db)
+            with engine.connect() as conn:
+                runs = conn.execute(text("SELECT count(*) FROM runs")).scalar()
+            release()
+            return [runs, sorted(os.listdir(base))]
+        assert _without_root(read) == [0, ["r.db"]]
+    finally:
+        shutil.rmtree(base)
+
+
 def test_a_database_under_a_file_or_a_missing_folder_is_refused(tmp_path):
     (tmp_path / "a.db").write_bytes(b"")
     with pytest.raises(FibctlError, match=f"^cannot create database {tmp_path}/a.db/new.db: {tmp_path}/a.db "

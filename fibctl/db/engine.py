@@ -118,7 +118,11 @@ def release() -> None:
     for engine in list(_engines):
         engine.dispose()
     for path, absent in list(_opened.items()):
-        if absent and path.is_file() and any(p.exists() for p in _wal_files(path)):
+        try:
+            stray = absent and path.is_file() and any(p.exists() for p in _wal_files(path))
+        except OSError:  # a folder this process may no longer look into: nothing it can tidy
+            continue
+        if stray:
             try:
                 conn = sqlite3.connect(path)
                 try:
@@ -366,9 +370,13 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
 def _readonly_sqlite_url(path: Path) -> str:
     """`mode=ro`; in a folder this process cannot write, `immutable=1` as well: a read-only
     WAL database needs its -shm file, which such a folder cannot get (nothing can be
-    writing to the database there either, so reading it as immutable is safe)."""
-    immutable = "&immutable=1" if not os.access(path.resolve().parent, os.W_OK) else ""
-    return f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro{immutable}&uri=true"
+    writing to the database there either, so reading it as immutable is safe). Likewise for
+    a file this process cannot write while no -wal or -shm file shows a writer: SQLite would
+    make both, and `release` could not remove them (it needs to write the file)."""
+    path = path.resolve()
+    idle = not any(p.exists() for p in _wal_files(path))
+    immutable = not os.access(path.parent, os.W_OK) or (idle and not os.access(path, os.W_OK))
+    return f"sqlite:///file:{quote(str(path))}?mode=ro{'&immutable=1' if immutable else ''}&uri=true"
 
 
 def refusal(e: BaseException) -> str | None:

@@ -23,6 +23,7 @@ SEED_MAX = 2**32 - 1  # numpy's global generator, seeded with every run's seeds,
 DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
 # the database stores step and token counts in Integer columns: 32-bit on PostgreSQL
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the model's parameters are float32: a larger lr overflows them
 FLOAT32_ZERO = 2**-150  # half the smallest positive float32: float32 rounds this and less to 0
 
@@ -314,9 +315,9 @@ class RunConfig:
             if value is not None and value < model.seq_len:  # refused now, not at its first evaluation
                 raise ConfigError(f"train.{budget} = {value} is below one window of {model.seq_len} tokens")
         tokens = train.steps * train.batch_size * train.grad_accum * model.seq_len
-        if tokens > INT32_MAX:  # refused now, not when the finished run records it
+        if tokens > INT64_MAX:  # refused now, not when the finished run records it
             raise ConfigError(f"train.steps x batch_size x grad_accum x T = {tokens:,} tokens is too large: "
-                              "at most 2**31 - 1, the database's 32-bit runs.tokens_trained")
+                              "at most 2**63 - 1, the database's 64-bit runs.tokens_trained")
         return cls(name=name, matrix=matrix, preset=preset, init_seed=check_seed(
                        seed if init_seed is None else init_seed, "init_seed"),
                    data_seed=data_seed, model=model, train=train)

@@ -91,6 +91,29 @@ def test_upgrade_names_the_task_of_probe_models_scored_before(db_url):
         == [[(0,)], [(4,)]]
 
 
+def test_seeds_and_counts_past_32_bits_are_recorded_after_an_upgrade(db_url):
+    """Revision 0008: seeds up to 2**32 - 1, parameter and token counts past 2**31 (PostgreSQL's
+    INTEGER is 32-bit); a run recorded at 0007 keeps its row through the rebuild."""
+    db = db_url
+    upgrade(db, "0007")
+    add_runs(connect_at(db), [RunConfig.resolve("old", "m", "micro", schedule="stagger", window=8, seed=7)])
+    assert upgrade(db) == ("0007", head_revision())
+    engine = connect(db)
+    wide = RunConfig.resolve("wide", "m", "micro", schedule="stagger", window=8, seed=2**32 - 1)
+    add_runs(engine, [wide])
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET tokens_trained = :t, params_total = :p WHERE name = 'wide'"),
+                     {"t": 2**40, "p": 3 * 10**9})
+    engine.dispose()
+    assert _inspect(db, "SELECT name, seed, init_seed, tokens_trained, params_total FROM runs ORDER BY name") == [[
+        ("old", 7, 7, None, None), ("wide", 2**32 - 1, 2**32 - 1, 2**40, 3 * 10**9)]]
+
+
+def connect_at(db: str):
+    """An engine on `db` as it is, not upgraded (fibctl's `connect` brings it to the head)."""
+    return create_engine(resolve_url(db), poolclass=NullPool)
+
+
 def test_failed_upgrade_changes_nothing(db_url):
     db = db_url
     upgrade(db, "0001")

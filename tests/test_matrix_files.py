@@ -76,8 +76,9 @@ def test_names_schedules_and_windows_of_the_wrong_type(tmp_path, body):
     ("grad_clip = 1e39", "train.grad_clip = 1e+39 is too large"),
     ("lr = 1e-320", "train.lr = 1e-320 is too small: it is 0 in float32"),
     ("min_lr_ratio = 7.006492321624085e-46", "train.min_lr_ratio = 7.006492321624085e-46 is too small"),  # 2**-150
-    # micro: 4 x 2 windows of 64 tokens a step, 512 tokens
-    ("steps = 4194304", "x batch_size x grad_accum x T = 2,147,483,648 tokens is too large"),
+    # micro: T = 64; runs.tokens_trained is 64-bit
+    ("steps = 2147483647, batch_size = 2147483647, grad_accum = 4",
+     "x batch_size x grad_accum x T = 1,180,591,619,617,899,675,904 tokens is too large: at most 2**63 - 1"),
 ])
 def test_numbers_too_large_to_train_or_record_are_refused(tmp_path, override, words):
     path = write(tmp_path, f'[matrix]\npreset = "micro"\n\n{RUN}train = {{ {override} }}\n')
@@ -86,14 +87,14 @@ def test_numbers_too_large_to_train_or_record_are_refused(tmp_path, override, wo
 
 
 def test_the_largest_numbers_that_fit_are_taken(tmp_path):
-    # T = 64: W up to 62; 512 tokens a step: 4,194,303 steps make 2**31 - 512 tokens;
+    # T = 64: W up to 62; steps to 2**31 - 1 (2**40 tokens: past 32 bits, recorded in 64);
     # the lr float32's largest, the weight decay a hair above what rounds to 0
     path = write(tmp_path, '[matrix]\npreset = "micro"\ninit_seed = 4294967295\n\n[[runs]]\nname = "a"\n'
                            'schedule = "stagger"\nwindow = 62\nseed = 4294967295\n'
-                           'train = { steps = 4194303, lr = 3.4e38, weight_decay = 7.006493e-46 }\n')
+                           'train = { steps = 2147483647, lr = 3.4e38, weight_decay = 7.006493e-46 }\n')
     (config,) = load_matrix(path).resolve()
     assert (config.model.window, config.train.steps, config.init_seed, config.seed) == (
-        62, 4194303, 2**32 - 1, 2**32 - 1)
+        62, 2**31 - 1, 2**32 - 1, 2**32 - 1)
 
 
 @pytest.mark.parametrize("where, value", [("[matrix]", "init_seed = 99999999999999999999"),

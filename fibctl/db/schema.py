@@ -10,7 +10,7 @@ import enum
 from datetime import datetime
 
 from sqlalchemy import (
-    JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, DateTime,
+    JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, DateTime,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -46,9 +46,9 @@ class Run(Base):
     base: Mapped[str | None] = mapped_column(String(20))  # fib | pow2; NULL for dense
     schedule: Mapped[str] = mapped_column(String(20))  # dense | fixed | learned | stagger | coprime
     window: Mapped[int | None] = mapped_column(Integer)  # W; NULL for dense
-    seed: Mapped[int] = mapped_column(Integer)  # the replicate seed the tables group by (= data_seed)
-    init_seed: Mapped[int | None] = mapped_column(Integer)  # drew the initial weights; NULL: not recorded
-    data_seed: Mapped[int | None] = mapped_column(Integer)  # drew the batches; NULL: not recorded
+    seed: Mapped[int] = mapped_column(BigInteger)  # the replicate seed the tables group by (= data_seed)
+    init_seed: Mapped[int | None] = mapped_column(BigInteger)  # drew the initial weights; NULL: not recorded
+    data_seed: Mapped[int | None] = mapped_column(BigInteger)  # drew the batches; NULL: not recorded
     train_length: Mapped[int] = mapped_column(Integer)  # sequence length T it trains at
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(64))
@@ -72,9 +72,9 @@ class Run(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime)
     wall_seconds: Mapped[float | None] = mapped_column(Float)
-    params_total: Mapped[int | None] = mapped_column(Integer)
-    params_non_embedding: Mapped[int | None] = mapped_column(Integer)
-    tokens_trained: Mapped[int | None] = mapped_column(Integer)
+    params_total: Mapped[int | None] = mapped_column(BigInteger)
+    params_non_embedding: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_trained: Mapped[int | None] = mapped_column(BigInteger)
     final_step: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     checkpoint_path: Mapped[str | None] = mapped_column(Text)  # RUN/step_N.pt, under the runs folder
@@ -114,7 +114,7 @@ class Evaluation(Base):
     step: Mapped[int] = mapped_column(Integer)
     dataset: Mapped[str] = mapped_column(String(100))
     eval_length: Mapped[int] = mapped_column(Integer)
-    tokens: Mapped[int | None] = mapped_column(Integer)  # predicted tokens the mean is over; NULL: unknown
+    tokens: Mapped[int | None] = mapped_column(BigInteger)  # predicted tokens the mean is over; NULL: unknown
     loss: Mapped[float] = mapped_column(Float)  # mean next-token cross-entropy, nats
     ppl: Mapped[float] = mapped_column(Float)  # exp(loss)
     created_at: Mapped[datetime | None] = mapped_column(DateTime)

@@ -8,7 +8,10 @@ Source and held-out set names become file names, so they follow `fibctl.names.NA
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,11 +84,36 @@ class Recipe:
         return short_hash(d)
 
     def local_files(self, source: Source) -> list[str]:
-        """The files a local source's globs match, sorted; error if none do."""
-        found = sorted({p for pattern in source.files for p in glob.glob(pattern, recursive=True)})
+        """The files a local source's globs match, sorted, each file once; error if none do.
+
+        Folders are skipped (a `**` glob matches them). Paths reaching one file (a symlink,
+        a symlink loop under `**`) keep the first in sorted order, so no file is read twice.
+        """
+        where = f"source {source.name!r}"
+        found: dict[str, str] = {}  # real path -> first path that matched it
+        for path in sorted({p for pattern in source.files for p in glob.glob(pattern, recursive=True)}):
+            try:
+                mode = os.stat(path).st_mode
+            except FileNotFoundError:
+                if os.path.islink(path):
+                    raise FibctlError(f"{where}: {path} is a broken link (to {os.readlink(path)})") from None
+                raise FibctlError(f"{where}: {path} is gone (deleted while reading?)") from None
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise FibctlError(f"{where}: cannot read {path}: {e.strerror}") from None
+                try:  # a path too deep inside a loop of folder links: a shorter one reaches its file
+                    os.stat(os.path.realpath(path))
+                except OSError:
+                    raise FibctlError(f"{where}: {path} is a symlink loop") from None
+                continue
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise FibctlError(f"{where}: {path} is not a regular file (a pipe, socket or device)")
+            found.setdefault(os.path.realpath(path), path)
         if not found:
-            raise FibctlError(f"source {source.name!r}: no files match {', '.join(source.files)}")
-        return found
+            raise FibctlError(f"{where}: no files match {', '.join(source.files)}")
+        return sorted(found.values())
 
 
 def shipped() -> list[str]:
@@ -100,8 +128,11 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if not path.is_file():
             raise FibctlError(f"no recipe {str(name_or_path)!r}: not a file, and not a shipped recipe "
                               f"({', '.join(shipped())})")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    try:  # utf-8-sig: editors that save a byte-order mark
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise FibctlError(f"cannot read recipe {path}: byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start} is not UTF-8; save the recipe as UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise FibctlError(f"cannot read recipe {path}: {e}") from None
     return parse_recipe(data, default_name=path.stem, base_dir=path.parent)

@@ -50,14 +50,45 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
 
     files = recipe.local_files(source)
     options = {"sample_by": source.sample_by} if source.format == "text" else {}
+    _quiet(datasets)
     try:
         ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True, **options)
         yield from _texts(source, ds)
     except FibctlError:
         raise
     except Exception as e:
+        bad = _first_not_utf8(files) if isinstance(e, UnicodeDecodeError) else None
+        if bad:
+            raise FibctlError(f"source {source.name!r}: {bad} is not UTF-8 text; convert it to UTF-8 "
+                              f"(e.g. iconv -f latin1 -t utf-8)") from None
         raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
                           f"{', '.join(source.files)}: {_one_line(e)}") from None
+
+
+def _first_not_utf8(files: list[str]) -> str | None:
+    """The first of the files that is not UTF-8, read in chunks; None if all are."""
+    import codecs
+
+    for path in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    decoder.decode(chunk)
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _quiet(datasets) -> None:
+    """Silence the datasets library's own log lines (it logs a JSON parse error, at ERROR,
+    before raising it): fibctl reports each failure in one line of its own."""
+    import logging
+
+    datasets.utils.logging.set_verbosity(logging.CRITICAL + 1)
 
 
 HUB_PROBE_TIMEOUT_S = 5.0  # one request before any hub download; HF_HUB_ETAG_TIMEOUT overrides
@@ -105,6 +136,7 @@ def _hub_documents(source: Source) -> Iterator[str]:
     check_hub(source.dataset)
     import datasets
 
+    _quiet(datasets)
     try:
         streams = [iter(_texts(source, datasets.load_dataset(
             source.dataset, config, split=source.split, streaming=True, revision=source.revision)))
@@ -139,9 +171,26 @@ def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
         if missing:
             raise FibctlError(f"source {source.name!r}: rows have no field {', '.join(missing)}; "
                               f"fields: {', '.join(row)}; set text = [...] in the recipe")
-        text = "\n\n".join(str(row[f]).strip() for f in source.text if row[f] is not None and str(row[f]).strip())
+        text = "\n\n".join(t for t in (_field_text(source, f, row[f]) for f in source.text) if t)
         if text:
             yield text
+
+
+def _field_text(source: Source, field: str, value: object) -> str:
+    """A field's text, stripped; a null (a row without it, in a table) is empty. Numbers,
+    lists and mappings are refused: their Python repr is not a document to train on."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):  # a binary parquet column
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FibctlError(f"source {source.name!r}: field {field!r} holds bytes that are not "
+                              f"UTF-8 text") from None
+    if not isinstance(value, str):
+        raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
+                          f"values, not text; text = [...] must name string fields") from None
+    return value.strip()
 
 
 def _one_line(e: Exception) -> str:

@@ -1,0 +1,155 @@
+"""Local sources on corpora nobody tuned for: odd encodings, links, folders, pipes, field types."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fibctl.data import sources
+from fibctl.data.recipe import Recipe, load_recipe, parse_recipe
+from fibctl.errors import FibctlError
+
+RECIPE = """# a recipe over local text files
+name = "odd"
+vocab_size = 512
+train_tokens = 1000
+
+[[sources]]
+name = "notes"
+kind = "local"
+format = "text"
+files = ["notes/*.txt"]
+share = 1.0
+"""
+
+
+def _local(files: str, fmt: str = "text", **extra) -> tuple[Recipe, object]:
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": fmt, "files": [files], "share": 1, **extra}]})
+    return recipe, recipe.sources[0]
+
+
+def _docs(recipe: Recipe, source, tmp_path: Path) -> list[str]:
+    return list(sources.documents(recipe, source, tmp_path))
+
+
+def _notes(root: Path, n: int = 3) -> Path:
+    (root / "notes").mkdir()
+    for i in range(n):
+        (root / "notes" / f"{i}.txt").write_text(f"note {i} river stone lantern\n")
+    return root / "notes"
+
+
+def test_recipe_with_a_byte_order_mark_loads(tmp_path):
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + RECIPE.encode())
+    assert load_recipe(tmp_path / "bom.toml").name == "odd"
+
+
+def test_recipe_not_utf8_is_one_line_exit_2(tmp_path):
+    (tmp_path / "latin.toml").write_bytes(RECIPE.replace("a recipe", "caf\xe9").encode("latin-1"))
+    with pytest.raises(FibctlError, match=r"latin\.toml: byte 0xe9 .* not UTF-8"):
+        load_recipe(tmp_path / "latin.toml")
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "latin.toml", "--out", "out",
+                           "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "latin.toml" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_symlink_loop_and_file_link_read_each_file_once(tmp_path):
+    notes = _notes(tmp_path)
+    (notes / "sub").mkdir()
+    (notes / "sub" / "deep.txt").write_text("deep note\n")
+    (notes / "sub" / "up").symlink_to("..")  # a loop under **
+    (notes / "zz-link.txt").symlink_to("0.txt")  # a second name for one document
+    recipe, source = _local(str(notes / "**" / "*.txt"))
+    files = recipe.local_files(source)
+    assert len({os.path.realpath(p) for p in files}) == len(files) == 4
+    assert str(notes / "0.txt") in files  # the first name in sorted order is kept
+    docs = _docs(recipe, source, tmp_path)
+    assert sorted(docs) == sorted(["note 0 river stone lantern", "note 1 river stone lantern",
+                                   "note 2 river stone lantern", "deep note"])
+    assert set(sources.fingerprint(recipe, source)) == set(files)
+
+
+def test_a_glob_matching_folders_reads_the_files_in_them(tmp_path):
+    notes = _notes(tmp_path)
+    (notes / "a" / "b").mkdir(parents=True)
+    (notes / "a" / "b" / "nested.txt").write_text("nested note\n")
+    recipe, source = _local(str(notes / "**"))
+    assert "nested note" in _docs(recipe, source, tmp_path)
+    assert all(Path(p).is_file() for p in recipe.local_files(source))
+
+
+def test_a_pipe_is_refused_by_name(tmp_path):
+    notes = _notes(tmp_path)
+    os.mkfifo(notes / "pipe.txt")
+    recipe, source = _local(str(notes / "*.txt"))
+    with pytest.raises(FibctlError, match=r"source 'notes': .*pipe\.txt is not a regular file"):
+        sources.fingerprint(recipe, source)  # reading the pipe would wait for a writer forever
+
+
+def test_a_broken_link_is_named(tmp_path):
+    notes = _notes(tmp_path)
+    (notes / "gone.txt").symlink_to("nonexistent.txt")
+    recipe, source = _local(str(notes / "*.txt"))
+    with pytest.raises(FibctlError, match=r"source 'notes': .*gone\.txt is a broken link"):
+        sources.fingerprint(recipe, source)
+
+
+def test_a_latin1_text_file_is_named(tmp_path):
+    notes = _notes(tmp_path)
+    (notes / "1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    recipe, source = _local(str(notes / "*.txt"))
+    with pytest.raises(FibctlError, match=r"notes/1\.txt is not UTF-8 text; convert it to UTF-8"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("value, kind", [(123, "int"), (["a", "b"], "list"), ({"x": 1}, "dict")])
+def test_a_field_that_is_not_text_is_refused(tmp_path, value, kind):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": value}) + "\n")
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    with pytest.raises(FibctlError, match=f"source 'notes': field 'text' holds {kind} values, not text"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_null_field_is_empty(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"text": "first"}\n{"text": null}\n{"text": "third"}\n')
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    assert _docs(recipe, source, tmp_path) == ["first", "third"]
+
+
+def test_a_binary_parquet_column_is_decoded(tmp_path):
+    pq.write_table(pa.table({"text": pa.array([b"first doc", "caf\xe9".encode()], pa.binary())}),
+                   tmp_path / "a.parquet")
+    recipe, source = _local(str(tmp_path / "a.parquet"), "parquet")
+    assert _docs(recipe, source, tmp_path) == ["first doc", "caf\xe9"]
+    pq.write_table(pa.table({"text": pa.array([b"caf\xe9"], pa.binary())}), tmp_path / "a.parquet")
+    with pytest.raises(FibctlError, match="field 'text' holds bytes that are not UTF-8"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.fixture
+def datasets_logging_default():
+    """The datasets library's own default, whatever an earlier test set."""
+    import datasets
+
+    before = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.set_verbosity(logging.WARNING)
+    yield
+    datasets.utils.logging.set_verbosity(before)
+
+
+def test_a_json_parse_error_is_fibctls_line_alone(tmp_path, capfd, datasets_logging_default):
+    (tmp_path / "rows.jsonl").write_text('{"text": "a lone \\ud800 surrogate"}\n{"text": "fine"}\n')
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    with pytest.raises(FibctlError, match="cannot read json files"):
+        _docs(recipe, source, tmp_path)
+    assert "Failed to load JSON" not in capfd.readouterr().err

@@ -31,7 +31,7 @@ import numpy as np
 from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from fibctl.data import sources
+from fibctl.data import installed_docs, sources
 from fibctl.data.recipe import Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError
@@ -110,23 +110,63 @@ def train_tokenizer(recipe: Recipe, scratch: Path, progress: Progress) -> Tokeni
     return tokenizer
 
 
+# BPE training slows with the square of a word's length: a run of this many characters without
+# whitespace (base64, minified code, a DNA sequence) is cut there for the tokenizer's sample
+SAMPLE_WORD_CHARS = 4096
+_LONG_WORD = re.compile(rf"\S{{{SAMPLE_WORD_CHARS}}}")
+
+
 def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator[str]:
+    """Each source's training documents until it has given its share of
+    `tokenizer_sample_chars`, the last one whole."""
+    cuts = _training_cuts(recipe)
     for source in recipe.sources:
         quota, taken = source.share * recipe.tokenizer_sample_chars, 0
         for doc in sources.documents(recipe, source, scratch, progress):
             if taken >= quota:
                 break
-            if not _held_out(source, doc):
+            if not _hashed_below(doc, cuts[source.name]):
                 taken += len(doc)
                 progress.advance(task, len(doc))
-                yield doc
+                yield from _pieces(doc)
 
 
-def _held_out(source: Source, text: str) -> bool:
-    if not source.heldout:
-        return False
+def _pieces(doc: str) -> Iterator[str]:
+    """`doc` in pieces that end after each run of SAMPLE_WORD_CHARS non-space characters."""
+    start = 0
+    for m in _LONG_WORD.finditer(doc):
+        yield doc[start:m.end()]
+        start = m.end()
+    yield doc[start:]
+
+
+def _hashed_below(text: str, fraction: float) -> bool:
+    """Whether a document's hash falls below `fraction` of the range: every copy of a text
+    falls alike."""
     h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    return h < source.heldout_fraction * 2**64
+    return h < fraction * 2**64
+
+
+def _training_cuts(recipe: Recipe) -> dict[str, float]:
+    """Per source, the documents it may not train on: those hashed below the largest held-out
+    fraction of the sources that read any of the same inputs (itself included). A source's own
+    fraction where no other source reads its inputs; where one does, a document another source
+    holds out is never trained on through this one either."""
+    inputs = {s.name: _inputs(recipe, s) for s in recipe.sources}
+    return {s.name: max([t.heldout_fraction for t in recipe.sources
+                         if t.heldout and (t is s or inputs[s.name] & inputs[t.name])], default=0.0)
+            for s in recipe.sources}
+
+
+def _inputs(recipe: Recipe, source: Source) -> set:
+    """What a source reads documents from, so that two sources reading the same can be told."""
+    if source.kind == "local":
+        return {("local", os.path.realpath(p)) for p in recipe.local_files(source)}
+    if source.kind == "hub":  # any split or revision: a dataset's splits may share documents
+        return {("hub", source.dataset, config) for config in source.configs or (None,)}
+    if source.kind == "installed-docs":
+        return {("installed-docs", package) for package in source.packages or installed_docs.PACKAGES}
+    return {(source.kind, source.seed)}
 
 
 # ---- token streams ---------------------------------------------------------------------------
@@ -155,18 +195,26 @@ class _Writer:
 class _Feed:
     """One source while streams are written: its documents, routed and encoded a batch at a time."""
 
-    def __init__(self, source: Source, docs: Iterator[str], tokenizer: Tokenizer, target: int, eos: int):
+    def __init__(self, source: Source, docs: Iterator[str], tokenizer: Tokenizer, target: int, eos: int,
+                 cut: float):
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
-        self.queue: deque[tuple[bool, list[int]]] = deque()
+        self.cut = cut  # documents hashed below it are not trained on (_training_cuts)
+        self.queue: deque[tuple[str, list[int]]] = deque()
         self.train = self.train_documents = 0
 
-    def next(self) -> tuple[bool, list[int]] | None:
-        """(held out?, token ids ending in end-of-text) of the next document; None when run out."""
+    def next(self) -> tuple[str, list[int]] | None:
+        """(where it goes: 'heldout', 'train' or 'neither', token ids ending in end-of-text) of
+        the next document; None when run out."""
         if not self.queue:
             batch = list(itertools.islice(self.docs, ENCODE_BATCH))
             encoded = self.tokenizer.encode_batch(batch)
-            self.queue.extend((_held_out(self.source, doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
+            self.queue.extend((self._route(doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
         return self.queue.popleft() if self.queue else None
+
+    def _route(self, doc: str) -> str:
+        if self.source.heldout and _hashed_below(doc, self.source.heldout_fraction):
+            return "heldout"
+        return "neither" if _hashed_below(doc, self.cut) else "train"  # another source holds it out
 
 
 def _targets(recipe: Recipe) -> list[int]:
@@ -178,7 +226,8 @@ def _targets(recipe: Recipe) -> list[int]:
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
                    progress: Progress) -> tuple[dict[str, int], dict[str, dict]]:
     eos = tokenizer.token_to_id(EOS)
-    feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos)
+    cuts = _training_cuts(recipe)
+    feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos, cuts[s.name])
              for s, target in zip(recipe.sources, _targets(recipe))]
     train = _Writer(work / "train.bin")
     heldout = {name: _Writer(work / f"{name}.bin") for name in recipe.heldout}
@@ -192,13 +241,15 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
         if item is None:
             active.remove(feed)
             continue
-        is_heldout, ids = item
-        if is_heldout:
+        route, ids = item
+        if route == "heldout":
             writer = heldout[feed.source.heldout]
             if writer.tokens < recipe.heldout_tokens:  # full: the document is dropped, not trained on
                 writer.write(ids)
                 writer.documents += 1
                 progress.advance(heldout_tasks[feed.source.heldout], len(ids))
+            continue
+        if route == "neither":
             continue
         ids = ids[: feed.target - feed.train]
         train.write(ids)
@@ -240,6 +291,12 @@ def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer])
 def _inputs_hash(recipe: Recipe) -> str:
     inputs = {"recipe": recipe.recipe_hash,
               "sources": {s.name: sources.fingerprint(recipe, s) for s in recipe.sources}}
+    # sources that share inputs cut each other's training documents: a folder built before
+    # they did is rebuilt (where none share, the hash is what it was)
+    shared = {name: cut for name, cut in _training_cuts(recipe).items()
+              if cut != next(s.heldout_fraction if s.heldout else 0.0 for s in recipe.sources if s.name == name)}
+    if shared:
+        inputs["training_cuts"] = shared
     return short_hash(inputs)
 
 

@@ -1,0 +1,89 @@
+"""Held-out sets stay out of training when sources share inputs, and a corpus with a long run
+of text without whitespace does not stall the tokenizer (corpora nobody tuned for)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from fibctl.data import prepare as prep
+from fibctl.data.prepare import prepare
+from fibctl.data.recipe import load_recipe
+from test_data import _documents
+
+OVERLAP = """
+name = "overlap"
+vocab_size = 512
+train_tokens = 60000
+heldout_tokens = 20000
+tokenizer_sample_chars = 200000
+
+[[sources]]
+name = "a"
+kind = "local"
+format = "text"
+files = ["docs/*.txt"]
+share = 0.5
+heldout = "a_val"
+heldout_fraction = 0.3
+
+[[sources]]
+name = "b"
+kind = "local"
+format = "text"
+files = ["docs/0*.txt"]
+share = 0.5
+{b_heldout}
+"""
+
+
+def _corpus(root, n: int = 200) -> None:
+    rng = np.random.default_rng(0)
+    words = ["river", "stone", "light", "paper", "cloud", "seven", "under", "north", "glass", "amber"]
+    (root / "docs").mkdir()
+    for i in range(n):
+        (root / "docs" / f"{i % 2}{i:04d}.txt").write_text(" ".join(rng.choice(words, 60)) + f" doc{i}\n")
+
+
+@pytest.mark.parametrize("b_heldout", ["", 'heldout = "b_val"\nheldout_fraction = 0.05'])
+def test_a_document_held_out_by_one_source_is_not_trained_on_through_another(tmp_path, b_heldout):
+    """Source b reads half of a's files: it trained on 48 of the 63 documents a held out."""
+    _corpus(tmp_path)
+    (tmp_path / "r.toml").write_text(OVERLAP.format(b_heldout=b_heldout))
+    prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+    train = {t for t, _ in _documents(tmp_path / "out", "train")}
+    held = [t for t, _ in _documents(tmp_path / "out", "a_val")]
+    assert held and not set(held) & train
+    if b_heldout:  # b's own set is a's too: its fraction is below a's
+        assert not {t for t, _ in _documents(tmp_path / "out", "b_val")} & train
+
+
+@pytest.mark.parametrize("recipe", ["paper", "demo", "quick"])
+def test_sources_that_share_nothing_train_on_what_they_did(recipe):
+    """The shipped recipes' sources read different inputs: each cuts only its own held-out
+    documents from training, so their data (and its hash) are what they were."""
+    r = load_recipe(recipe)
+    assert prep._training_cuts(r) == {s.name: s.heldout_fraction if s.heldout else 0.0 for s in r.sources}
+
+
+def test_the_tokenizer_sample_cuts_long_runs_without_whitespace():
+    doc = "intro text " + "acgt" * 5000 + " middle " + "x" * 9000 + " end"
+    pieces = list(prep._pieces(doc))
+    assert "".join(pieces) == doc and len(pieces) == 7  # 4 + 2 runs of 4096, and the rest
+    assert max(len(w) for p in pieces for w in re.findall(r"\S+", p)) <= prep.SAMPLE_WORD_CHARS
+    assert list(prep._pieces("short words only")) == ["short words only"]
+
+
+def test_a_corpus_with_a_huge_word_prepares(tmp_path):
+    """A 12 MB base64-like document stalled BPE training for over 5 minutes; the training
+    stream keeps it as it is (only the tokenizer's sample is cut)."""
+    _corpus(tmp_path, 40)
+    rng = np.random.default_rng(1)
+    (tmp_path / "docs" / "0huge.txt").write_text("".join(rng.choice(list("abcdefghij"), 400_000)))
+    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0].replace("60000", "20000")
+                                     + '[[sources]]\nname = "a"\nkind = "local"\nformat = "text"\n'
+                                       'files = ["docs/*.txt"]\nshare = 1.0\n')
+    prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+    assert sum(n for _, n in _documents(tmp_path / "out", "train")) == 20000

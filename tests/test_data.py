@@ -294,7 +294,7 @@ def test_cli_prepare_show_and_recipes(corpora, tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"vocab_size": 70000}, "uint16"),
-    ({"vocab_size": 100}, "between 258"),
+    ({"vocab_size": 257}, "from 258 \\(the 256 bytes, the end-of-text token and one merge\\)"),
     ({"shards": 3}, "unknown key.*shards"),
     ({"train_tokens": "many"}, "must be an integer"),
 ])

@@ -87,3 +87,19 @@ def test_a_corpus_with_a_huge_word_prepares(tmp_path):
                                        'files = ["docs/*.txt"]\nshare = 1.0\n')
     prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
     assert sum(n for _, n in _documents(tmp_path / "out", "train")) == 20000
+
+
+def test_an_empty_held_out_set_says_how_many_documents_were_read(tmp_path):
+    """It said only "raise its heldout_fraction", which cannot help a one-document corpus."""
+    from fibctl.errors import FibctlError
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "one.txt").write_text("a single document of plain words " * 40)
+    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0].replace("60000", "500")
+                                     + '[[sources]]\nname = "a"\nkind = "local"\nformat = "text"\n'
+                                       'files = ["docs/*.txt"]\nshare = 1.0\nheldout = "a_val"\n'
+                                       'heldout_fraction = 0.1\n')
+    with pytest.raises(FibctlError, match=r"held-out set 'a_val' got no documents from source 'a': none of the "
+                                          r"1 document\(s\) read before its training share was full hashed below "
+                                          r"its heldout_fraction 0\.1; give the source more documents"):
+        prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")

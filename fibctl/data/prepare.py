@@ -200,7 +200,7 @@ class _Feed:
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
         self.cut = cut  # documents hashed below it are not trained on (_training_cuts)
         self.queue: deque[tuple[str, list[int]]] = deque()
-        self.train = self.train_documents = 0
+        self.train = self.train_documents = self.read = 0
 
     def next(self) -> tuple[str, list[int]] | None:
         """(where it goes: 'heldout', 'train' or 'neither', token ids ending in end-of-text) of
@@ -209,7 +209,10 @@ class _Feed:
             batch = list(itertools.islice(self.docs, ENCODE_BATCH))
             encoded = self.tokenizer.encode_batch(batch)
             self.queue.extend((self._route(doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
-        return self.queue.popleft() if self.queue else None
+        if not self.queue:
+            return None
+        self.read += 1
+        return self.queue.popleft()
 
     def _route(self, doc: str) -> str:
         if self.source.heldout and _hashed_below(doc, self.source.heldout_fraction):
@@ -262,7 +265,7 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
         writer.close()
     for name, task in heldout_tasks.items():
         progress.update(task, total=heldout[name].tokens, completed=heldout[name].tokens)
-    _check_nonempty(recipe, train, heldout)
+    _check_nonempty(recipe, train, heldout, feeds)
     per_source = {
         f.source.name: {
             "kind": f.source.kind, "target_tokens": f.target, "train_tokens": f.train,
@@ -277,13 +280,18 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
     return tokens, per_source
 
 
-def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer]) -> None:
+def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer], feeds: list[_Feed]) -> None:
     if train.tokens == 0:
         raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
-    for s in recipe.sources:
+    for feed in feeds:
+        s = feed.source
         if s.heldout and heldout[s.heldout].tokens == 0:
-            raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}; "
-                              f"raise its heldout_fraction ({s.heldout_fraction})")
+            # a source is read until its training share is full: only the documents read by then
+            # can be held out
+            raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}: none of the "
+                              f"{feed.read:,} document(s) read before its training share was full hashed below "
+                              f"its heldout_fraction {s.heldout_fraction}; give the source more documents, or "
+                              "raise heldout_fraction")
 
 
 # ---- the output folder -----------------------------------------------------------------------

@@ -197,8 +197,8 @@ def _parse_source(raw: dict, base_dir: Path) -> Source:
 
 def _validate(r: Recipe) -> None:
     if not MIN_VOCAB <= r.vocab_size <= MAX_VOCAB:
-        raise FibctlError(f"vocab_size {r.vocab_size:,} does not fit: token streams are uint16, so it "
-                          f"must be between {MIN_VOCAB} and {MAX_VOCAB:,}")
+        raise FibctlError(f"vocab_size {r.vocab_size:,} must be from {MIN_VOCAB} (the 256 bytes, the end-of-text "
+                          f"token and one merge) to {MAX_VOCAB:,} (token ids are stored as uint16)")
     for key in ("train_tokens", "heldout_tokens", "tokenizer_sample_chars"):
         if getattr(r, key) < 1:
             raise FibctlError(f"recipe {key}={getattr(r, key)} must be >= 1")

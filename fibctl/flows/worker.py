@@ -5,7 +5,8 @@ run's row and claims the next, until the queue is empty, `max_runs` is reached o
 asked to stop. A stop request (SIGTERM, Ctrl-C) finishes the step in progress, writes a
 checkpoint and returns the run to the queue; a second one aborts at once, without a
 checkpoint, and returns the run to the queue too (where the database cannot be reached, a
-later claim takes it back once its heartbeat is stale); it resumes from its last checkpoint. A `StopRequest` remembers the signal, for the command's exit code (128 + its
+later claim takes it back once its heartbeat is stale); it resumes from its last
+checkpoint. A `StopRequest` remembers the signal, for the command's exit code (128 + its
 number). A diverged run (NaN or infinite loss) or one that raises is marked failed and the
 worker moves on.
 

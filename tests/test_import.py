@@ -56,6 +56,7 @@ STUDY_RUNS = [
 ]
 FINAL = 1000
 N_POS = 1023  # predicted positions of a 1024 window
+F11 = "(SELECT id FROM runs WHERE title = 'f11__fib_stagger_w8' AND status = 'done')"  # its done attempt
 
 
 def position_losses(offset: float) -> list[float]:
@@ -164,6 +165,68 @@ def test_import_maps_runs_and_keeps_the_last_done_attempt(tmp_path, db_url):
                         "AND e.eval_length = 1024 ORDER BY e.step") == [(500, 45.5, 262144), (FINAL, 42.5, 1048576)]
     config = json.loads(rows(engine, "SELECT config_json FROM runs WHERE name = 'f11__fib_stagger_w8'")[0][0])
     assert (config["model"]["schedule"], config["model"]["window"], config["model"]["n_layers"]) == ("stagger", 8, 16)
+
+
+def _without_keys(fib_db: Path, table: str) -> None:
+    """The study's `table` as a copy without its primary key (and NOT NULLs) could hold it."""
+    with sqlite3.connect(fib_db) as study:
+        study.executescript(f"CREATE TABLE copy AS SELECT * FROM {table}; DROP TABLE {table}; "
+                            f"ALTER TABLE copy RENAME TO {table};")
+
+
+def _final_fineweb(engine, run: str) -> list[tuple]:
+    return rows(engine, "SELECT e.ppl, e.tokens FROM evaluations e JOIN runs r ON r.id = e.run_id "
+                        "WHERE r.name = :run AND e.step = :s AND e.dataset = 'fineweb_edu_val' "
+                        "AND e.eval_length = 1024", run=run, s=FINAL)
+
+
+def test_a_step_measured_twice_keeps_the_measurement_on_most_tokens(tmp_path, db_url):
+    """Table 1 is read at 1,048,576 tokens: a copy of metrics without its key that also holds
+    the periodic 262,144-token check at the final step (recorded after) does not replace it."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    _without_keys(fib_db, "metrics")
+    with sqlite3.connect(fib_db) as study:
+        study.execute("INSERT INTO metrics SELECT run_id, step, dataset, ppl + 1, loss, 262144, recorded_at "
+                      f"FROM metrics WHERE run_id = {F11} AND step = {FINAL}")
+    engine = connect(db_url)
+    import_study(engine, fib_db, extrap, posloss)
+    assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(42.5, 1048576)]
+
+
+def test_a_metrics_row_with_a_loss_but_no_perplexity_gets_exp_loss(tmp_path, db_url):
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.execute(f"UPDATE metrics SET ppl = NULL WHERE run_id = {F11} AND step = {FINAL}")
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    [(ppl, tokens)] = _final_fineweb(engine, "f11__fib_stagger_w8")
+    assert ppl == pytest.approx(42.5) and tokens == 1048576
+
+
+def test_a_later_done_attempt_without_metrics_does_not_hide_the_results(tmp_path, db_url):
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.execute("INSERT INTO runs (title, run_dir, variant_or_baseline, phase, config_json, seed, d_model, "
+                      "n_layers, status, created_at) SELECT title, run_dir, variant_or_baseline, phase, "
+                      "config_json, seed, d_model, n_layers, 'done', created_at FROM runs "
+                      "WHERE title = 'f11__fib_stagger_w8' AND status = 'done'")
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(42.5, 1048576)]
+    assert rows(engine, "SELECT attempts FROM runs WHERE name = 'f11__fib_stagger_w8'") == [(3,)]
+
+
+def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matrix(tmp_path, db_url):
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.execute("UPDATE runs SET status = 'running' WHERE title = 'f13__fib_stagger_w12'")
+    out = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--db", db_url],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("not part of the study's matrix") and "ref_e0030" in line
+               and "f13" not in line for line in lines), out.stdout
+    assert "no 'done' attempt in fib.db, its metrics skipped: f13__fib_stagger_w12" in lines, out.stdout
 
 
 def test_import_aux_probe_extrapolation_and_position_losses(tmp_path, db_url):
@@ -355,7 +418,17 @@ BAD_STUDY = [
                                                                              "probe_marked_d2_stagger_s1")),
     ("fib.db", f"UPDATE retrieval_results SET alphas = '[true,1.0]' {MODEL}", ("retrieval_results.alphas[0] = True",)),
     ("fib.db", f"UPDATE retrieval_results SET alphas = '{'[' * 100000}' {MODEL}", ("retrieval_results.alphas",
-                                                                                  "a JSON list of numbers")),
+                                                                                  "a JSON list of 2 numbers")),
+    ("fib.db", f"UPDATE retrieval_results SET alphas = '[1.0]' {MODEL}", ("retrieval_results.alphas = '[1.0]'",
+                                                                          "probe_marked_d2_stagger_s1",
+                                                                          "2 numbers (one per layer)")),
+    # a model's rows repeated (here under another mech) must agree
+    ("fib.db", f"INSERT INTO retrieval_results SELECT source, 'copy', depth, seed, staggered, train_d, distance, "
+               f"kind, 0.5, alphas, peak_gb, src_file, extra FROM retrieval_results {MARKED}",
+     ("retrieval_results.acc", "probe_marked_d2_stagger_s1", "two accuracies at distance 350", "0.2", "0.5")),
+    ("fib.db", f"INSERT INTO retrieval_results SELECT source, 'copy', depth, seed, staggered, train_d, distance, "
+               f"kind, acc, '[0.5, 1.5]', peak_gb, src_file, extra FROM retrieval_results {MARKED}",
+     ("retrieval_results.alphas", "probe_marked_d2_stagger_s1", "two different lists", "[0.5, 1.5]")),
     ("fib.db", f"UPDATE retrieval_results SET depth = 'x' {MARKED}", ("retrieval_results.depth = 'x'", "integer")),
     ("fib.db", f"UPDATE retrieval_results SET depth = 0 {MARKED}", ("retrieval_results.depth = 0", "integer from 1")),
     ("fib.db", f"UPDATE retrieval_results SET seed = -1 {MARKED}", ("retrieval_results.seed = -1", "2**32 - 1")),

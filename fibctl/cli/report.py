@@ -246,3 +246,6 @@ def import_study(
     if s.skipped:
         console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False,
                       markup=False)
+    if s.unfinished:  # its evaluations in the JSON dumps, if any, are still imported
+        console.print(f"no 'done' attempt in {fib_db.name}, its metrics skipped: {', '.join(s.unfinished)}",
+                      highlight=False, markup=False)

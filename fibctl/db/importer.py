@@ -3,16 +3,23 @@
 - `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T 1024, status 'done', source =
   the file name). Names are kept (`f13__fib_stagger_w12`) and mapped to base / schedule /
   window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed);
-  the last `done` attempt of each name wins. `ref_e0000`, registered in the study's db as a
+  the last `done` attempt of each name that has metrics wins (else the last `done` one): a
+  later registration holding nothing does not hide the results. A name with no `done`
+  attempt is left out, and the summary says so. `ref_e0000`, registered in the study's db as a
   reference trained elsewhere, is the dense baseline (base and window NULL, seed 42).
 - `metrics` -> `evaluations` at eval_length 1024 (dataset names and token counts as they are).
+  A copy without the table's key may hold a step twice for one dataset: the measurement on
+  the most tokens wins (Table 1 is read at 1,048,576 tokens, not the 262,144 of the
+  periodic check), then the last. A row with no perplexity but a loss gets exp(loss).
 - `eval_results` -> `aux_metrics`: name = eval_name at the run's final step,
   `eval_name@step<N>` at earlier steps; metric as it is. A repeated measurement: the last wins.
 - `retrieval_results` rows with source 'marked' (Table 2's probe) -> one run per probe model
   in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W 8,
   T 512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
   `acc_d<distance>`, `eval_sequences` 2: the study scored one batch of 2; `task`, text: the
-  length, vocabulary and distances Table 2 groups by), and its final alphas in `alphas`.
+  length, vocabulary and distances Table 2 groups by), and its final alphas in `alphas` (one
+  per layer). A model's repeated rows must agree: two different accuracies at one distance,
+  or two alpha lists, are an error, not a silent choice.
 - `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens NULL: the
   file does not record them); a row already imported from `metrics` is kept.
 - `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
@@ -51,6 +58,7 @@ INT32 = 2**31 - 1  # the schema's Integer columns are 32-bit on PostgreSQL
 INT64 = 2**63 - 1  # SQLite's integers
 _TOPS = {INT32: "2**31 - 1", INT64: "2**63 - 1", SEED_MAX: "2**32 - 1"}  # how an error names a range's top
 STEP_MIN = -1  # step -1: the study's mark for the final step (eval_results)
+MEASURED = "(ppl IS NOT NULL OR loss IS NOT NULL)"  # a metrics row that holds a measurement
 
 _TITLE = re.compile(r"^(?P<tag>[a-z]\d+)__(?P<base>fib|logsparse)"
                     r"(?:_(?P<schedule>fixed|learned|stagger|hdc))?_w(?P<window>\d+)(?:_s(?P<seed>\d+))?$")
@@ -85,6 +93,7 @@ class ImportSummary:
     probe_runs: int = 0
     position_losses: int = 0
     skipped: list[str] = field(default_factory=list)  # study runs with no fibctl meaning
+    unfinished: list[str] = field(default_factory=list)  # study runs with no `done` attempt
 
 
 def study_run(title: str, where: str = "study run name") -> StudyRun | None:
@@ -278,11 +287,12 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
     """Each study run's chosen attempt with its evaluations and auxiliary metrics."""
     out = {}
     where = f"study database {source}"
+    measured = {run_id for (run_id,) in study.execute(f"SELECT DISTINCT run_id FROM metrics WHERE {MEASURED}")}
     for title, attempts in _attempts(study, where).items():
         run = study_run(title, where)
-        chosen = _chosen_attempt(attempts)
+        chosen = _chosen_attempt(attempts, measured)
         if run is None or chosen is None:
-            summary.skipped.append(title)
+            (summary.skipped if run is None else summary.unfinished).append(title)
             continue
         of = f"for run {_shown(title)}"
         final_step = _final_step(study, chosen["id"], where, of)
@@ -311,13 +321,21 @@ def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.R
     return out
 
 
-def _chosen_attempt(attempts: list[sqlite3.Row]) -> sqlite3.Row | None:
-    """The last `done` attempt; a reference run (trained elsewhere, never 'done' here) as is."""
+def _chosen_attempt(attempts: list[sqlite3.Row], measured: set) -> sqlite3.Row | None:
+    """The last `done` attempt with metrics (`measured`: the study ids that have some), else
+    the last `done` one; a reference run (trained elsewhere, never 'done' here) as is."""
     done = [a for a in attempts if a["status"] == schema.RunStatus.DONE]
     if done:
-        return done[-1]
+        return ([a for a in done if a["id"] in measured] or done)[-1]
     refs = [a for a in attempts if a["variant_or_baseline"] == "reference"]
     return refs[-1] if refs else None
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 def _final_step(study: sqlite3.Connection, study_id: int, where: str, of: str) -> int:
@@ -330,21 +348,25 @@ def _final_step(study: sqlite3.Connection, study_id: int, where: str, of: str) -
 
 def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
                     where: str, of: str) -> int:
-    # by key, the last of a repeated row (a study table without its primary key): PostgreSQL
-    # refuses an upsert that meets one key twice
+    # one row per key (a study table without its primary key may repeat one; PostgreSQL
+    # refuses an upsert that meets a key twice): the one on most tokens, then the last
     rows = {}
-    for r in study.execute("SELECT * FROM metrics WHERE run_id = ? AND ppl IS NOT NULL "
-                           "ORDER BY step, dataset", (study_id,)):
+    for r in study.execute(f"SELECT * FROM metrics WHERE run_id = ? AND {MEASURED}", (study_id,)):
         at = f"{of} step {_shown(r['step'])}"  # the step itself was checked by _final_step
-        ppl = _num(r["ppl"], f"{where}: metrics.ppl", at, positive=True)
+        loss = _num(r["loss"], f"{where}: metrics.loss", at, null=True)
+        if r["ppl"] is None:  # perplexity is exp(loss): derived where only the loss was kept
+            ppl = _num(_exp(loss), f"{where}: exp(metrics.loss)", at, positive=True)
+        else:
+            ppl = _num(r["ppl"], f"{where}: metrics.ppl", at, positive=True)
         row = dict(run_id=run_id, step=r["step"], dataset=_text(r["dataset"], f"{where}: metrics.dataset", at),
                    eval_length=STUDY_LENGTH,
                    tokens=_num(r["eval_tokens"], f"{where}: metrics.eval_tokens", at, integer=True, hi=INT64,
                                null=True),
-                   ppl=ppl, loss=_num(r["loss"], f"{where}: metrics.loss", at, null=True),
+                   ppl=ppl, loss=math.log(ppl) if loss is None else loss,
                    created_at=_time(r["recorded_at"], f"{where}: metrics.recorded_at", at))
-        row["loss"] = math.log(ppl) if row["loss"] is None else row["loss"]
-        rows[row["step"], row["dataset"]] = row
+        key = row["step"], row["dataset"]
+        if key not in rows or (row["tokens"] or 0) >= (rows[key]["tokens"] or 0):
+            rows[key] = row
     return upsert(conn, schema.Evaluation.__table__, list(rows.values()), ("run_id", "step", "dataset", "eval_length"))
 
 
@@ -392,8 +414,13 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
                                                  final_step=PROBE_STEPS, source=source,
                                                  created_at=_now()))
         of = f"for {name}"
-        accs = {f"acc_d{_num(r['distance'], f'{where}.distance', of, integer=True, hi=INT32)}":
-                _num(r["acc"], f"{where}.acc", of, hi=1) for r in rows}
+        accs: dict[str, float] = {}
+        for r in rows:
+            distance = _num(r["distance"], f"{where}.distance", of, integer=True, hi=INT32)
+            acc = _num(r["acc"], f"{where}.acc", of, hi=1)
+            if accs.setdefault(f"acc_d{distance}", acc) != acc:
+                raise FibctlError(f"{where}.acc: {name} has two accuracies at distance {distance} "
+                                  f"({accs[f'acc_d{distance}']} and {acc}); expected one")
         metrics = {"depth": depth, "staggered_init": staggered, "eval_sequences": STUDY_SCORED, **accs}
         # the study's length and vocabulary, the distances it scored: as a fibctl probe records its task
         task = task_label(config.model.seq_len, config.model.vocab_size,
@@ -403,20 +430,26 @@ def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summ
                             for k, v in metrics.items()]
                            + [dict(run_id=run_id, name=PROBE_METRICS, metric="task", value=None, text=task)],
                            ("run_id", "name", "metric"))
-        alphas = _alphas(rows[0]["alphas"], f"{where}.alphas", of)
+        alphas = _alphas(rows[0]["alphas"], f"{where}.alphas", of, depth)
+        for r in rows[1:]:
+            other = _alphas(r["alphas"], f"{where}.alphas", of, depth)
+            if other != alphas:
+                raise FibctlError(f"{where}.alphas: {name} has two different lists ({_shown(alphas)} and "
+                                  f"{_shown(other)}); expected one per probe model")
         written += upsert(conn, schema.Alpha.__table__,
                            [dict(run_id=run_id, step=PROBE_STEPS, layer=i, alpha=a) for i, a in enumerate(alphas)],
                            ("run_id", "step", "layer"))
         summary.probe_runs += bool(written)  # a probe model whose row, accuracies or alphas were written
 
 
-def _alphas(text: str | None, what: str, of: str) -> list[float]:
+def _alphas(text: str | None, what: str, of: str, depth: int) -> list[float]:
+    """A probe model's final alphas: one per layer."""
     try:
         alphas = json.loads(text or "")
     except (TypeError, ValueError, RecursionError):
         alphas = None
-    if not isinstance(alphas, list):
-        raise _bad(what, text, of, "a JSON list of numbers")
+    if not isinstance(alphas, list) or len(alphas) != depth:
+        raise _bad(what, text, of, f"a JSON list of {depth} numbers (one per layer)")
     return [_num(a, f"{what}[{i}]", of, lo=-math.inf) for i, a in enumerate(alphas)]  # json reads NaN
 
 

@@ -86,8 +86,9 @@ class Attention(nn.Module):
     def _rungs(self, T: int, keep) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The products alpha * b_k (on the device, carrying alpha's gradient) and `keep` of
         them read on the host: (k, row) of each rung kept. The host read happens once per value
-        of theta (an optimizer step or a load changes its version or storage): on CUDA each
-        read waits for the GPU, and a step's micro-batches all see the same theta."""
+        of theta (an optimizer step or a load changes its version or storage; optimizers that
+        write without a version bump get one from fibctl.train.optim.marks_writes): on CUDA
+        each read waits for the GPU, and a step's micro-batches all see the same theta."""
         alpha = self.alpha
         products = alpha * constant(base_sequence(self.cfg.base, T, self.cfg.n_rungs), alpha.dtype, alpha.device)
         theta = self.theta

@@ -3,7 +3,10 @@ small functions that the CPU tests cover; the CUDA tests run where there is a GP
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -11,6 +14,8 @@ import torch
 
 from fibctl.config import get_preset
 from fibctl.model import FibLM
+from fibctl.schedules import base_sequence, fractional_rungs
+from fibctl.train import optim as optim_module
 from fibctl.train.optim import adamw_kwargs, build_optimizer
 from fibctl.train.sampler import WindowSampler, pinned_copy
 
@@ -83,6 +88,53 @@ def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypa
     before = len(reads)
     attn.columns(T)
     assert len(reads) == before + 1
+
+
+class _PointerAdamW8bit(torch.optim.Optimizer):
+    """Stands in for bitsandbytes' AdamW8bit where it matters here: its kernels write each
+    weight through the weight's raw pointer, which leaves the tensor's version unchanged."""
+
+    def __init__(self, params, lr, betas, eps):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                new = (p - group["lr"] * p.grad.sign()).contiguous()
+                ctypes.memmove(p.data_ptr(), new.data_ptr(), p.numel() * p.element_size())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw fused", "adamw8bit"])
+def test_learned_rungs_follow_theta_through_optimizers_that_write_in_place(optimizer, monkeypatch):
+    """torch's fused AdamW (every CUDA run, the probe everywhere) and bitsandbytes' 8-bit AdamW
+    (the `paper` preset) write theta without bumping its version: a learned layer must still
+    read its rungs again after each step, or lo stays where alpha began and frac leaves [0, 1)."""
+    if optimizer == "adamw8bit":
+        monkeypatch.setattr(optim_module, "eight_bit_unavailable", lambda device: None)
+        monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(
+            optim=types.SimpleNamespace(AdamW8bit=_PointerAdamW8bit)))
+    else:
+        monkeypatch.setattr(optim_module, "adamw_kwargs", lambda device: {"fused": True})
+    model = micro("learned")
+    tc = dataclasses.replace(get_preset("micro").train, optimizer=optimizer.split()[0])
+    built = build_optimizer(model, tc, torch.device("cpu"))
+    assert built.name == optimizer.split()[0]
+    T = 64
+    x = torch.randint(0, model.cfg.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    for _ in range(4):
+        model(x[:, :-1], x[:, 1:]).backward()
+        optim_module.set_lr(built.optimizer, 0.3)
+        built.optimizer.step()
+        built.optimizer.zero_grad()
+    base = torch.tensor([float(b) for b in base_sequence(model.cfg.base, T, model.cfg.n_rungs)])
+    for block in model.blocks:
+        attn = block.attn
+        assert abs(float(attn.alpha.detach()) - 1) > 0.05  # alpha moved off its start
+        cols = attn.columns(T)
+        fresh = fractional_rungs((attn.alpha.detach() * base).tolist(), model.cfg.window, T)
+        assert cols.lo == [lo for _, lo in fresh]
+        assert ((cols.frac >= 0) & (cols.frac < 1)).all()
 
 
 @needs_cuda

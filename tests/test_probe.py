@@ -217,6 +217,24 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
     assert metrics["task"] == f"length {run.model.seq_len}, vocab {run.model.vocab_size}, distances 20/35"
 
 
+def test_blur_centres_follow_the_trained_alphas(tmp_path):
+    """The probe's fused AdamW writes theta without bumping its version; each band must still
+    be centred on round(alpha * b_k) of the alpha just trained, not of the starting one."""
+    run = small_runs(steps=6, lr=0.3)[0]
+    trainer = ProbeTrainer(run, tmp_path, NullReporter())
+    assert trainer.run().status == "done"
+    T, W, base = run.model.seq_len, run.model.window, [float(b) for b in FIB[:run.model.n_rungs]]
+    start = [c for _, c in blur_rungs(base, W, T)]  # alpha 1
+    moved = 0
+    for block in trainer.model.blocks:
+        centres, _ = block.attn.blur_columns(T)
+        products = (block.attn.alpha.detach() * torch.tensor(base)).tolist()
+        trained = [c for _, c in blur_rungs(products, W, T)]
+        assert centres == trained
+        moved += trained != start
+    assert moved  # the run trained some alpha far enough to move a centre
+
+
 def _worker(tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--db", str(tmp_path / "r.db"),

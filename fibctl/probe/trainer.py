@@ -21,7 +21,7 @@ from fibctl.device import autocast
 from fibctl.probe.cells import PROBE_METRICS
 from fibctl.probe.task import HELDOUT_SEED_OFFSET, IGNORE, MarkedBatches, MarkedCopy
 from fibctl.schedules import ALPHA_MIN, ALPHA_RANGE, probe_alphas
-from fibctl.train.optim import EPS
+from fibctl.train.optim import EPS, marks_writes
 from fibctl.train.trainer import Reporter, Trainer
 
 SCORE_BATCH = 4  # held-out sequences per forward pass when scoring
@@ -49,8 +49,9 @@ class ProbeTrainer(Trainer):
         # the study's probe: torch's AdamW with its defaults, weight decay on every parameter
         # (theta and the norm scales included), at a constant lr. Fused: the same update in one
         # pass over the weights instead of a dozen (it differs from the default by rounding).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tc.lr, betas=(self.tc.beta1, self.tc.beta2),
-                                           eps=EPS, weight_decay=self.tc.weight_decay, fused=True)
+        self.optimizer = marks_writes(torch.optim.AdamW(
+            self.model.parameters(), lr=self.tc.lr, betas=(self.tc.beta1, self.tc.beta2), eps=EPS,
+            weight_decay=self.tc.weight_decay, fused=True))
         self.optimizer_name, self.optimizer_warning = "adamw", None
         self.sampler = MarkedBatches(self.task, self.tc.batch_size, config.data_seed)
 

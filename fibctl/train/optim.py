@@ -40,6 +40,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def marks_writes(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer`, made to bump the version of every weight after each step. torch's fused
+    AdamW and bitsandbytes' kernels write the weights in place without doing so, and a
+    learned layer reads its rungs again only when theta's version changes
+    (fibctl.model.Attention._rungs): else lo would stay where alpha began."""
+
+    def bump(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                torch.autograd.graph.increment_version(p)
+
+    optimizer.register_step_post_hook(bump)
+    return optimizer
+
+
 @dataclass
 class BuiltOptimizer:
     optimizer: torch.optim.Optimizer
@@ -76,12 +91,13 @@ def build_optimizer(model: torch.nn.Module, tc: TrainConfig,
         why = eight_bit_unavailable(device)
         if why is None:
             bnb = importlib.import_module("bitsandbytes")
-            return BuiltOptimizer(bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=EPS), "adamw8bit", None)
+            return BuiltOptimizer(marks_writes(bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=EPS)),
+                                  "adamw8bit", None)
         warning = f"optimizer adamw8bit unavailable: {why}; training with adamw (full-precision state) instead"
     extra = adamw_kwargs(device)
     # fused or not, the state is the same: a checkpoint resumes on either device
-    return BuiltOptimizer(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS, **extra), "adamw", warning,
-                          fused=bool(extra))
+    return BuiltOptimizer(marks_writes(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS, **extra)), "adamw",
+                          warning, fused=bool(extra))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -227,6 +227,12 @@ def test_first_position_attends_only_to_itself():
     torch.testing.assert_close(out[:, :, 0], v.repeat_interleave(G, 1)[:, :, 0])
 
 
+def test_a_single_layer_ramp_is_alpha_one_and_two_layers_span_it():
+    """0.5 + l / (L - 1) is undefined at L = 1: fibctl gives that layer alpha 1 (docs/method.md)."""
+    for schedule in ("stagger", "coprime"):
+        assert layer_alphas(schedule, 1) == [1.0]
+        assert layer_alphas(schedule, 2) == [0.5, 1.5]
+
 def test_coprime_is_permutation_of_stagger():
     assert coprime_stride(16) == 7 and coprime_stride(8) == 3
     assert sorted(layer_alphas("coprime", 16)) == sorted(layer_alphas("stagger", 16))

@@ -499,3 +499,20 @@ def test_a_malformed_study_value_is_one_line_exit_2_nothing_written(file, change
     engine = connect(out_db)
     assert _dump(engine) == before  # the import is one transaction: the runs written before the bad value are gone
     engine.dispose()
+
+
+def test_a_failed_import_leaves_no_database_it_made(tmp_path, monkeypatch, capsys):
+    from fibctl.cli import main
+    fib_db, extrap, posloss = make_study(tmp_path)
+    _spoil({"fib.db": fib_db}, "fib.db", f"UPDATE metrics SET ppl = 0 {M500}")
+    out_db = tmp_path / "published.db"
+    monkeypatch.setattr(sys, "argv", ["fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
+                                      "--posloss", str(posloss), "--db", str(out_db)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2 and "metrics.ppl = 0" in capsys.readouterr().err
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("published.db")]
+    connect(str(out_db)).dispose()  # a database that was there before the import stays
+    with pytest.raises(SystemExit):
+        main()
+    assert out_db.is_file()

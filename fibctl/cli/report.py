@@ -15,7 +15,7 @@ from rich.text import Text
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
-from fibctl.db.engine import connect, shown
+from fibctl.db.engine import connect, resolve_url, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
@@ -231,9 +231,19 @@ def import_study(
 ) -> None:
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
     check_inputs(fib_db, lenextrap, posloss)  # before `connect` makes a database for them
+    url = resolve_url(db)
+    made = url.get_backend_name() == "sqlite" and not Path(url.database).exists()
     engine = connect(db)
-    with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
-        s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
+    try:
+        with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
+            s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
+    except BaseException:
+        # the import rolled back: a database this command made for it would be left empty
+        engine.dispose()
+        if made:
+            for path in (Path(url.database + suffix) for suffix in ("", "-wal", "-shm")):
+                path.unlink(missing_ok=True)
+        raise
     # what this import wrote or changed: importing the same files again counts nothing
     counts = (s.runs, s.probe_runs, s.evaluations, s.aux_metrics, s.position_losses)
     if any(counts):

@@ -71,3 +71,152 @@ def test_cli_figure(db, tmp_path):
     assert (tmp_path / "e.png").read_bytes().startswith(PNG)
     r = runner.invoke(app, ["figure", "nope", "--db", db])
     assert isinstance(r.exception, FibctlError) and "unknown figure 'nope'" in str(r.exception)
+
+
+# --- what a paper needs of them, checked on the matplotlib objects -----------------------
+
+OKABE_ITO = {"black", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7"}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The Figure objects the figure functions save, in order (each still drawn to a file)."""
+    figs = []
+    save = figures._save
+
+    def keep(fig, path):
+        figs.append(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", keep)
+    return figs
+
+
+@pytest.fixture(scope="module")
+def many_runs_db(tmp_path_factory) -> str:
+    """A dense run and 12 sparse ones (fixed, stagger and pow2 stagger at W 6..12): too many
+    to name each in a legend. The dense one, named as the study names it, blows up at 4x."""
+    path = str(tmp_path_factory.mktemp("many") / "results.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        rid = add_run(conn, "ref_e0000", "dense")
+        for length, ppl in ((128, 20.0), (256, 30.0), (512, 100.0)):
+            add_eval(conn, rid, length, ppl)
+        for schedule, base in (("fixed", "fib"), ("stagger", "fib"), ("stagger", "pow2")):
+            for w in (6, 8, 10, 12):
+                rid = add_run(conn, f"{base}_{schedule}_w{w}", schedule, base=base, window=w)
+                for length, factor in ((128, 1.0), (256, 0.99), (512, 0.98)):
+                    add_eval(conn, rid, length, (24 - w / 10) * factor)
+    engine.dispose()
+    return path
+
+
+def _renderer(fig):
+    """The figure drawn (laid out) on an Agg canvas, and its renderer to measure with."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    return renderer
+
+
+def _texts(fig):
+    """Every text the figure shows, with its extent: matplotlib keeps labels for ticks outside
+    the view (not drawn), which are left out."""
+    from matplotlib.text import Text
+
+    renderer = _renderer(fig)
+    hidden = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            hidden |= {id(label) for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
+                       if not lo <= tick.get_loc() <= hi for label in (tick.label1, tick.label2)}
+    return [(t, t.get_window_extent(renderer)) for t in fig.findobj(Text)
+            if t.get_visible() and t.get_text().strip() and id(t) not in hidden
+            and (t.axes is None or t.axes.get_visible())]
+
+
+def _draw_every_figure(db, tmp_path):
+    engine = connect_readonly(db)
+    for name in ("extrapolation", "posloss", "curves", "alphas"):
+        figures.FIGURES[name](engine, tmp_path / f"{name}.png")
+    figures.coverage(tmp_path / "coverage.png", schedules=("fixed", "stagger", "coprime"), n_layers=4, seq_len=128)
+
+
+def test_figures_are_drawn_at_print_size_with_no_text_cut_or_overlapping(db, drawn, tmp_path):
+    """A column or the text width of a two-column paper, so that 8-9 pt stays 8-9 pt in print;
+    every text inside the figure and clear of every other (three coverage titles once ran
+    into each other; the posloss title ran off both sides)."""
+    from matplotlib.image import imread
+
+    _draw_every_figure(db, tmp_path)
+    for fig, name in zip(drawn, ("extrapolation", "posloss", "curves", "alphas", "coverage")):
+        width = imread(tmp_path / f"{name}.png").shape[1] / figures.STYLE["savefig.dpi"]
+        assert width <= figures.TEXT_WIDTH + 0.01, name
+        assert fig._suptitle is not None and fig._suptitle.get_text(), f"{name}: no title says what is shown"
+        texts = _texts(fig)
+        for text, box in texts:
+            assert text.get_fontsize() >= 8, (name, text.get_text())
+            assert fig.bbox.x0 - 1 <= box.x0 and box.x1 <= fig.bbox.x1 + 1, (name, text.get_text())
+            assert fig.bbox.y0 - 1 <= box.y0 and box.y1 <= fig.bbox.y1 + 1, (name, text.get_text())
+        upright = [(t, box) for t, box in texts if t.get_rotation() % 90 == 0]  # a slanted text's box is loose
+        for i, (a, abox) in enumerate(upright):
+            for b, bbox in upright[i + 1:]:
+                assert not abox.overlaps(bbox), (name, a.get_text(), b.get_text())
+    assert drawn[1].get_figwidth() == figures.COLUMN_WIDTH  # posloss: one column
+
+
+def test_extrapolation_limits_fit_the_runs_not_the_dense_blow_up(db, drawn, tmp_path):
+    """The fixture's dense run triples at 4x (60 vs ~23): the sparse runs fill the panel and
+    the dense value is written at its top edge instead of crushing them into a band."""
+    figures.extrapolation(connect_readonly(db), tmp_path / "e.png")
+    left = drawn[0].axes[0]
+    low, high = left.get_ylim()
+    assert low <= 20 and 24 <= high < 40  # every sparse value and dense up to 2x (30) in view
+    assert [t.get_text() for t in left.texts] == ["\u2191 60"]
+
+
+def test_many_runs_get_a_legend_of_the_encoding_below_the_panels(many_runs_db, drawn, tmp_path):
+    """13 runs: a legend entry each would crowd; the legend keys colour (schedule), line
+    (base) and marker (W), sits outside every panel, and names the imported dense run."""
+    figures.extrapolation(connect_readonly(many_runs_db), tmp_path / "e.png")
+    fig = drawn[0]
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts() if t.get_text()]
+    assert sorted(labels) == sorted(["dense", "fixed schedule", "stagger schedule", "fib base", "pow2 base",
+                                     "W = 6", "W = 8", "W = 10", "W = 12"])
+    renderer = _renderer(fig)
+    box = legend.get_window_extent(renderer)
+    assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+    assert figures.run_label("ref_e0000", "dense") == "ref_e0000 (dense)"
+
+
+def test_few_runs_are_named_in_a_legend_outside_the_panels(db, drawn, tmp_path):
+    figures.extrapolation(connect_readonly(db), tmp_path / "e.png")
+    fig = drawn[0]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["dense", "demo_fixed", "demo_learned", "demo_stagger"]
+    renderer = _renderer(fig)
+    assert not any(legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+
+
+def test_curves_without_training_steps_draw_no_empty_panel(db, drawn, tmp_path):
+    """The fixture (like an imported study) records evaluations but no training steps."""
+    figures.curves(connect_readonly(db), tmp_path / "c.png")
+    assert len(drawn[0].axes) == 1
+    assert "no training steps recorded" in drawn[0]._suptitle.get_text()
+
+
+def test_colours_are_colour_blind_safe_and_tell_schedules_apart():
+    colors = [figures.SCHEDULE_COLORS[s] for s in figures.SCHEDULES]
+    assert set(colors) <= OKABE_ITO and len(set(colors)) == len(colors)
+
+
+def test_the_same_data_give_the_same_bytes(db, tmp_path):
+    """No creation date in a PDF: a figure redrawn from unchanged data is the same file."""
+    engine = connect_readonly(db)
+    for suffix in (".pdf", ".png"):
+        first = figures.extrapolation(engine, tmp_path / f"a{suffix}").read_bytes()
+        assert first == figures.extrapolation(engine, tmp_path / f"b{suffix}").read_bytes()
+    assert b"/CreationDate" not in (tmp_path / "a.pdf").read_bytes()

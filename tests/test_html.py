@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from html import escape
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,21 @@ def test_index_is_self_contained_with_every_table_figure_and_run(report):
     assert page.count("<summary>SQL</summary>") == len(tables.TABLES)
     assert '<section id="runs">' in page and "f13__fib_stagger_w12" in page
     assert not re.search(r'(src|href)="(https?:|//)', page)  # nothing fetched from a network
+
+
+def test_figures_are_captioned_linked_and_shown_at_one_scale(report):
+    """Each figure says what it shows, links its PNG and PDF beside the page (relative), and
+    shows at 140 px to the printed inch: the column-wide posloss at half the page-wide width."""
+    page = (report / "index.html").read_text()
+    for name, draw in figures.FIGURES.items():
+        section = page[page.index(f'<section id="figure-{name}">'):]
+        section = section[:section.index("</section>")]
+        summary = " ".join(draw.__doc__.split("\n\n")[0].split())
+        assert f"<figcaption>{escape(summary)}" in section
+        assert f'<a href="{name}.pdf">PDF</a>' in section and f'<a href="{name}.png">PNG</a>' in section
+    widths = dict(re.findall(r'<section id="figure-(\w+)">.*?<img [^>]*width="(\d+)"', page))
+    assert int(widths["posloss"]) == round(figures.COLUMN_WIDTH * 140)
+    assert int(widths["extrapolation"]) == round(figures.TEXT_WIDTH * 140)
 
 
 def test_pdf_figures_embed_truetype_fonts(report):

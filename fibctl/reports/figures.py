@@ -2,15 +2,18 @@
 
 Each function reads the database by SQL (or, for coverage, the attention schedule itself),
 writes a PNG or PDF chosen by the file's extension, and returns the path. One visual
-language runs through all of them: colour is the schedule, line style the base (fib solid,
-pow2 dashed), marker the window W; fonts are embedded as TrueType (venues reject Type 3) and
-no text is smaller than 8 pt.
+language runs through all of them: colour is the schedule (Okabe-Ito, safe for colour-blind
+readers), line style the base (fib solid, pow2 dashed), marker the window W. Figures are drawn
+at their print size (a column or the text width of a two-column paper), so their 8-9 pt text
+stays 8-9 pt on the page; fonts are embedded as TrueType (venues reject Type 3), and the same
+data give the same bytes (no creation date in the PDF).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import textwrap
 from pathlib import Path
 
 from fibctl.lazy import pandas as pd
@@ -30,15 +33,22 @@ COVERAGE_FIGURE_MAX_WINDOW = 4096
 COVERAGE_FIGURE_MAX_DOTS = 2**21  # layers x length where a panel is dense (a dot per distance)
 STYLE = {
     "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType, not Type 3: accepted by venues
-    "font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
+    "font.size": 9, "figure.titlesize": 10, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
     "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.spines.top": False, "axes.spines.right": False,
     "axes.grid": True, "grid.alpha": 0.25, "savefig.dpi": 200,
 }
-# colour = schedule, in the config's order; dense is black, the baseline everything is read against
-_PALETTE = ("black", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink")
+# print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
+COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
+# colour = schedule, in the config's order, from Okabe & Ito's colour-blind-safe palette; dense
+# is black, the baseline everything is read against
+_PALETTE = ("black", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
 SCHEDULE_COLORS = dict(zip(SCHEDULES, _PALETTE))
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
+# past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
+RUN_LEGEND_MAX = 8
+# a point above this multiple of the median run at its length is drawn off the top, labelled
+OUTLIER_FACTOR = 1.5
 
 
 def check_path(path: str | Path) -> Path:
@@ -51,11 +61,12 @@ def check_path(path: str | Path) -> Path:
 def _load_matplotlib() -> None:
     """matplotlib loads when a figure is drawn, not whenever the CLI starts."""
     global colormaps, rc_context, ScalarMappable, Normalize, Figure
-    global FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+    global FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, Line2D
     from matplotlib import colormaps, rc_context
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
 
 
@@ -75,10 +86,18 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
+    """Save at the figure's own size (the constrained layout keeps every label and legend
+    inside it; a tight bounding box would change the print size)."""
     path = check_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    # a PDF otherwise records when it was written: the same data would give other bytes
+    fig.savefig(path, metadata={"CreationDate": None} if path.suffix.lower() == ".pdf" else None)
     return path
+
+
+def _title(fig: Figure, title: str) -> None:
+    """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt)."""
+    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 72 / 6)))
 
 
 def run_style(schedule: str, base, window) -> dict:
@@ -91,7 +110,9 @@ def run_style(schedule: str, base, window) -> dict:
 
 
 def run_label(run: str, schedule: str) -> str:
-    return "dense" if schedule == "dense" and "dense" in run else run
+    if schedule != "dense":
+        return run
+    return "dense" if "dense" in run else f"{run} (dense)"  # an imported baseline: say what it is
 
 
 def _plain_log_axis(axis) -> None:
@@ -103,17 +124,62 @@ def _plain_log_axis(axis) -> None:
                  for m in mantissas if lo <= m * 10 ** e <= hi]
         if len(ticks) >= 4:
             break
+    else:  # a span under a factor of about 1.5: evenly spaced round numbers
+        ticks = [t for t in MaxNLocator(5).tick_values(lo, hi) if lo <= t <= hi]
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
 
-def _runs_legend(source, target) -> None:
-    """The runs labelled on `source`, as a legend outside `target` on the right (in columns
-    when there are many runs)."""
+def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
+    """The runs drawn on `source`, as a legend below the panels. `styles` holds each run's
+    schedule, base and W: when there are more than RUN_LEGEND_MAX runs and these tell every run
+    apart, the legend keys them (a row each for schedule colours, base line styles and W
+    markers) rather than listing 20 look-alike entries."""
     handles, labels = source.get_legend_handles_labels()
-    target.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(labels) // 14,
-                  frameon=False)
+    keys = {(s["schedule"], s["base"] or None, s["window"]) for s in styles}
+    if len(labels) > RUN_LEGEND_MAX and len(keys) == len(styles):
+        handles, labels, ncol = _style_key(styles)
+    else:  # as many columns as fit the width, at about 5 pt a character plus the line sample
+        ncol = max(1, min(len(labels), int(fig.get_figwidth() * 72 / (5 * max(map(len, labels)) + 40))))
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
+
+
+def _style_key(styles: list[dict]) -> tuple[list, list[str], int]:
+    """Legend entries for the encoding itself: schedules, then bases, then windows, a row each
+    (matplotlib fills a legend by columns, so the rows are interleaved)."""
+    schedules = sorted({s["schedule"] for s in styles}, key=lambda s: (SCHEDULES + (s,)).index(s))
+    bases = sorted({s["base"] for s in styles if s["schedule"] != "dense" and s["base"]})
+    windows = sorted({int(s["window"]) for s in styles if s["schedule"] != "dense" and pd.notna(s["window"])})
+    rows = [[(Line2D([], [], **{**run_style(s, "fib", None), "marker": "*" if s == "dense" else None}),
+              "dense" if s == "dense" else f"{s} schedule") for s in schedules],
+            [(Line2D([], [], color="0.3", linestyle=BASE_STYLES.get(b, ":"), linewidth=1.3), f"{b} base")
+             for b in bases],
+            [(Line2D([], [], color="0.3", linestyle="", marker=WINDOW_MARKERS.get(w, "^"), markersize=4.5),
+              f"W = {w}") for w in windows]]
+    rows = [row for row in rows if row]
+    ncol = max(map(len, rows))
+    blank = (Line2D([], [], linestyle="", marker=""), "")
+    entries = [row[c] if c < len(row) else blank for c in range(ncol) for row in rows]
+    return [h for h, _ in entries], [label for _, label in entries], ncol
+
+
+def _clip_outliers(ax, points: dict[int, list[tuple[float, str]]]) -> None:
+    """Fit the y-limits (log) to the runs, not to one outlier: a dense model's blow-up at 4x
+    would crush every other line. `points` holds (value, colour) by length; values over
+    OUTLIER_FACTOR x the median at their length leave the view and are written, with an
+    arrow, just above its top edge in their run's colour."""
+    outliers = {x: sorted(v for v, _ in vs if v > OUTLIER_FACTOR * float(pd.Series([v for v, _ in vs]).median()))
+                for x, vs in points.items()}
+    values = [v for vs in points.values() for v, _ in vs]
+    kept = [v for x, vs in points.items() for v, _ in vs if v not in outliers[x]]
+    margin = max(max(kept) / min(values), 1.1) ** 0.04  # 4 % of the span (one value: a span all the same)
+    ax.set_ylim(min(values) / margin, max(kept) * margin)
+    for x, vs in points.items():
+        above = sorted((v, c) for v, c in vs if v in outliers[x])
+        for i, (v, color) in enumerate(above):  # stacked when several leave at one length
+            ax.annotate(f"\u2191 {v:.3g}", xy=(x, 1), xycoords=ax.get_xaxis_transform(), xytext=(0, 2 + 10 * i),
+                        textcoords="offset points", ha="center", va="bottom", color=color, fontsize=8)
 
 
 def _train_lengths(engine: Engine) -> dict[str, int]:
@@ -133,8 +199,9 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     frame["base"] = frame["base"].replace("-", None)
     lengths = [c for c in frame.columns if c.isdigit()]
     trained = _train_lengths(engine)
-    fig = _figure(9.5, 4)
+    fig = _figure(TEXT_WIDTH, 3.6)
     left, right = fig.subplots(1, 2)
+    by_length: dict[int, list[tuple[float, str]]] = {}
     for _, row in frame.iterrows():
         points = [(int(n), float(row[n])) for n in lengths if pd.notna(row[n])]
         style = run_style(row["schedule"], row["base"], row["window"])
@@ -142,20 +209,23 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
         left.plot(x, y, label=run_label(row["run"], row["schedule"]), **style)
         ref = dict(points).get(trained.get(row["run"]), y[0])  # the training length, else the shortest
         right.plot(x, [(v / ref - 1) * 100 for v in y], **style)
+        for n, v in points:
+            by_length.setdefault(n, []).append((v, style["color"]))
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks([int(n) for n in lengths], labels=lengths)
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("evaluation length (tokens)")
     left.set_yscale("log")
+    _clip_outliers(left, by_length)
     _plain_log_axis(left.yaxis)
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
     right.set_yscale("symlog", linthresh=2)
-    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g} %" if v else "0"))
+    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}" if v else "0"))
     right.axhline(0, color="black", linewidth=0.6)
-    right.set_ylabel("change from the training length")
-    fig.suptitle(table.title.replace("Table 3: ", ""))
-    _runs_legend(left, right)
+    right.set_ylabel("change vs. training length (%)")
+    _title(fig, table.title.replace("Table 3: ", ""))
+    _runs_legend(fig, left, frame[["schedule", "base", "window"]].to_dict("records"))
     return _save(fig, path)
 
 
@@ -167,20 +237,24 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix)
     frame = table.frame.set_index("Row")
     bins = [c for c in frame.columns if c != "Run"]
-    fig = _figure(7, 5)
+    fig = _figure(COLUMN_WIDTH, 3.6)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     for row in frame.index[:2]:
         top.plot(bins, frame.loc[row, bins].astype(float), label=f"{row} ({frame.loc[row, 'Run']})",
                  **run_style(row.split()[0], "fib", window))
     top.set_ylabel("mean loss (nats)")
-    top.set_title(table.title.replace("Table 4: ", ""))
-    top.legend(frameon=False)
+    _title(fig, table.title.replace("Table 4: ", ""))
+    fig.legend(loc="outside lower center", frameon=False)
     gap = frame.loc["gap", bins].astype(float)
-    bottom.bar(bins, gap, color=["tab:green" if g > 0 else "tab:red" for g in gap])
+    # a bar in the colour of the schedule with the lower loss
+    bottom.bar(bins, gap, color=[SCHEDULE_COLORS["stagger" if g > 0 else "fixed"] for g in gap])
     bottom.axhline(0, color="black", linewidth=0.8)
-    bottom.set_ylabel("fixed - stagger\n(green: stagger lower)")
-    bottom.set_xlabel("predicted position")
-    bottom.tick_params(axis="x", labelrotation=30)
+    bottom.set_ylabel("fixed \u2212 stagger\n(nats)")
+    bottom.set_xlabel("predicted position (tokens)")
+    bottom.tick_params(axis="x", labelrotation=45)
+    for label in bottom.get_xticklabels():
+        label.set_horizontalalignment("right")
+        label.set_rotation_mode("anchor")
     return _save(fig, path)
 
 
@@ -210,12 +284,15 @@ FROM train_steps t
 JOIN runs r ON r.id = t.run_id
 WHERE 1 = 1{where}
 ORDER BY r.name, t.step""", **params)
-    fig = _figure(10, 4)
-    left, right = fig.subplots(1, 2)
+    fig = _figure(TEXT_WIDTH, 3.3)
+    # no training steps recorded (an imported study): the validation panel alone, not an empty one
+    left, right = fig.subplots(1, 2) if not steps.empty else (fig.subplots(), None)
     long["tokens"] = long["tokens"].fillna(-1)
     light_shown = False
+    styles = []
     for run, points in long.groupby("run", sort=True):
         first = points.iloc[0]
+        styles.append(first[["schedule", "base", "window"]].to_dict())
         style = run_style(first["schedule"], first["base"], first["window"])
         budgets = sorted(points["tokens"].unique())
         for tokens in budgets:  # the largest budget is the full evaluation
@@ -225,22 +302,22 @@ ORDER BY r.name, t.step""", **params)
                       **(style if full else {**style, "linewidth": 0.8, "alpha": 0.5, "markersize": 2.5}))
             light_shown |= not full
         mine = steps[steps["run"] == run]
-        if not mine.empty:  # raw values faint, an exponential moving average on top
+        if right is not None and not mine.empty:  # raw values faint, an exponential moving average on top
             right.plot(mine["step"], mine["loss"], color=style["color"], linewidth=0.6, alpha=0.25)
             right.plot(mine["step"], mine["loss"].ewm(alpha=0.1).mean(), color=style["color"],
                        linestyle=style["linestyle"], linewidth=1.2)
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
-    left.set_xlabel("step")
+    left.set_xlabel("training step")
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
     left.set_title("validation" + (" (thin: light budget)" if light_shown else ""))
-    right.set_xlabel("step")
-    right.set_ylabel("training loss (nats)")
-    right.set_title("training (line: moving average)")
-    if steps.empty:
-        right.text(0.5, 0.5, "no training steps recorded", ha="center", va="center", transform=right.transAxes)
-    fig.suptitle(f"Training curves ({dataset_label(dataset)})")
-    _runs_legend(left, right)
+    if right is not None:
+        right.set_xlabel("training step")
+        right.set_ylabel("training loss (nats)")
+        right.set_title("training (line: moving average)")
+    _title(fig, f"Training curves ({dataset_label(dataset)})"
+           + ("" if right is not None else "; no training steps recorded"))
+    _runs_legend(fig, left, styles)
     return _save(fig, path)
 
 
@@ -260,13 +337,20 @@ ORDER BY r.name, a.layer, a.step"""
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
     runs = sorted(long["run"].unique())
-    ncols = min(4, len(runs))
-    fig = _figure(3.2 * ncols, 2.6 * math.ceil(len(runs) / ncols))
-    axes = fig.subplots(math.ceil(len(runs) / ncols), ncols, squeeze=False).ravel()
-    for ax, name in zip(axes, runs):
+    ncols = min(3, len(runs))  # at the text width a panel is 2.2 in: room for a run's name
+    nrows = math.ceil(len(runs) / ncols)
+    fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, 1.9 * nrows + 0.5)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    for ax, name in zip(axes.ravel(), runs):
         _alpha_panel(ax, long[long["run"] == name], name)
-    for ax in axes[len(runs):]:
+    for ax in axes.ravel()[len(runs):]:
         ax.set_visible(False)
+    for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
+        ax.set_ylabel("\u03b1 of the layer")
+    if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
+        fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
+                     label="layer depth (0 first, 1 last)", shrink=0.8)
+    _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
     return _save(fig, path)
 
 
@@ -282,10 +366,8 @@ def _alpha_panel(ax, points: pd.DataFrame, name: str) -> None:
     else:
         cmap = colormaps["viridis"]
         for layer, line in points.groupby("layer"):
-            ax.plot(line["step"], line["alpha"], color=cmap(layer / max(n_layers - 1, 1)), label=f"layer {layer}")
-        ax.set_xlabel("step")
-        ax.legend(ncol=2 if n_layers > 4 else 1, frameon=False)
-    ax.set_ylabel("alpha")
+            ax.plot(line["step"], line["alpha"], color=cmap(layer / max(n_layers - 1, 1)))
+        ax.set_xlabel("training step")
 
 
 @styled
@@ -303,7 +385,7 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     if n_layers * reach > COVERAGE_FIGURE_MAX_DOTS:
         raise FibctlError(f"the coverage figure draws at most {COVERAGE_FIGURE_MAX_DOTS:,} dots a panel "
                           f"(got {n_layers} layers x {reach:,} distances); `fibctl coverage` counts them")
-    fig = _figure(4.2 * len(schedules) + 0.8, 0.22 * n_layers + 1.8)
+    fig = _figure(TEXT_WIDTH if len(schedules) > 1 else COLUMN_WIDTH + 1, 0.2 * n_layers + 1.6)
     axes = fig.subplots(1, len(schedules), sharey=True, squeeze=False).ravel()
     cmap = colormaps["viridis"]
     for ax, schedule in zip(axes, schedules):
@@ -320,14 +402,15 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
         ticks = [0] + [10 ** k for k in range(len(str(seq_len - 1)))]
         ax.set_xticks(ticks, labels=[str(t) for t in ticks])
         ax.set_xlim(-0.3, seq_len * 1.25)  # room for the farthest dot
-        ax.set_xlabel("attended distance")
-        ax.set_title(f"{base} {schedule} W{window}, T={seq_len}: {union} distinct")
+        ax.set_xlabel("attended distance (tokens)")
+        ax.set_title(f"{base} {schedule}\n{union} distinct distances")  # two lines: three panels fit
         ax.grid(axis="y", visible=False)
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top
-    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="alpha of the layer (rungs)",
+    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the layer (rungs)",
                  shrink=0.8)
+    _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     return _save(fig, path)
 
 

@@ -8,6 +8,7 @@ full config one click away. Every value from the database is HTML-escaped.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 from html import escape
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.reports import render
+from fibctl.reports import figures, render
 from fibctl.reports.tables import Table
 
 RUN_COLUMNS = ("name", "status", "schedule", "base", "window", "seed", "init_seed", "data_seed", "optimizer",
@@ -30,7 +31,8 @@ th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f4f4f4; } td.best { font-weight: bold; }
 img { max-width: 100%; border: 1px solid #eee; }
-section > img { max-width: 960px; }
+figure { margin: .5em 0; } figure img { height: auto; }
+figcaption { color: #444; max-width: 960px; margin-top: .3em; } figcaption a { margin-left: .5em; }
 pre { background: #f7f7f7; padding: .6em; overflow-x: auto; font-size: 12px; }
 .note { color: #555; font-style: italic; } .skipped { color: #a33; }
 nav a { margin-right: 1em; }
@@ -57,9 +59,19 @@ def table_html(table: Table) -> str:
 
 
 def figure_html(name: str, png: Path) -> str:
-    data = base64.b64encode(png.read_bytes()).decode("ascii")
-    return (f'<section id="figure-{escape(name)}"><h2>Figure: {escape(name)}</h2>'
-            f'<img alt="{escape(name)}" src="data:image/png;base64,{data}"></section>')
+    """The figure, captioned with what it shows (its function's summary), and links to its
+    files beside the page (relative: the folder can be moved or served as it is)."""
+    raw = png.read_bytes()
+    # one scale for every figure, 140 px to the printed inch: a column-wide figure shows at half
+    # the width of a page-wide one, as on paper (the PNG's IHDR holds its width in pixels)
+    width = int.from_bytes(raw[16:20], "big") * 140 // figures.STYLE["savefig.dpi"]
+    data = base64.b64encode(raw).decode("ascii")
+    caption = " ".join(inspect.getdoc(figures.FIGURES[name]).split("\n\n")[0].split())
+    files = " ".join(f'<a href="{escape(f.name)}">{f.suffix[1:].upper()}</a>'
+                     for f in sorted(png.parent.glob(f"{png.stem}.*")) if f.suffix in figures.FIGURE_SUFFIXES)
+    return (f'<section id="figure-{escape(name)}"><h2>Figure: {escape(name)}</h2><figure>'
+            f'<img alt="{escape(caption)}" width="{width}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{escape(caption)} {files}</figcaption></figure></section>")
 
 
 def runs_html(engine: Engine) -> str:

@@ -393,3 +393,14 @@ def test_cli_unreachable_hub_is_one_line_at_once_without_retries(tmp_path):
     assert line.startswith("error: cannot reach the Hugging Face hub at http://127.0.0.1:9")
     assert "roneneldan/TinyStories" in line and 'kind = "local"' in line and "Retry" not in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hub.toml"]
+
+
+def test_a_documents_own_end_of_text_marker_is_its_text(tmp_path):
+    # GPT-era corpora hold the marker literally; as the end-of-text id it would cut one document in two
+    docs = [f"story {i} 東京 مرحبا 👩‍👩‍👧 <|endoftext|> and after it, part two." for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    recipe = parse_recipe({"vocab_size": 300, "train_tokens": 100_000, "sources": [
+        {"name": "a", "kind": "local", "format": "json", "files": [str(tmp_path / "a.jsonl")], "share": 1}]})
+    manifest = prepare(recipe, tmp_path / "out").manifest
+    assert [text for text, _ in _documents(tmp_path / "out", "train")] == docs
+    assert manifest.sources["a"]["train_documents"] == len(docs)

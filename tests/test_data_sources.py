@@ -153,3 +153,72 @@ def test_a_json_parse_error_is_fibctls_line_alone(tmp_path, capfd, datasets_logg
     with pytest.raises(FibctlError, match="cannot read json files"):
         _docs(recipe, source, tmp_path)
     assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+def test_csv_cells_are_text_as_written(tmp_path):
+    # pandas would read 1984 as a number and "NA", "null" or an empty cell as missing
+    (tmp_path / "rows.csv").write_text('title,text\n1984,"a novel, in two lines\nof text"\n'
+                                       'Notes,NA\nNull,null\n2001,""\n')
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv", text=["title", "text"])
+    assert _docs(recipe, source, tmp_path) == ["1984\n\na novel, in two lines\nof text", "Notes\n\nNA",
+                                               "Null\n\nnull", "2001"]
+
+
+def test_csv_with_another_delimiter(tmp_path):
+    (tmp_path / "rows.csv").write_text("id;text\n1;first; with a semicolon\n2;second\n")
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv")
+    with pytest.raises(FibctlError, match=r"fields: id;text; .* or delimiter = \";\" \(the header is one column"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "rows.csv").write_text('id;text\n1;"first; with a semicolon"\n2;second\n')
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv", delimiter=";")
+    assert _docs(recipe, source, tmp_path) == ["first; with a semicolon", "second"]
+    (tmp_path / "rows.tsv").write_text("id\ttext\n1\tfirst, with a comma\n")
+    recipe, source = _local(str(tmp_path / "rows.tsv"), "csv", delimiter="\t")
+    assert _docs(recipe, source, tmp_path) == ["first, with a comma"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"delimiter": ";;"}, "delimiter ';;' must be one character"),
+    ({"delimiter": ";", "format": "json"}, "delimiter applies to format \"csv\" only, not 'json'"),
+])
+def test_a_bad_delimiter_is_named(tmp_path, extra, message):
+    with pytest.raises(FibctlError, match=f"source 'notes': {message}"):
+        _local(str(tmp_path / "rows.csv"), **{"fmt": "csv", **extra})
+
+
+def test_the_delimiter_leaves_older_recipes_hashes_as_they_were():
+    # a changed hash would rebuild every data folder, and checkpoints record the data they trained on
+    assert load_recipe("demo").recipe_hash == "426f0268adad6222"
+    assert _local("x.csv", "csv")[0].recipe_hash != _local("x.csv", "csv", delimiter=";")[0].recipe_hash
+
+
+def test_parquet_shards_may_differ_in_other_columns(tmp_path):
+    pq.write_table(pa.table({"text": ["first"], "id": [1]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"url": ["u"], "text": pa.array(["second"], pa.large_string())}), tmp_path / "b.parquet")
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet")
+    assert _docs(recipe, source, tmp_path) == ["first", "second"]
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet", text=["url"])
+    with pytest.raises(FibctlError, match=r"a\.parquet has no column url; columns: text, id"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_folder_named_in_files_says_so(tmp_path):
+    notes = _notes(tmp_path)
+    recipe, source = _local(str(notes))
+    with pytest.raises(FibctlError, match=rf"source 'notes': {notes} is a folder; name its files, e.g. "
+                                          rf"\"{notes}/\*\""):
+        recipe.local_files(source)
+
+
+def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
+    data = b'{"text": "first"}\n'  # one zstd frame holding one raw block, written without a library
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0x20, len(data)]) + ((len(data) << 3) | 1).to_bytes(3, "little") + data
+    (tmp_path / "rows.jsonl.zst").write_bytes(frame)
+    recipe, source = _local(str(tmp_path / "rows.jsonl.zst"), "json")
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        with pytest.raises(FibctlError, match="reading .zst files needs the zstandard package"):
+            _docs(recipe, source, tmp_path)
+    else:
+        assert _docs(recipe, source, tmp_path) == ["first"]

@@ -229,6 +229,9 @@ def _targets(recipe: Recipe) -> list[int]:
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
                    progress: Progress) -> tuple[dict[str, int], dict[str, dict]]:
     eos = tokenizer.token_to_id(EOS)
+    # a document's own "<|endoftext|>" (web text, model outputs) is its text, encoded byte by byte:
+    # only a document's end is the end-of-text id (set after the tokenizer is saved: its file is as it was)
+    tokenizer.encode_special_tokens = True
     cuts = _training_cuts(recipe)
     feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos, cuts[s.name])
              for s, target in zip(recipe.sources, _targets(recipe))]

@@ -51,6 +51,7 @@ class Source:
     format: str | None = None
     files: tuple[str, ...] = ()  # globs, relative to the recipe file
     sample_by: str = "document"  # for format "text": "line", "paragraph" or "document" (per file)
+    delimiter: str = ","  # for format "csv": one character, e.g. "\t" or ";"
     # installed-docs
     packages: tuple[str, ...] = ()  # empty: all of installed_docs.PACKAGES
     # generated
@@ -81,6 +82,9 @@ class Recipe:
         """Hash of everything that shapes the output (not the name or description)."""
         d = self.to_dict()
         del d["name"], d["description"]
+        for source in d["sources"]:  # a key added later leaves, at its default, older hashes as they were
+            if source["delimiter"] == Source.delimiter:
+                del source["delimiter"]
         return short_hash(d)
 
     def local_files(self, source: Source) -> list[str]:
@@ -91,6 +95,7 @@ class Recipe:
         """
         where = f"source {source.name!r}"
         found: dict[str, str] = {}  # real path -> first path that matched it
+        folders = []
         for path in sorted({p for pattern in source.files for p in glob.glob(pattern, recursive=True)}):
             try:
                 mode = os.stat(path).st_mode
@@ -107,10 +112,14 @@ class Recipe:
                     raise FibctlError(f"{where}: {path} is a symlink loop") from None
                 continue
             if stat.S_ISDIR(mode):
+                folders.append(path)
                 continue
             if not stat.S_ISREG(mode):
                 raise FibctlError(f"{where}: {path} is not a regular file (a pipe, socket or device)")
             found.setdefault(os.path.realpath(path), path)
+        if not found and folders:
+            raise FibctlError(f"{where}: {folders[0]} is a folder; name its files, e.g. "
+                              f"\"{os.path.join(folders[0], '*')}\"")
         if not found:
             raise FibctlError(f"{where}: no files match {', '.join(source.files)}")
         return sorted(found.values())
@@ -175,7 +184,7 @@ def _parse_source(raw: dict, base_dir: Path) -> Source:
             if not isinstance(value, (str, list)) or not all(isinstance(v, str) for v in value):
                 raise FibctlError(f"{where}: {key} must be a string or a list of strings, not {value!r}")
             fields[key] = (value,) if isinstance(value, str) else tuple(value)
-    for key in ("dataset", "split", "revision", "format", "sample_by"):
+    for key in ("dataset", "split", "revision", "format", "sample_by", "delimiter"):
         if key in fields and not isinstance(fields[key], str):
             raise FibctlError(f"{where}: {key}={fields[key]!r} must be a string")
     for key in ("seed", "documents"):
@@ -234,6 +243,10 @@ def _validate_source(s: Source) -> None:
             raise FibctlError(f"{where}: a local source needs files = [\"path/*.jsonl\", ...]")
         if s.sample_by not in ("line", "paragraph", "document"):
             raise FibctlError(f"{where}: sample_by {s.sample_by!r} is not line, paragraph or document")
+        if s.delimiter != Source.delimiter and s.format != "csv":
+            raise FibctlError(f"{where}: delimiter applies to format \"csv\" only, not {s.format!r}")
+        if len(s.delimiter) != 1:
+            raise FibctlError(f"{where}: delimiter {s.delimiter!r} must be one character, e.g. \"\\t\" or \";\"")
     if s.kind == "generated" and s.documents < 1:
         raise FibctlError(f"{where}: documents={s.documents} must be >= 1")
 

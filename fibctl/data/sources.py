@@ -7,6 +7,7 @@ download. `fingerprint` says what else, besides the recipe, the documents depend
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -49,20 +50,51 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     import datasets
 
     files = recipe.local_files(source)
-    options = {"sample_by": source.sample_by} if source.format == "text" else {}
+    if source.format == "parquet":
+        _check_columns(source, files)
     _quiet(datasets)
     try:
-        ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True, **options)
+        ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
+                                   **_builder_options(source))
         yield from _texts(source, ds)
     except FibctlError:
         raise
     except Exception as e:
+        if "Compression type zstd not supported" in str(e):  # fsspec reads .zst with zstandard alone
+            raise FibctlError(f"source {source.name!r}: reading .zst files needs the zstandard package: "
+                              f"pip install zstandard (or decompress them: zstd -d)") from None
         bad = _first_not_utf8(files) if isinstance(e, UnicodeDecodeError) else None
         if bad:
             raise FibctlError(f"source {source.name!r}: {bad} is not UTF-8 text; convert it to UTF-8 "
                               f"(e.g. iconv -f latin1 -t utf-8)") from None
         raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
                           f"{', '.join(source.files)}: {_one_line(e)}") from None
+
+
+def _builder_options(source: Source) -> dict:
+    """What the datasets builder needs beyond the files, per format."""
+    if source.format == "text":
+        return {"sample_by": source.sample_by}
+    if source.format == "csv":  # every cell is text: a title "1984", a document "NA" or "null" stay as written
+        return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False}
+    if source.format == "parquet":  # the text columns only: shards may differ in the others
+        return {"columns": list(source.text)}
+    return {}
+
+
+def _check_columns(source: Source, files: list[str]) -> None:
+    """Each parquet file has the text columns (read from its footer), else name the file."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        try:
+            columns = pq.read_schema(path).names
+        except Exception as e:
+            raise FibctlError(f"source {source.name!r}: cannot read parquet file {path}: {_one_line(e)}") from None
+        missing = [f for f in source.text if f not in columns]
+        if missing:
+            raise FibctlError(f"source {source.name!r}: {path} has no column {', '.join(missing)}; columns: "
+                              f"{', '.join(columns)}; set text = [...] in the recipe")
 
 
 def _first_not_utf8(files: list[str]) -> str | None:
@@ -170,10 +202,18 @@ def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
         missing = [f for f in source.text if f not in row]
         if missing:
             raise FibctlError(f"source {source.name!r}: rows have no field {', '.join(missing)}; "
-                              f"fields: {', '.join(row)}; set text = [...] in the recipe")
+                              f"fields: {', '.join(row)}; set text = [...] in the recipe{_delimiter_hint(source, row)}")
         text = "\n\n".join(t for t in (_field_text(source, f, row[f]) for f in source.text) if t)
         if text:
             yield text
+
+
+def _delimiter_hint(source: Source, row: dict) -> str:
+    """For a CSV read as one column whose name holds another likely delimiter: which to set."""
+    if source.format != "csv" or len(row) != 1:
+        return ""
+    found = [d for d in ("\t", ";", "|") if d in next(iter(row))]
+    return f", or delimiter = {json.dumps(found[0])} (the header is one column)" if found else ""
 
 
 def _field_text(source: Source, field: str, value: object) -> str:

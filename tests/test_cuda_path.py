@@ -116,6 +116,7 @@ def test_learned_rungs_follow_theta_through_optimizers_that_write_in_place(optim
             optim=types.SimpleNamespace(AdamW8bit=_PointerAdamW8bit)))
     else:
         monkeypatch.setattr(optim_module, "adamw_kwargs", lambda device: {"fused": True})
+    torch.manual_seed(0)
     model = micro("learned")
     tc = dataclasses.replace(get_preset("micro").train, optimizer=optimizer.split()[0])
     built = build_optimizer(model, tc, torch.device("cpu"))
@@ -123,14 +124,18 @@ def test_learned_rungs_follow_theta_through_optimizers_that_write_in_place(optim
     T = 64
     x = torch.randint(0, model.cfg.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(4):
-        model(x[:, :-1], x[:, 1:]).backward()
+        model(x[:, :-1], x[:, 1:]).backward()  # the rungs of the current theta are read and kept
+        for block in model.blocks:
+            # one direction every step: a real gradient's sign can flip and bring alpha back
+            # to its start (a flaky test, not a test of the optimizers' writes)
+            block.attn.theta.grad.fill_(-1.0)
         optim_module.set_lr(built.optimizer, 0.3)
         built.optimizer.step()
         built.optimizer.zero_grad()
     base = torch.tensor([float(b) for b in base_sequence(model.cfg.base, T, model.cfg.n_rungs)])
     for block in model.blocks:
         attn = block.attn
-        assert abs(float(attn.alpha.detach()) - 1) > 0.05  # alpha moved off its start
+        assert float(attn.alpha.detach()) > 1.2  # theta 0 -> about 1.2: alpha 1 -> about 1.27
         cols = attn.columns(T)
         fresh = fractional_rungs((attn.alpha.detach() * base).tolist(), model.cfg.window, T)
         assert cols.lo == [lo for _, lo in fresh]

@@ -116,9 +116,7 @@ class Attention(nn.Module):
             y = sparse_attention(q, k, v, self.columns(T), self.impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * D))
 
-    # Traced, the rungs read on the host (.tolist()) would be guarded on as constants, and
-    # every optimizer step moves alpha: torch.compile would recompile each step.
-    @torch.compiler.disable
+    # Kept out of torch.compile's trace (FibLM.prepare): see there.
     def _learned_attention(self, q, k, v) -> torch.Tensor:
         return sparse_attention(q, k, v, self.columns(q.shape[2]), self.impl)
 
@@ -190,12 +188,20 @@ class FibLM(nn.Module):
         self.zero_grad(set_to_none=True)
 
     def prepare(self, T: int, device) -> None:
-        """Build the tables of length T now (RoPE, the static layers' attended columns), so that
-        torch.compile traces caches that no longer change and compiles the model once."""
+        """Ready the model for torch.compile. The tables of length T are built now (RoPE, the
+        static layers' attended columns), so that it traces caches that no longer change and
+        compiles the model once. A learned layer's attention stays out of the trace: traced,
+        the rungs it reads on the host (.tolist()) would be guarded on as constants, and every
+        optimizer step moves alpha, so each step would recompile. That is said here rather than
+        by a decorator because importing torch's compiler adds seconds to every command's start."""
         self.rope(T, device)
         for block in self.blocks:
-            if self.cfg.schedule not in ("dense", "learned"):
-                block.attn.columns(T)
+            attn = block.attn
+            if self.cfg.schedule == "learned":
+                if "_learned_attention" not in vars(attn):  # once, however often prepared
+                    attn._learned_attention = torch.compiler.disable(attn._learned_attention)
+            elif self.cfg.schedule != "dense":
+                attn.columns(T)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states, (B, T, d_model)."""

@@ -257,6 +257,8 @@ def test_rung_filtering():
     # fractional: skip when round(t) <= W or floor(t) already used
     assert fractional_rungs([1.0 * b for b in fib], 8, 100) == [(5, 13), (6, 21), (7, 34), (8, 55), (9, 89)]
     assert [lo for _, lo in fractional_rungs([0.61 * b for b in fib], 8, 1024)][:2] == [12, 20]
+    # a window column is a column already used: 13 * 0.99 rounds past W = 12, its lo is 12
+    assert fractional_rungs([12.87, 20.79], 12, 1024) == [(1, 20)]
 
 
 def test_coverage_fixed_fib_w8():

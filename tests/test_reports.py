@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -278,6 +279,25 @@ def test_cli_report_formats_show_sql_and_all(study, tmp_path):
         assert {f"table{n}.{ext}" for ext in ("txt", "md", "tex", "csv", "json", "sql")} <= names
     # the small study records no alpha trajectories for learned LM runs, only the probe's
     assert {"extrapolation.png", "posloss.png", "curves.png", "coverage.png", "alphas.png"} <= names
+    if "://" in study:
+        return  # the rest is about files, the same on either backend
+    # again into the same folder, where a table and a figure are now links to files outside
+    # it: the links are replaced by the report's files, and what they pointed to is untouched
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("table1.md", "extrapolation.png"):
+        (outside / name).write_text("precious")
+        (out / name).unlink()
+        (out / name).symlink_to(outside / name)
+    r = runner.invoke(app, ["report", "all", "--db", study, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    for name in ("table1.md", "extrapolation.png"):
+        assert (outside / name).read_text() == "precious" and not (out / name).is_symlink()
+    assert (out / "table1.md").read_text().startswith("**Table 1")
+    assert {p.name for p in out.iterdir()} == names  # no part-written file left beside them
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(out / n).stat().st_mode & 0o777 for n in names} == {0o666 & ~umask}
 
 
 def test_a_long_compare_label_wraps_headers_and_cuts_no_cell(study):

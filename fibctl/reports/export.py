@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports import figures, html, render, tables
+from fibctl.reports.output import write_text
 
 Job = tuple[str, Callable[[], list[Path]]]
 FIGURE_FORMATS = (".png", ".pdf")
@@ -45,10 +46,10 @@ def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | N
             built.tables.append(table)
             out.mkdir(parents=True, exist_ok=True)  # here, not before: a report with no data creates nothing
             paths = [out / f"{name}.sql"]
-            paths[0].write_text(table.sql + "\n")
+            write_text(paths[0], table.sql + "\n")
             for fmt, ext in render.EXTENSIONS.items():
                 paths.append(out / f"{name}.{ext}")
-                paths[-1].write_text(render.render(table, fmt))
+                write_text(paths[-1], render.render(table, fmt))
             return paths
         return job
 
@@ -84,6 +85,6 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
             skipped.append((name, str(e)))
     if written:
         index = out / "index.html"
-        index.write_text(html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
+        write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
         written.append(index)
     return written, skipped

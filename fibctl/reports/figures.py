@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES
 from fibctl.errors import FibctlError
+from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
     dataset_label, default_dataset, in_matrix, matrix_clause, matrix_params, read_sql, table3, table4,
 )
@@ -91,8 +92,8 @@ def _save(fig: Figure, path: str | Path) -> Path:
     path = check_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF otherwise records when it was written: the same data would give other bytes
-    fig.savefig(path, metadata={"CreationDate": None} if path.suffix.lower() == ".pdf" else None)
-    return path
+    metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
+    return replace_file(path, lambda tmp: fig.savefig(tmp, metadata=metadata))
 
 
 def _title(fig: Figure, title: str) -> None:

@@ -315,6 +315,8 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--vocab", "513"], "vocab 513 is not divisible by the 2 distances"),
     (["--init", "ramp"], "--init 'ramp'"),
     (["--length", "0"], "seq_len=0 must be >= 1"),  # 0 is a value, not "the default"
+    (["--length", "100000000"], "--length 100,000,000 is too large: a probe takes at most 65,536"),
+    (["--vocab", "1000000000"], "--vocab 1,000,000,000 is too large: a probe takes at most 65,536"),
     (["--eval-sequences", "0"], "probe eval_sequences = 0 must be an integer >= 1"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
 ])

@@ -27,9 +27,9 @@ def probe_cmd(
         "(its timing: docs/benchmarks.md), not the study's numbers.")] = False,
     distance: Annotated[Optional[list[int]], typer.Option(
         "--distance", help="Distances the markers choose between (repeatable; default 200 and 350).")] = None,
-    length: Annotated[Optional[int], typer.Option("--length", help="Sequence length (default 512).")] = None,
+    length: Annotated[Optional[int], typer.Option("--length", help="Sequence length (default 512; at most 65,536).")] = None,
     vocab: Annotated[Optional[int], typer.Option(
-        "--vocab", help="Vocabulary (default 512); each distance's marker takes an equal share.")] = None,
+        "--vocab", help="Vocabulary (default 512; at most 65,536); each distance's marker takes an equal share.")] = None,
     eval_sequences: Annotated[Optional[int], typer.Option(
         "--eval-sequences", help="Held-out sequences scored at the end (default 16; the study scored 2).")] = None,
 ) -> None:

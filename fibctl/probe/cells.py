@@ -20,6 +20,10 @@ def task_label(seq_len: int, vocab_size: int, distances) -> str:
     return f"length {seq_len}, vocab {vocab_size}, distances {'/'.join(str(d) for d in sorted(distances))}"
 
 
+# bounds of a task's size that still fit in memory on one machine (the study: 512 and 512)
+PROBE_MAX_LENGTH, PROBE_MAX_VOCAB = 65_536, 65_536
+
+
 def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None = None,
                distances: tuple[int, ...] | None = None, length: int | None = None, vocab: int | None = None,
                eval_sequences: int | None = None) -> list[RunConfig]:
@@ -37,6 +41,9 @@ def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None 
     for depth in depths:
         if depth < 1:
             raise ConfigError(f"--depth {depth} must be >= 1")
+    for option, value, most in (("--length", length, PROBE_MAX_LENGTH), ("--vocab", vocab, PROBE_MAX_VOCAB)):
+        if value is not None and value > most:  # refused here, not by the worker running out of memory
+            raise ConfigError(f"{option} {value:,} is too large: a probe takes at most {most:,} (the study's: 512)")
     given = lambda value, default: default if value is None else value  # noqa: E731  (0 is a value)
     model = dataclasses.replace(preset.model, seq_len=given(length, preset.model.seq_len),
                                 vocab_size=given(vocab, preset.model.vocab_size)).validate()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,26 @@ def test_control_characters_are_escaped_in_the_table_and_exact_in_csv_and_json(d
     assert r.exit_code == 0 and json.loads(r.stdout) == [{"v\x1b": value}]
     r = CliRunner().invoke(app, ["sql", query, "--db", db, "--csv"])
     assert r.exit_code == 0 and "\x1b[31mRED\rx\ty\u202e" in r.stdout
+
+
+@pytest.mark.parametrize("signum,code,said", [
+    (signal.SIGTERM, 128 + signal.SIGTERM, ""),
+    (signal.SIGINT, 130, "interrupted: the statement was stopped; nothing was written"),
+])
+def test_a_statement_stopped_by_a_signal_exits_as_the_signal_and_leaves_the_folder_as_it_was(
+        tmp_path, signum, code, said):
+    """SQLite took the signal for the deadline ('ran past --timeout', exit 2), and SIGTERM
+    killed the command before it removed the -wal and -shm files its reading had made."""
+    connect(str(tmp_path / "r.db")).dispose()  # a WAL database: reading it makes -wal and -shm
+    before = sorted(p.name for p in tmp_path.iterdir())
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", "sql", endless, "--db", "r.db", "--timeout", "120"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "r.db-wal").exists() and time.monotonic() < deadline:  # the statement runs
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code and err.strip() == said, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

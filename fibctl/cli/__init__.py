@@ -8,6 +8,7 @@ the user fixes by waiting or freeing space, not by reading a traceback.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 
 import typer
@@ -94,7 +95,15 @@ def _register() -> None:
 _register()
 
 
+def _terminated(signum, frame) -> None:
+    sys.exit(128 + signum)
+
+
 def main() -> None:
+    # SIGTERM ends the command through Python, so that the `finally` below still runs (a read-only
+    # command killed outright left SQLite's -wal and -shm files); train and worker set their own
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         app()
     except FibctlError as e:

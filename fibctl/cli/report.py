@@ -201,7 +201,11 @@ def sql(
     if csv + json + (fmt is not None) > 1:  # even --format table --csv: which one was meant?
         raise FibctlError("give one output format: --format table|csv|json (--csv and --json are its older names)")
     fmt = "csv" if csv else "json" if json else fmt or "table"
-    result = query_rows(db, query, max_rows=max_rows, timeout_s=timeout)
+    try:
+        result = query_rows(db, query, max_rows=max_rows, timeout_s=timeout)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: the statement was stopped; nothing was written", markup=False, highlight=False)
+        raise typer.Exit(130) from None
     if fmt == "csv":  # color=True: click would strip what looks like a colour code from a value in a pipe
         typer.echo(to_csv(result), nl=False, color=True)
     elif fmt == "json":

@@ -10,7 +10,9 @@ reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetc
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 
@@ -115,6 +117,8 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
             finally:
                 if guard:
                     guard.remove()
+                    if guard.signalled is not None:
+                        raise guard.signalled
     except DBAPIError as e:
         raise FibctlError(_sql_error(e, timeout_s)) from None
     finally:
@@ -180,8 +184,23 @@ class _SqliteGuard:
         deadline = time.monotonic() + timeout_s
         raw.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_OPS)
         raw.set_authorizer(_authorize)
+        # Ctrl-C or SIGTERM mid-statement: sqlite3 would swallow the handler's exception as
+        # "interrupted" (said as the deadline); the signal is noted, the statement interrupted,
+        # and the signal's own ending raised once the connection is back (self.signalled)
+        self.signalled: BaseException | None = None
+        self.handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # an ignored one stays ignored
+                    self.handlers[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signalled = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+        self.raw.interrupt()
 
     def remove(self) -> None:
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
         self.raw.set_authorizer(None)
         self.raw.set_progress_handler(None, PROGRESS_OPS)
         self.raw.execute(f"PRAGMA hard_heap_limit={self.heap_before}")  # the limit is process-wide

@@ -181,6 +181,7 @@ CASES = [
     (["figure", "extrapolation", "--db", "{good_db}", "--seed", "-99999999999999999999",
       "--out", "{tmp}/e.png"], "--seed"),
     (["report", "table3", "--db", "{good_db}", "--seed", "9223372036854775808"], "--seed"),
+    (["report", "table1", "--db", "{good_db}", "--seed", "-1"], "--seed = -1 must be an integer from 0 to 2**32 - 1"),
     # matrix overrides and names, option values
     (["queue", "add", "{m_steps0}", "--db", "{good_db}"], "train.steps = 0 must be >= 1"),
     (["queue", "add", "{m_steps_neg}", "--db", "{good_db}"], "train.steps = -5"),

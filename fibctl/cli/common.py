@@ -40,6 +40,13 @@ def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
     return value
 
 
+def seed_value(param: typer.CallbackParam, value: int | None) -> int | None:
+    """Option callback: a seed as runs record them, 0 to 2**32 - 1 (no run has seed -1)."""
+    from fibctl.config import check_seed
+
+    return None if value is None else check_seed(value, f"--{param.name.replace('_', '-')}")
+
+
 FOLD_WIDTH = 12  # optional columns go before a `fold` column (free text) narrows below this,
 NAME_WIDTH = 32  # or a `names` column (a name may be 100 characters) below this
 

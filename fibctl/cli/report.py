@@ -13,7 +13,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, sqlite_int
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, seed_value, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, resolve_url, shown
 from fibctl.errors import FibctlError
@@ -34,7 +34,7 @@ ShowSqlOption = Annotated[bool, typer.Option(
     "--show-sql", help="Print the SQL behind the table first (runnable with `fibctl sql`).")]
 MatrixOption = Annotated[str | None, typer.Option(
     "--matrix", help="Only runs of this matrix (e.g. paper, demo); default: every run.")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=sqlite_int)]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=seed_value)]
 DatasetOption = Annotated[str | None, typer.Option(
     "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
 

@@ -182,6 +182,31 @@ def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tm
     assert rows(db, "select * from evaluations order by id") == before
 
 
+def test_eval_refuses_a_file_that_is_not_the_final_checkpoint_and_records_nothing(trained, tmp_path):
+    """An earlier checkpoint copied over the final one was scored and recorded at its own step,
+    where no report reads a finished run; a folder in the file's place was 'does not exist'."""
+    import shutil
+
+    from fibctl.errors import FibctlError
+    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
+
+    engine, data, db = trained
+    runs = tmp_path / "runs"
+    shutil.copytree(db.parent / "runs", runs)
+    path = list_checkpoints(runs / "fixed")[-1]
+    state = load_checkpoint(path)
+    torch.save({**state, "step": state["step"] - 5}, path)
+    before = rows(db, "select * from evaluations order by id")
+    with pytest.raises(FibctlError, match=rf"holds step {state['step'] - 5}, but run 'fixed' finished at step "
+                                          rf"{state['step']}: it is not the run's final checkpoint"):
+        evaluate(engine, ["fixed"], [64], data_dir=data, runs_dir=runs)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(FibctlError, match=r"its checkpoint .* is not a file$"):
+        evaluate(engine, ["fixed"], [64], data_dir=data, runs_dir=runs)
+    assert rows(db, "select * from evaluations order by id") == before
+
+
 def test_eval_refuses_to_replace_a_result_over_another_budget(trained):
     """The final evaluation's row would be replaced by a quick look over fewer tokens: refused
     before anything is measured; the recorded budget again replaces it in place."""

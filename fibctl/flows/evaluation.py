@@ -63,6 +63,8 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name)
+        if path.exists() and not path.is_file():
+            raise FibctlError(f"run {r.name!r}: its checkpoint {path} is not a file")
         if not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
                               "was trained in")
@@ -123,6 +125,11 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
         raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "
                           f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
+    if t.run.status == "done" and t.run.final_step is not None and ckpt["step"] != t.run.final_step:
+        # its results would be recorded at that step, where no report reads a finished run's numbers
+        raise FibctlError(f"checkpoint {t.checkpoint} holds step {ckpt['step']}, but run {t.run.name!r} finished "
+                          f"at step {t.run.final_step}: it is not the run's final checkpoint (was the file "
+                          "replaced?)")
     data_dir, data_hash = data
     if ckpt.get("data_hash", data_hash) != data_hash:  # its held-out sets are other text: not its results
         raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data_dir} has data "

@@ -142,6 +142,12 @@ def test_rows_and_time_are_bounded(db):
         run_query(db, endless + "SELECT max(i) FROM c", timeout_s=0.3)
     r = CliRunner().invoke(app, ["sql", endless + "SELECT i FROM c", "--db", db, "--csv", "--max-rows", "2"])
     assert r.exit_code == 0 and r.stdout == "i\n1\n2\n" and "only the first 2 rows" in r.stderr
+    # and the text and bytes printed: 70 rows of a megabyte each are refused, not printed for minutes
+    many = (endless + "SELECT hex(zeroblob(500000)) FROM c LIMIT 70" if _is_sqlite(db)
+            else "SELECT repeat('x', 1000000) FROM generate_series(1, 70)")
+    with pytest.raises(FibctlError, match="the result holds over 64 MiB of text and bytes"):
+        run_query(db, many)
+    assert len(run_query(db, many.replace("70", "3")).iat[0, 0]) == 1_000_000
 
 
 def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(sqlite_db, monkeypatch):

@@ -30,6 +30,7 @@ MAX_ROWS = 100_000
 MAX_ROWS_LIMIT = 10**9  # the driver fetches a C int's worth of rows at most (2**31 - 1)
 TIMEOUT_S = 60.0
 TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count of milliseconds
+MAX_RESULT_BYTES = 64 << 20  # text and bytes printed by one statement: a 1 GB value took hours to print
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
 
@@ -113,7 +114,14 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
                     raise FibctlError("the statement returned no result set (is it only a comment?); "
                                       "fibctl sql prints the rows of a query") from None
-                return Rows([str(c) for c in columns], [tuple(r) for r in rows[:max_rows]], len(rows) > max_rows)
+                truncated, rows, size = len(rows) > max_rows, [tuple(r) for r in rows[:max_rows]], 0
+                for row in rows:
+                    size += sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))
+                    if size > MAX_RESULT_BYTES:
+                        raise FibctlError(f"the result holds over {MAX_RESULT_BYTES >> 20} MiB of text and bytes, "
+                                          "more than fibctl sql prints; select fewer rows or part of a value "
+                                          "(substr, length)")
+                return Rows([str(c) for c in columns], rows, truncated)
             finally:
                 if guard:
                     guard.remove()

@@ -8,6 +8,7 @@ import importlib.util
 
 import hashlib
 import os
+import shutil
 import sqlite3
 import sys
 from pathlib import Path
@@ -68,6 +69,8 @@ def build(tmp: Path) -> dict[str, str]:
     p["data"] = str(data)
     p["good_db"] = str(tmp / "good.db")
     queued_db(tmp / "good.db", micro_run("run")).dispose()
+    shutil.copy(Path(__file__).parents[1] / "results.db.example", tmp / "results.db")  # the demo's numbers
+    p["results_db"] = str(tmp / "results.db")
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
     os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
@@ -175,6 +178,9 @@ CASES = [
     (["data", "prepare", "{source_up}", "--out", "{tmp}/out"], "source name '../../x' is not allowed"),
     # reports into a file
     (["report", "all", "--db", "{good_db}", "--out", "{tmp}/afile"], "cannot write the report into"),
+    # a folder that cannot be made: the error line alone, no progress bar left above it
+    (["report", "all", "--db", "{results_db}", "--out", "/proc/fibctl-nope"],
+     "cannot write the report into /proc/fibctl-nope: No such file or directory"),
     (["figure", "coverage", "--out", "{tmp}/afile/cov.png"], "cannot write"),
     # integers too large for SQLite
     (["report", "table1", "--db", "{good_db}", "--seed", "99999999999999999999"], "--seed"),

@@ -123,7 +123,8 @@ def report_all(
     try:
         written, skipped = export.write_all(
             engine, out, seed=seed, matrix=matrix, dataset=dataset,
-            track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console))
+            track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
+                                      transient=True, disable=not err_console.is_terminal))  # errors stand alone
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     for name, why in skipped:

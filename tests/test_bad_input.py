@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fibctl.db.engine import connect, upgrade
 from train_helpers import micro_run, queued_db, write_data
@@ -363,3 +364,21 @@ def test_markup_in_input_and_data_is_printed_as_it_is(tmp_path, capsys, monkeypa
         conn.exec_driver_sql("update runs set status = 'failed', error = '[bold red]boom[/bold red] in [[runs]]'")
     code, out = run("queue", "ls", "--db", str(db))
     assert code == 0 and "[bold red]boom[/bold red] in [[runs]]" in out.out
+
+
+def test_a_damaged_checkpoint_quotes_the_readers_words_whole(tmp_path):
+    """torch's first line is quoted up to 160 characters, cut at a word with ' ...' (it was cut
+    mid-word)."""
+    from fibctl.errors import FibctlError
+    from fibctl.train.checkpoint import load_checkpoint
+    path = tmp_path / "step_00000010.pt"
+    path.write_bytes(b"PK\x03\x04\x14\x00\x00\x00\x08\x00")
+    with pytest.raises(FibctlError) as e:
+        load_checkpoint(path)
+    quoted = str(e.value).split(" (", 1)[1].removesuffix(")").split(": ", 1)[1]
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as raw:
+        first = str(raw).strip().splitlines()[0]
+    assert len(quoted) <= 160
+    assert quoted == first or (quoted.endswith(" ...") and first.startswith(quoted.removesuffix(" ...") + " "))

@@ -18,6 +18,7 @@ import os
 import pickle
 import random
 import re
+import textwrap
 from pathlib import Path, PurePath
 
 import numpy as np
@@ -94,7 +95,7 @@ def load_checkpoint(path: Path) -> dict:
     except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
         first = (str(e).strip().splitlines() or ["no detail"])[0]
         raise FibctlError(f"checkpoint {path} is damaged or not a checkpoint "
-                          f"({type(e).__name__}: {first[:160]})") from None
+                          f"({type(e).__name__}: {textwrap.shorten(first, 160, placeholder=' ...')})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise FibctlError(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
     return state

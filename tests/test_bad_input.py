@@ -138,6 +138,7 @@ def build(tmp: Path) -> dict[str, str]:
 CASES = [
     # a read command on an empty, corrupt or old-schema database
     (["queue", "ls", "--db", "{empty_db}"], "no fibctl schema"),
+    (["status", "--db", "{empty_db}"], "no fibctl schema (an empty database); this command reads revision"),
     (["report", "table1", "--db", "{empty_db}"], "no fibctl schema"),
     (["figure", "curves", "--db", "{empty_db}", "--out", "{tmp}/c.png"], "no fibctl schema"),
     (["queue", "ls", "--db", "{corrupt_db}"], "database"),

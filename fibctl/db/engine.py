@@ -362,7 +362,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
     if current and rev != head_revision():
         engine.dispose()
         now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"
-        raise FibctlError(f"{shown(db)} has {now}; reports need revision {head_revision()}: "
+        raise FibctlError(f"{shown(db)} has {now}; this command reads revision {head_revision()}: "
                           f"run `fibctl db upgrade --db {shown(db)}`")
     return engine
 

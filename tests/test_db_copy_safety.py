@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select, text
 
 from fibctl.db import schema
-from fibctl.db.copy import AS_FAR, FURTHER, METRIC_TABLES, MORE_RESULTS, copy_database
+from fibctl.db.copy import AS_FAR, FURTHER, METRIC_TABLES, MORE_RESULTS, copy_database, counts
 from fibctl.db.engine import connect
 from fibctl.db.store import RunRecorder
 from fibctl.queue import add_runs
@@ -149,3 +149,25 @@ def test_cli_copy_names_the_option_it_refuses(tmp_path, args, line):
     [error] = done.stderr.strip().splitlines()
     assert error.startswith(f"error: {line}") and "--db" not in error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source.db"]  # nothing created
+
+
+def test_a_copy_stopped_part_way_leaves_the_target_as_it_was(db_url, tmp_path, monkeypatch):
+    """One transaction: a copy that fails at its events (the last table it writes; a signal, a
+    lost server) writes nothing. Committed table by table, it left done runs without their
+    metrics, which the reports then read."""
+    import fibctl.db.copy as copy
+    target, source = databases(db_url, tmp_path, RUNS)
+    for name in RUNS:
+        trained(source, name)
+    before = snapshot(target)
+
+    def lost(*args, **kwargs):
+        raise ConnectionError("the server went away")
+
+    monkeypatch.setattr(copy, "_copy_events", lost)
+    with pytest.raises(ConnectionError):
+        copy_database(source, target)
+    assert snapshot(target) == before
+    monkeypatch.undo()
+    assert copy_database(source, target).rows["events"] == 2  # copied again: whole
+    assert counts(target) == counts(source)

@@ -1,5 +1,5 @@
 """`fibctl db copy`: a whole results database into another (SQLite to a team's PostgreSQL,
-say), run by run.
+say), in one transaction: a copy stopped part-way writes nothing.
 
 Runs are matched by name and every metric by its natural key, so copying again changes
 nothing and a target that already holds other runs keeps them. Row ids are the target's own
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from fibctl.db import schema
 from fibctl.db.schema import RunStatus
@@ -59,8 +59,9 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
     with source.connect() as src:
         rows = [dict(r._mapping) for r in src.execute(select(runs).order_by(runs.c.id))]
     summary = CopySummary()
-    # the target's runs are read, and locked on PostgreSQL, in the transaction that writes them:
-    # a worker cannot move one on in between
+    # one transaction: a copy stopped part-way (a signal, a lost server) leaves the target as it
+    # was, never with done runs lacking their metrics. The target's runs are read, and locked
+    # on PostgreSQL, in it: a worker cannot move one on in between
     with target.begin() as dst:
         theirs = {r.name: {c: r._mapping[c] for c in RUN_COLUMNS}
                   for r in dst.execute(select(runs).with_for_update())}
@@ -75,21 +76,21 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
         taken = [{c: r[c] for c in RUN_COLUMNS} for r in rows if r["name"] not in summary.kept]
         summary.rows["runs"] = upsert(dst, runs, taken, ("name",))
         ids = {name: id_ for id_, name in dst.execute(select(runs.c.id, runs.c.name))}
-    id_map = {r["id"]: ids[r["name"]] for r in rows}
-    kept = {ids[name] for name in summary.kept}  # their metrics only add to the target's
-    for model in METRIC_TABLES:
-        table = model.__table__
-        columns = [c.name for c in table.columns if c.name != "id"]
-        written = 0
-        with source.connect() as src, target.begin() as dst:
-            result = src.execution_options(stream_results=True).execute(select(table).order_by(table.c.id))
-            while chunk := result.fetchmany(batch):
-                copied = [{c: (id_map[r.run_id] if c == "run_id" else getattr(r, c)) for c in columns}
-                          for r in chunk]
-                written += upsert(dst, table, [r for r in copied if r["run_id"] not in kept])
-                written += upsert(dst, table, [r for r in copied if r["run_id"] in kept], replace=False)
-        summary.rows[table.name] = written
-    summary.rows["events"] = _copy_events(source, target, id_map)
+        id_map = {r["id"]: ids[r["name"]] for r in rows}
+        kept = {ids[name] for name in summary.kept}  # their metrics only add to the target's
+        with source.connect() as src:
+            for model in METRIC_TABLES:
+                table = model.__table__
+                columns = [c.name for c in table.columns if c.name != "id"]
+                written = 0
+                result = src.execution_options(stream_results=True).execute(select(table).order_by(table.c.id))
+                while chunk := result.fetchmany(batch):
+                    copied = [{c: (id_map[r.run_id] if c == "run_id" else getattr(r, c)) for c in columns}
+                              for r in chunk]
+                    written += upsert(dst, table, [r for r in copied if r["run_id"] not in kept])
+                    written += upsert(dst, table, [r for r in copied if r["run_id"] in kept], replace=False)
+                summary.rows[table.name] = written
+            summary.rows["events"] = _copy_events(src, dst, id_map)
     return summary
 
 
@@ -112,18 +113,15 @@ def _progress(run: dict) -> tuple[int, int]:
     return PROGRESS.get(run["status"], 0), -1 if run["final_step"] is None else run["final_step"]
 
 
-def _copy_events(source: Engine, target: Engine, id_map: dict[int, int]) -> int:
+def _copy_events(src: Connection, dst: Connection, id_map: dict[int, int]) -> int:
     events = schema.Event.__table__
-    with target.connect() as dst:
-        has = {run_id for (run_id,) in dst.execute(select(events.c.run_id).group_by(events.c.run_id))}
+    has = {run_id for (run_id,) in dst.execute(select(events.c.run_id).group_by(events.c.run_id))}
     columns = [c.name for c in events.columns if c.name != "id"]
-    with source.connect() as src:
-        rows = [{c: (id_map.get(r.run_id) if c == "run_id" else getattr(r, c)) for c in columns}
-                for r in src.execute(select(events).order_by(events.c.id))]
+    rows = [{c: (id_map.get(r.run_id) if c == "run_id" else getattr(r, c)) for c in columns}
+            for r in src.execute(select(events).order_by(events.c.id))]
     new = [r for r in rows if r["run_id"] is not None and r["run_id"] not in has]
     if new:
-        with target.begin() as dst:
-            dst.execute(events.insert(), new)
+        dst.execute(events.insert(), new)
     return len(new)
 
 

@@ -154,3 +154,39 @@ def test_a_back_end_that_is_not_installed_is_refused_before_any_claim(tmp_path, 
     assert code == 2 and "--log-to 'mlflow': allowed: tensorboard, wandb" in out.err
     assert sqlite3.connect(db).execute("SELECT status, attempts FROM runs").fetchall() == [("queued", 0)]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_back_end_that_cannot_start_leaves_the_run_queued(tmp_path, monkeypatch, capsys):
+    """A bad WANDB_MODE (pydantic refuses it), a file where the TensorBoard folder goes, or a
+    link there: one line, exit 2, the run queued as it was. They failed every run of the queue,
+    each with a traceback in its error; the link was written through."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import sqlite3
+
+    from train_helpers import micro_run, queued_db, write_data
+
+    data, runs, db = write_data(tmp_path / "data", train_tokens=2_000, heldout_tokens=1_000), tmp_path / "runs", \
+        str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("run"), micro_run("other")).dispose()
+    common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1, out.err
+    assert "--log-to wandb could not start for run" in out.err and "Traceback" not in out.err
+    monkeypatch.delenv("WANDB_MODE")
+    (runs / "run").mkdir(parents=True, exist_ok=True)
+    (runs / "run" / "tensorboard").write_text("a file\n")
+    code, out = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 2 and out.err.strip().splitlines() == [
+        f"error: --log-to tensorboard: {runs / 'run' / 'tensorboard'} is a file; tensorboard's files are "
+        "written only into a folder of the run's own: remove it"], out.err
+    (runs / "run" / "tensorboard").unlink()
+    (tmp_path / "outside").mkdir()
+    (runs / "run" / "tensorboard").symlink_to(tmp_path / "outside")
+    code, out = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 2 and "tensorboard is a link" in out.err, out.err
+    assert not list((tmp_path / "outside").iterdir())
+    assert sqlite3.connect(db).execute("SELECT status, attempts, error FROM runs").fetchall() == [
+        ("queued", 0, None), ("queued", 0, None)]

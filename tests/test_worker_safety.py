@@ -369,6 +369,23 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused(data, tmp_path):
     assert not (tmp_path / "escaped").exists() and list((tmp_path / "runs").iterdir()) == []
 
 
+def test_a_run_folder_that_is_a_link_is_refused_and_nothing_lands_where_it_points(data, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Checkpoints were written through a link in the run's place, outside --runs-dir (which
+    `queue rm --checkpoints` already refused to follow)."""
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run").symlink_to(tmp_path / "elsewhere")
+    before = runs(tmp_path / "r.db")
+    code, err = cli(["train", "run", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: run folder {tmp_path / 'runs' / 'run'} is a link; a run's checkpoints are written only "
+        "inside --runs-dir: remove the link"], err
+    assert runs(tmp_path / "r.db") == before and not list((tmp_path / "elsewhere").iterdir())
+
+
 def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     from fibctl.db import engine as db_engine
     queued_db(tmp_path / "r.db", micro_run("run"))

@@ -474,7 +474,11 @@ def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     folder's fault: training from step 0 instead would silently discard the run's progress."""
     check_name("run", claimed.name)
     if not claimed.checkpoint_path:
-        return opts.runs_dir / claimed.name
+        own = opts.runs_dir / claimed.name
+        if own.is_symlink():  # its checkpoints would land wherever the link points
+            raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
+                              "--runs-dir: remove the link")
+        return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
     if not path.is_file():
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "

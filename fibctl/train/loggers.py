@@ -14,9 +14,10 @@ import importlib
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, WorkerError
 
 LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
@@ -63,7 +64,8 @@ class WandbSink:
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name, id=name,
-                              resume="allow", dir=str(run_dir), config=config, mode=mode, reinit=True)
+                              resume="allow", dir=str(run_dir), config=config, mode=mode,
+                              reinit="finish_previous")  # the boolean is deprecated
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -109,4 +111,24 @@ class Tee:
 
 
 def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
-    return [SINKS[n](run_dir, name, config) for n in names]
+    """Each back-end started, its folder inside the run's; one that cannot start (a bad
+    WANDB_MODE, a file where its folder goes) is the worker's setup at fault, not the run's:
+    WorkerError, so the run goes back to the queue untouched."""
+    sinks = []
+    try:
+        for n in names:
+            folder = Path(run_dir) / n
+            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+                raise WorkerError(f"--log-to {n}: {folder} is a {'link' if folder.is_symlink() else 'file'}; "
+                                  f"{n}'s files are written only into a folder of the run's own: remove it")
+            try:
+                sinks.append(SINKS[n](run_dir, name, config))
+            except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, OSError, ...)
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise WorkerError(f"--log-to {n} could not start for run {name!r}: {type(e).__name__}: "
+                                  f"{textwrap.shorten(first, 160, placeholder=' ...')}") from None
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks

@@ -351,11 +351,13 @@ class Removed:
     runs_dir: str | None  # where the run last trained (runs.runs_dir)
 
 
-def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None = None) -> Removed:
+def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None = None,
+           deleted: Callable[[], None] | None = None) -> Removed:
     """Delete a run that is not running. Its train steps, evaluations, position losses,
     alphas, auxiliary metrics and events go with it (ON DELETE CASCADE); its checkpoints are
     files, left to the caller. A running run is refused: cancel it first. `check(runs_dir)`
-    (the folder it last trained in) runs before the delete; what it raises keeps the run."""
+    (the folder it last trained in) runs before the delete, `deleted()` after it and before
+    the commit; what either raises keeps the run."""
     from sqlalchemy import delete
 
     from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
@@ -374,4 +376,6 @@ def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None
         # the status check again in the delete: a worker may have claimed it meanwhile
         if not conn.execute(delete(Run).where(Run.id == row.id, Run.status != "running")).rowcount:
             raise FibctlError(f"cannot remove run {name!r}: a worker claimed it meanwhile")
+        if deleted:
+            deleted()
     return Removed(name, str(row.status), rows, row.runs_dir)

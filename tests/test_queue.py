@@ -369,3 +369,44 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     bad = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--every must be above 0" in bad.stderr
+
+
+def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_path, monkeypatch, capsys):
+    """The rows were deleted first, then the folder failed to go: exit 2 said nothing of the
+    rows, gone. Now a folder that cannot be moved keeps the run and its rows; one that moved
+    but could not be emptied is named, with the rows said to be removed."""
+    import shutil
+    from pathlib import Path
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(2))
+    runs = tmp_path / "runs"
+    for name in ("r000", "r001"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "step_00000010.pt").write_bytes(b"x")
+    real_rename = Path.rename
+
+    def refused(self, target):
+        if self == runs / "r000":
+            raise PermissionError(13, "Permission denied")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refused)
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r000", "--db", db, "--checkpoints",
+                           "--runs-dir", str(runs))
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: cannot delete {runs / 'r000'}: Permission denied; nothing was removed"], err
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000", "r001"]
+    assert (runs / "r000" / "step_00000010.pt").is_file()
+
+    def stuck(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(Path(path) / "step_00000010.pt"))
+
+    monkeypatch.setattr(shutil, "rmtree", stuck)
+    code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r001", "--db", db, "--checkpoints",
+                           "--runs-dir", str(runs))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "removed run r001 (queued) and 0 metric and event row(s), but not all of its checkpoint folder" in err
+    assert f"what is left is at {runs / 'r001'}: delete it by hand" in err
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (runs / "r001").is_dir()
+    assert sorted(p.name for p in runs.iterdir()) == ["r000", "r001"]  # nothing hidden left behind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -247,15 +248,39 @@ def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
     its checkpoint folder inside the runs folder). A running run is refused."""
     engine = db_engine.connect(db, must_exist=True)
     folder: list[Path] = []
+    aside: list[Path] = []
 
     def check(recorded: str | None) -> None:  # before any row is deleted
         if checkpoints:
             folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
 
-    removed = queue.remove(engine, name, check)
+    def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
+        if folder and folder[0].exists():
+            hidden = folder[0].with_name(f".{name}.removing-{os.getpid()}")
+            try:
+                folder[0].rename(hidden)
+            except OSError as e:
+                raise FibctlError(f"cannot delete {folder[0]}: {e.strerror or e}; nothing was removed") from None
+            aside.append(hidden)
+
+    try:
+        removed = queue.remove(engine, name, check, move_aside)
+    except BaseException:
+        for hidden in aside:  # the rows stay: so does the folder, where it was
+            hidden.rename(folder[0])
+        raise
     message = f"removed run {name} ({removed.status}) and {removed.rows} metric and event row(s)"
-    if folder and folder[0].exists():
-        shutil.rmtree(folder[0])
+    if aside:
+        try:
+            shutil.rmtree(aside[0])
+        except OSError as e:
+            left = folder[0]
+            try:
+                aside[0].rename(left)
+            except OSError:
+                left = aside[0]
+            raise FibctlError(f"{message}, but not all of its checkpoint folder ({e.filename}: "
+                              f"{e.strerror or e}); what is left is at {left}: delete it by hand") from None
         message += f"; deleted {folder[0]}"
     elif folder:
         message += f"; no checkpoint folder at {folder[0]}"

@@ -49,6 +49,7 @@ from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix
+from fibctl.names import is_name
 
 STUDY_MATRIX = "paper"
 STUDY_LENGTH = 1024
@@ -221,6 +222,14 @@ def _text(value, what: str, of: str = "", limit: int = 100) -> str:
     return value
 
 
+def _dataset(value, what: str, of: str = "") -> str:
+    """A held-out set's name: an identifier, as fibctl's own are (docs/cli.md), since figures
+    and reports name files and columns after it."""
+    if not is_name(value):
+        raise _bad(what, value, of, "a held-out set name (up to 100 letters, digits, _ - .)")
+    return value
+
+
 def _time(value, what: str, of: str = "") -> datetime | None:
     """The study's ISO timestamps as naive UTC (how the schema stores times)."""
     if value is None or value == "":
@@ -358,7 +367,7 @@ def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, 
             ppl = _num(_exp(loss), f"{where}: exp(metrics.loss)", at, positive=True)
         else:
             ppl = _num(r["ppl"], f"{where}: metrics.ppl", at, positive=True)
-        row = dict(run_id=run_id, step=r["step"], dataset=_text(r["dataset"], f"{where}: metrics.dataset", at),
+        row = dict(run_id=run_id, step=r["step"], dataset=_dataset(r["dataset"], f"{where}: metrics.dataset", at),
                    eval_length=STUDY_LENGTH,
                    tokens=_num(r["eval_tokens"], f"{where}: metrics.eval_tokens", at, integer=True, hi=INT64,
                                null=True),
@@ -484,7 +493,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
             n = _num(int(length) if re.fullmatch(r"[0-9]{1,12}", length) else length, f"{source}: length", of,
                      integer=True, lo=1, hi=INT32)
             for ds, v in by_dataset.items():
-                _text(ds, f"{source}: dataset", f"{of} length {n}")
+                _dataset(ds, f"{source}: dataset", f"{of} length {n}")
                 ppl = _num(v, f"{source}: ppl", f"{of} length {n} dataset {_shown(ds)}", positive=True)
                 rows.append(dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=n, tokens=None,
                                  ppl=ppl, loss=math.log(ppl), created_at=None))
@@ -502,7 +511,7 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
             if not (isinstance(entry, dict) and isinstance(entry.get("per_position"), list)
                     and isinstance(entry.get("n_windows"), int) and isinstance(entry.get("seq_len"), int)):
                 raise FibctlError(f"{source}: expected {{per_position: [losses], n_windows: int, seq_len: int}} {of}")
-            _text(ds, f"{source}: dataset", f"for run {_shown(title)}")
+            _dataset(ds, f"{source}: dataset", f"for run {_shown(title)}")
             seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=1, hi=INT32)
             windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, hi=INT32)
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=seq_len, position=i,

@@ -73,7 +73,7 @@ class Matrix:
         entries = [e for e in self.entries if only is None or fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
-        preset = preset or self.preset
+        preset = self.preset if preset is None else preset  # '' is a preset name, refused below
         get_preset(preset)  # an unknown preset is no one run's problem
         return [self._resolve(e, preset) for e in entries]
 

@@ -236,6 +236,11 @@ CASES = [
     (["coverage", "--layers", "100000"], "--layers 100000: at most 1,024 layers"),
     (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
+    (["import-study", "{tmp}", "--db", "{tmp}/pub.db"], "is a folder, not a file (expected the study's SQLite"),
+    (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
+    (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
+    (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
+    (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
 ]
 
 

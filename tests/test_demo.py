@@ -105,3 +105,47 @@ def test_headline_check(tmp_path):
 ])
 def test_headline_fails_when_any_condition_fails(tmp_path, ppl):
     assert not demo.headline(_db_with(tmp_path, ppl), "docs_val", 128).holds
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
+def test_a_signal_python_drops_still_stops_the_demo():
+    """A Ctrl-C whose KeyboardInterrupt lands in a weakref callback is printed as 'Exception
+    ignored' and dropped: the demo ran on to the end and exited 0. It is noted, and the demo
+    stops at its next step."""
+    import signal
+    import weakref
+
+    class Thing:
+        pass
+
+    with demo.noted_signals() as noted:
+        thing = Thing()
+        handler = signal.getsignal(signal.SIGINT)
+        keep = weakref.ref(thing, lambda _: handler(signal.SIGINT, None))  # noqa: F841
+        del thing  # the callback raises KeyboardInterrupt, which Python drops
+        assert noted == [signal.SIGINT]
+        with pytest.raises(KeyboardInterrupt):
+            demo._stop_if_noted(noted)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_during_training_exits_128_plus_it_and_says_how_to_resume(tmp_path):
+    """SIGTERM mid-training checkpoints the run and exits 143, as train and worker do (it was 1,
+    the code of a failed run)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", "demo", "--quick", "--plain", "--out",
+                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "3/5 train" in line:
+            break
+    for line in proc.stdout:  # the first run's first progress line: training has begun
+        lines.append(line)
+        if "dense" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, "".join(lines) + rest + err
+    assert "training stopped before every run finished; run the same command again to resume" in rest

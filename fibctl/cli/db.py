@@ -17,6 +17,7 @@ from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
+from fibctl.config import PRESETS
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.names import check_name, refuse_foreign
 
@@ -31,7 +32,7 @@ app.add_typer(queue_app, name="queue")
 
 MatrixArg = Annotated[str, typer.Argument(help="A shipped matrix name (see `fibctl matrix list`) or a .toml path.")]
 PresetOption = Annotated[str | None, typer.Option(
-    "--preset", help="Model/recipe preset for every run (paper, tiny, micro); default: the matrix's.")]
+    "--preset", help=f"Model/recipe preset for every run ({', '.join(PRESETS)}); default: the matrix's.")]
 NameArg = Annotated[str, typer.Argument(help="Run name, as shown by `fibctl queue ls`.")]
 
 

@@ -11,9 +11,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fibctl.cli import app
-from fibctl.cli.common import console
+from fibctl.cli.common import console, err_console
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import RunDisplay
+from fibctl.errors import FibctlError
 
 
 class RichView:
@@ -55,8 +56,9 @@ class RichView:
 
 @app.command("demo")
 def demo_cmd(
-    out: Annotated[Path, typer.Option("--out", help="Folder for the data, checkpoints, database and figures.")]
-    = Path("fibctl-demo"),
+    out: Annotated[str, typer.Option("--out", metavar="<path>",
+                                     help="Folder for the data, checkpoints, database and figures.")]
+    = "fibctl-demo",
     quick: Annotated[bool, typer.Option(
         "--quick", help="A tiny budget: every step of the pipeline in seconds rather than minutes, with too "
         "little training to show the length effect (what the tests run).")] = False,
@@ -71,5 +73,12 @@ def demo_cmd(
     """
     from fibctl.flows.demo import run_demo  # torch, pandas and matplotlib load here
 
-    if not run_demo(out, quick, RichView(plain)):
-        raise typer.Exit(1)
+    if not out.strip():  # Path('') is the current folder
+        raise FibctlError("--out is empty; name the folder for the demo")
+    try:
+        code = run_demo(Path(out), quick, RichView(plain))
+    except KeyboardInterrupt:
+        err_console.print("interrupted; run the same command again to resume", markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    if code:
+        raise typer.Exit(code)

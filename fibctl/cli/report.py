@@ -227,15 +227,17 @@ def sql(
 
 @app.command("import-study")
 def import_study(
-    fib_db: Annotated[Path, typer.Argument(help="The study's SQLite database (fib.db).", show_default=False)],
-    lenextrap: Annotated[Path | None, typer.Option(
-        "--lenextrap", help="The study's lenextrap.json: perplexity at 1024/2048/4096.")] = None,
-    posloss: Annotated[Path | None, typer.Option(
-        "--posloss", help="The study's posloss.json: loss at each position of a 1024 window.")] = None,
+    fib_db: Annotated[str, typer.Argument(help="The study's SQLite database (fib.db).", show_default=False)],
+    lenextrap: Annotated[str | None, typer.Option(
+        "--lenextrap", metavar="<path>", help="The study's lenextrap.json: perplexity at 1024/2048/4096.")] = None,
+    posloss: Annotated[str | None, typer.Option(
+        "--posloss", metavar="<path>", help="The study's posloss.json: loss at each position of a 1024 window.")]
+    = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
-    check_inputs(fib_db, lenextrap, posloss)  # before `connect` makes a database for them
+    check_inputs(fib_db, lenextrap, posloss)  # as typed ('' is not the current folder), before `connect`
+    fib_db, lenextrap, posloss = (None if p is None else Path(p) for p in (fib_db, lenextrap, posloss))
     url = resolve_url(db)
     made = url.get_backend_name() == "sqlite" and not Path(url.database).exists()
     engine = connect(db)

@@ -146,8 +146,13 @@ def check_inputs(fib_db: str | Path, lenextrap: str | Path | None = None, poslos
     """The study's files are there: checked before anything is read or an output database made."""
     for path, what in ((fib_db, "the study's SQLite database, fib.db"), (lenextrap, "the study's lenextrap.json"),
                        (posloss, "the study's posloss.json")):
-        if path is not None and not Path(path).is_file():
-            raise FibctlError(f"{path}: no such file (expected {what})")
+        if path is None or Path(path).is_file():
+            continue
+        if not str(path).strip():
+            raise FibctlError(f"an empty path where {what} was expected")
+        if Path(path).is_dir():
+            raise FibctlError(f"{path} is a folder, not a file (expected {what})")
+        raise FibctlError(f"{path}: no such file (expected {what})")
 
 
 def _open_study(path: Path) -> sqlite3.Connection:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -199,14 +201,51 @@ class DemoView(Protocol):
     def eval_progress(self) -> AbstractContextManager[Callable[[dict, int], None]]: ...
 
 
-def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
-    """The whole pipeline: data, queue, training, evaluation, reports, the verdict. Returns
-    False when training stopped before every run finished (run it again to resume)."""
+@contextmanager
+def noted_signals():
+    """Ctrl-C and SIGTERM stop the demo at once (KeyboardInterrupt, SystemExit 128 + N) and are
+    noted: one that lands where Python drops exceptions (a weakref callback the garbage
+    collector runs) would otherwise be lost, and the demo would run on to the end."""
+    noted: list[int] = []
+
+    def handler(signum, _frame):
+        noted.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield noted
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop_if_noted(noted: list[int]) -> None:
+    if noted and noted[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if noted:
+        raise SystemExit(128 + noted[0])
+
+
+def run_demo(out: Path, quick: bool, view: DemoView) -> int:
+    """The whole pipeline: data, queue, training, evaluation, reports, the verdict. Returns the
+    exit code: 0, 1 when a run failed, 128 + N when signal N stopped training (run it again to
+    resume)."""
+    with noted_signals() as noted:
+        return _run_demo(out, quick, view, noted)
+
+
+def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     from fibctl.data.prepare import prepare
     from fibctl.data.recipe import load_recipe
     from fibctl.db.engine import connect
     from fibctl.flows.evaluation import evaluate
-    from fibctl.flows.worker import WorkerOptions, work
+    from fibctl.flows.worker import StopRequest, WorkerOptions, work
     from fibctl.reports import export, tables
 
     started = time.perf_counter()
@@ -217,6 +256,7 @@ def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
     view.section(f"1/5 data: recipe {p.recipe!r} (documentation installed on this machine)")
     with view.data_progress() as progress:
         prepared = prepare(load_recipe(p.recipe), data_dir, progress)
+    _stop_if_noted(noted)
     view.line(f"data ready in {data_dir} ({'reused' if prepared.reused else 'built'})")
 
     view.section(f"2/5 queue: matrix 'demo' at preset {p.preset!r}")
@@ -230,24 +270,29 @@ def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
               + f"; training with {threads}")
     opts = WorkerOptions(data_dir=data_dir, runs_dir=out / "runs", threads=threads,
                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
-    if any(o.status != "done" for o in work(engine, opts, view.run_display())):
+    stop = StopRequest()  # the worker's own: a signal checkpoints the run in training and stops
+    outcomes = work(engine, opts, view.run_display(), stop=stop)
+    if stop.signal is not None or any(o.status != "done" for o in outcomes):
         view.line("training stopped before every run finished; run the same command again to resume "
                   "from the checkpoints")
-        return False
+        return 128 + stop.signal if stop.signal is not None else 1
+    _stop_if_noted(noted)
 
     view.section(f"4/5 evaluate at lengths {', '.join(map(str, p.lengths))} (x1, x2, x4, x8), by position")
     names = runs_to_evaluate(engine, p)
     if names:
         with view.eval_progress() as advance:
             evaluate(engine, names, p.lengths, data_dir=data_dir, positions=True, on_result=advance)
-    view.line(f"evaluated {len(names)} run(s); the others were already evaluated")
+    _stop_if_noted(noted)
+    others = len(added) + len(present) - len(names)
+    view.line(f"evaluated {len(names)} run(s)" + (f"; {others} already evaluated" if others else ""))
 
     view.section("5/5 report")
     for table in (tables.table1(engine, matrix="demo", dense=True), tables.table3(engine, matrix="demo", all_runs=True),
                   tables.table4(engine, matrix="demo")):
         view.table(table)
     written, skipped = export.write_all(engine, out / "report", matrix="demo")
-    view.line(f"wrote {len(written)} tables and figures to {out / 'report'}/ "
+    view.line(f"wrote {len(written)} files of tables and figures to {out / 'report'}/ "
               f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}); database: {db}")
     if quick:
         view.line("--quick: too little training for the length effect; run `fibctl demo` for the real thing.")
@@ -255,4 +300,5 @@ def run_demo(out: Path, quick: bool, view: DemoView) -> bool:
         for line in describe(headline(engine, tables.default_dataset(engine), p.train_length)):
             view.line(line)
     view.line(f"total time: {duration(time.perf_counter() - started)}")
-    return True
+    _stop_if_noted(noted)
+    return 0

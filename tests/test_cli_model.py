@@ -32,6 +32,14 @@ def test_model_prints_paper_breakdown_and_layers():
     assert "60,850,704" in runner.invoke(app, ["model", "--schedule", "learned"]).output
 
 
+def test_a_window_that_reaches_the_length_shows_no_rungs_after_it():
+    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "63"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "0..63 " in r.output and "0..63 +" not in r.output  # it printed '0..63 +' and nothing after
+    assert "0..8 + 13, 21" in runner.invoke(app, ["model", "--preset", "micro", "--window", "8"],
+                                            env={"COLUMNS": "120"}).output
+
+
 def test_dense_coverage_counts_every_distance_and_a_window_shows_capped_at_the_length():
     r = runner.invoke(app, ["coverage", "--schedule", "dense", "--layers", "2", "--length", "3000"])
     assert r.exit_code == 0 and r.output.strip().splitlines()[-2].split("│")[-2].strip() == "3000"

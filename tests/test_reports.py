@@ -389,6 +389,7 @@ def report_folder(tmp_path) -> Path:
     (["report", "all", "-o", "out", "--matrix", "nope"], "--matrix 'nope': no runs of that matrix in r.db"),
     (["report", "all", "-o", "out", "--dataset", "nope"], "--dataset 'nope': no evaluations on that set"),
     (["report", "table1", "--matrix", ""], "--matrix '': no runs"),
+    (["figure", "curves", "--seed", "99", "-o", "c.png"], "curves: no evaluations of seed-99 runs on"),
     (["report", "table3", "--dataset", ""], "--dataset '': no evaluations"),
     (["figure", "alphas", "--run", "", "-o", "a.png"], "--run '': no run of that name"),
     (["figure", "alphas", "--run", "nope", "-o", "a.png"], "--run 'nope': no run of that name"),

@@ -75,7 +75,8 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
         lt.add_column(col)
     for l, (a, d) in enumerate(zip(alphas, per_layer)):
         near = min(window, cfg.seq_len - 1)  # the window, capped at T - 1 as the model caps it
-        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{near} + " + ", ".join(map(str, d[near + 1:])))
+        rungs = ", ".join(map(str, d[near + 1:]))  # none when the window reaches T - 1
+        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{near}" + (f" + {rungs}" if rungs else ""))
     console.print(lt)
     for note in deviations(schedule, cfg.n_layers):
         console.print(f"note: {note}", highlight=False, markup=False)

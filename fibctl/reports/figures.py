@@ -277,7 +277,8 @@ WHERE e.dataset = :dataset AND e.eval_length = r.train_length{where}
 ORDER BY r.name, e.step"""
     long, _ = read_sql(engine, sql, **params)
     if long.empty:
-        raise FibctlError(f"curves: no evaluations on {dataset}{in_matrix(matrix)}; runs record "
+        of = f" of seed-{seed} runs" if seed is not None else ""
+        raise FibctlError(f"curves: no evaluations{of} on {dataset}{in_matrix(matrix)}; runs record "
                           "them every eval_interval steps while training (`fibctl train`)")
     params.pop("dataset")
     steps, _ = read_sql(engine, f"""SELECT r.name AS run, t.step, t.loss

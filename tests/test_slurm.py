@@ -93,6 +93,8 @@ def inputs(tmp_path_factory, data):
     write_data(root / "vocab600", vocab=600, train_tokens=2_000, heldout_tokens=500)
     short = write_data(root / "short", train_tokens=2_000, heldout_tokens=500)
     (short / "train.bin").write_bytes((short / "train.bin").read_bytes()[:-2])
+    queued_db(root / "done.db", micro_run("b", steps=4))
+    sqlite3.connect(root / "done.db", isolation_level=None).execute("update runs set status = 'done'")
     return dict(root=root, db=root / "r.db", data=data)
 
 
@@ -135,6 +137,8 @@ BAD_OPTIONS = [
     (["--time", "00:01:00"], ["--time", "too short"]),
     (["--max-requeues", "-1"], ["--max-requeues -1"]),
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
+    (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
+    (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says
 ]
 
 
@@ -257,6 +261,23 @@ def test_a_two_task_job_trains_every_run_exactly_once_and_records_host_and_job(d
     assert status.returncode == 0, status.stderr
     line = next(l for l in status.stdout.splitlines() if f" {job} " in l)
     assert "COMPLETED" in line and "5 done" in line, status.stdout
+
+
+@needs_cluster
+def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
+    """sbatch's own two lines went to stderr above fibctl's, and submitit's script and pickle
+    of the job that never was stayed in the job folder."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "earlier").write_text("kept\n")
+    for folder, extra, reason in ((tmp_path / "jobs", ["--partition", "nosuch"], "invalid partition"),
+                                  (tmp_path / "new-jobs", ["--gpus-per-node", "99999999"], "")):
+        done = fibctl("slurm", "submit", "--db", str(inputs["db"]), "--data", str(inputs["data"]),
+                      "--runs-dir", str(tmp_path / "runs"), "--folder", str(folder), *extra)
+        one_line_error(done, "sbatch refused the job: ", reason)
+        assert "Batch job submission failed" not in done.stderr
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["earlier"]
+    assert not (tmp_path / "new-jobs").exists()
+    assert runs(inputs["db"]) == [("a", "queued", None, None)]
 
 
 LONG = dict(steps=400, eval_interval=1000, checkpoint_interval=1000)

@@ -27,8 +27,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,7 @@ EXTRA_HINT = "pip install -e '.[slurm]' (submitit)"
 JOB_NAME = "fibctl-worker"
 SIGNAL_DELAY_S = 120  # USR2 this long before the time limit: time to finish a step and checkpoint
 STOP_WAIT_S = 90  # how long task 0 waits for the workers to release their runs before requeueing
+MAX_TIME_S = 365 * 24 * 3600
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
 _WORD = re.compile(r"^[A-Za-z0-9_.,:+@=-]+$")  # a partition or account: goes into the sbatch script
 
@@ -80,6 +83,8 @@ def parse_time(text: str) -> int:
     seconds = ((int(m[1] or 0) * 24 + int(m[2])) * 60 + int(m[3])) * 60 + int(m[4])
     if seconds <= 0:
         raise FibctlError(f"--time {text!r} must be above zero")
+    if seconds > MAX_TIME_S:  # SLURM read 99999999-00:00:00 as INVALID: no signal before the limit
+        raise FibctlError(f"--time {text!r}: at most 365-00:00:00 (a year)")
     return seconds
 
 
@@ -239,7 +244,7 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
                           "(--db postgresql+psycopg://...), see docs/cluster.md")
     configs = queued_configs(connect(db, must_exist=True))
     queued = len(configs)
-    if not queued and not dry_run:
+    if not queued:  # a dry run too: it shows what would be submitted
         raise FibctlError(f"no queued runs in {shown(db)}: nothing for the workers to do (fibctl queue add)")
     settings = WorkerSettings(db, worker.data_dir.expanduser().resolve(), worker.runs_dir.expanduser().resolve(),
                               worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
@@ -260,16 +265,48 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder / "%j"))])
         return Submission(None, _make_sbatch_string(command=command, folder=folder / "%j", **params), folder,
                           spec.nodes * spec.tasks(), queued)
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=spec.max_requeues)
     executor.update_parameters(**params)
     try:
-        job = executor.submit(task)
-    except Exception as e:  # sbatch refused: its own first line says why
-        detail = str(e).strip().splitlines()
-        raise FibctlError(f"sbatch refused the job: {detail[-1] if detail else type(e).__name__}") from None
+        with _stderr_kept() as said:  # sbatch writes its refusal to our stderr: it goes in the one line
+            job = executor.submit(task)
+    except Exception as e:  # sbatch refused: its own last line says why
+        detail = [*str(e).strip().splitlines(), *said()]
+        for path in set(folder.iterdir()) - before:  # the script and pickle of a job that never was
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if made:
+            folder.rmdir()
+        raise FibctlError(f"sbatch refused the job: {_refusal(detail) or type(e).__name__}") from None
     script = job.paths.submission_file.read_text() if job.paths.submission_file.is_file() else ""
     return Submission(str(job.job_id), script, folder, spec.nodes * spec.tasks(), queued)
+
+
+@contextmanager
+def _stderr_kept():
+    """File descriptor 2 into a temporary file while the block runs (a child's writes too);
+    yields a function returning the lines written."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as kept:
+        lines: list[str] = []
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield lambda: lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines += kept.read().decode(errors="replace").strip().splitlines()
+
+
+def _refusal(lines: list[str]) -> str:
+    """sbatch's reason: the first `sbatch: error:` line that is not its generic closing one."""
+    errors = [line.split("error:", 1)[1].strip() for line in lines if "sbatch: error:" in line]
+    specific = [e for e in errors if not e.startswith("Batch job submission failed")]
+    return (specific or errors or [line for line in lines if line.strip()][-1:] or [""])[0]
 
 
 # ----------------------------------------------------------------------------- inside the job

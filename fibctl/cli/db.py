@@ -12,12 +12,12 @@ import typer
 
 from fibctl import queue
 from fibctl.cli import app
+from fibctl.config import PRESETS
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
-from fibctl.config import PRESETS
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.names import check_name, refuse_foreign
 

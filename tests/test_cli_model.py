@@ -44,7 +44,7 @@ def test_dense_coverage_counts_every_distance_and_a_window_shows_capped_at_the_l
     r = runner.invoke(app, ["coverage", "--schedule", "dense", "--layers", "2", "--length", "3000"])
     assert r.exit_code == 0 and r.output.strip().splitlines()[-2].split("│")[-2].strip() == "3000"
     r = runner.invoke(app, ["model", "--preset", "micro", "--window", "1000"])  # T = 64
-    assert r.exit_code == 0 and "│ 64        │ 0..63 +" in r.output and "0..1000" not in r.output
+    assert r.exit_code == 0 and "│ 64        │ 0..63  " in r.output and "0..1000" not in r.output
 
 
 def test_coverage_fixed_fib_w8_is_19():

@@ -16,12 +16,16 @@ from fibctl.errors import FibctlError
 
 def resolve_device(name: str | None = None) -> torch.device:
     """`auto` (or None): the first CUDA device if there is one, else the CPU."""
-    if name in (None, "", "auto"):
+    if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not name.strip():
+        raise FibctlError("--device is empty; use cpu, cuda, cuda:N or auto")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise FibctlError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # meta, mps, xpu: nothing fibctl runs on
+        raise FibctlError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FibctlError(f"device {name!r} requested but CUDA is not available on this machine")
     return device

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -103,6 +104,10 @@ def build(tmp: Path) -> dict[str, str]:
     (tmp / "victim").mkdir()
     (tmp / "victim" / "train.bin").write_bytes(b"someone else's data")
     (tmp / "afile").write_text("a file, not a folder\n")
+    shutil.copytree(data, tmp / "noheld")
+    manifest = json.loads((tmp / "noheld" / "manifest.json").read_text())
+    (tmp / "noheld" / "manifest.json").write_text(json.dumps({**manifest, "heldout": []}))
+    p["noheld"] = str(tmp / "noheld")
     for label, train in {"steps0": "steps = 0", "steps_neg": "steps = -5", "steps_str": 'steps = "20"',
                          "ckpt0": "checkpoint_interval = 0", "log0": "log_interval = 0", "batch0": "batch_size = 0",
                          "lr_nan": "lr = nan"}.items():
@@ -237,6 +242,20 @@ CASES = [
     (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
     (["import-study", "{tmp}", "--db", "{tmp}/pub.db"], "is a folder, not a file (expected the study's SQLite"),
+    # devices torch names but fibctl does not run on, empty values that meant the default
+    (["train", "run", "--device", "meta", "--db", "{good_db}", "--data", "{data}", "--runs-dir", "{tmp}/runs"],
+     "unknown device 'meta'; use cpu, cuda, cuda:N or auto"),
+    (["worker", "--device", "xpu", "--db", "{good_db}", "--data", "{data}", "--runs-dir", "{tmp}/runs"],
+     "unknown device 'xpu'"),
+    (["eval", "run", "--length", "64", "--device", "", "--db", "{good_db}", "--data", "{data}"],
+     "--device is empty"),
+    (["bench", "attention", "--length", "8", "--device", "mps"], "unknown device 'mps'"),
+    (["worker", "--gpus", "", "--db", "{good_db}", "--data", "{data}", "--runs-dir", "{tmp}/runs"],
+     "--gpus is empty"),
+    (["bench", "attention", "--length", "8", "--threads", "999"], "--threads must be from 1 to this machine's"),
+    (["probe", "--db", "{tmp}/p.db", "--depth", "100000"], "--depth 100000 must be from 1 to 1024"),
+    (["probe", "--db", "{tmp}/p.db", "--eval-sequences", "1000000000000"], "--eval-sequences 1000000000000 must"),
+    (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{noheld}"], "has no held-out set to evaluate"),
     (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),

@@ -309,7 +309,7 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--depth", "0"], "--depth 0 must be >= 1"),
+    (["--depth", "0"], "--depth 0 must be from 1 to 1024"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
     (["--distance", "512"], "distance 512 must be from 1 to the length - 1"),
     (["--vocab", "513"], "vocab 513 is not divisible by the 2 distances"),
@@ -317,7 +317,7 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--length", "0"], "seq_len=0 must be >= 1"),  # 0 is a value, not "the default"
     (["--length", "100000000"], "--length 100,000,000 is too large: a probe takes at most 65,536"),
     (["--vocab", "1000000000"], "--vocab 1,000,000,000 is too large: a probe takes at most 65,536"),
-    (["--eval-sequences", "0"], "probe eval_sequences = 0 must be an integer >= 1"),
+    (["--eval-sequences", "0"], "--eval-sequences 0 must be from 1 to 1,000,000"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):

@@ -137,7 +137,7 @@ def bench_attention_cmd(
     """
     import torch
 
-    from fibctl.device import resolve_device
+    from fibctl.device import check_threads, resolve_device
     from fibctl.flows.bench import bench_attention
 
     if any(T < 2 for T in length):
@@ -147,7 +147,7 @@ def bench_attention_cmd(
         if value < least:
             raise ConfigError(f"--{name} {value} must be >= {least}")
     resolved = resolve_device(device)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(check_threads(threads))  # more than the CPUs would only contend
     with console.status("benchmarking") as status:
         df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,
                              device=resolved, progress=lambda msg: status.update(f"benchmarking {msg}"))

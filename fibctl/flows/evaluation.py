@@ -96,6 +96,9 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     if tokens is not None and tokens < 2:
         raise FibctlError(f"--tokens {tokens} is below 2")
     manifest = load_manifest(data_dir)
+    if not manifest.heldout:  # nothing to evaluate on: exit 0 with nothing recorded said otherwise
+        raise FibctlError(f"{manifest.data_dir} has no held-out set to evaluate on (its manifest lists only "
+                          f"{manifest.train_split!r}): prepare the data again")
     datasets = list(datasets or manifest.heldout)
     unknown = [d for d in datasets if d not in manifest.heldout]
     if unknown:

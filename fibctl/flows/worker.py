@@ -534,6 +534,8 @@ def _error_text(e: Exception) -> str:
 def parse_gpus(spec: str) -> list[int]:
     """`all` -> every visible CUDA device; `0,2,3` -> those. A machine without CUDA is refused
     (a silent CPU worker would train a GPU study for weeks): `--device cpu` says so explicitly."""
+    if not spec.strip():
+        raise FibctlError("--gpus is empty; give `all` or a comma-separated list like 0,2,3")
     count = torch.cuda.device_count()
     if spec == "all":
         if not count:

@@ -22,6 +22,7 @@ def task_label(seq_len: int, vocab_size: int, distances) -> str:
 
 # bounds of a task's size that still fit in memory on one machine (the study: 512 and 512)
 PROBE_MAX_LENGTH, PROBE_MAX_VOCAB = 65_536, 65_536
+PROBE_MAX_DEPTH, PROBE_MAX_EVAL_SEQUENCES = 1_024, 1_000_000
 
 
 def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None = None,
@@ -39,8 +40,10 @@ def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None 
         if init not in PROBE_INITS:
             raise ConfigError(f"--init {init!r}: allowed {', '.join(PROBE_INITS)}")
     for depth in depths:
-        if depth < 1:
-            raise ConfigError(f"--depth {depth} must be >= 1")
+        if not 1 <= depth <= PROBE_MAX_DEPTH:  # a deeper one would fill the machine's memory, then fail
+            raise ConfigError(f"--depth {depth} must be from 1 to {PROBE_MAX_DEPTH} (the study's: 2, 4 and 8)")
+    if eval_sequences is not None and not 1 <= eval_sequences <= PROBE_MAX_EVAL_SEQUENCES:
+        raise ConfigError(f"--eval-sequences {eval_sequences} must be from 1 to {PROBE_MAX_EVAL_SEQUENCES:,}")
     for option, value, most in (("--length", length, PROBE_MAX_LENGTH), ("--vocab", vocab, PROBE_MAX_VOCAB)):
         if value is not None and value > most:  # refused here, not by the worker running out of memory
             raise ConfigError(f"{option} {value:,} is too large: a probe takes at most {most:,} (the study's: 512)")

@@ -369,6 +369,22 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     bad = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--every must be above 0" in bad.stderr
+    # Ctrl-C is the way out of --watch: 130, as for every command a Ctrl-C ends (it was 0). On a
+    # terminal (a pty), so the view is drawn: the signal comes once the first frame is
+    import pty
+    import select
+    import signal
+    primary, secondary = pty.openpty()
+    watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0.2"],
+                             stdout=secondary, stderr=subprocess.PIPE, text=True, env=env)
+    os.close(secondary)
+    shown = b""
+    while b"queued" not in shown and select.select([primary], [], [], 60)[0]:
+        shown += os.read(primary, 4096)
+    watch.send_signal(signal.SIGINT)
+    _, err = watch.communicate(timeout=60)
+    os.close(primary)
+    assert watch.returncode == 130 and "Traceback" not in err, err
 
 
 def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_path, monkeypatch, capsys):

@@ -209,8 +209,8 @@ def status_cmd(
             while True:
                 time.sleep(every)
                 live.update(view(), refresh=True)
-        except KeyboardInterrupt:
-            pass
+        except KeyboardInterrupt:  # the way out of --watch; 130, as every command a Ctrl-C ends
+            raise typer.Exit(130) from None
 
 
 @queue_app.command("cancel")

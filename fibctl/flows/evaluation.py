@@ -154,18 +154,19 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
 
 
 def _check_budget(engine: Engine, t: _Target, step: int, planned: dict[tuple[str, int], int]) -> None:
-    """A result over another number of tokens would replace the recorded one (a row per run,
-    step, set and length): the final evaluation's 1,048,576 tokens by a quick look at 65,
-    say. Refused before anything is measured; the same budget again replaces it in place."""
+    """A result over fewer tokens would replace the recorded one (a row per run, step, set and
+    length): the final evaluation's 1,048,576 tokens by a quick look at 65,536, say. Refused
+    before anything is measured. The same budget again replaces it in place, and a larger one
+    replaces it too (a quick look must not block the full measurement)."""
     with engine.connect() as conn:
         recorded = conn.execute(select(Evaluation.dataset, Evaluation.eval_length, Evaluation.tokens).where(
             Evaluation.run_id == t.run.id, Evaluation.step == step)).all()
     for dataset, length, tokens in recorded:
         mine = planned.get((dataset, length))
-        if mine is not None and tokens is not None and tokens != mine:
+        if mine is not None and tokens is not None and mine < tokens:
             raise FibctlError(f"run {t.run.name!r} has a step-{step} evaluation on {dataset} at length {length} over "
                               f"{tokens:,} tokens; this one would score {mine:,} and replace it: give --tokens "
-                              f"{tokens} to measure it again")
+                              f"{tokens} (or more) to measure it again")
 
 
 def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams, positions, speed, device,

@@ -18,14 +18,13 @@ import os
 import pickle
 import random
 import re
-import textwrap
 from pathlib import Path, PurePath
 
 import numpy as np
 import torch
 
 from fibctl.config import RunConfig
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, first_line
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 # everything fibctl writes into a run's folder: checkpoints, their temporary files, loggers' folders
@@ -93,9 +92,8 @@ def load_checkpoint(path: Path) -> dict:
         raise FibctlError(f"checkpoint {path} was refused: it holds more than tensors and plain values "
                           f"({reason[:200]})") from None
     except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
-        first = (str(e).strip().splitlines() or ["no detail"])[0]
         raise FibctlError(f"checkpoint {path} is damaged or not a checkpoint "
-                          f"({type(e).__name__}: {textwrap.shorten(first, 160, placeholder=' ...')})") from None
+                          f"({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise FibctlError(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
     return state

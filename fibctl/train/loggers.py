@@ -14,10 +14,9 @@ import importlib
 import json
 import math
 import os
-import textwrap
 from pathlib import Path
 
-from fibctl.errors import FibctlError, WorkerError
+from fibctl.errors import FibctlError, WorkerError, first_line
 
 LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
@@ -124,9 +123,8 @@ def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
             try:
                 sinks.append(SINKS[n](run_dir, name, config))
             except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, OSError, ...)
-                first = (str(e).strip().splitlines() or [""])[0]
                 raise WorkerError(f"--log-to {n} could not start for run {name!r}: {type(e).__name__}: "
-                                  f"{textwrap.shorten(first, 160, placeholder=' ...')}") from None
+                                  f"{first_line(e)}") from None
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -198,3 +198,21 @@ def test_a_usage_error_is_one_line_and_exit_2(args, line):
     done = fibctl(*args)
     assert done.returncode == 2 and done.stdout == ""
     assert re.fullmatch(line, done.stderr.strip()), done.stderr
+
+
+def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
+    # the KeyboardInterrupt raised where a real one lands: inside the import of the command line
+    stop_the_import = ("import sys\n"
+                       "class Stop:\n"
+                       "    def find_spec(self, name, path=None, target=None):\n"
+                       "        if name == 'fibctl.cli':\n"
+                       "            raise KeyboardInterrupt\n"
+                       "sys.meta_path.insert(0, Stop())\n"
+                       "from fibctl.__main__ import main\n"
+                       "main()\n")
+    done = subprocess.run([sys.executable, "-c", stop_the_import], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "")
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["fibctl"] == "fibctl.__main__:main"  # the program starts there too, not in fibctl.cli

@@ -250,11 +250,37 @@ def test_worker_ddp_puts_back_a_run_the_group_cannot_share_and_stops(data, tmp_p
     queued_db(db, micro_run("odd", steps=10, grad_accum=3), micro_run("next", steps=10)).dispose()
     done = fibctl("worker", "--ddp", "--nproc", "2", "--device", "cpu", "--db", str(db), "--data", str(data),
                   "--runs-dir", str(tmp_path / "runs"), "--plain", cwd=tmp_path)
-    assert done.returncode != 0 and "3 micro-batches per step, which 2 processes" in done.stderr
+    # one line, rank 0's, exit 2 (torchrun's failure report and rank 1's own line were printed too)
+    assert done.returncode == 2 and "3 micro-batches per step, which 2 processes" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
     q = sqlite3.connect(db).execute
     assert q("select name, status, attempts from runs order by id").fetchall() == [("odd", "queued", 0),
                                                                                   ("next", "queued", 0)]
     assert q("select count(*) from events where kind = 'unclaimed'").fetchone() == (1,)
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("delay", [0.5, 2.5, 5.0])  # the launcher, torchrun or the ranks importing; training
+def test_ctrl_c_at_any_moment_of_a_group_s_start_exits_130_quietly_and_the_run_stays_queued(data, tmp_path, delay):
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run", steps=400)).dispose()
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--ddp", "--nproc", "2", "--device", "cpu",
+                             "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--plain"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert sqlite3.connect(db).execute("select status from runs").fetchall() == [("queued",)]
+
+
+def test_a_group_s_exit_code_is_rank_0_s_and_a_signal_s_as_a_shell_reads_it():
+    from fibctl.flows.torchrun import exit_code
+    from fibctl.flows.worker import stopped_code
+
+    assert exit_code({0: 2, 1: 2}) == 2 and exit_code({1: 1, 0: 2}) == 2 and exit_code({3: 1, 1: -9}) == 137
+    assert stopped_code([-signal.SIGTERM], [signal.SIGINT]) == 130  # torchrun ended before its handler was set
+    assert stopped_code([-signal.SIGKILL], []) == 128 + signal.SIGKILL
 
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}

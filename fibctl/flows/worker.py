@@ -307,8 +307,8 @@ class _Lead:
 def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: torch.device) -> Outcome | None:
     """A rank other than 0: train what rank 0 says, report nothing."""
     task = group.broadcast(None)
-    if task is None:  # rank 0 did not start the run: its own error says why
-        raise FibctlError(f"rank {group.rank}: rank 0 did not start a run")
+    if task is None:  # rank 0 did not start the run: its own error line says why
+        raise SystemExit(2)
     if task == END:
         return None
     config = RunConfig.from_dict(task["config"])
@@ -371,9 +371,10 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     with them); where the ranks cannot be listed (no /proc), to torchrun, which stops them the
     same way but reports the signal. After a stop request that every rank obeyed, the exit code
     is 128 + the signal received (130 after Ctrl-C, 143 after SIGTERM)."""
-    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # OMP_NUM_THREADS: torchrun's own default, given so that it does not print a banner about it
+    child = subprocess.Popen([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone",
                               f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -591,7 +592,9 @@ def launch_per_gpu(gpus: list[int], worker_args: list[str], on_start: Callable[[
 def stopped_code(codes: list[int], received: list[int]) -> int:
     """A launcher's exit code: 128 + the first signal it received and passed on as SIGTERM,
     when every process it started ended as asked (0: a torchrun group, or a worker with
-    nothing left to train; 143: a worker that stopped); otherwise the worst code."""
+    nothing left to train; 143: a worker that stopped); otherwise the worst code. A process
+    the signal ended before it could handle it (Popen's -N) counts as 128 + N, as a shell reads it."""
+    codes = [128 - code if code < 0 else code for code in codes]
     if received and all(code in (0, 128 + signal.SIGTERM) for code in codes):
         return 128 + received[0]
     return max(codes, key=abs, default=0)

@@ -66,6 +66,11 @@ def keep_freed_memory() -> None:
             pass
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation failing: CUDA's own error, or the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
 def check_threads(threads: int) -> int:
     cpus = os.cpu_count() or 1
     if not 1 <= threads <= cpus:  # more would only contend (and a huge count exhausts memory)

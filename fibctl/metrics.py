@@ -28,7 +28,7 @@ import torch
 
 from fibctl.attention import default_impl
 from fibctl.config import RunConfig
-from fibctl.device import autocast, synchronize
+from fibctl.device import autocast, out_of_memory, synchronize
 from fibctl.errors import FibctlError
 from fibctl.model import FibLM
 
@@ -71,7 +71,7 @@ def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int, devi
             sums = head_sums + _position_sums(model, windows[head:], batch, device)
             break
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not _out_of_memory(e):
+            if not out_of_memory(e):
                 raise
             if batch == 1:
                 raise FibctlError(f"length {length:,} is out of reach on {device}: out of memory "
@@ -81,10 +81,6 @@ def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int, devi
             batch //= 2
     loss = float((sums / len(windows)).mean())
     return StreamLoss(loss, len(windows) * length, len(windows), (head_sums / head)[:-1].numpy(), head)
-
-
-def _out_of_memory(e: Exception) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def _position_sums(model: FibLM, windows: np.ndarray, batch: int, device: torch.device) -> torch.Tensor:

@@ -146,8 +146,8 @@ def test_a_measurement_whose_process_dies_is_one_error():
     from fibctl.errors import FibctlError
     from fibctl.flows.bench import in_fresh_process
 
-    with pytest.raises(FibctlError, match="^the process died$"):
-        in_fresh_process(os.abort, died="the process died")
+    with pytest.raises(FibctlError, match=r"^the measurement: its process died \(out of memory\?\)$"):
+        in_fresh_process(os.abort, what="the measurement")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -164,6 +164,17 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["bench", "train", "--threads", "999999"], "CPUs, got 999999"),
     (["bench", "attention", "--window", "-1"], "window W=-1 must be >= 0"),
     (["bench", "train", "--device", "cuda"], "device 'cuda' requested but CUDA is not available"),
+    # sizes past the machine: one line, not a traceback of the allocator (or a blur that never ends)
+    (["bench", "attention", "--length", "99999999999"], "--length 99,999,999,999 must be from 2 to 1,048,576"),
+    (["bench", "attention", "--length", "1000000", "--batch", "100000"],
+     "bench attention: T 1,000,000, batch 100000 is out of memory on cpu"),
+    (["bench", "train", "--preset", "micro", "--batch-size", "100000000", "--steps", "1", "--warmup", "0"],
+     "bench train: dense at seq-len 64, batch 100,000,000 on cpu: out of memory"),
+    (["bench", "probe", "--width", "inf"], "--width inf must be > 0 and at most --length 512"),
+    (["bench", "probe", "--width", "nan"], "--width nan must be > 0 and at most --length 512"),
+    (["bench", "probe", "--length", "2000000"], "--length 2,000,000 must be from 2 to 1,048,576"),
+    (["bench", "probe", "--batch", "100000000", "--repeats", "1", "--warmup", "0"],
+     "bench probe: reference at width 40, length 512, batch 100,000,000: out of memory"),
     (["model", "--schedule", "sliding"], "unknown schedule 'sliding'; allowed: dense, fixed, learned, stagger, coprime"),
     (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),

@@ -140,8 +140,9 @@ def bench_attention_cmd(
     from fibctl.device import check_threads, resolve_device
     from fibctl.flows.bench import bench_attention
 
-    if any(T < 2 for T in length):
-        raise ConfigError(f"lengths must be >= 2, got {length}")
+    for T in length:
+        if not 2 <= T <= MAX_LENGTH:
+            raise ConfigError(f"--length {T:,} must be from 2 to {MAX_LENGTH:,}")
     for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
                                ("threads", threads, 1)):
         if value < least:
@@ -248,8 +249,10 @@ def bench_probe_cmd(
     process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference."""
     from fibctl.flows.bench import ProbeBench, bench_probe
 
-    if not width > 0 or length < 2:
-        raise ConfigError(f"--width {width:g} must be > 0 and --length {length} >= 2")
+    if not 2 <= length <= MAX_LENGTH:
+        raise ConfigError(f"--length {length:,} must be from 2 to {MAX_LENGTH:,}")
+    if not 0 < width <= length:  # a wider blur is flat over every distance there is (and NaN fails both)
+        raise ConfigError(f"--width {width:g} must be > 0 and at most --length {length:,}")
     for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
                                ("threads", threads, 1)):
         if value < least:

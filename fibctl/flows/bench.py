@@ -23,7 +23,8 @@ import torch
 from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.attention import skipped as attention_skipped
 from fibctl.config import ConfigError, get_preset
-from fibctl.device import autocast, check_compile, check_threads, describe, resolve_device, setup_process, synchronize
+from fibctl.device import (autocast, check_compile, check_threads, describe, out_of_memory, resolve_device,
+                           setup_process, synchronize)
 from fibctl.errors import FibctlError
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
@@ -84,43 +85,58 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
     the attention on `device` (attention_dtype)."""
     cfg = dataclasses.replace(get_preset("paper").model, window=window, base=base).validate()  # W >= 0, a known base
     device = torch.device(device)
-    dtype = attention_dtype(device)
     paths = attention_paths(device.type) if paths is None else paths
     no_flex_backward = flex_unavailable(device.type, backward=True) is not None
     rows = []
     for T in lengths:
-        g = torch.Generator().manual_seed(T)
-        shape = lambda h: (batch, h, T, cfg.head_dim)
-        made = [torch.randn(shape(h), generator=g) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads,
-                                                              cfg.n_heads)]
-        q0, k0, v0, grad_out = (t.to(device, dtype) for t in made)
-        for path in paths:
-            if progress:
-                progress(f"T={T} {path}")
-            run, attn = _core(path, T, window, base, device)
-            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-
-            def forward():
-                with torch.no_grad():
-                    run(q0, k0, v0)
-
-            def forward_backward():
-                run(q, k, v).backward(grad_out)
-
-            rows.append({
-                "length": T, "path": path,
-                "forward_ms": 1e3 * _time(forward, repeats, warmup, device),
-                # no backward where flex has none (the CPU): NaN, shown as -
-                "fwd_bwd_ms": (float("nan") if path.endswith("flex") and no_flex_backward
-                               else 1e3 * _time(forward_backward, repeats, warmup, device)),
-                "dtype": str(dtype).removeprefix("torch."), "device": describe(device),
-            })
+        try:
+            rows += _attention_rows(T, cfg, paths, batch, repeats, warmup, window, base, device, no_flex_backward,
+                                    progress)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            raise FibctlError(f"bench attention: T {T:,}, batch {batch} is out of memory on {describe(device)}") from None
     df = pd.DataFrame(rows)
     dense = df[df.path == "dense"].set_index("length")
     if not dense.empty:
         df["forward_vs_dense"] = df.forward_ms / df.length.map(dense.forward_ms)
         df["fwd_bwd_vs_dense"] = df.fwd_bwd_ms / df.length.map(dense.fwd_bwd_ms)
     return df
+
+
+def _attention_rows(T: int, cfg, paths: tuple[str, ...], batch: int, repeats: int, warmup: int, window: int,
+                    base: str, device: torch.device, no_flex_backward: bool,
+                    progress: Callable[[str], None] | None) -> list[dict]:
+    """One length's rows of bench_attention, one per path."""
+    dtype = attention_dtype(device)
+    rows = []
+    g = torch.Generator().manual_seed(T)
+    shape = lambda h: (batch, h, T, cfg.head_dim)
+    made = [torch.randn(shape(h), generator=g) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads,
+                                                          cfg.n_heads)]
+    q0, k0, v0, grad_out = (t.to(device, dtype) for t in made)
+    for path in paths:
+        if progress:
+            progress(f"T={T} {path}")
+        run, attn = _core(path, T, window, base, device)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+
+        def forward():
+            with torch.no_grad():
+                run(q0, k0, v0)
+
+        def forward_backward():
+            run(q, k, v).backward(grad_out)
+
+        rows.append({
+            "length": T, "path": path,
+            "forward_ms": 1e3 * _time(forward, repeats, warmup, device),
+            # no backward where flex has none (the CPU): NaN, shown as -
+            "fwd_bwd_ms": (float("nan") if path.endswith("flex") and no_flex_backward
+                           else 1e3 * _time(forward_backward, repeats, warmup, device)),
+            "dtype": str(dtype).removeprefix("torch."), "device": describe(device),
+        })
+    return rows
 
 
 # ----------------------------------------------------------------------------- training steps
@@ -190,9 +206,8 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
     for schedule in order:
         if progress:
             progress(schedule)
-        rows.append(in_fresh_process(_measure_train, bench, schedule, died=(
-            f"bench train: the {schedule} process died (out of memory at seq-len {bench.seq_len}, "
-            f"batch {bench.batch_size}?)")))
+        rows.append(in_fresh_process(_measure_train, bench, schedule, what=(
+            f"bench train: {schedule} at seq-len {bench.seq_len:,}, batch {bench.batch_size:,} on {bench.device}")))
     df = pd.DataFrame(rows)
     dense = df.iloc[0]
     df["speed_vs_dense"] = df.tokens_per_s / dense.tokens_per_s
@@ -200,16 +215,21 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
     return df
 
 
-def in_fresh_process(measure: Callable[..., dict], *args, died: str) -> dict:
+def in_fresh_process(measure: Callable[..., dict], *args, what: str) -> dict:
     """`measure(*args)` in a new interpreter (spawned: no state shared with this process, its
-    threads or its allocator), so the process's peak memory is that measurement's alone;
-    `died` is the error when the process does not come back (killed for memory, say)."""
+    threads or its allocator), so the process's peak memory is that measurement's alone.
+    `what` names the measurement in the one-line error when it runs out of memory, or when
+    its process does not come back (killed, for memory say)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         try:
             return pool.submit(measure, *args).result()
         except BrokenProcessPool:
-            raise FibctlError(died) from None
+            raise FibctlError(f"{what}: its process died (out of memory?)") from None
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            raise FibctlError(f"{what}: out of memory") from None
 
 
 def _measure_train(bench: TrainBench, schedule: str) -> dict:
@@ -312,8 +332,8 @@ def bench_probe(bench: ProbeBench, progress: Callable[[str], None] | None = None
     for impl in BLUR_IMPLS:
         if progress:
             progress(impl)
-        rows.append(in_fresh_process(_measure_blur, bench, impl, died=(
-            f"bench probe: the {impl} process died (out of memory at width {bench.width:g}, length {bench.length}?)")))
+        rows.append(in_fresh_process(_measure_blur, bench, impl, what=(
+            f"bench probe: {impl} at width {bench.width:g}, length {bench.length:,}, batch {bench.batch:,}")))
     df = pd.DataFrame(rows)
     ref = df.iloc[0]
     df["time_vs_reference"] = df.fwd_bwd_ms / ref.fwd_bwd_ms

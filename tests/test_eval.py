@@ -69,6 +69,12 @@ def test_every_schedule_evaluates_at_four_times_the_training_length(trained):
     assert rows(db, "select count(*) from evaluations where eval_length = 256 and step = 10") == [(5,)]
 
 
+def test_a_length_a_set_or_a_run_given_twice_is_measured_once(trained):
+    engine, data, _ = trained
+    df = evaluate(engine, ["fixed", "fixed"], [96, 96], data_dir=data, datasets=["math_val", "math_val"], tokens=960)
+    assert list(zip(df.run, df.eval_length, df.dataset)) == [("fixed", 96, "math_val")]
+
+
 def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained):
     engine, data, db = trained
     args = ["eval", "fixed", "dense", "--length", "64", "--length", "128", "--positions", "--speed",

@@ -90,6 +90,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     a copy of each result, their files in the folder of the run's checkpoint.
     """
     log_to = loggers.check_loggers(log_to)
+    lengths = list(dict.fromkeys(lengths))  # a length or set given twice is measured once
     for length in lengths:
         if length < 2:
             raise FibctlError(f"evaluation length {length} is below 2: a window must predict a token")
@@ -99,7 +100,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     if not manifest.heldout:  # nothing to evaluate on: exit 0 with nothing recorded said otherwise
         raise FibctlError(f"{manifest.data_dir} has no held-out set to evaluate on (its manifest lists only "
                           f"{manifest.train_split!r}): prepare the data again")
-    datasets = list(datasets or manifest.heldout)
+    datasets = list(dict.fromkeys(datasets or manifest.heldout))
     unknown = [d for d in datasets if d not in manifest.heldout]
     if unknown:
         raise FibctlError(f"dataset {', '.join(map(repr, unknown))} is not in the data manifest; "

@@ -338,6 +338,16 @@ def test_a_worker_without_data_puts_back_a_run_that_needs_text(tmp_path):
     assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
 
 
+def test_worker_compile_says_on_stderr_that_a_probe_run_trains_eagerly(tmp_path):
+    [run] = small_runs(steps=2, checkpoint_interval=2)[:1]
+    add_runs(connect(str(tmp_path / "r.db")), [run])
+    r = _fibctl(tmp_path, "worker", "--db", "r.db", "--data", "no-data", "--runs-dir", "runs", "--plain",
+                "--device", "cpu", "--compile")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == f"warning: {run.name}: a probe run trains eagerly; --compile does not apply"
+    assert "warning" not in r.stdout and f"{run.name}: done at step 2" in r.stdout
+
+
 def test_eval_refuses_probe_runs_and_all_skips_them(tmp_path):
     from sqlalchemy import text
 

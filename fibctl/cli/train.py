@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
 from fibctl.train.loggers import LOGGERS, check_loggers
@@ -71,8 +71,8 @@ class RunDisplay:
             self.progress.update(task, completed=p.step, loss=f"{p.loss:.4f}", tps=f"{p.tokens_per_s:,.0f}")
         return bar
 
-    def warn(self, message: str) -> None:
-        console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)
+    def warn(self, message: str) -> None:  # on stderr, as warnings are: stdout is the run's log
+        err_console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)
 
     def finish(self, outcome: Outcome) -> None:
         if self.progress:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -53,7 +53,7 @@ from fibctl.provenance import provenance
 from fibctl.config import RunConfig
 from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
-from fibctl.train.distributed import Group, Silent, as_peer_lost, check_split, join, peer_failure
+from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
@@ -304,10 +304,19 @@ class _Lead:
                              self.display, self.stop, self.group)
 
 
+RANK_0_EXIT_S = 60  # at most, for a rank 0 that has closed the group to exit
+
+
 def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: torch.device) -> Outcome | None:
     """A rank other than 0: train what rank 0 says, report nothing."""
     task = group.broadcast(None)
     if task is None:  # rank 0 did not start the run: its own error line says why
+        # End after rank 0 does: a rank ending first makes torchrun stop rank 0, perhaps before
+        # its line (or as it exits: a SIGTERM then kills it) and report this rank's code. Rank 0
+        # closing the group ends this broadcast; torchrun's SIGTERM once rank 0 has ended, the wait.
+        with suppress(PeerLost):
+            group.broadcast(None)
+        stop.wait(RANK_0_EXIT_S)
         raise SystemExit(2)
     if task == END:
         return None

@@ -10,6 +10,7 @@ A collective that fails (a rank died, or stayed silent past the timeout) raises 
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,6 +83,9 @@ class Group:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # the last DDP wrapper's reference cycles freed now, with the interpreter whole: its
+            # group's C++ threads torn down at exit instead can abort the process
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -3,7 +3,9 @@
 Pre-norm RMSNorm blocks with grouped-query attention (dense or scaled-Fibonacci sparse)
 and a SwiGLU FFN; RoPE; embedding tied to the output head; no biases, no dropout.
 Nothing length-dependent is saved: RoPE tables and attended columns are rebuilt for
-whatever length the input has, so weights trained at one length load at any other.
+whatever length the input has, so weights trained at one length load at any other. An
+input longer than `cfg.seq_len` is read as by a model rebuilt at its length (pow2 gains
+rungs); a shorter one as by the model built at `cfg.seq_len` (its prefix).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         if cfg.schedule != "learned":
             if T not in self._static_cols:
-                per_layer = attended_distances(cfg.base, cfg.schedule, cfg.window, cfg.n_layers, T, cfg.n_rungs)
+                per_layer = attended_distances(cfg.base, cfg.schedule, cfg.window, cfg.n_layers, T, cfg.n_rungs,
+                                               built_at=cfg.seq_len)
                 self._static_cols[T] = Columns(per_layer[self.layer], [])
             return self._static_cols[T]
         # One product t_k = alpha * b_k in the parameter's dtype gives both the rung's row
@@ -89,8 +92,10 @@ class Attention(nn.Module):
         of theta (an optimizer step or a load changes its version or storage; optimizers that
         write without a version bump get one from fibctl.train.optim.marks_writes): on CUDA
         each read waits for the GPU, and a step's micro-batches all see the same theta."""
-        alpha = self.alpha
-        products = alpha * constant(base_sequence(self.cfg.base, T, self.cfg.n_rungs), alpha.dtype, alpha.device)
+        alpha, cfg = self.alpha, self.cfg
+        # pow2 rungs of the built length at a shorter input, as attended_distances
+        base = base_sequence(cfg.base, max(T, cfg.seq_len), cfg.n_rungs)
+        products = alpha * constant(base, alpha.dtype, alpha.device)
         theta = self.theta
         key = (T, keep, theta._version, theta.data_ptr(), theta.dtype, theta.device)
         if self._rungs_read is None or self._rungs_read[0] != key:

@@ -132,15 +132,19 @@ def blur_rungs(centres: list[float], window: int, seq_len: int) -> list[tuple[in
 
 
 def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq_len: int,
-                       n_rungs: int = 15) -> list[list[int]]:
-    """Integer distances attended by each layer (learned: at its initial alpha = 1).
+                       n_rungs: int = 15, built_at: int | None = None) -> list[list[int]]:
+    """Integer distances attended by each layer (learned: at its initial alpha = 1) at length
+    `seq_len`, in a model built at `built_at` (default: the same length).
 
     The one function that decides what a static layer attends to: the model's columns,
-    `fibctl model`, `fibctl coverage` and the coverage figure all call it.
+    `fibctl model`, `fibctl coverage` and the coverage figure all call it. `pow2`'s rungs come
+    from the longer of the two lengths: a model built at T and fed fewer tokens keeps the
+    rungs of T (those past the input are invalid for every query and dropped), so its output
+    on a prefix is the prefix of its output.
     """
     if schedule == "dense":
         return [list(range(seq_len)) for _ in range(n_layers)]
-    b = base_sequence(base, seq_len, n_rungs)
+    b = base_sequence(base, max(seq_len, built_at or seq_len), n_rungs)
     return [integer_distances(a, b, window, seq_len) for a in layer_alphas(schedule, n_layers)]
 
 

@@ -409,3 +409,23 @@ def test_coprime_where_the_study_defines_no_stride_is_said_and_recorded(tmp_path
     RunRecorder(engine, run_id).update_run(final_step=1)
     notes = tables.table1(engine, seed=42).notes
     assert any(n.startswith("Deviation: hdc4: coprime at L=4") for n in notes)
+
+
+@pytest.mark.parametrize("schedule", SPARSE)
+@pytest.mark.parametrize("base", BASES)
+def test_a_prefix_is_read_as_the_model_built_at_its_length_reads_it(schedule, base):
+    """A model built at T and fed fewer tokens keeps the rungs of T (pow2's base is that of the
+    length it is built at; docs/method.md): its output on a prefix is the prefix of its output.
+    Rebuilt from the input's length, a stagger layer at alpha 0.5 lost pow2's rung 0.5 * 32."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(get_preset("micro").model, schedule=schedule, base=base, n_layers=3, window=2)
+    model = FibLM(cfg).eval()
+    if schedule == "learned":
+        with torch.no_grad():
+            for block, theta in zip(model.blocks, (-5.0, 0.3, 1.7)):  # alphas 0.507, 1.07, 1.35
+                block.attn.theta.fill_(theta)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with torch.no_grad():
+        whole = model(idx)
+        for t in (1, 17, 33):
+            assert torch.allclose(model(idx[:, :t]), whole[:, :t], atol=1e-5, rtol=0), t

@@ -216,6 +216,59 @@ def test_a_later_done_attempt_without_metrics_does_not_hide_the_results(tmp_path
     assert rows(engine, "SELECT attempts FROM runs WHERE name = 'f11__fib_stagger_w8'") == [(3,)]
 
 
+def _second_done_attempt(fib_db: Path, title: str, *metrics: tuple) -> None:
+    """`title`'s done attempt registered again, holding only `metrics` (step, dataset, ppl, tokens)."""
+    with sqlite3.connect(fib_db) as study:
+        cur = study.execute("INSERT INTO runs (title, run_dir, variant_or_baseline, phase, config_json, seed, "
+                            "d_model, n_layers, status, created_at) SELECT title, run_dir, variant_or_baseline, "
+                            "phase, config_json, seed, d_model, n_layers, 'done', created_at FROM runs "
+                            "WHERE title = ? AND status = 'done'", (title,))
+        for step, ds, ppl, tokens in metrics:
+            study.execute("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, '2026-06-16')",
+                          (cur.lastrowid, step, ds, ppl, math.log(ppl), tokens))
+
+
+def test_a_later_done_attempt_measured_only_lightly_does_not_replace_the_full_measurement(tmp_path, db_url):
+    """Table 1 reads the final step on 1,048,576 tokens: a later done attempt whose last step was
+    measured on 262,144 only is passed over (it was imported, and its light numbers read)."""
+    fib_db, _, _ = make_study(tmp_path)
+    _second_done_attempt(fib_db, "f11__fib_stagger_w8", (FINAL, "fineweb_edu_val", 43.1, 262144))
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(42.5, 1048576)]
+
+
+def test_a_later_done_attempt_that_went_further_is_the_one_imported(tmp_path, db_url):
+    fib_db, _, _ = make_study(tmp_path)
+    _second_done_attempt(fib_db, "f11__fib_stagger_w8", (FINAL + 500, "fineweb_edu_val", 41.0, 262144))
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    assert rows(engine, "SELECT final_step FROM runs WHERE name = 'f11__fib_stagger_w8'") == [(FINAL + 500,)]
+
+
+@pytest.mark.parametrize("table,row", [
+    ("metrics", "(SELECT id FROM runs WHERE title = 'f06__fib_fixed_w8'), 1500, 'fineweb_edu_val', NULL, NULL, "
+                "1048576, '2026-06-16'"),
+    ("eval_results", "NULL, (SELECT id FROM runs WHERE title = 'f06__fib_fixed_w8'), 1001, 512, 'lambada', "
+                     "'top1_acc', 0.3, '2026-06-16'"),
+])
+def test_the_final_step_is_the_last_with_a_perplexity(table, row, tmp_path, db_url):
+    """A metrics row that measures nothing, or an auxiliary result at a later step, does not move
+    the final step past the last perplexity (Table 1 read blanks there, and the JSON dumps'
+    numbers were filed under it)."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        if table == "metrics":  # a copy of the table whose ppl and loss may be NULL
+            study.executescript("CREATE TABLE copy (run_id, step, dataset, ppl, loss, eval_tokens, recorded_at); "
+                                "INSERT INTO copy SELECT * FROM metrics; DROP TABLE metrics; "
+                                "ALTER TABLE copy RENAME TO metrics;")
+        study.execute(f"INSERT INTO {table} VALUES ({row})")
+    engine = connect(db_url)
+    import_study(engine, fib_db, extrap, posloss)
+    assert rows(engine, "SELECT final_step FROM runs WHERE name = 'f06__fib_fixed_w8'") == [(FINAL,)]
+    assert _final_fineweb(engine, "f06__fib_fixed_w8") == [(44.0, 1048576)]
+
+
 def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matrix(tmp_path, db_url):
     fib_db, _, _ = make_study(tmp_path)
     with sqlite3.connect(fib_db) as study:

@@ -219,6 +219,41 @@ def test_table5_seeds_mean_and_population_std(study):
     assert row["Std"] == pytest.approx(np.std(values, ddof=0))
 
 
+def test_tables_of_full_measurements_have_no_budget_or_seed_notes(study):
+    notes = [n for t in (tables.table1(ro(study)), tables.table3(ro(study)), tables.table5(ro(study)))
+             for n in t.notes]
+    assert not [n for n in notes if n.startswith(("Fewer tokens", "Fewer seeds"))], notes
+
+
+def test_a_value_measured_on_fewer_tokens_or_seeds_is_said_under_the_table(tmp_path):
+    """A final step measured only by the light evaluation (the study's copy lacked its full one)
+    reads noisier than the others: Tables 1, 3 and 5 say so; Table 5 says which seeds a mean
+    is over when a replicate has no final value."""
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for seed in (42, 43, 44):
+            rid = add_run(conn, f"s{seed}", "stagger", window=12, seed=seed)
+            for step, length, tokens in ((500, 128, 4096), (600, 128, 1024 if seed == 42 else 4096), (600, 512, 1024)):
+                if seed == 44 and step == 600:
+                    continue  # no final evaluation
+                conn.execute(insert(schema.Evaluation).values(run_id=rid, step=step, dataset="docs_val",
+                                                               eval_length=length, tokens=tokens, loss=3.0, ppl=20.0))
+        fixed = [add_run(conn, f"f{seed}", "fixed", window=12, seed=seed) for seed in (42, 43, 44)]
+        for rid in fixed:
+            conn.execute(insert(schema.Evaluation).values(run_id=rid, step=600, dataset="docs_val", eval_length=128,
+                                                           tokens=None, loss=3.0, ppl=20.0))  # unknown: no note
+    engine.dispose()
+    said = ("Fewer tokens: s42 on docs_val at length 128 is read from 1,024 tokens at its final step; "
+            "it was measured on up to 4,096 at other steps.")
+    assert said in tables.table1(ro(db)).notes
+    assert said in tables.table3(ro(db), all_runs=True).notes
+    t5 = tables.table5(ro(db))
+    assert said in t5.notes and not [n for n in t5.notes if "f42" in n or "fib fixed" in n]
+    assert ("Fewer seeds: fib stagger's mean and std are over seeds 42, 43 only (no final docs_val perplexity "
+            "for seed 44).") in t5.notes
+
+
 def test_the_shown_sql_reproduces_the_numbers(study):
     t = tables.table5(ro(study))
     frame = run_query(study, t.sql)

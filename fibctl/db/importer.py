@@ -301,10 +301,10 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
     """Each study run's chosen attempt with its evaluations and auxiliary metrics."""
     out = {}
     where = f"study database {source}"
-    measured = {run_id for (run_id,) in study.execute(f"SELECT DISTINCT run_id FROM metrics WHERE {MEASURED}")}
+    ends = _measured_ends(study)
     for title, attempts in _attempts(study, where).items():
         run = study_run(title, where)
-        chosen = _chosen_attempt(attempts, measured)
+        chosen = _chosen_attempt(attempts, ends)
         if run is None or chosen is None:
             (summary.skipped if run is None else summary.unfinished).append(title)
             continue
@@ -335,12 +335,28 @@ def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.R
     return out
 
 
-def _chosen_attempt(attempts: list[sqlite3.Row], measured: set) -> sqlite3.Row | None:
-    """The last `done` attempt with metrics (`measured`: the study ids that have some), else
-    the last `done` one; a reference run (trained elsewhere, never 'done' here) as is."""
+def _measured_ends(study: sqlite3.Connection) -> dict[int, tuple[int, int]]:
+    """Each study id with measurements: (its last measured step, the most tokens measured
+    there). Values of another type rank lowest here; the chosen attempt's are checked on import."""
+    def rank(value) -> int:
+        return value if isinstance(value, int) else -1
+
+    ends: dict[int, tuple[int, int]] = {}
+    for run_id, step, tokens in study.execute(f"SELECT run_id, step, eval_tokens FROM metrics WHERE {MEASURED}"):
+        end = (rank(step), rank(tokens))
+        ends[run_id] = max(ends.get(run_id, end), end)
+    return ends
+
+
+def _chosen_attempt(attempts: list[sqlite3.Row], ends: dict[int, tuple[int, int]]) -> sqlite3.Row | None:
+    """Of the `done` attempts with metrics, the one measured at the latest step on the most
+    tokens there (the full evaluation Table 1 reads, not a light one recorded again), the last
+    of equals; else the last `done` one; a reference run (trained elsewhere, never 'done'
+    here) as is."""
     done = [a for a in attempts if a["status"] == schema.RunStatus.DONE]
     if done:
-        return ([a for a in done if a["id"] in measured] or done)[-1]
+        measured = [(ends[a["id"]], i) for i, a in enumerate(done) if a["id"] in ends]
+        return done[max(measured)[1]] if measured else done[-1]
     refs = [a for a in attempts if a["variant_or_baseline"] == "reference"]
     return refs[-1] if refs else None
 
@@ -353,11 +369,15 @@ def _exp(x: float) -> float:
 
 
 def _final_step(study: sqlite3.Connection, study_id: int, where: str, of: str) -> int:
-    """The last evaluated step; the paper recipe's last step when nothing was evaluated."""
-    steps = [_num(step, f"{where}: {table}.step", of, integer=True, lo=STEP_MIN, hi=INT32)
-             for table in ("metrics", "eval_results")
-             for (step,) in study.execute(f"SELECT step FROM {table} WHERE run_id = ?", (study_id,))]
-    return max(steps) if steps and max(steps) >= 0 else get_preset("paper").train.steps
+    """The last step with a perplexity measured (a metrics row without one measures nothing);
+    else the last with an auxiliary result; else the paper recipe's last step."""
+    for table, measured in (("metrics", MEASURED), ("eval_results", "1 = 1")):
+        steps = [_num(step, f"{where}: {table}.step", of, integer=True, lo=STEP_MIN, hi=INT32)
+                 for (step,) in study.execute(f"SELECT step FROM {table} WHERE run_id = ? AND {measured}",
+                                              (study_id,))]
+        if steps and max(steps) >= 0:
+            return max(steps)
+    return get_preset("paper").train.steps
 
 
 def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
@@ -389,9 +409,10 @@ def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: 
     latest: dict[tuple[str, str], dict] = {}
     for r in study.execute("SELECT * FROM eval_results WHERE run_id = ? ORDER BY id", (study_id,)):
         at = f"{of} step {_shown(r['step'])}"
+        step = _num(r["step"], f"{where}: eval_results.step", of, integer=True, lo=STEP_MIN, hi=INT32)
         # 85 characters: with '@step<N>' the name still fits aux_metrics.name (100)
         eval_name = _text(r["eval_name"], f"{where}: eval_results.eval_name", at, limit=85)
-        name = eval_name if r["step"] in (final_step, -1) else f"{eval_name}@step{r['step']}"
+        name = eval_name if step in (final_step, -1) else f"{eval_name}@step{step}"
         metric = _text(r["metric"], f"{where}: eval_results.metric", at)
         latest[(name, metric)] = dict(run_id=run_id, name=name, metric=metric, text=None,
                                       value=_num(r["value"], f"{where}: eval_results.value", at, lo=-math.inf))

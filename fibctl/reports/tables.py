@@ -42,6 +42,11 @@ FINAL_STEP = """final AS (
     FROM runs r
 )"""
 
+# beside a value read at the final step: the most tokens this run was measured on at that set
+# and length, at any step (a final step measured only lightly reads fewer: said in a note)
+MOST_TOKENS = """(SELECT MAX(e2.tokens) FROM evaluations e2
+        WHERE e2.run_id = e.run_id AND e2.dataset = e.dataset AND e2.eval_length = e.eval_length) AS most_tokens"""
+
 Formatter = Callable[[float], str]
 
 
@@ -144,6 +149,17 @@ def deviation_notes(engine: Engine, runs) -> list[str]:
             + [f"Deviation: {', '.join(sorted(who))}: {note}." for note, who in sorted(defined.items())])
 
 
+def budget_notes(long: pd.DataFrame) -> list[str]:
+    """A note per value read from a measurement on fewer tokens than the same run's largest at
+    that set and length (`tokens`, `most_tokens`; NULL where unknown, as in the study's JSON
+    dumps): a final step measured only by the light evaluation reads noisier than the rest."""
+    known = long.dropna(subset=["tokens", "most_tokens"])
+    short = known[known["tokens"] < known["most_tokens"]].sort_values(["run", "dataset", "eval_length"])
+    return [f"Fewer tokens: {r.run} on {dataset_label(r.dataset)} at length {int(r.eval_length):,} is "
+            f"read from {int(r.tokens):,} tokens at its final step; it was measured on up to "
+            f"{int(r.most_tokens):,} at other steps." for r in short.itertuples()]
+
+
 def _sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """The paper's order: dense, then fib before pow2, schedules fixed..coprime, then by W."""
     key = pd.DataFrame({
@@ -176,28 +192,29 @@ def table1(engine: Engine, *, seed: int = DEFAULT_SEED, matrix: str | None = Non
     """Final-step perplexity at the training length on every held-out set, sparse runs of one seed
     (and the dense baseline first, with `dense`; the paper's Table 1 leaves it out)."""
     sql = f"""WITH {FINAL_STEP}
-SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", e.dataset, e.ppl
+SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", e.dataset, e.ppl,
+       e.eval_length, e.tokens, {MOST_TOKENS}
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
 WHERE {"" if dense else "r.schedule <> 'dense' AND "}r.seed = :seed{matrix_clause(matrix)}
 ORDER BY r.name, e.dataset"""
     params = matrix_params(matrix, seed=seed)
-    frame, sql_text = _table1_frame(engine, sql, params, seed, matrix)
+    frame, sql_text, budgets = _table1_frame(engine, sql, params, seed, matrix)
     cols = [c for c in frame.columns if c not in ("Run", "Base", "Schedule", "W")]
     title = f"Table 1: final perplexity at the training length (seed {seed})"
     formats = {c: ppl for c in cols}
     if compare is not None:
-        other, _ = _table1_frame(compare, sql, params, seed, matrix)
+        other, _, _ = _table1_frame(compare, sql, params, seed, matrix)
         frame, extra = _beside(frame, other, cols, compare_label)
         formats.update(extra)
         title += f", beside {compare_label}"
-    notes = deviation_notes(engine, frame["Run"]) if "Run" in frame else []
+    notes = (deviation_notes(engine, frame["Run"]) if "Run" in frame else []) + budgets
     return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
 
 
 def _table1_frame(engine: Engine, sql: str, params: dict, seed: int,
-                  matrix: str | None) -> tuple[pd.DataFrame, str]:
+                  matrix: str | None) -> tuple[pd.DataFrame, str, list[str]]:
     long, sql_text = read_sql(engine, sql, **params)
     if long.empty:
         raise FibctlError(
@@ -207,7 +224,7 @@ def _table1_frame(engine: Engine, sql: str, params: dict, seed: int,
     wide = _wide(long, "dataset", "ppl", ["base", "schedule", "window"])
     order = ordered_datasets(long["dataset"])
     wide = wide[["run", "base", "schedule", "window", *order]]
-    return _run_labels(wide.rename(columns={d: dataset_label(d) for d in order})), sql_text
+    return _run_labels(wide.rename(columns={d: dataset_label(d) for d in order})), sql_text, budget_notes(long)
 
 
 def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
@@ -334,7 +351,7 @@ beyond AS (
     GROUP BY p.run_id
 )
 SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.train_length,
-       e.eval_length, e.ppl, b.loss_beyond
+       e.dataset, e.eval_length, e.ppl, b.loss_beyond, e.tokens, {MOST_TOKENS}
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step
@@ -369,8 +386,8 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"},
-                 deviation_notes(engine, frame["Run"]))
+    notes = deviation_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
+    return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 
 def _table3_rows(wide: pd.DataFrame, all_runs: bool) -> pd.DataFrame:
@@ -448,7 +465,8 @@ def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
     """Per-seed final perplexity at window W, with mean and population std (ddof 0)."""
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP}
-SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl
+SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl,
+       e.dataset, e.eval_length, e.tokens, {MOST_TOKENS}
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
@@ -476,8 +494,22 @@ ORDER BY r.base, r.schedule, r.seed"""
     formats = {f"seed {s}": ppl for s in seeds} | {"Mean": ppl, "Std": ppl}
     title = f"Table 5: {dataset_label(dataset)} perplexity across seeds (W={window})"
     notes = ["Varied: which seeds differ between the replicates (init: the initial weights; "
-             "data: the batches and their order)."] + deviation_notes(engine, long["run"])
+             "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset) \
+        + deviation_notes(engine, long["run"]) + budget_notes(long)
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
+
+
+def _fewer_seeds(per_seed: pd.DataFrame, seeds: list, dataset: str) -> list[str]:
+    """A note per row whose mean and std cover only some of the table's seeds."""
+    notes = []
+    for _, row in per_seed.iterrows():
+        missing = [s for s in seeds if pd.isna(row[s])]
+        if missing:
+            over = ", ".join(str(s) for s in seeds if s not in missing)
+            notes.append(f"Fewer seeds: {row['base']} {row['schedule']}'s mean and std are over seeds {over} "
+                         f"only (no final {dataset_label(dataset)} perplexity for seed "
+                         f"{', '.join(map(str, missing))}).")
+    return notes
 
 
 def _varied(replicates: pd.DataFrame) -> str:

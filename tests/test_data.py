@@ -314,6 +314,22 @@ def test_bad_sources_are_named():
         load_recipe("nope")
 
 
+@pytest.mark.parametrize("sources, message", [
+    # six shares of 0.15 round up: the last source was left -2 tokens (train.bin held 198), or
+    # at 12 tokens none, a ZeroDivisionError
+    ([{"share": 0.15}] * 6 + [{"share": 0.1}], "source 's6': share 0.1 of train_tokens=10 is -2 tokens once the "
+                                               "shares are rounded; raise train_tokens"),
+    ([{"share": 1, "text": []}], r"source 's0': text \[\] must name one field or more"),
+    ([{"share": 1, "heldout": "TRAIN"}], "a held-out set may not be named 'TRAIN': its file would be the training"),
+    ([{"share": 0.5, "heldout": "val"}, {"share": 0.5, "heldout": "Val"}], "may not differ only by case: val, Val"),
+])
+def test_a_recipe_that_cannot_be_built_as_asked_is_refused(sources, message):
+    data = {"vocab_size": 512, "train_tokens": 10, "sources": [
+        {"name": f"s{i}", "kind": "generated", **s} for i, s in enumerate(sources)]}
+    with pytest.raises(FibctlError, match=message):
+        parse_recipe(data)
+
+
 def test_missing_text_field_is_named(corpora, tmp_path):
     recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
         {"name": "news", "kind": "local", "format": "json", "files": [str(corpora / "news" / "*.jsonl")],

@@ -177,6 +177,54 @@ def test_csv_with_another_delimiter(tmp_path):
     assert _docs(recipe, source, tmp_path) == ["first, with a comma"]
 
 
+def test_a_tsv_is_read_without_quoting(tmp_path):
+    """Read with CSV quoting, a cell opening with a quote mark swallowed the rows up to the next
+    one and the marks vanished: 3 documents of 5."""
+    (tmp_path / "q.tsv").write_text('title\ttext\nA\t"Hello," she said.\nB\t"Unbalanced quote\nC\tthird row\n'
+                                    'D\tfourth "row\n')
+    recipe, source = _local(str(tmp_path / "q.tsv"), "csv", delimiter="\t", text=["title", "text"])
+    assert _docs(recipe, source, tmp_path) == ['A\n\n"Hello," she said.', 'B\n\n"Unbalanced quote', "C\n\nthird row",
+                                               'D\n\nfourth "row']
+
+
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
+    notes = _notes(tmp_path, 1)
+    (notes / "0.txt").write_text("\ufeffOnce upon a time\n", encoding="utf-8")
+    recipe, source = _local(str(notes / "*.txt"))
+    assert _docs(recipe, source, tmp_path) == ["Once upon a time"]
+
+
+def test_the_file_that_is_not_utf8_is_named_beside_a_compressed_one(tmp_path):
+    """A .gz file's own bytes are not text: it was named, and iconv on it suggested."""
+    import gzip
+
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write('{"text": "fine"}\n')
+    (tmp_path / "b.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    recipe, source = _local(str(tmp_path / "*.jsonl*"), "json")
+    with pytest.raises(FibctlError, match=r"b\.jsonl is not UTF-8 text"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("fmt, write", [
+    ("csv", lambda p: p.write_text("")),
+    ("parquet", lambda p: pq.write_table(pa.table({"text": pa.array([], pa.string())}), p)),
+])
+def test_an_empty_shard_holds_no_documents(fmt, write, tmp_path):
+    """A 0-byte csv failed the source with EmptyDataError, a 0-row parquet file with
+    'ArrowInvalid: BatchSize must be greater than 0', neither naming the file."""
+    (tmp_path / "shards").mkdir()
+    write(tmp_path / "shards" / f"0.{fmt}")
+    if fmt == "csv":
+        (tmp_path / "shards" / "1.csv").write_text("text\nfirst\n")
+    else:
+        pq.write_table(pa.table({"text": ["first"]}), tmp_path / "shards" / "1.parquet")
+    recipe, source = _local(str(tmp_path / "shards" / f"*.{fmt}"), fmt)
+    assert _docs(recipe, source, tmp_path) == ["first"]
+    (tmp_path / "shards" / f"1.{fmt}").unlink()
+    assert _docs(recipe, source, tmp_path) == []
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"delimiter": ";;"}, "delimiter ';;' must be one character"),
     ({"delimiter": ";", "format": "json"}, "delimiter applies to format \"csv\" only, not 'json'"),

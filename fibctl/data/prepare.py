@@ -9,7 +9,8 @@ deleting the first one's work.
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
 document cut). Held-out documents are chosen by a hash of their text, so a document (and any
-copy of it) is either held out or trained on, never both; held-out documents are kept whole.
+copy of it, in any source) is either held out or trained on, never both; held-out documents are
+kept whole.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fibctl.hashes import short_hash
 from fibctl.names import refuse_foreign
 
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
+ENCODE_CHARS = 1 << 22  # and at most about this many characters: 256 books took over 10 GB
 FLUSH_TOKENS = 1 << 20
 
 
@@ -53,6 +55,7 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`."""
     out = Path(out)
     progress = progress or Progress(disable=True)
+    _check_documents_alike(recipe)
     inputs_hash = _inputs_hash(recipe)
     existing = _existing(out)
     if existing and existing.inputs_hash == inputs_hash and _complete(existing):
@@ -119,13 +122,13 @@ _LONG_WORD = re.compile(rf"\S{{{SAMPLE_WORD_CHARS}}}")
 def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator[str]:
     """Each source's training documents until it has given its share of
     `tokenizer_sample_chars`, the last one whole."""
-    cuts = _training_cuts(recipe)
+    cut = _training_cut(recipe)
     for source in recipe.sources:
         quota, taken = source.share * recipe.tokenizer_sample_chars, 0
         for doc in sources.documents(recipe, source, scratch, progress):
             if taken >= quota:
                 break
-            if not _hashed_below(doc, cuts[source.name]):
+            if not _hashed_below(doc, cut):
                 taken += len(doc)
                 progress.advance(task, len(doc))
                 yield from _pieces(doc)
@@ -147,15 +150,42 @@ def _hashed_below(text: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
-def _training_cuts(recipe: Recipe) -> dict[str, float]:
-    """Per source, the documents it may not train on: those hashed below the largest held-out
-    fraction of the sources that read any of the same inputs (itself included). A source's own
-    fraction where no other source reads its inputs; where one does, a document another source
-    holds out is never trained on through this one either."""
+def _training_cut(recipe: Recipe) -> float:
+    """Documents hashed below it are trained on by no source: the largest held-out fraction.
+    A text one source holds out is then never trained on through another, whatever it reads
+    (the same files, or a copy of the page in another corpus); each source's own held-out set
+    is the part below its own fraction."""
+    return max((s.heldout_fraction for s in recipe.sources if s.heldout), default=0.0)
+
+
+def _check_documents_alike(recipe: Recipe) -> None:
+    """Refuse two sources that read the same inputs, one of them holding documents out, yet cut
+    them into different documents (other fields, paragraphs of a whole file): held-out text is
+    kept out of training by the hash of a document's text, and a document built otherwise is
+    other text, so the held-out text would be trained on through the other source."""
     inputs = {s.name: _inputs(recipe, s) for s in recipe.sources}
-    return {s.name: max([t.heldout_fraction for t in recipe.sources
-                         if t.heldout and (t is s or inputs[s.name] & inputs[t.name])], default=0.0)
-            for s in recipe.sources}
+    for a, b in itertools.combinations(recipe.sources, 2):
+        if not ((a.heldout or b.heldout) and inputs[a.name] & inputs[b.name]):
+            continue
+        rule_a, rule_b = _document_rule(a), _document_rule(b)
+        differ = [f"{k} {rule_a[k]!r} against {rule_b[k]!r}" for k in rule_a if rule_a[k] != rule_b.get(k)]
+        if differ:
+            raise FibctlError(
+                f"sources {a.name!r} and {b.name!r} read the same inputs but build other documents from them "
+                f"({'; '.join(differ)}): a document held out by one would be trained on through the other; "
+                "build them alike, or give them different inputs")
+
+
+def _document_rule(source: Source) -> dict:
+    """What decides the documents a source makes of its inputs."""
+    rule = {"text": list(source.text)}
+    if source.kind == "local":
+        rule["format"] = source.format
+        if source.format == "text":
+            rule["sample_by"] = source.sample_by
+        if source.format == "csv":
+            rule["delimiter"] = source.delimiter
+    return rule
 
 
 def _inputs(recipe: Recipe, source: Source) -> set:
@@ -198,7 +228,7 @@ class _Feed:
     def __init__(self, source: Source, docs: Iterator[str], tokenizer: Tokenizer, target: int, eos: int,
                  cut: float):
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
-        self.cut = cut  # documents hashed below it are not trained on (_training_cuts)
+        self.cut = cut  # documents hashed below it are not trained on (_training_cut)
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.train = self.train_documents = self.read = 0
 
@@ -206,7 +236,7 @@ class _Feed:
         """(where it goes: 'heldout', 'train' or 'neither', token ids ending in end-of-text) of
         the next document; None when run out."""
         if not self.queue:
-            batch = list(itertools.islice(self.docs, ENCODE_BATCH))
+            batch = _batch(self.docs)
             encoded = self.tokenizer.encode_batch(batch)
             self.queue.extend((self._route(doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
         if not self.queue:
@@ -220,21 +250,15 @@ class _Feed:
         return "neither" if _hashed_below(doc, self.cut) else "train"  # another source holds it out
 
 
-def _targets(recipe: Recipe) -> list[int]:
-    """Each source's training tokens: its share of train_tokens, summing exactly to it."""
-    targets = [round(s.share * recipe.train_tokens) for s in recipe.sources[:-1]]
-    return [*targets, recipe.train_tokens - sum(targets)]
-
-
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
                    progress: Progress) -> tuple[dict[str, int], dict[str, dict]]:
     eos = tokenizer.token_to_id(EOS)
     # a document's own "<|endoftext|>" (web text, model outputs) is its text, encoded byte by byte:
     # only a document's end is the end-of-text id (set after the tokenizer is saved: its file is as it was)
     tokenizer.encode_special_tokens = True
-    cuts = _training_cuts(recipe)
-    feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos, cuts[s.name])
-             for s, target in zip(recipe.sources, _targets(recipe))]
+    cut = _training_cut(recipe)
+    feeds = [_Feed(s, sources.documents(recipe, s, scratch, progress), tokenizer, target, eos, cut)
+             for s, target in zip(recipe.sources, recipe.train_targets())]
     train = _Writer(work / "train.bin")
     heldout = {name: _Writer(work / f"{name}.bin") for name in recipe.heldout}
     train_task = progress.add_task("train tokens", total=recipe.train_tokens, unit="tokens")
@@ -283,6 +307,18 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
     return tokens, per_source
 
 
+def _batch(docs: Iterator[str]) -> list[str]:
+    """The next documents to encode: ENCODE_BATCH of them, or fewer that reach ENCODE_CHARS
+    (the encoder's memory grows with the characters it holds; one document is never split)."""
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if len(batch) == ENCODE_BATCH or chars >= ENCODE_CHARS:
+            break
+    return batch
+
+
 def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer], feeds: list[_Feed]) -> None:
     if train.tokens == 0:
         raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
@@ -302,10 +338,10 @@ def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer],
 def _inputs_hash(recipe: Recipe) -> str:
     inputs = {"recipe": recipe.recipe_hash,
               "sources": {s.name: sources.fingerprint(recipe, s) for s in recipe.sources}}
-    # sources that share inputs cut each other's training documents: a folder built before
-    # they did is rebuilt (where none share, the hash is what it was)
-    shared = {name: cut for name, cut in _training_cuts(recipe).items()
-              if cut != next(s.heldout_fraction if s.heldout else 0.0 for s in recipe.sources if s.name == name)}
+    # a source whose training is cut by another's held-out fraction: a folder built before
+    # sources cut each other's documents is rebuilt (a single source's hash is what it was)
+    cut = _training_cut(recipe)
+    shared = {s.name: cut for s in recipe.sources if cut != (s.heldout_fraction if s.heldout else 0.0)}
     if shared:
         inputs["training_cuts"] = shared
     return short_hash(inputs)

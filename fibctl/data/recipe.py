@@ -74,6 +74,12 @@ class Recipe:
         """Held-out set names in recipe order."""
         return list(dict.fromkeys(s.heldout for s in self.sources if s.heldout))
 
+    def train_targets(self) -> list[int]:
+        """Each source's training tokens: its share of train_tokens, rounded, the last source
+        taking what is left so that they sum exactly to it."""
+        targets = [round(s.share * self.train_tokens) for s in self.sources[:-1]]
+        return [*targets, self.train_tokens - sum(targets)]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -220,18 +226,29 @@ def _validate(r: Recipe) -> None:
     feeders = [s.heldout for s in r.sources if s.heldout]
     if len(set(feeders)) != len(feeders):
         raise FibctlError(f"each held-out set takes documents from one source: {', '.join(feeders)}")
-    if "train" in feeders:
-        raise FibctlError("a held-out set may not be named 'train'")
+    # split names are file names (NAME.bin): on a file system that ignores case, 'TRAIN.bin'
+    # would be train.bin
+    folded = [name.casefold() for name in feeders]
+    if "train" in folded:
+        raise FibctlError(f"a held-out set may not be named {feeders[folded.index('train')]!r}: its file would be "
+                          "the training stream's")
+    if len(set(folded)) != len(folded):
+        raise FibctlError(f"held-out set names may not differ only by case: {', '.join(feeders)}")
     for s in r.sources:
         _validate_source(s)
-        if round(s.share * r.train_tokens) < 1:
-            raise FibctlError(f"source {s.name!r}: share {s.share} of train_tokens={r.train_tokens} is no token")
+    for s, target in zip(r.sources, r.train_targets()):
+        if target < 1:
+            raise FibctlError(f"source {s.name!r}: share {s.share} of train_tokens={r.train_tokens} is "
+                              f"{'no token' if target == 0 else f'{target} tokens'} once the shares are rounded; "
+                              "raise train_tokens")
 
 
 def _validate_source(s: Source) -> None:
     where = f"source {s.name!r}"
     if not s.share > 0:
         raise FibctlError(f"{where}: share {s.share} must be > 0")
+    if not s.text or not all(s.text):
+        raise FibctlError(f"{where}: text {list(s.text)!r} must name one field or more, none empty")
     if s.heldout and not 0 < s.heldout_fraction < 1:
         raise FibctlError(f"{where}: heldout_fraction {s.heldout_fraction} must be between 0 and 1")
     if s.kind == "hub" and not s.dataset:

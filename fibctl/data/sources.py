@@ -7,6 +7,7 @@ download. `fingerprint` says what else, besides the recipe, the documents depend
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -51,7 +52,12 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
 
     files = recipe.local_files(source)
     if source.format == "parquet":
-        _check_columns(source, files)
+        files = _check_columns(source, files)
+    # an empty file holds no document, but the csv and parquet readers fail on one without
+    # naming it (EmptyDataError; ArrowInvalid: BatchSize must be greater than 0)
+    files = [f for f in files if os.path.getsize(f) > 0]
+    if not files:
+        return
     _quiet(datasets)
     try:
         ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
@@ -76,41 +82,58 @@ def _builder_options(source: Source) -> dict:
     if source.format == "text":
         return {"sample_by": source.sample_by}
     if source.format == "csv":  # every cell is text: a title "1984", a document "NA" or "null" stay as written
-        return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False}
+        # a TSV has no quoting: a cell's quote mark is text (read as CSV quoting, a cell opening
+        # with one swallowed the rows up to the next)
+        quoting = {"quoting": csv.QUOTE_NONE} if source.delimiter == "\t" else {}
+        return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False,
+                **quoting}
     if source.format == "parquet":  # the text columns only: shards may differ in the others
         return {"columns": list(source.text)}
     return {}
 
 
-def _check_columns(source: Source, files: list[str]) -> None:
-    """Each parquet file has the text columns (read from its footer), else name the file."""
+def _check_columns(source: Source, files: list[str]) -> list[str]:
+    """Each parquet file has the text columns (read from its footer), else name the file; the
+    files that hold rows."""
     import pyarrow.parquet as pq
 
+    holding = []
     for path in files:
         try:
-            columns = pq.read_schema(path).names
+            footer = pq.read_metadata(path)
         except Exception as e:
             raise FibctlError(f"source {source.name!r}: cannot read parquet file {path}: {_one_line(e)}") from None
+        columns = footer.schema.to_arrow_schema().names
         missing = [f for f in source.text if f not in columns]
         if missing:
             raise FibctlError(f"source {source.name!r}: {path} has no column {', '.join(missing)}; columns: "
                               f"{', '.join(columns)}; set text = [...] in the recipe")
+        if footer.num_rows:
+            holding.append(path)
+    return holding
 
 
 def _first_not_utf8(files: list[str]) -> str | None:
-    """The first of the files that is not UTF-8, read in chunks; None if all are."""
+    """The first of the files that is not UTF-8, read in chunks (decompressed, as the readers
+    read them: a .gz file's own bytes are not text); None if all are."""
+    import bz2
     import codecs
+    import gzip
+    import lzma
 
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
     for path in files:
         decoder = codecs.getincrementaldecoder("utf-8")()
+        if path.endswith(".zst"):
+            continue  # read only with the zstandard package, which names its own errors
         try:
-            with open(path, "rb") as f:
+            with opener.get(os.path.splitext(path)[1], open)(path, "rb") as f:
                 while chunk := f.read(1 << 20):
                     decoder.decode(chunk)
                 decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             return path
-        except OSError:
+        except (OSError, EOFError, lzma.LZMAError):  # unreadable, or not what its name says
             continue
     return None
 
@@ -230,6 +253,8 @@ def _field_text(source: Source, field: str, value: object) -> str:
     if not isinstance(value, str):
         raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
                           f"values, not text; text = [...] must name string fields") from None
+    if source.format == "text":  # a file's byte-order mark (the json and csv readers drop it)
+        value = value.lstrip("\ufeff")
     return value.strip()
 
 

@@ -334,7 +334,7 @@ def test_missing_text_field_is_named(corpora, tmp_path):
     recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
         {"name": "news", "kind": "local", "format": "json", "files": [str(corpora / "news" / "*.jsonl")],
          "share": 1}]})
-    with pytest.raises(FibctlError, match="no field text; fields: body, id"):
+    with pytest.raises(FibctlError, match="no row has field text; fields: body, id"):
         prepare(recipe, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

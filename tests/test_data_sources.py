@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import subprocess
@@ -150,7 +151,7 @@ def datasets_logging_default():
 def test_a_json_parse_error_is_fibctls_line_alone(tmp_path, capfd, datasets_logging_default):
     (tmp_path / "rows.jsonl").write_text('{"text": "a lone \\ud800 surrogate"}\n{"text": "fine"}\n')
     recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
-    with pytest.raises(FibctlError, match="cannot read json files"):
+    with pytest.raises(FibctlError, match=r"rows\.jsonl: line 1 holds a lone surrogate escape"):
         _docs(recipe, source, tmp_path)
     assert "Failed to load JSON" not in capfd.readouterr().err
 
@@ -175,6 +176,49 @@ def test_csv_with_another_delimiter(tmp_path):
     (tmp_path / "rows.tsv").write_text("id\ttext\n1\tfirst, with a comma\n")
     recipe, source = _local(str(tmp_path / "rows.tsv"), "csv", delimiter="\t")
     assert _docs(recipe, source, tmp_path) == ["first, with a comma"]
+
+
+def test_a_field_a_whole_file_leaves_out_is_null_there(tmp_path):
+    """A file whose rows have no title (an optional field) failed the whole source when it
+    sorted first, and read as null when it sorted second; a field no row has is still refused."""
+    (tmp_path / "0.jsonl").write_text('{"body": "untitled"}\n')
+    (tmp_path / "1.jsonl").write_text('{"title": "T", "body": "titled"}\n')
+    recipe, source = _local(str(tmp_path / "*.jsonl"), "json", text=["title", "body"])
+    assert _docs(recipe, source, tmp_path) == ["untitled", "T\n\ntitled"]
+    recipe, source = _local(str(tmp_path / "*.jsonl"), "json", text=["titel", "body"])
+    with pytest.raises(FibctlError, match="source 'notes': no row has field titel; fields: body; set text"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_json_files_may_differ_in_their_fields(tmp_path):
+    """The datasets builder fixed the columns from the first file: a later file with one more
+    field (an optional url) failed the whole source with a CastError."""
+    (tmp_path / "0.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "1.jsonl").write_text('{"text": "b", "url": "u"}\n\n{"url": "v", "text": "c", "n": 1}\n')
+    recipe, source = _local(str(tmp_path / "*.jsonl"), "json")
+    assert _docs(recipe, source, tmp_path) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("content, docs", [
+    ('[{"text": "a"}, {"text": "b"}]', ["a", "b"]),  # one array of records
+    ('{\n  "text": "one record"\n}\n', ["one record"]),  # one object over lines
+    ('\ufeff\r\n{"text": "a"}\r\n{"text": "b"}\r\n', ["a", "b"]),  # BOM, CRLF, a blank line first
+])
+def test_json_files_in_each_layout_are_read(content, docs, tmp_path):
+    (tmp_path / "rows.json").write_text(content, encoding="utf-8")
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    assert _docs(recipe, source, tmp_path) == docs
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"text": "a"}\n{"text": "b"\n', "rows.json: line 2 is not JSON"),
+    ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is a JSON list, not an object of fields"),
+])
+def test_a_bad_json_file_names_the_file_and_line(content, words, tmp_path):
+    (tmp_path / "rows.json").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    with pytest.raises(FibctlError, match=re.escape(words)):
+        _docs(recipe, source, tmp_path)
 
 
 def test_a_tsv_is_read_without_quoting(tmp_path):

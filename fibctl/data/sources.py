@@ -1,21 +1,23 @@
 """Documents from each kind of source, as an iterator of strings that never holds a corpus.
 
 Hub and local sources stream through `datasets.load_dataset(..., streaming=True)` (local files
-with the `json`, `parquet`, `csv` or `text` builders); `installed-docs` and `generated` need no
-download. `fingerprint` says what else, besides the recipe, the documents depend on.
+with the `parquet`, `csv` or `text` builders; JSON files are read by fibctl.data.json_files, so
+that files may differ in their fields); `installed-docs` and `generated` need no download. `fingerprint` says what else, besides the recipe, the documents depend on.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import lzma
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from rich.progress import Progress
 
-from fibctl.data import generated, installed_docs
+from fibctl.data import generated, installed_docs, json_files
 from fibctl.data.recipe import Recipe, Source
 from fibctl.errors import FibctlError
 
@@ -58,6 +60,9 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     files = [f for f in files if os.path.getsize(f) > 0]
     if not files:
         return
+    if source.format == "json":
+        yield from _texts(source, _json_records(source, files))
+        return
     _quiet(datasets)
     try:
         ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
@@ -75,6 +80,20 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
                               f"(e.g. iconv -f latin1 -t utf-8)") from None
         raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
                           f"{', '.join(source.files)}: {_one_line(e)}") from None
+
+
+def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
+    """The records of each JSON file in turn (fibctl.data.json_files), errors naming the source."""
+    for path in files:
+        try:
+            yield from json_files.records(path)
+        except FibctlError as e:
+            raise FibctlError(f"source {source.name!r}: {e}") from None
+        except UnicodeDecodeError:
+            raise FibctlError(f"source {source.name!r}: {path} is not UTF-8 text; convert it to UTF-8 "
+                              f"(e.g. iconv -f latin1 -t utf-8)") from None
+        except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or mislabelled compressed file
+            raise FibctlError(f"source {source.name!r}: cannot read {path}: {_one_line(e)}") from None
 
 
 def _builder_options(source: Source) -> dict:
@@ -116,24 +135,18 @@ def _check_columns(source: Source, files: list[str]) -> list[str]:
 def _first_not_utf8(files: list[str]) -> str | None:
     """The first of the files that is not UTF-8, read in chunks (decompressed, as the readers
     read them: a .gz file's own bytes are not text); None if all are."""
-    import bz2
     import codecs
-    import gzip
-    import lzma
 
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
     for path in files:
         decoder = codecs.getincrementaldecoder("utf-8")()
-        if path.endswith(".zst"):
-            continue  # read only with the zstandard package, which names its own errors
         try:
-            with opener.get(os.path.splitext(path)[1], open)(path, "rb") as f:
+            with json_files.open_binary(path) as f:
                 while chunk := f.read(1 << 20):
                     decoder.decode(chunk)
                 decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             return path
-        except (OSError, EOFError, lzma.LZMAError):  # unreadable, or not what its name says
+        except (OSError, EOFError, lzma.LZMAError, FibctlError):  # unreadable, or not what its name says
             continue
     return None
 
@@ -219,14 +232,29 @@ def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
         streams = alive
 
 
+LOOKAHEAD_ROWS = 10_000  # rows read ahead for a text field that none of the first rows has
+
+
 def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
-    """Join the source's text fields of each row; skip rows with no text."""
+    """Join the source's text fields of each row; skip rows with no text. A field a row lacks
+    is null there, as in a table (JSON files whose rows, or whole files, leave out an optional
+    title), once some row has had it: a field none of the first LOOKAHEAD_ROWS rows has is
+    taken for a typo and refused."""
+    rows = iter(rows)
+    ahead: list[dict] = []
+    unseen = set(source.text)
     for row in rows:
-        missing = [f for f in source.text if f not in row]
-        if missing:
-            raise FibctlError(f"source {source.name!r}: rows have no field {', '.join(missing)}; "
-                              f"fields: {', '.join(row)}; set text = [...] in the recipe{_delimiter_hint(source, row)}")
-        text = "\n\n".join(t for t in (_field_text(source, f, row[f]) for f in source.text) if t)
+        ahead.append(row)
+        unseen.difference_update(row)
+        if not unseen or len(ahead) == LOOKAHEAD_ROWS:
+            break
+    if ahead and unseen:
+        missing = [f for f in source.text if f in unseen]
+        which = "no row" if len(ahead) < LOOKAHEAD_ROWS else f"none of the first {len(ahead):,} rows"
+        raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
+                          f"{', '.join(ahead[0])}; set text = [...] in the recipe{_delimiter_hint(source, ahead[0])}")
+    for row in itertools.chain(ahead, rows):
+        text = "\n\n".join(t for t in (_field_text(source, f, row.get(f)) for f in source.text) if t)
         if text:
             yield text
 

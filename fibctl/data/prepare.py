@@ -177,8 +177,9 @@ def _check_documents_alike(recipe: Recipe) -> None:
 
 
 def _document_rule(source: Source) -> dict:
-    """What decides the documents a source makes of its inputs."""
-    rule = {"text": list(source.text)}
+    """What decides the documents a source makes of its inputs (installed-docs and generated
+    sources make theirs alone)."""
+    rule = {"text": list(source.text)} if source.kind in ("hub", "local") else {}
     if source.kind == "local":
         rule["format"] = source.format
         if source.format == "text":

@@ -23,7 +23,7 @@ from fibctl.model import FibLM
 from fibctl.probe import blur as blur_module
 from fibctl.probe.blur import blur_attention
 from fibctl.probe.cells import probe_runs
-from fibctl.probe.task import IGNORE, MarkedCopy
+from fibctl.probe.task import IGNORE, MarkedBatches, MarkedCopy, heldout_generator
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.queue import add_runs
 from fibctl.reports import tables
@@ -50,6 +50,17 @@ def test_marked_copy_targets_are_the_token_its_marker_names():
             assert int(y[b, t]) == (int(x[b, t - d]) if t >= d else IGNORE)
     again = task.sample(3, torch.Generator().manual_seed(0))
     assert torch.equal(again[0], x) and torch.equal(again[1], y)  # seeded: the same batches
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**32 - 1])
+def test_held_out_sequences_share_no_payload_row_with_training_batches(seed):
+    """Seeded data_seed + 2**32, the scoring generator replayed the training stream (torch reads
+    a seed's low 32 bits): 8 of the 16 scored payload rows were those of training steps 1-4."""
+    task = MarkedCopy(512, 512, (200, 350))
+    held, _ = task.sample(16, heldout_generator(seed))
+    batches = MarkedBatches(task, 2, seed)
+    trained = {tuple((x % task.payloads).tolist()) for _ in range(50) for x in batches.next_batch()[0]}
+    assert not {tuple((x % task.payloads).tolist()) for x in held} & trained
 
 
 @pytest.mark.parametrize("change, message", [

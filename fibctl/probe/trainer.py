@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fibctl.device import autocast
 from fibctl.probe.cells import PROBE_METRICS
-from fibctl.probe.task import HELDOUT_SEED_OFFSET, IGNORE, MarkedBatches, MarkedCopy
+from fibctl.probe.task import IGNORE, MarkedBatches, MarkedCopy, heldout_generator
 from fibctl.schedules import ALPHA_MIN, ALPHA_RANGE, probe_alphas
 from fibctl.train.optim import EPS, marks_writes
 from fibctl.train.trainer import Reporter, Trainer
@@ -72,7 +72,7 @@ class ProbeTrainer(Trainer):
         """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,
         at the final width; recorded with the depth, the init and the held-out loss."""
         n = self.probe.eval_sequences
-        x, y = self.task.sample(n, torch.Generator().manual_seed(self.config.data_seed + HELDOUT_SEED_OFFSET))
+        x, y = self.task.sample(n, heldout_generator(self.config.data_seed))
         self.model.set_blur_width(self.probe.width_at(self.tc.steps, self.tc.steps))
         distances = self.probe.distances
         correct, total = torch.zeros(len(distances)), torch.zeros(len(distances))

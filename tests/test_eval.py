@@ -108,6 +108,10 @@ def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained
     (["nope", "--length", "64"], "no run named 'nope'"),
     (["fixed", "--length", "1"], "evaluation length 1 is below 2"),
     (["fixed", "--length", "64", "--dataset", "wiki_val"], "dataset 'wiki_val' is not in the data manifest"),
+    # it said "no window ... fits in a budget of 8,192 tokens", naming neither the set nor the run
+    (["fixed", "--length", "64", "--length", "8192"], "held-out set 'stories_val' holds 8,192 tokens, too few for "
+                                                       "one window of 8,192 and its next token: evaluate it at "
+                                                       "lengths up to 8,191"),
 ])
 def test_bad_input_is_one_line_exit_2(trained, args, message, capsys, monkeypatch):
     from fibctl.cli import main

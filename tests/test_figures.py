@@ -220,3 +220,9 @@ def test_the_same_data_give_the_same_bytes(db, tmp_path):
         first = figures.extrapolation(engine, tmp_path / f"a{suffix}").read_bytes()
         assert first == figures.extrapolation(engine, tmp_path / f"b{suffix}").read_bytes()
     assert b"/CreationDate" not in (tmp_path / "a.pdf").read_bytes()
+
+
+def test_the_change_axis_reads_short_numbers():
+    """A tick at a small range's end read +0.654804."""
+    assert [figures.percent_tick(v) for v in (0.654804, -0.570405, 0.0, 2.0, -5.25, 150.0, 1234.5)] == \
+        ["+0.65", "-0.57", "0", "+2", "-5.2", "+150", "+1,234"]

@@ -196,6 +196,72 @@ def test_table3_demo_shows_every_run_and_the_loss_past_the_training_length(demo)
     assert f.loc["dense", "Loss past T at 4x"] == pytest.approx(1 + np.mean(np.arange(128, 511) / 1000))
 
 
+runner = CliRunner()
+
+
+def _windowed_study(db: str, window: int = 4, seeds=(42,)) -> str:
+    """dense and fib fixed / stagger at `window`, evaluated at 128 and 512 with per-position
+    losses at 128: a study of the user's own windows, none the paper's."""
+    engine = connect(db)
+    with engine.begin() as conn:
+        for seed in seeds:
+            for schedule in ("dense", "fixed", "stagger"):
+                if schedule == "dense" and seed != 42:
+                    continue
+                rid = add_run(conn, f"{schedule}_w{window}_s{seed}", schedule, window=window, seed=seed)
+                for length, ppl in ((128, 20.0), (512, 40.0 if schedule == "dense" else 21.0)):
+                    add_eval(conn, rid, length, ppl + seed / 100)
+                conn.execute(insert(schema.PositionLoss), [
+                    dict(run_id=rid, step=600, dataset="docs_val", eval_length=128, position=p,
+                         mean_loss=3.0 + p / 1000, windows=4) for p in range(127)])
+    engine.dispose()
+    return db
+
+
+def test_table3_of_a_study_at_its_own_windows_shows_every_run(tmp_path):
+    """The dense baseline is a paper row whatever the windows: Table 3 showed it alone, leaving
+    out every sparse run evaluated at 4x, with no note."""
+    db = _windowed_study(str(tmp_path / "r.db"))
+    t = tables.table3(ro(db))
+    assert set(t.frame["Run"]) == {"dense_w4_s42", "fixed_w4_s42", "stagger_w4_s42"}
+    engine = connect(db)
+    with engine.begin() as conn:  # a paper row now: the table keeps to the paper's rows, and says so
+        rid = add_run(conn, "fixed_w8", "fixed", window=8)
+        for length in (128, 512):
+            add_eval(conn, rid, length, 22.0)
+    engine.dispose()
+    t = tables.table3(ro(db))
+    assert list(t.frame["Run"]) == ["dense_w4_s42", "fixed_w8"]
+    assert ("The paper's rows only; also evaluated at several lengths (2): fixed_w4_s42, stagger_w4_s42 "
+            "(--all-runs shows every run).") in t.notes
+
+
+def test_tables_4_and_5_name_the_windows_that_have_their_data(tmp_path):
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
+    with pytest.raises(FibctlError, match="fib fixed and stagger W8; fixed and stagger have them at --window 4$"):
+        tables.table4(ro(db))
+    with pytest.raises(FibctlError, match="for two or more seeds; some have at --window 4$"):
+        tables.table5(ro(db))
+    assert list(tables.table4(ro(db), window=4).frame["Row"]) == ["fixed W4", "stagger W4", "gap"]
+
+
+def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path):
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
+    out = tmp_path / "report"
+    r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out)])
+    assert r.exit_code == 0 and "skipped table4:" in r.output and "skipped table4: table4" not in r.output
+    assert not (out / "table4.csv").exists()
+    r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out), "--window", "4"])
+    assert r.exit_code == 0, r.output
+    assert {"table4.csv", "table5.csv", "posloss.png"} <= {p.name for p in out.iterdir()}
+    (out / "notes.txt").write_text("mine")
+    r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out), "--seed", "43"])
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in out.iterdir()}
+    assert "table1.csv" in names and not {"table4.csv", "table4.sql", "posloss.png"} & names  # seed 43's
+    assert (out / "notes.txt").read_text() == "mine"  # not a report's: left alone
+
+
 def test_table4_bins_positions_by_sql_like_the_paper(study):
     t = tables.table4(ro(study))
     fixed, stagger = np.array(position_losses(0.05)), np.array(position_losses(0.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -114,20 +114,28 @@ def report_all(
                                      help="Folder to write the tables and figures into.")],
     db: DbOption = DEFAULT_DB, seed: SeedOption = DEFAULT_SEED, matrix: MatrixOption = None,
     dataset: DatasetOption = None,
+    window: Annotated[Optional[int], typer.Option(
+        "--window", "-w", callback=sqlite_int, help="Window W of Tables 4 and 5 and the position and coverage "
+        "figures (default: the paper's, 8 for Table 4 and the figures, 12 for Table 5).")] = None,
+    all_runs: TABLE_OPTIONS["all_runs"] = False,
 ) -> None:
-    """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every figure."""
+    """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every
+    figure. A table or figure of an earlier report that lacks its data now is removed, so the
+    folder holds one report."""
     from fibctl.reports import export
 
     out = _output(out, folder=True)
     engine = open_for_reports(db, matrix=matrix, dataset=dataset)
+    chosen = {**({"window": window} if window is not None else {}), **({"all_runs": True} if all_runs else {})}
     try:
         written, skipped = export.write_all(
-            engine, out, seed=seed, matrix=matrix, dataset=dataset,
+            engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
             track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
                                       transient=True, disable=not err_console.is_terminal))  # errors stand alone
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     for name, why in skipped:
+        why = why.removeprefix(f"{name}: ")  # a table's own errors start with its name
         err_console.print(f"[yellow]skipped {escape(name)}:[/] {escape(why)}", highlight=False)
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")

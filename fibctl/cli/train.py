@@ -81,8 +81,9 @@ class RunDisplay:
         style = {"done": "green", "released": "yellow", "failed": "red", "lost": "yellow"}[outcome.status]
         detail = f": {outcome.error}" if outcome.error else ""
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
+        # folded at a terminal's width; one line in a file, for grep
         console.print(f"[{style}]{escape(outcome.name)}: {outcome.status} at step {outcome.step}{escape(detail)}[/]"
-                      f"{escape(where)}", highlight=False, soft_wrap=True)
+                      f"{escape(where)}", highlight=False, soft_wrap=not console.is_terminal)
 
 
 @app.command("train")

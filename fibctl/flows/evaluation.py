@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
@@ -110,8 +111,9 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
         if t.config.model.vocab_size != manifest.vocab_size:
             raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
                               f"{data_dir} has vocab {manifest.vocab_size:,}")
-    dev = resolve_device(device)
     streams = {d: manifest.stream(d) for d in datasets}
+    _check_fits(streams, lengths, datasets_given=datasets != manifest.heldout)
+    dev = resolve_device(device)
     total = len(targets) * len(lengths) * len(datasets)
     report = (lambda row: on_result(row, total)) if on_result else None
     rows = []
@@ -120,6 +122,18 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
                               data=(data_dir, manifest.inputs_hash))
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
                                        "tokens_per_s"])
+
+
+def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_given: bool) -> None:
+    """Refuse, before any run is measured, a held-out set too short for one window of a length."""
+    for length in sorted(lengths, reverse=True):
+        short = {d: len(s) for d, s in streams.items() if len(s) - 1 < length}
+        for dataset, n in short.items():
+            fit = [d for d in streams if d not in short]
+            raise FibctlError(
+                f"held-out set {dataset!r} holds {n:,} tokens, too few for one window of {length:,} and its next "
+                f"token: evaluate it at lengths up to {max(n - 1, 0):,}"
+                + (f", or leave it out: --dataset {' --dataset '.join(fit)}" if fit and not datasets_given else ""))
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,

@@ -33,12 +33,14 @@ def options_for(function, **options) -> dict:
 
 
 def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | None = None,
-         dataset: str | None = None, built: Built | None = None) -> list[Job]:
-    """One job per registered table and figure; each returns the files it wrote."""
+         dataset: str | None = None, built: Built | None = None, **chosen) -> list[Job]:
+    """One job per registered table and figure; each returns the files it wrote. `chosen`:
+    options given for those that take them (window, all_runs); the others keep their defaults."""
     built = built or Built()
     preset = get_preset(figures.preset_in_use(engine)).model
     # coverage draws the shape of the preset most runs use; the other figures read the database
-    shared = dict(seed=seed, matrix=matrix, dataset=dataset, n_layers=preset.n_layers, seq_len=preset.seq_len)
+    shared = dict(seed=seed, matrix=matrix, dataset=dataset, n_layers=preset.n_layers, seq_len=preset.seq_len,
+                  **chosen)
 
     def table_job(name: str, build):
         def job() -> list[Path]:
@@ -87,4 +89,13 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
         index = out / "index.html"
         write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
         written.append(index)
+        for stale in set(outputs(out)) - set(written):  # an earlier report's, beside this one
+            if stale.is_symlink() or stale.is_file():
+                stale.unlink()
     return written, skipped
+
+
+def outputs(out: Path) -> list[Path]:
+    """Every file a report may write into `out`, by name."""
+    tabled = [out / f"{name}.{ext}" for name in tables.TABLES for ext in ("sql", *render.EXTENSIONS.values())]
+    return tabled + [out / f"{name}{s}" for name in figures.FIGURES for s in FIGURE_FORMATS] + [out / "index.html"]

@@ -222,12 +222,20 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     _plain_log_axis(left.yaxis)
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
     right.set_yscale("symlog", linthresh=2)
-    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}" if v else "0"))
+    right.yaxis.set_major_formatter(FuncFormatter(percent_tick))
     right.axhline(0, color="black", linewidth=0.6)
     right.set_ylabel("change vs. training length (%)")
     _title(fig, table.title.replace("Table 3: ", ""))
     _runs_legend(fig, left, frame[["schedule", "base", "window"]].to_dict("records"))
     return _save(fig, path)
+
+
+def percent_tick(value: float, _position=None) -> str:
+    """A change in percent, signed: whole numbers from 10 on, two significant digits below (a
+    tick the locator puts at a small range's end read +0.654804)."""
+    if not value:
+        return "0"
+    return f"{value:+,.0f}" if abs(value) >= 10 else f"{value:+.2g}"
 
 
 @styled

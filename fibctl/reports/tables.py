@@ -364,7 +364,7 @@ ORDER BY r.name, e.eval_length"""
     if multi.empty:
         raise FibctlError(_table3_missing(long, dataset, seed, matrix))
     wide = _wide(multi, "eval_length", "ppl", ["base", "schedule", "window", "train_length", "loss_beyond"])
-    wide = _table3_rows(wide, all_runs)
+    wide, left_out = _table3_rows(wide, all_runs)
     lengths = sorted(multi["eval_length"].unique())
     ppl_at = wide[lengths].to_numpy()
     at = {n: i for i, n in enumerate(lengths)}
@@ -386,22 +386,26 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    notes = deviation_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
+    notes = left_out + deviation_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
     return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 
-def _table3_rows(wide: pd.DataFrame, all_runs: bool) -> pd.DataFrame:
-    """The paper's rows, in its order, when any is present (and not all runs asked for)."""
+def _table3_rows(wide: pd.DataFrame, all_runs: bool) -> tuple[pd.DataFrame, list[str]]:
+    """The paper's rows, in its order, when a sparse one is present (and not all runs asked
+    for; the dense baseline alone is no paper table), and a note naming the runs left out."""
     def spec_index(row) -> int | None:
         key = (row["base"] if pd.notna(row["base"]) else None, row["schedule"],
                int(row["window"]) if pd.notna(row["window"]) else None)
         return TABLE3_ROWS.index(key) if key in TABLE3_ROWS else None
 
     rank = wide.apply(spec_index, axis=1)
-    if all_runs or rank.isna().all():
-        return wide
+    if all_runs or not (rank.notna() & (wide["schedule"] != "dense")).any():
+        return wide, []
+    left = sorted(wide.loc[rank.isna(), "run"])
+    note = [f"The paper's rows only; also evaluated at several lengths ({len(left)}): "
+            f"{', '.join(left[:4])}{', ...' if len(left) > 4 else ''} (--all-runs shows every run)."] if left else []
     return wide[rank.notna()].assign(_rank=rank).sort_values("_rank", kind="stable") \
-        .drop(columns="_rank").reset_index(drop=True)
+        .drop(columns="_rank").reset_index(drop=True), note
 
 
 def _table3_missing(long: pd.DataFrame, dataset: str, seed: int, matrix: str | None) -> str:
@@ -442,10 +446,15 @@ ORDER BY r.schedule, bin"""
     long, sql_text = read_sql(engine, sql, **matrix_params(matrix, dataset=dataset, window=window, seed=seed))
     missing = [s for s in ("fixed", "stagger") if s not in set(long["schedule"])]
     if missing:
+        elsewhere = _windows_with(engine, f"""SELECT r."window" FROM position_losses p JOIN runs r ON r.id = p.run_id
+WHERE p.dataset = :dataset AND p.eval_length = r.train_length AND r.base = 'fib'
+  AND r.schedule IN ('fixed', 'stagger') AND r.seed = :seed{matrix_clause(matrix)}
+GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", matrix_params(matrix, dataset=dataset, seed=seed))
         raise FibctlError(
             f"table4: no per-position losses on {dataset} at the training length for seed-{seed} "
-            f"fib {' and '.join(missing)} W{window}{in_matrix(matrix)}; record them with "
-            "`fibctl eval NAME --length T --positions` or import the study's posloss.json")
+            f"fib {' and '.join(missing)} W{window}{in_matrix(matrix)}; "
+            + (f"fixed and stagger have them at {elsewhere}" if elsewhere else
+               "record them with `fibctl eval NAME --length T --positions` or import the study's posloss.json"))
     bins = long.drop_duplicates("bin").sort_values("bin")
     labels = {b: f"{f}-{l}" for b, f, l in zip(bins["bin"], bins["first_position"], bins["last_position"])}
     wide = long.pivot(index="schedule", columns="bin", values="mean_loss").rename(columns=labels)
@@ -477,9 +486,16 @@ ORDER BY r.base, r.schedule, r.seed"""
     n_seeds = long.groupby("config")["seed"].nunique()
     long = long[long["config"].isin(n_seeds[n_seeds > 1].index)]
     if long.empty:
+        elsewhere = _windows_with(engine, f"""WITH {FINAL_STEP}
+SELECT r."window" FROM runs r
+JOIN final f ON f.run_id = r.id
+JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
+WHERE e.dataset = :dataset AND r.schedule <> 'dense'{matrix_clause(matrix)}
+GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", matrix_params(matrix, dataset=dataset))
         raise FibctlError(
             f"table5: no configuration at W={window} on {dataset}{in_matrix(matrix)} has "
-            "final evaluations for two or more seeds; train replicate seeds of the same runs")
+            "final evaluations for two or more seeds; "
+            + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs"))
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()
     seeds = [c for c in per_seed.columns if c not in ("base", "schedule")]
     values = per_seed[seeds]
@@ -497,6 +513,13 @@ ORDER BY r.base, r.schedule, r.seed"""
              "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset) \
         + deviation_notes(engine, long["run"]) + budget_notes(long)
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
+
+
+def _windows_with(engine: Engine, sql: str, params: dict) -> str:
+    """The windows `sql` finds, said as options to choose one ('' when none)."""
+    found, _ = read_sql(engine, sql, **params)
+    windows = sorted({int(w) for w in found.iloc[:, 0].dropna()})
+    return " or ".join(f"--window {w}" for w in windows)
 
 
 def _fewer_seeds(per_seed: pd.DataFrame, seeds: list, dataset: str) -> list[str]:

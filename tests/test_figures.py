@@ -57,6 +57,8 @@ def test_other_extensions_and_missing_data_are_refused(db, tmp_path):
         figures.coverage(tmp_path / "c.svg")
     with pytest.raises(FibctlError, match="alphas: no alphas recorded for run 'demo_fixed'"):
         figures.alphas(connect_readonly(db), tmp_path / "a.png", run="demo_fixed")
+    with pytest.raises(FibctlError, match="alphas: run 'demo_dense' is dense: it has no alpha"):
+        figures.alphas(connect_readonly(db), tmp_path / "a.png", run="demo_dense")
     assert not (tmp_path / "a.png").exists()
 
 

@@ -343,6 +343,11 @@ WHERE r.schedule <> 'dense'{run_clause}{matrix_clause(matrix)}
 ORDER BY r.name, a.layer, a.step"""
     long, _ = read_sql(engine, sql, **matrix_params(matrix, **({"run": run} if run else {})))
     if long.empty:
+        with engine.connect() as conn:
+            schedule = conn.execute(text("SELECT schedule FROM runs WHERE name = :run"), {"run": run}).scalar() \
+                if run else None
+        if schedule == "dense":
+            raise FibctlError(f"alphas: run {run!r} is dense: it has no alpha (no rungs to scale)")
         what = f"run {run!r}" if run else f"sparse runs{in_matrix(matrix)}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")

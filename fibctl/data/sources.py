@@ -2,7 +2,8 @@
 
 Hub and local sources stream through `datasets.load_dataset(..., streaming=True)` (local files
 with the `parquet`, `csv` or `text` builders; JSON files are read by fibctl.data.json_files, so
-that files may differ in their fields); `installed-docs` and `generated` need no download. `fingerprint` says what else, besides the recipe, the documents depend on.
+that files may differ in their fields); `installed-docs` and `generated` need no download.
+`fingerprint` says what else, besides the recipe, the documents depend on.
 """
 
 from __future__ import annotations

@@ -126,14 +126,14 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
 
 def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_given: bool) -> None:
     """Refuse, before any run is measured, a held-out set too short for one window of a length."""
-    for length in sorted(lengths, reverse=True):
-        short = {d: len(s) for d, s in streams.items() if len(s) - 1 < length}
-        for dataset, n in short.items():
-            fit = [d for d in streams if d not in short]
-            raise FibctlError(
-                f"held-out set {dataset!r} holds {n:,} tokens, too few for one window of {length:,} and its next "
-                f"token: evaluate it at lengths up to {max(n - 1, 0):,}"
-                + (f", or leave it out: --dataset {' --dataset '.join(fit)}" if fit and not datasets_given else ""))
+    length = max(lengths)
+    short = [d for d, s in streams.items() if len(s) - 1 < length]
+    if short:
+        n, fit = len(streams[short[0]]), [d for d in streams if d not in short]
+        raise FibctlError(
+            f"held-out set {short[0]!r} holds {n:,} tokens, too few for one window of {length:,} and its next "
+            f"token: evaluate it at lengths up to {max(n - 1, 0):,}"
+            + (f", or leave it out: --dataset {' --dataset '.join(fit)}" if fit and not datasets_given else ""))
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,

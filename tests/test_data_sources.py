@@ -213,6 +213,7 @@ def test_json_files_in_each_layout_are_read(content, docs, tmp_path):
 @pytest.mark.parametrize("content, words", [
     ('{"text": "a"}\n{"text": "b"\n', "rows.json: line 2 is not JSON"),
     ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is a JSON list, not an object of fields"),
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "rows.json: line 1 nests its values too deeply to read"),
 ])
 def test_a_bad_json_file_names_the_file_and_line(content, words, tmp_path):
     (tmp_path / "rows.json").write_text(content)

@@ -73,6 +73,8 @@ def _an_object(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
+    except RecursionError:  # a whole line, too deep to read: said as the line's own error
+        return True
 
 
 def _whole(path: str, text: str) -> Iterator[dict]:
@@ -89,6 +91,8 @@ def _loads(path: str, where: str, text: str):
         value = json.loads(text)
     except ValueError as e:
         raise FibctlError(f"{path}: {where} is not JSON ({getattr(e, 'msg', e)})") from None
+    except RecursionError:  # the parser recurses once per level
+        raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
     if _SURROGATE.search(text) and _LONE.search(json.dumps(value, ensure_ascii=False)):
         raise FibctlError(f"{path}: {where} holds a lone surrogate escape (half of a character, e.g. \\ud800), "
                           "not text")

@@ -13,6 +13,7 @@ import itertools
 import json
 import lzma
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
         except UnicodeDecodeError:
             raise FibctlError(f"source {source.name!r}: {path} is not UTF-8 text; convert it to UTF-8 "
                               f"(e.g. iconv -f latin1 -t utf-8)") from None
-        except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or mislabelled compressed file
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # a damaged or mislabelled compressed file
             raise FibctlError(f"source {source.name!r}: cannot read {path}: {_one_line(e)}") from None
 
 
@@ -147,7 +148,7 @@ def _first_not_utf8(files: list[str]) -> str | None:
                 decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             return path
-        except (OSError, EOFError, lzma.LZMAError, FibctlError):  # unreadable, or not what its name says
+        except (OSError, EOFError, lzma.LZMAError, zlib.error, FibctlError):  # unreadable, or not what its name says
             continue
     return None
 

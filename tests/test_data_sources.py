@@ -222,6 +222,21 @@ def test_a_bad_json_file_names_the_file_and_line(content, words, tmp_path):
         _docs(recipe, source, tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["cut", "flipped"])
+def test_a_damaged_compressed_json_file_is_named(damage, tmp_path):
+    import gzip
+
+    data = bytearray(gzip.compress(b'{"text": "hello"}\n' * 10_000))
+    if damage == "cut":
+        data = data[:100]
+    else:
+        data[len(data) // 2] ^= 0xFF  # zlib's own error, or a CRC that fails
+    (tmp_path / "rows.jsonl.gz").write_bytes(bytes(data))
+    recipe, source = _local(str(tmp_path / "rows.jsonl.gz"), "json")
+    with pytest.raises(FibctlError, match=r"source 'notes': (cannot read .*rows\.jsonl\.gz|.*rows\.jsonl\.gz: line)"):
+        _docs(recipe, source, tmp_path)
+
+
 def test_a_tsv_is_read_without_quoting(tmp_path):
     """Read with CSV quoting, a cell opening with a quote mark swallowed the rows up to the next
     one and the marks vanished: 3 documents of 5."""

@@ -4,8 +4,8 @@ The datasets library's JSON builder fixes a source's columns from its first file
 10 MB block): a later file or block with one more field, an optional `url` or `title`, failed
 the whole source ("Couldn't cast ... because column names don't match"). Read here, each
 record keeps its own fields. A file is JSON Lines (one object per line, blank lines skipped),
-one array of objects, or one object spread over lines; a byte-order mark
-is dropped; `.gz`, `.bz2`, `.xz` and (with the zstandard package) `.zst` are decompressed.
+one array of objects, or one object spread over lines; a byte-order mark is dropped; `.gz`,
+`.bz2`, `.xz` and (with the zstandard package) `.zst` are decompressed.
 """
 
 from __future__ import annotations

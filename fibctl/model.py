@@ -21,7 +21,7 @@ from fibctl.config import ModelConfig
 from fibctl.device import autocast, constant
 from fibctl.probe.blur import blur_attention
 from fibctl.schedules import (
-    ALPHA_MIN, ALPHA_RANGE, attended_distances, base_sequence, blur_rungs, fractional_rungs, layer_alphas,
+    ALPHA_MIN, ALPHA_RANGE, attended_distances, blur_rungs, built_base, fractional_rungs, layer_alphas,
     window_distances,
 )
 
@@ -93,9 +93,7 @@ class Attention(nn.Module):
         write without a version bump get one from fibctl.train.optim.marks_writes): on CUDA
         each read waits for the GPU, and a step's micro-batches all see the same theta."""
         alpha, cfg = self.alpha, self.cfg
-        # pow2 rungs of the built length at a shorter input, as attended_distances
-        base = base_sequence(cfg.base, max(T, cfg.seq_len), cfg.n_rungs)
-        products = alpha * constant(base, alpha.dtype, alpha.device)
+        products = alpha * constant(built_base(cfg.base, T, cfg.seq_len, cfg.n_rungs), alpha.dtype, alpha.device)
         theta = self.theta
         key = (T, keep, theta._version, theta.data_ptr(), theta.dtype, theta.device)
         if self._rungs_read is None or self._rungs_read[0] != key:

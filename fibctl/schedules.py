@@ -34,6 +34,12 @@ def base_sequence(base: str, seq_len: int, n_rungs: int = 15) -> list[int]:
     raise ConfigError(f"unknown base {base!r}; allowed: {', '.join(BASES)}")
 
 
+def built_base(base: str, seq_len: int, built_at: int | None, n_rungs: int = 15) -> list[int]:
+    """The rungs b_k a model built at `built_at` reads an input of `seq_len` with: those of the
+    longer length (an input past the built length reads as by a model rebuilt at its length)."""
+    return base_sequence(base, max(seq_len, built_at or seq_len), n_rungs)
+
+
 def coprime_stride(n_layers: int) -> int | None:
     """S: the largest integer from L/2 down to 2 coprime with L; None when there is none."""
     for s in range(n_layers // 2, 1, -1):
@@ -144,7 +150,7 @@ def attended_distances(base: str, schedule: str, window: int, n_layers: int, seq
     """
     if schedule == "dense":
         return [list(range(seq_len)) for _ in range(n_layers)]
-    b = base_sequence(base, max(seq_len, built_at or seq_len), n_rungs)
+    b = built_base(base, seq_len, built_at, n_rungs)
     return [integer_distances(a, b, window, seq_len) for a in layer_alphas(schedule, n_layers)]
 
 

@@ -81,7 +81,7 @@ def test_learned_rungs_are_read_from_the_device_once_per_value_of_theta(monkeypa
     attn = model.blocks[0].attn
     with torch.no_grad():
         attn.theta.fill_(1.3)  # alpha 0.5 + sigmoid(1.3) = 1.286: every rung moves
-    fresh = real((attn.alpha.detach() * torch.tensor([float(b) for b in model_module.base_sequence(
+    fresh = real((attn.alpha.detach() * torch.tensor([float(b) for b in base_sequence(
         model.cfg.base, T, model.cfg.n_rungs)])).tolist(), model.cfg.window, T)
     assert attn.columns(T).lo == [lo for _, lo in fresh]
     model.double()  # a cast: new storage, the rungs read again in float64

@@ -27,6 +27,9 @@ _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may stand for ha
 _LONE = re.compile("[\ud800-\udfff]")
 
 
+NEEDS_ZSTANDARD = "reading .zst files needs the zstandard package: pip install zstandard (or decompress them: zstd -d)"
+
+
 def open_binary(path: str) -> IO[bytes]:
     """The file's bytes, decompressed by its extension."""
     ext = os.path.splitext(path)[1]
@@ -34,8 +37,7 @@ def open_binary(path: str) -> IO[bytes]:
         try:
             import zstandard
         except ImportError:
-            raise FibctlError("reading .zst files needs the zstandard package: pip install zstandard "
-                              "(or decompress them: zstd -d)") from None
+            raise FibctlError(NEEDS_ZSTANDARD) from None
         return zstandard.open(path, "rb")
     return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(ext, open)(path, "rb")
 

@@ -74,8 +74,7 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
         raise
     except Exception as e:
         if "Compression type zstd not supported" in str(e):  # fsspec reads .zst with zstandard alone
-            raise FibctlError(f"source {source.name!r}: reading .zst files needs the zstandard package: "
-                              f"pip install zstandard (or decompress them: zstd -d)") from None
+            raise FibctlError(f"source {source.name!r}: {json_files.NEEDS_ZSTANDARD}") from None
         bad = _first_not_utf8(files) if isinstance(e, UnicodeDecodeError) else None
         if bad:
             raise FibctlError(f"source {source.name!r}: {bad} is not UTF-8 text; convert it to UTF-8 "

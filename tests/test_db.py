@@ -295,6 +295,25 @@ def test_cli_refuses_an_in_memory_database_in_one_line(args, tmp_path):
         "(e.g. results.db)"]
 
 
+@pytest.mark.parametrize("url", ["postgresql+psycopg://u:secret@localhost:notaport/x",
+                                 "postgresql://u@[::1/x"])
+def test_a_url_whose_port_is_not_a_number_is_one_line(url, tmp_path, monkeypatch, capsys):
+    """SQLAlchemy's parser raises ValueError, not ArgumentError, for such a port: it was a
+    traceback, from every --db command."""
+    import sys
+
+    from fibctl.__main__ import main
+
+    for args in (["queue", "ls", "--db", url], ["db", "copy", "--from", url, "--to", str(tmp_path / "t.db")]):
+        monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "is not a database URL" in err and "secret" not in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_server_that_never_answers_fails_in_one_line_instead_of_hanging(tmp_path):
     """A server that takes the TCP connection and says nothing (a firewall, a wedged host):
     every --db command hung (psycopg waits 130 s, libpq forever) until fibctl gave the

@@ -52,7 +52,7 @@ def resolve_url(db: str, option: str = "--db") -> URL:
     else:
         try:
             url = make_url(db)
-        except ArgumentError:
+        except (ArgumentError, ValueError):  # ValueError: a port that is not a number
             raise FibctlError(f"{option} {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
                               "postgresql://user@host/db) or a file path") from None
     if _in_memory(url):
@@ -75,7 +75,7 @@ def shown(db: str | URL) -> str:
         return db
     try:
         return make_url(db).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return "(an unparsable URL)"
 
 

@@ -202,6 +202,26 @@ def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path):
     assert not (tmp_path / "jobs").exists() and runs(db) == [("a", "queued", None, None)]
 
 
+def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path):
+    """--dry-run upgraded the database's schema (a write) before printing the script."""
+    pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from fibctl.db.engine import alembic_config, current_revision
+
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4))
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "-1")
+    before = current_revision(engine)
+    done = fibctl("slurm", "submit", "--db", str(db), "--data", str(data), "--folder", str(tmp_path / "jobs"),
+                  "--dry-run", cwd=tmp_path)
+    one_line_error(done, "fibctl db upgrade")
+    assert current_revision(engine) == before
+
+
 # ----------------------------------------------------------------------------- a real one-node cluster
 
 

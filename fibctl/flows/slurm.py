@@ -40,7 +40,7 @@ from sqlalchemy.engine import Engine
 from fibctl import queue
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
-from fibctl.db.engine import connect, resolve_url, shown
+from fibctl.db.engine import connect, connect_readonly, resolve_url, shown
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError
@@ -242,7 +242,8 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         raise FibctlError(f"--nodes {spec.nodes} with the SQLite database {shown(db)}: SQLite's locks do not "
                           "hold over a network filesystem; give a database server every node reaches "
                           "(--db postgresql+psycopg://...), see docs/cluster.md")
-    configs = queued_configs(connect(db, must_exist=True))
+    # a dry run changes nothing: it reads the queue without upgrading the database's schema
+    configs = queued_configs(connect_readonly(db) if dry_run else connect(db, must_exist=True))
     queued = len(configs)
     if not queued:  # a dry run too: it shows what would be submitted
         raise FibctlError(f"no queued runs in {shown(db)}: nothing for the workers to do (fibctl queue add)")

@@ -126,6 +126,35 @@ def test_failed_upgrade_changes_nothing(db_url):
     assert "name" in [c["name"] for c in columns] and "train_length" not in [c["name"] for c in columns]
 
 
+def _upgrade_after(db: str, barrier, out: str) -> None:
+    """Process: upgrade `db` once every process is ready; write the outcome."""
+    barrier.wait()
+    with open(out, "w") as f:
+        f.write(_outcome(upgrade, db))
+
+
+@pytest.mark.parametrize("start", [None, "0001", "0007"])
+def test_processes_upgrading_one_database_at_once_all_succeed(db_url, tmp_path, start):
+    """Workers started together on a database at an older revision (or a new one) each
+    upgrade it first: on PostgreSQL all but one failed ("column ... already exists", "Online
+    migration expected to match one row"), with the SQL statement in the message."""
+    import multiprocessing as mp
+
+    if start:
+        upgrade(db_url, start)
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(4)
+    outs = [str(tmp_path / f"{i}.txt") for i in range(4)]
+    procs = [ctx.Process(target=_upgrade_after, args=(db_url, barrier, out)) for out in outs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    outcomes = [open(out).read() for out in outs]
+    assert all(o.endswith(f", '{head_revision()}')") for o in outcomes), outcomes
+    assert _inspect(db_url, "SELECT version_num FROM alembic_version") == [[(head_revision(),)]]
+
+
 def test_migrated_schema_equals_models(db_url):
     engine = connect(db_url)
     with engine.connect() as conn:

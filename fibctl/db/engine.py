@@ -23,7 +23,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
@@ -35,6 +35,7 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 CONNECT_TIMEOUT_S = 10  # unless the URL's connect_timeout or PGCONNECT_TIMEOUT says otherwise
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
+UPGRADE_LOCK = 0x0F1BC7  # the PostgreSQL advisory lock schema upgrades hold
 
 
 # the extra to install for a dialect whose driver is missing
@@ -303,6 +304,11 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
         if before != target:
             try:
                 with engine.begin() as conn:
+                    if conn.dialect.name == "postgresql":
+                        # processes upgrading at once (workers started together after an update)
+                        # take turns: each next one finds the schema upgraded, as SQLite's
+                        # BEGIN IMMEDIATE has it, instead of failing on the tables the first made
+                        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": UPGRADE_LOCK})
                     command.upgrade(alembic_config(conn), revision)
             except Exception as e:  # the transaction rolled back: the database is as it was
                 raise FibctlError(f"upgrading {shown(db)} to {target} failed, nothing changed: {e}") from e

@@ -300,6 +300,34 @@ def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
     assert runs(inputs["db"]) == [("a", "queued", None, None)]
 
 
+@needs_cluster
+def test_a_job_given_a_password_keeps_its_files_to_this_user(data, tmp_path):
+    """The pickled task holds the database URL: with a password in it, the job folder and
+    every file in it (the pickle, and the logs the job writes) were readable by anyone."""
+    from conftest import NO_PG, PG_SERVER, pg_database
+    from sqlalchemy.engine import make_url
+
+    from fibctl import queue
+    from fibctl.db.engine import connect
+
+    if not PG_SERVER:
+        pytest.skip(NO_PG)
+    with pg_database() as url:
+        url = make_url(url)
+        url = url.set(password=url.password or "unused").render_as_string(hide_password=False)
+        engine = connect(url)
+        queue.add_runs(engine, [micro_run("a", steps=4)])
+        engine.dispose()
+        job = fibctl("slurm", "submit", "--db", url, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                     "--folder", str(tmp_path / "jobs"), "--time", "00:10:00")
+        assert job.returncode == 0, job.stderr
+        job = job.stdout.split()[3].rstrip(":")
+        assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
+    files = [tmp_path / "jobs", *(tmp_path / "jobs" / job).iterdir()]
+    assert any(p.name.endswith("_submitted.pkl") for p in files) and any(p.name.endswith("_log.out") for p in files)
+    assert {p.name: oct(p.stat().st_mode & 0o077) for p in files} == {p.name: "0o0" for p in files}
+
+
 LONG = dict(steps=400, eval_interval=1000, checkpoint_interval=1000)
 
 

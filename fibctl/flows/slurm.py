@@ -266,14 +266,28 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder / "%j"))])
         return Submission(None, _make_sbatch_string(command=command, folder=folder / "%j", **params), folder,
                           spec.nodes * spec.tasks(), queued)
+    # the pickled task holds the database URL: one with a password is for this user's eyes only,
+    # in the files submitted and in those the job writes (SLURM gives it the umask submitted with)
+    umask = os.umask(0o077) if resolve_url(db).password is not None else None
+    try:
+        job = _submit(submitit, task, params, folder, spec.max_requeues)
+    finally:
+        if umask is not None:
+            os.umask(umask)
+    script = job.paths.submission_file.read_text() if job.paths.submission_file.is_file() else ""
+    return Submission(str(job.job_id), script, folder, spec.nodes * spec.tasks(), queued)
+
+
+def _submit(submitit, task: "WorkerTask", params: dict, folder: Path, max_requeues: int):
+    """sbatch the task; a refusal is one line and leaves nothing in the job folder."""
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
-    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=spec.max_requeues)
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=max_requeues)
     executor.update_parameters(**params)
     try:
         with _stderr_kept() as said:  # sbatch writes its refusal to our stderr: it goes in the one line
-            job = executor.submit(task)
+            return executor.submit(task)
     except Exception as e:  # sbatch refused: its own last line says why
         detail = [*str(e).strip().splitlines(), *said()]
         for path in set(folder.iterdir()) - before:  # the script and pickle of a job that never was
@@ -281,8 +295,6 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         if made:
             folder.rmdir()
         raise FibctlError(f"sbatch refused the job: {_refusal(detail) or type(e).__name__}") from None
-    script = job.paths.submission_file.read_text() if job.paths.submission_file.is_file() else ""
-    return Submission(str(job.job_id), script, folder, spec.nodes * spec.tasks(), queued)
 
 
 @contextmanager

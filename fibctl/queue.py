@@ -291,6 +291,13 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
                             run.checkpoint_path)
 
 
+def removed(engine: Engine, run_id: int) -> bool:
+    """Whether run `run_id` is gone: cancelled and removed (`fibctl queue rm`) while a worker
+    still trained it, whose writes then fail on the missing row."""
+    with engine.connect() as conn:
+        return conn.execute(select(Run.id).where(Run.id == run_id)).first() is None
+
+
 def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:
     """Return a running run to the queue (e.g. on SIGTERM, Ctrl-C, a SLURM preemption) with
     this attempt not counted: a clean stop is not one of the crashes `max_attempts` limits.

@@ -261,6 +261,27 @@ def test_a_run_that_raises_records_the_step_it_failed_at(data, tmp_path, monkeyp
     assert runs(tmp_path / "r.db")[0][4].startswith("at step 7: RuntimeError: simulated fault")
 
 
+def test_a_run_cancelled_and_removed_while_it_trains_is_lost_and_the_worker_goes_on(data, tmp_path, monkeypatch):
+    """`queue cancel` then `queue rm` before the worker's next heartbeat: its next write failed
+    on the missing row, and so did marking the run failed; the worker died with a traceback
+    and left the rest of the queue untrained."""
+    from fibctl import queue
+
+    engine = queued_db(tmp_path / "r.db", micro_run("gone", **LONG), micro_run("next", **SHORT))
+
+    def removed_meanwhile(self):
+        if self.config.name == "gone" and self.step == 3:
+            queue.cancel(engine, "gone")
+            queue.remove(engine, "gone")
+        return original(self)
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", removed_meanwhile)
+    outcomes = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert [(o.name, o.status) for o in outcomes] == [("gone", "lost"), ("next", "done")]
+    assert "removed" in outcomes[0].error
+    assert [r[:2] for r in runs(tmp_path / "r.db")] == [("next", "done")]
+
+
 def test_a_second_ctrl_c_puts_the_run_back_in_the_queue_at_once(data, tmp_path, monkeypatch):
     """The second Ctrl-C (KeyboardInterrupt, mid-step) stops without a checkpoint: the run
     goes back to the queue now, attempts untouched, instead of staying `running` until its

@@ -43,6 +43,7 @@ from typing import Protocol
 
 import torch
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 
 from fibctl import queue
 from fibctl.data.streams import DataManifest, load_manifest
@@ -62,7 +63,7 @@ from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 @dataclass
 class Outcome:
     name: str
-    status: str  # done | failed | released | lost (cancelled or taken over meanwhile)
+    status: str  # done | failed | released | lost (cancelled, taken over or removed meanwhile)
     step: int
     error: str | None = None
     checkpoint: Path | None = None
@@ -469,8 +470,11 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             queue.release(engine, claimed.id, f"released at step {step}: {lost}")
             display.finish(Outcome(claimed.name, "released", step))
             raise FibctlError(f"run {claimed.name!r}: {lost}; it is queued again") from None
-        queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
-        outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
+        if isinstance(e, IntegrityError) and queue.removed(engine, claimed.id):  # nothing left to record
+            outcome = Outcome(claimed.name, "lost", step, "the run was removed from the database")
+        else:
+            queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
+            outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
     finally:
         if tee is not None:
             tee.close()

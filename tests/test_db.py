@@ -443,6 +443,16 @@ def test_a_database_under_a_file_or_a_missing_folder_is_refused(tmp_path):
         upgrade(str(tmp_path / "nope" / "new.db"))
 
 
+@pytest.mark.parametrize("db", [".", "./", "/", "sqlite:////"])
+def test_a_folder_without_a_name_is_refused_as_a_folder(db, tmp_path, monkeypatch):
+    """`--db .` or `--db /` was a ValueError traceback (no name to put -wal beside)."""
+    monkeypatch.chdir(tmp_path)
+    for call in (upgrade, connect_readonly):
+        with pytest.raises(FibctlError, match="is a directory, not a database file$"):
+            call(db)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _outcome(call, *args) -> str:
     try:
         return str(call(*args))

@@ -136,9 +136,9 @@ def release() -> None:
 
 
 def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
-    _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
-    if path.is_dir():
+    if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
         raise FibctlError(f"{path} is a directory, not a database file")
+    _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
     if path.exists() and not path.is_file():  # a FIFO or a device: reading its header would block
         raise FibctlError(f"{path} is not a regular file, not a database file")
     if not path.exists():

@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import InternalError, OperationalError
 from sqlalchemy.pool import NullPool
 
+from conftest import NO_PG, PG_SERVER, pg_database
 from fibctl.config import RunConfig
 from fibctl.db.engine import (alembic_config, connect, connect_readonly, current_revision, head_revision, resolve_url,
                               upgrade)
@@ -118,8 +119,9 @@ def test_failed_upgrade_changes_nothing(db_url):
     db = db_url
     upgrade(db, "0001")
     _insert_rev1_run(db, "broken", "{}")  # no model.seq_len to fill train_length from
-    with pytest.raises(FibctlError, match="nothing changed"):
+    with pytest.raises(FibctlError, match="nothing changed") as refused:
         upgrade(db)
+    assert len(str(refused.value).splitlines()) == 1, str(refused.value)  # not the SQL statement too
     version, losses = _inspect(db, "SELECT version_num FROM alembic_version", "SELECT count(*) FROM position_losses")
     assert version == [("0001",)] and losses == [(63,)]
     columns = inspect(create_engine(resolve_url(db), poolclass=NullPool)).get_columns("runs")
@@ -153,6 +155,16 @@ def test_processes_upgrading_one_database_at_once_all_succeed(db_url, tmp_path, 
     outcomes = [open(out).read() for out in outs]
     assert all(o.endswith(f", '{head_revision()}')") for o in outcomes), outcomes
     assert _inspect(db_url, "SELECT version_num FROM alembic_version") == [[(head_revision(),)]]
+
+
+@pytest.mark.skipif(not PG_SERVER, reason=NO_PG)
+def test_an_upgrade_the_server_refuses_is_one_line():
+    """A role that may not create tables (here: a search_path with no schema) got the
+    driver's message with the SQL statement and SQLAlchemy's link after it."""
+    with pg_database() as url:
+        with pytest.raises(FibctlError) as refused:
+            upgrade(url + "?options=-csearch_path%3Dnosuch")
+    assert str(refused.value).endswith("failed, nothing changed: no schema has been selected to create in")
 
 
 def test_migrated_schema_equals_models(db_url):

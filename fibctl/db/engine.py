@@ -311,7 +311,9 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
                         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": UPGRADE_LOCK})
                     command.upgrade(alembic_config(conn), revision)
             except Exception as e:  # the transaction rolled back: the database is as it was
-                raise FibctlError(f"upgrading {shown(db)} to {target} failed, nothing changed: {e}") from e
+                # the driver's first line (e.g. permission denied), not the statement SQLAlchemy appends
+                reason = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0]
+                raise FibctlError(f"upgrading {shown(db)} to {target} failed, nothing changed: {reason}") from e
         return before, current_revision(engine)
     finally:
         engine.dispose()

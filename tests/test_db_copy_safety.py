@@ -13,10 +13,12 @@ from datetime import datetime
 import pytest
 from sqlalchemy import select, text
 
+from conftest import NO_PG, PG_SERVER, pg_database
 from fibctl.db import schema
 from fibctl.db.copy import AS_FAR, FURTHER, METRIC_TABLES, MORE_RESULTS, copy_database, counts
 from fibctl.db.engine import connect
 from fibctl.db.store import RunRecorder
+from fibctl.errors import FibctlError
 from fibctl.queue import add_runs
 from train_helpers import micro_run
 
@@ -171,3 +173,19 @@ def test_a_copy_stopped_part_way_leaves_the_target_as_it_was(db_url, tmp_path, m
     monkeypatch.undo()
     assert copy_database(source, target).rows["events"] == 2  # copied again: whole
     assert counts(target) == counts(source)
+
+
+@pytest.mark.skipif(not PG_SERVER, reason=NO_PG)
+def test_a_nan_the_sqlite_target_cannot_hold_is_refused_and_nothing_copied(tmp_path):
+    """PostgreSQL holds NaN; SQLite stores NULL instead. The copy died with a traceback on a
+    NaN loss (NOT NULL), and would have turned a NaN in a nullable column into NULL."""
+    with pg_database() as url:
+        source = connect(url)
+        add_runs(source, [micro_run("a")])
+        recorder(source, "a").log_eval(30, "math_val", 64, 4096, float("nan"))
+        target = connect(str(tmp_path / "target.db"))
+        before = snapshot(target)
+        with pytest.raises(FibctlError, match="^evaluations.loss of run 'a' is NaN, which SQLite cannot hold"):
+            copy_database(source, target)
+        source.dispose()
+    assert snapshot(target) == before

@@ -18,6 +18,7 @@ Events have no natural key: a run's events are copied when the target has none f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
@@ -74,8 +75,10 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
             if r["name"] in theirs and (why := _kept_because(theirs[r["name"]], r)):
                 summary.kept[r["name"]] = why
         taken = [{c: r[c] for c in RUN_COLUMNS} for r in rows if r["name"] not in summary.kept]
+        _storable(dst, "runs", taken, lambda r: r["name"])
         summary.rows["runs"] = upsert(dst, runs, taken, ("name",))
         ids = {name: id_ for id_, name in dst.execute(select(runs.c.id, runs.c.name))}
+        names = {id_: name for name, id_ in ids.items()}
         id_map = {r["id"]: ids[r["name"]] for r in rows}
         kept = {ids[name] for name in summary.kept}  # their metrics only add to the target's
         with source.connect() as src:
@@ -87,11 +90,24 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
                 while chunk := result.fetchmany(batch):
                     copied = [{c: (id_map[r.run_id] if c == "run_id" else getattr(r, c)) for c in columns}
                               for r in chunk]
+                    _storable(dst, table.name, copied, lambda r: names[r["run_id"]])
                     written += upsert(dst, table, [r for r in copied if r["run_id"] not in kept])
                     written += upsert(dst, table, [r for r in copied if r["run_id"] in kept], replace=False)
                 summary.rows[table.name] = written
             summary.rows["events"] = _copy_events(src, dst, id_map)
     return summary
+
+
+def _storable(dst: Connection, table: str, rows: list[dict], run_name) -> None:
+    """Refuse a NaN (PostgreSQL holds it) bound for SQLite, which stores NULL instead: the copy
+    would fail on a column that must have a value, and silently lose it in any other."""
+    if dst.dialect.name != "sqlite":
+        return
+    for r in rows:
+        for column, value in r.items():
+            if isinstance(value, float) and math.isnan(value):
+                raise FibctlError(f"{table}.{column} of run {run_name(r)!r} is NaN, which SQLite cannot hold "
+                                  "(it reads back as NULL); nothing was copied")
 
 
 def _kept_because(theirs: dict, mine: dict) -> str | None:

@@ -47,6 +47,7 @@ FURTHER, MORE_RESULTS, AS_FAR = "further along there", "with results the source 
 class CopySummary:
     rows: dict[str, int] = field(default_factory=dict)  # table -> rows written or changed
     kept: dict[str, str] = field(default_factory=dict)  # run kept as the target has it -> why
+    events_left: int = 0  # the source's events of runs the target has events of: not copied
 
     @property
     def written(self) -> int:
@@ -94,7 +95,7 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
                     written += upsert(dst, table, [r for r in copied if r["run_id"] not in kept])
                     written += upsert(dst, table, [r for r in copied if r["run_id"] in kept], replace=False)
                 summary.rows[table.name] = written
-            summary.rows["events"] = _copy_events(src, dst, id_map)
+            summary.rows["events"], summary.events_left = _copy_events(src, dst, id_map)
     return summary
 
 
@@ -129,7 +130,8 @@ def _progress(run: dict) -> tuple[int, int]:
     return PROGRESS.get(run["status"], 0), -1 if run["final_step"] is None else run["final_step"]
 
 
-def _copy_events(src: Connection, dst: Connection, id_map: dict[int, int]) -> int:
+def _copy_events(src: Connection, dst: Connection, id_map: dict[int, int]) -> tuple[int, int]:
+    """(events copied, events left out because the target has events of their run)."""
     events = schema.Event.__table__
     has = {run_id for (run_id,) in dst.execute(select(events.c.run_id).group_by(events.c.run_id))}
     columns = [c.name for c in events.columns if c.name != "id"]
@@ -138,7 +140,7 @@ def _copy_events(src: Connection, dst: Connection, id_map: dict[int, int]) -> in
     new = [r for r in rows if r["run_id"] is not None and r["run_id"] not in has]
     if new:
         dst.execute(events.insert(), new)
-    return len(new)
+    return len(new), sum(r["run_id"] in has for r in rows)
 
 
 def counts(engine: Engine) -> dict[str, int]:

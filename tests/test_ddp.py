@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.train.checkpoint import load_checkpoint
 from fibctl.train.trainer import Trainer
@@ -86,6 +87,21 @@ def test_two_ranks_train_the_run_one_process_trains(data, tmp_path):
     assert q("select count(*) from evaluations").fetchone() == (6,)  # steps 10, 20, 30 x 2 held-out sets
     assert q("select count(*) from events where kind = 'claimed'").fetchone() == (1,)
     assert sorted(p.name for p in (runs / "run").iterdir()) == ["step_00000020.pt", "step_00000030.pt"]
+
+
+@needs_two_cpus
+def test_a_learned_layer_that_keeps_no_rung_trains_on_two_ranks_as_in_one_process(data, tmp_path):
+    # a window of 60 in a 64-token model keeps no rung: theta reaches no loss, and one process
+    # leaves its gradient empty; DDP failed the run at step 2 ("parameters that were not used")
+    config = RunConfig.resolve("run", "test", "micro", schedule="learned", window=60, seed=42, steps=4)
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    queued_db(db, config).dispose()
+    done = fibctl("train", "run", "--nproc", "2", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
+                  "--plain", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert sqlite3.connect(db).execute("select status from runs").fetchone() == ("done",)
+    reference, _ = one_process(config, data, tmp_path / "one")
+    assert_close(final_checkpoint(db, runs)["model"], reference, 1e-5)
 
 
 @pytest.mark.parametrize("nproc, words", [

@@ -158,8 +158,12 @@ class Trainer:
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel
 
+            # a learned layer whose rungs all fall inside the window (a large window, or alpha
+            # drifting down) leaves theta out of the loss: DDP must expect it, as one process
+            # simply leaves its gradient empty
             self.ddp = self.step_model = DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=config.model.schedule == "learned")
         if compile:  # the caller checked that it can run (fibctl.device.check_compile)
             self.model.prepare(config.model.seq_len, device)
             self.step_model = torch.compile(self.step_model)

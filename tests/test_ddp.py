@@ -3,6 +3,7 @@ same run as one process, rank 0 alone in the database and the runs folder, bad -
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -223,6 +224,40 @@ def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp
     status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
     assert status == "queued" and "released at step" in out
     assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_two_cpus
+def test_a_killed_launcher_stops_the_group_which_checkpoints_and_requeues(data, tmp_path):
+    # torchrun runs in its own session: killed alone (SIGKILL, or a closed terminal's SIGHUP), the
+    # launcher left the group training unattended, its lines to a closed terminal failing the run
+    queued_db(tmp_path / "r.db", micro_run("run", steps=5000, checkpoint_interval=10, eval_interval=5000)).dispose()
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", "train", "run", "--nproc", "2", "--db",
+                             str(tmp_path / "r.db"), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                             "--plain"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
+    group = descendants(proc.pid)
+    try:
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 120  # a hang guard: the group stops within a step
+        while any(running(pid) for pid in group):
+            assert time.time() < deadline, "the group went on training without its launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    q = sqlite3.connect(tmp_path / "r.db").execute
+    status, path = q("select status, checkpoint_path from runs").fetchone()
+    assert status == "queued" and load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
+    assert q("select count(*) from events where kind = 'stopped'").fetchone() == (1,)  # not aborted
 
 
 def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run_s():

@@ -73,6 +73,7 @@ def test_two_ranks_train_the_run_one_process_trains(data, tmp_path):
     done = fibctl("train", "run", "--nproc", "2", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
                   "--plain", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "find_unused_parameters" not in done.stderr  # its rungs stay: no search for unused ones
     reference, losses = one_process(config, data, tmp_path / "one")
     state = final_checkpoint(db, runs)
     assert state["step"] == 30

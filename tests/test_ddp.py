@@ -331,6 +331,8 @@ def test_a_group_s_exit_code_is_rank_0_s_and_a_signal_s_as_a_shell_reads_it():
     from fibctl.flows.worker import stopped_code
 
     assert exit_code({0: 2, 1: 2}) == 2 and exit_code({1: 1, 0: 2}) == 2 and exit_code({3: 1, 1: -9}) == 137
+    # a failed run: rank 1 exited 1 first, and torchrun's SIGTERM caught rank 0 as it exited
+    assert exit_code({0: -signal.SIGTERM, 1: 1}) == 1 and exit_code({0: -signal.SIGTERM}) == 128 + signal.SIGTERM
     assert stopped_code([-signal.SIGTERM], [signal.SIGINT]) == 130  # torchrun ended before its handler was set
     assert stopped_code([-signal.SIGKILL], []) == 128 + signal.SIGKILL
 

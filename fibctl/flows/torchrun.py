@@ -21,7 +21,11 @@ PR_SET_PDEATHSIG = 1
 
 def exit_code(codes: dict[int, int]) -> int:
     """The group's exit code from its failed ranks' (rank -> code): rank 0's, which reports the
-    run, else the first; a rank a signal ended (torch gives -N) as a shell reads it, 128 + N."""
+    run, else the first; a rank a signal ended (torch gives -N) as a shell reads it, 128 + N.
+    Rank 0 ended by SIGTERM is torchrun stopping it after another rank ended (a rank handles a
+    SIGTERM of its own and exits 0): a failed run both ranks met, say; the other rank's code."""
+    if codes.get(0) == -signal.SIGTERM and len(codes) > 1:
+        codes = {rank: code for rank, code in codes.items() if rank != 0}
     code = codes[0] if 0 in codes else codes[min(codes)]
     return 128 - code if code < 0 else code
 

@@ -131,6 +131,16 @@ def fractional_rungs(targets: list[float], window: int, seq_len: int) -> list[tu
     return kept
 
 
+def rungs_always_kept(base: str, window: int, seq_len: int, n_rungs: int = 15) -> bool:
+    """Whether a learned layer keeps a rung at every alpha in [0.5, 1.5] at its training length:
+    some b_k whose target stays beyond the window and inside the sequence wherever alpha goes
+    (kept, or its row already taken by an earlier kept rung). Otherwise theta can drop out of
+    the loss, its gradient left empty."""
+    high = ALPHA_MIN + ALPHA_RANGE
+    return any(ALPHA_MIN * b >= window + 1 and math.floor(high * b) <= seq_len - 1
+               for b in base_sequence(base, seq_len, n_rungs))
+
+
 def blur_rungs(centres: list[float], window: int, seq_len: int) -> list[tuple[int, int]]:
     """(k, c) for each rung the probe's blur attention keeps, given the centres d_k = alpha * b_k:
     c = round(d_k) is the band's middle offset; skipped when c <= W or c > T-1."""

@@ -3,6 +3,7 @@ same run as one process, rank 0 alone in the database and the runs folder, bad -
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.train.checkpoint import load_checkpoint
 from fibctl.train.trainer import Trainer
@@ -71,6 +73,7 @@ def test_two_ranks_train_the_run_one_process_trains(data, tmp_path):
     done = fibctl("train", "run", "--nproc", "2", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
                   "--plain", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "find_unused_parameters" not in done.stderr  # its rungs stay: no search for unused ones
     reference, losses = one_process(config, data, tmp_path / "one")
     state = final_checkpoint(db, runs)
     assert state["step"] == 30
@@ -86,6 +89,21 @@ def test_two_ranks_train_the_run_one_process_trains(data, tmp_path):
     assert q("select count(*) from evaluations").fetchone() == (6,)  # steps 10, 20, 30 x 2 held-out sets
     assert q("select count(*) from events where kind = 'claimed'").fetchone() == (1,)
     assert sorted(p.name for p in (runs / "run").iterdir()) == ["step_00000020.pt", "step_00000030.pt"]
+
+
+@needs_two_cpus
+def test_a_learned_layer_that_keeps_no_rung_trains_on_two_ranks_as_in_one_process(data, tmp_path):
+    # a window of 60 in a 64-token model keeps no rung: theta reaches no loss, and one process
+    # leaves its gradient empty; DDP failed the run at step 2 ("parameters that were not used")
+    config = RunConfig.resolve("run", "test", "micro", schedule="learned", window=60, seed=42, steps=4)
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    queued_db(db, config).dispose()
+    done = fibctl("train", "run", "--nproc", "2", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
+                  "--plain", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert sqlite3.connect(db).execute("select status from runs").fetchone() == ("done",)
+    reference, _ = one_process(config, data, tmp_path / "one")
+    assert_close(final_checkpoint(db, runs)["model"], reference, 1e-5)
 
 
 @pytest.mark.parametrize("nproc, words", [
@@ -209,6 +227,40 @@ def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp
     assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
 
 
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_two_cpus
+def test_a_killed_launcher_stops_the_group_which_checkpoints_and_requeues(data, tmp_path):
+    # torchrun runs in its own session: killed alone (SIGKILL, or a closed terminal's SIGHUP), the
+    # launcher left the group training unattended, its lines to a closed terminal failing the run
+    queued_db(tmp_path / "r.db", micro_run("run", steps=5000, checkpoint_interval=10, eval_interval=5000)).dispose()
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", "train", "run", "--nproc", "2", "--db",
+                             str(tmp_path / "r.db"), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                             "--plain"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
+    group = descendants(proc.pid)
+    try:
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 120  # a hang guard: the group stops within a step
+        while any(running(pid) for pid in group):
+            assert time.time() < deadline, "the group went on training without its launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    q = sqlite3.connect(tmp_path / "r.db").execute
+    status, path = q("select status, checkpoint_path from runs").fetchone()
+    assert status == "queued" and load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
+    assert q("select count(*) from events where kind = 'stopped'").fetchone() == (1,)  # not aborted
+
+
 def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run_s():
     from fibctl.train.distributed import PeerLost, as_peer_lost, peer_failure
 
@@ -279,6 +331,8 @@ def test_a_group_s_exit_code_is_rank_0_s_and_a_signal_s_as_a_shell_reads_it():
     from fibctl.flows.worker import stopped_code
 
     assert exit_code({0: 2, 1: 2}) == 2 and exit_code({1: 1, 0: 2}) == 2 and exit_code({3: 1, 1: -9}) == 137
+    # a failed run: rank 1 exited 1 first, and torchrun's SIGTERM caught rank 0 as it exited
+    assert exit_code({0: -signal.SIGTERM, 1: 1}) == 1 and exit_code({0: -signal.SIGTERM}) == 128 + signal.SIGTERM
     assert stopped_code([-signal.SIGTERM], [signal.SIGINT]) == 130  # torchrun ended before its handler was set
     assert stopped_code([-signal.SIGKILL], []) == 128 + signal.SIGKILL
 

@@ -7,19 +7,67 @@ with the ranks' code instead. `python -m torch.distributed.run` by hand is uncha
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
+
+LAUNCHER = "FIBCTL_LAUNCHER_PID"  # the fibctl command whose end stops this group (launch_ddp sets it)
+PR_SET_PDEATHSIG = 1
 
 
 def exit_code(codes: dict[int, int]) -> int:
     """The group's exit code from its failed ranks' (rank -> code): rank 0's, which reports the
-    run, else the first; a rank a signal ended (torch gives -N) as a shell reads it, 128 + N."""
+    run, else the first; a rank a signal ended (torch gives -N) as a shell reads it, 128 + N.
+    Rank 0 ended by SIGTERM is torchrun stopping it after another rank ended (a rank handles a
+    SIGTERM of its own and exits 0): a failed run both ranks met, say; the other rank's code."""
+    if codes.get(0) == -signal.SIGTERM and len(codes) > 1:
+        codes = {rank: code for rank, code in codes.items() if rank != 0}
     code = codes[0] if 0 in codes else codes[min(codes)]
     return 128 - code if code < 0 else code
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks), from /proc; [] without it."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def end_with_launcher() -> None:
+    """Stop the ranks when the launcher ends, however it ends (SIGKILL, the SIGHUP of a closed
+    terminal): in its own session the group would otherwise train on unattended, and a rank's
+    line to a closed terminal would fail the run. The kernel then signals this process (once per
+    thread of the launcher: SIGUSR1, which torchrun leaves alone), and the ranks get one SIGTERM
+    each, as from the launcher after Ctrl-C: rank 0 checkpoints and requeues the run."""
+    launcher = os.environ.pop(LAUNCHER, None)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    stopped = []
+
+    def stop(_signum, _frame):
+        if not stopped:
+            stopped.append(True)
+            for pid in children(os.getpid()) or [os.getpid()]:  # no ranks yet: torchrun stops itself
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGUSR1, stop)
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+    if os.getppid() != int(launcher):  # it ended before the line above: no signal will come
+        sys.exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
+    end_with_launcher()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -56,6 +56,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
+from fibctl.flows.torchrun import LAUNCHER, children
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
 
@@ -384,12 +385,13 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     # OMP_NUM_THREADS: torchrun's own default, given so that it does not print a banner about it
     child = subprocess.Popen([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone",
                               f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
-                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}, start_new_session=True)
+                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
+                                  LAUNCHER: str(os.getpid())}, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, _frame):
         received.append(signum)
-        for pid in _children(child.pid) or ([child.pid] if child.poll() is None else []):
+        for pid in children(child.pid) or ([child.pid] if child.poll() is None else []):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -401,18 +403,6 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun's ranks), from /proc; [] without it."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, manifest: DataManifest,

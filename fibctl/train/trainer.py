@@ -43,7 +43,7 @@ from fibctl.device import autocast
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
-from fibctl.schedules import deviations
+from fibctl.schedules import deviations, rungs_always_kept
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
@@ -158,8 +158,14 @@ class Trainer:
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel
 
+            m = config.model
+            # a learned layer whose rungs can all fall inside the window (a window large for its
+            # length) leaves theta out of the loss, its gradient empty in one process: DDP must
+            # expect that there, and only there (it costs a graph walk and a warning per rank)
+            unused = m.schedule == "learned" and not rungs_always_kept(m.base, m.window, m.seq_len, m.n_rungs)
             self.ddp = self.step_model = DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=unused)
         if compile:  # the caller checked that it can run (fibctl.device.check_compile)
             self.model.prepare(config.model.seq_len, device)
             self.step_model = torch.compile(self.step_model)

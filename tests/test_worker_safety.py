@@ -386,6 +386,22 @@ def test_a_run_folder_that_is_a_link_is_refused_and_nothing_lands_where_it_point
     assert runs(tmp_path / "r.db") == before and not list((tmp_path / "elsewhere").iterdir())
 
 
+def test_a_run_folder_replaced_by_a_link_after_a_checkpoint_is_refused_too(data, tmp_path, capsys, monkeypatch):
+    """With a checkpoint recorded, the link was followed: new checkpoints landed where it
+    pointed and the oldest there were deleted."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    (tmp_path / "runs" / "run").rename(tmp_path / "elsewhere")
+    (tmp_path / "runs" / "run").symlink_to(tmp_path / "elsewhere")
+    before = runs(tmp_path / "r.db")
+    code, err = cli(["train", "run", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and "is a link" in err and len(err.strip().splitlines()) == 1, err
+    assert runs(tmp_path / "r.db") == before
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["step_00000003.pt"]
+
+
 def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     from fibctl.db import engine as db_engine
     queued_db(tmp_path / "r.db", micro_run("run"))

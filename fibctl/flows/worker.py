@@ -483,17 +483,23 @@ def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     trained) the folder it recorded. A recorded checkpoint that is not there is the runs
     folder's fault: training from step 0 instead would silently discard the run's progress."""
     check_name("run", claimed.name)
+    own = opts.runs_dir / claimed.name
     if not claimed.checkpoint_path:
-        own = opts.runs_dir / claimed.name
-        if own.is_symlink():  # its checkpoints would land wherever the link points
-            raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
-                              "--runs-dir: remove the link")
+        _refuse_link(own)
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
+    if path.parent == own:
+        _refuse_link(own)
     if not path.is_file():
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
     return path.parent
+
+
+def _refuse_link(own: Path) -> None:
+    if own.is_symlink():  # its checkpoints would land (and old ones be deleted) wherever the link points
+        raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
+                          "--runs-dir: remove the link")
 
 
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,

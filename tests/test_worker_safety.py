@@ -156,6 +156,31 @@ def test_resume_refuses_a_checkpoint_trained_on_other_data(data, tmp_path):
         Trainer(micro_run("run", **SHORT), load_manifest(data), tmp_path / "run", NullReporter()).run()
 
 
+def test_a_removed_runs_checkpoints_are_not_taken_by_the_run_queued_again(data, tmp_path):
+    """They were: the new row was marked done at once, without a step or an evaluation."""
+    from fibctl.queue import remove
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    work(engine, opts(data, tmp_path / "runs"), Quiet())
+    remove(engine, "run")  # without --checkpoints: the folder stays
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    before = runs(tmp_path / "r.db")
+    with pytest.raises(WorkerError, match="has no checkpoint in the database, but .*step_00000010.pt exists"):
+        work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert runs(tmp_path / "r.db") == before
+
+
+def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    with engine.begin() as conn:  # killed between writing its first checkpoint and recording it
+        conn.exec_driver_sql("update runs set checkpoint_path = null")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "done"
+    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert [m for (m,) in resumed] == [f"resumed from step 3: {tmp_path / 'runs' / 'run' / 'step_00000003.pt'}"]
+
+
 # ----------------------------------------------------------------------------- 6: runs folder from anywhere
 
 

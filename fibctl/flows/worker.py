@@ -294,7 +294,7 @@ class _Lead:
             self.group.broadcast(END)
             return None
         try:
-            run_dir = _run_dir(claimed, self.opts)
+            run_dir = _run_dir(self.engine, claimed, self.opts)
         except WorkerError as e:
             queue.unclaim(self.engine, claimed.id, str(e))
             self.group.broadcast(None)
@@ -423,7 +423,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         # data that cannot train or evaluate this run is the worker's fault: back to the queue
         # (WorkerError below) before a logger or checkpoint writes anything of it
         data = check_data(claimed.config, manifest)
-        run_dir = _run_dir(claimed, opts)
+        run_dir = _run_dir(engine, claimed, opts)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()))
@@ -478,7 +478,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     return outcome
 
 
-def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
+def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     """The run's checkpoint folder: its own under --runs-dir, or (a run an older fibctl
     trained) the folder it recorded. A recorded checkpoint that is not there is the runs
     folder's fault: training from step 0 instead would silently discard the run's progress."""
@@ -486,6 +486,14 @@ def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     own = opts.runs_dir / claimed.name
     if not claimed.checkpoint_path:
         _refuse_link(own)
+        left = ckpt.latest_checkpoint(own)
+        # only an earlier attempt of this row (killed before it recorded its checkpoint) may
+        # have left it: otherwise it is a removed run's or another database's, and resuming
+        # from it would mark the run trained with none of its steps or evaluations recorded
+        if left is not None and not queue.claimed_before(engine, claimed.id):
+            raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {left} exists "
+                              f"(a run of that name removed and queued again, or another database's): "
+                              f"move {own} away to train the run from step 0")
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
     if path.parent == own:

@@ -257,6 +257,25 @@ def test_an_unwritable_runs_dir_is_refused_before_any_claim(data, tmp_path, caps
     assert runs(tmp_path / "r.db") == before and (tmp_path / "afile").read_text() == "x"
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")])
+def test_a_full_disk_stops_the_worker_and_fails_no_run(error, data, tmp_path, capsys, monkeypatch):
+    """A checkpoint that could not be written failed the run, and the worker went on to fail
+    every queued run the same way, each leaving a partial temporary file."""
+    queued_db(tmp_path / "r.db", micro_run("a", **SHORT), micro_run("b", **SHORT))
+
+    def full(state, f):
+        f.write(b"partial")
+        raise error
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write checkpoint {tmp_path / 'runs' / 'a' / 'step_00000010.pt'}: " in err and "bytes free" in err
+    assert [r[:2] for r in runs(tmp_path / "r.db")] == [("a", "queued"), ("b", "queued")]
+    assert list((tmp_path / "runs" / "a").iterdir()) == [] and not (tmp_path / "runs" / "b").exists()
+
+
 def test_worker_exits_1_when_a_run_failed_and_retry_all_failed_requeues(data, tmp_path, capsys, monkeypatch):
     queued_db(tmp_path / "r.db", micro_run("nan", lr=1e6, **SHORT), micro_run("ok", **SHORT))
     db = str(tmp_path / "r.db")

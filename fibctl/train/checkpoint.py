@@ -18,13 +18,14 @@ import os
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path, PurePath
 
 import numpy as np
 import torch
 
 from fibctl.config import RunConfig
-from fibctl.errors import FibctlError, first_line
+from fibctl.errors import FibctlError, WorkerError, first_line
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 # everything fibctl writes into a run's folder: checkpoints, their temporary files, loggers' folders
@@ -55,15 +56,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     """Write `state` for `step` atomically, then delete all but the newest `keep`."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
-    _fsync_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
+        _fsync_dir(run_dir)
+    except (OSError, RuntimeError) as e:  # torch's writer reports a failed write as a RuntimeError
+        # the runs folder's fault (a full disk, say), not the run's: WorkerError requeues the
+        # run and stops the worker, rather than failing every run it would claim next
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e, 100)
+        raise WorkerError(f"cannot write checkpoint {path}: {reason} "
+                          f"({shutil.disk_usage(run_dir).free:,} bytes free there)") from None
     for old in list_checkpoints(run_dir)[:-max(1, keep)]:
         old.unlink(missing_ok=True)
     return path

@@ -410,7 +410,7 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused(data, tmp_path):
         conn.exec_driver_sql("update runs set name = '../escaped'")
     [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert outcome.status == "failed" and "run name '../escaped' is not allowed" in outcome.error
-    assert not (tmp_path / "escaped").exists() and list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "runs").exists()
 
 
 def test_a_run_folder_that_is_a_link_is_refused_and_nothing_lands_where_it_points(data, tmp_path, capsys,

@@ -116,9 +116,9 @@ def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest
                 manifest.stream(split)
         except FibctlError as e:
             raise WorkerError(str(e)) from None
-    try:
-        opts.runs_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=opts.runs_dir).close()
+    try:  # where it will be made: a run refused after this check leaves no folder behind
+        made = next(p for p in (opts.runs_dir, *opts.runs_dir.parents) if p.exists())
+        tempfile.TemporaryFile(dir=made).close()
     except OSError as e:
         raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
     return manifest

@@ -446,6 +446,17 @@ def test_a_run_folder_replaced_by_a_link_after_a_checkpoint_is_refused_too(data,
     assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["step_00000003.pt"]
 
 
+def test_a_temporary_file_that_is_a_link_is_replaced_not_written_through(tmp_path):
+    """open(tmp, "wb") followed a link in the temporary file's place: the checkpoint
+    overwrote the file it pointed to, outside the runs folder."""
+    (tmp_path / "precious").write_text("keep")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step_00000004.pt.tmp").symlink_to(tmp_path / "precious")
+    path = ckpt.save_checkpoint(tmp_path / "run", 4, {"step": 4, "model": {}}, keep=2)
+    assert (tmp_path / "precious").read_text() == "keep"
+    assert not path.is_symlink() and ckpt.load_checkpoint(path)["step"] == 4
+
+
 def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     from fibctl.db import engine as db_engine
     queued_db(tmp_path / "r.db", micro_run("run"))

@@ -60,7 +60,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # a crash's leftover, or a link: "x" opens a new file, never a link's target
+        with open(tmp, "xb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())

@@ -481,7 +481,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
 def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     """The run's checkpoint folder: its own under --runs-dir, or (a run an older fibctl
     trained) the folder it recorded. A recorded checkpoint that is not there is the runs
-    folder's fault: training from step 0 instead would silently discard the run's progress."""
+    folder's fault, unless the folder holds an older one: training from step 0 instead would
+    silently discard the run's progress."""
     check_name("run", claimed.name)
     own = opts.runs_dir / claimed.name
     if not claimed.checkpoint_path:
@@ -498,7 +499,8 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
     if path.parent == own:
         _refuse_link(own)
-    if not path.is_file():
+    # one deleted as damaged: the run resumes from the newest left in its folder
+    if not path.is_file() and ckpt.latest_checkpoint(path.parent) is None:
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
     return path.parent

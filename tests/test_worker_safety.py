@@ -295,6 +295,18 @@ def test_a_full_disk_stops_the_worker_and_fails_no_run(error, data, tmp_path, ca
     assert list((tmp_path / "runs" / "a").iterdir()) == [] and not (tmp_path / "runs" / "b").exists()
 
 
+def test_a_file_in_the_run_folders_place_stops_the_worker_and_fails_no_run(data, tmp_path, capsys, monkeypatch):
+    queued_db(tmp_path / "r.db", micro_run("a", **SHORT))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a").write_text("mine")
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write checkpoint {tmp_path / 'runs' / 'a' / 'step_00000010.pt'}: File exists" in err
+    assert [r[:2] for r in runs(tmp_path / "r.db")] == [("a", "queued")]
+    assert (tmp_path / "runs" / "a").read_text() == "mine"
+
+
 def test_worker_exits_1_when_a_run_failed_and_retry_all_failed_requeues(data, tmp_path, capsys, monkeypatch):
     queued_db(tmp_path / "r.db", micro_run("nan", lr=1e6, **SHORT), micro_run("ok", **SHORT))
     db = str(tmp_path / "r.db")

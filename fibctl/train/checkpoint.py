@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import shutil
+from contextlib import suppress
 from pathlib import Path, PurePath
 
 import numpy as np
@@ -70,13 +71,21 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     except (OSError, RuntimeError) as e:  # torch's writer reports a failed write as a RuntimeError
         # the runs folder's fault (a full disk, say), not the run's: WorkerError requeues the
         # run and stops the worker, rather than failing every run it would claim next
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):  # no folder to delete it from, say
+            tmp.unlink(missing_ok=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e, 100)
-        raise WorkerError(f"cannot write checkpoint {path}: {reason} "
-                          f"({shutil.disk_usage(run_dir).free:,} bytes free there)") from None
+        raise WorkerError(f"cannot write checkpoint {path}: {reason}{_free(run_dir)}") from None
     for old in list_checkpoints(run_dir)[:-max(1, keep)]:
         old.unlink(missing_ok=True)
     return path
+
+
+def _free(folder: Path) -> str:
+    """How much room the folder's disk has, where it can be asked: a full disk is the usual cause."""
+    try:
+        return f" ({shutil.disk_usage(folder).free:,} bytes free there)"
+    except OSError:
+        return ""
 
 
 def _fsync_dir(path: Path) -> None:

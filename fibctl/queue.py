@@ -320,6 +320,12 @@ def _claims_kept(run_id: int):
     return count("claimed", "reclaimed") - count("unclaimed")
 
 
+def claimed_before(engine: Engine, run_id: int) -> bool:
+    """Whether a claim of the run before its current one was kept (not undone by `unclaim`)."""
+    with engine.connect() as conn:
+        return conn.execute(select(_claims_kept(run_id))).scalar() > 1
+
+
 def unclaim(engine: Engine, run_id: int, reason: str) -> None:
     """Undo a claim whose worker cannot train it (its data or runs folder is wrong, not the
     run): the run is queued again with the attempt not counted."""

@@ -269,10 +269,12 @@ def test_bad_input_is_one_line_exit_2_and_changes_no_row(data, tmp_path, capsys,
         "no data manifest ": ["worker", "--data", str(tmp_path / "empty")],
     }
     for expected, args in cases.items():
-        code, err = _cli([*args, "--db", str(tmp_path / "r.db")], capsys, monkeypatch)
+        code, err = _cli([*args, "--db", str(tmp_path / "r.db"), "--runs-dir", str(tmp_path / "new" / "runs")],
+                         capsys, monkeypatch)
         assert code == 2, err
         assert expected.strip() in err and len(err.strip().splitlines()) == 1, err
     assert db.execute("select * from runs").fetchall() == before
+    assert not (tmp_path / "new").exists()  # a refused command made no runs folder
     assert db.execute("select count(*) from events").fetchone() == (0,)
 
 

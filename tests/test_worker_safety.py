@@ -156,6 +156,50 @@ def test_resume_refuses_a_checkpoint_trained_on_other_data(data, tmp_path):
         Trainer(micro_run("run", **SHORT), load_manifest(data), tmp_path / "run", NullReporter()).run()
 
 
+def test_a_removed_runs_checkpoints_are_not_taken_by_the_run_queued_again(data, tmp_path):
+    """They were: the new row was marked done at once, without a step or an evaluation."""
+    from fibctl.queue import remove
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    work(engine, opts(data, tmp_path / "runs"), Quiet())
+    remove(engine, "run")  # without --checkpoints: the folder stays
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    before = runs(tmp_path / "r.db")
+    with pytest.raises(WorkerError, match="has no checkpoint in the database, but .*step_00000010.pt exists"):
+        work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert runs(tmp_path / "r.db") == before
+
+
+def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    with engine.begin() as conn:  # killed between writing its first checkpoint and recording it
+        conn.exec_driver_sql("update runs set checkpoint_path = null")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "done"
+    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert [m for (m,) in resumed] == [f"resumed from step 3: {tmp_path / 'runs' / 'run' / 'step_00000003.pt'}"]
+
+
+def test_a_damaged_newest_checkpoint_deleted_resumes_from_the_one_before(data, tmp_path):
+    """Deleting it left the run refused for good: the database still recorded it."""
+    from fibctl.queue import retry
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    newest = tmp_path / "runs" / "run" / "step_00000013.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    [failed] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert failed.status == "failed" and "is damaged" in failed.error
+    assert failed.error.endswith("; delete it to resume from the checkpoint before it")
+    newest.unlink()
+    retry(engine, "run")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "done"
+    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert [m for (m,) in resumed] == [f"resumed from step 10: {tmp_path / 'runs' / 'run' / 'step_00000010.pt'}"]
+
+
 # ----------------------------------------------------------------------------- 6: runs folder from anywhere
 
 
@@ -230,6 +274,37 @@ def test_an_unwritable_runs_dir_is_refused_before_any_claim(data, tmp_path, caps
                      "--runs-dir", str(tmp_path / "afile")], capsys, monkeypatch)
     assert code == 2 and "cannot hold checkpoints" in err, err
     assert runs(tmp_path / "r.db") == before and (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")])
+def test_a_full_disk_stops_the_worker_and_fails_no_run(error, data, tmp_path, capsys, monkeypatch):
+    """A checkpoint that could not be written failed the run, and the worker went on to fail
+    every queued run the same way, each leaving a partial temporary file."""
+    queued_db(tmp_path / "r.db", micro_run("a", **SHORT), micro_run("b", **SHORT))
+
+    def full(state, f):
+        f.write(b"partial")
+        raise error
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write checkpoint {tmp_path / 'runs' / 'a' / 'step_00000010.pt'}: " in err and "bytes free" in err
+    assert [r[:2] for r in runs(tmp_path / "r.db")] == [("a", "queued"), ("b", "queued")]
+    assert list((tmp_path / "runs" / "a").iterdir()) == [] and not (tmp_path / "runs" / "b").exists()
+
+
+def test_a_file_in_the_run_folders_place_stops_the_worker_and_fails_no_run(data, tmp_path, capsys, monkeypatch):
+    queued_db(tmp_path / "r.db", micro_run("a", **SHORT))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a").write_text("mine")
+    code, err = cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write checkpoint {tmp_path / 'runs' / 'a' / 'step_00000010.pt'}: File exists" in err
+    assert [r[:2] for r in runs(tmp_path / "r.db")] == [("a", "queued")]
+    assert (tmp_path / "runs" / "a").read_text() == "mine"
 
 
 def test_worker_exits_1_when_a_run_failed_and_retry_all_failed_requeues(data, tmp_path, capsys, monkeypatch):
@@ -387,7 +462,7 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused(data, tmp_path):
         conn.exec_driver_sql("update runs set name = '../escaped'")
     [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert outcome.status == "failed" and "run name '../escaped' is not allowed" in outcome.error
-    assert not (tmp_path / "escaped").exists() and list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "runs").exists()
 
 
 def test_a_run_folder_that_is_a_link_is_refused_and_nothing_lands_where_it_points(data, tmp_path, capsys,
@@ -405,6 +480,33 @@ def test_a_run_folder_that_is_a_link_is_refused_and_nothing_lands_where_it_point
         f"error: run folder {tmp_path / 'runs' / 'run'} is a link; a run's checkpoints are written only "
         "inside --runs-dir: remove the link"], err
     assert runs(tmp_path / "r.db") == before and not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_run_folder_replaced_by_a_link_after_a_checkpoint_is_refused_too(data, tmp_path, capsys, monkeypatch):
+    """With a checkpoint recorded, the link was followed: new checkpoints landed where it
+    pointed and the oldest there were deleted."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    (tmp_path / "runs" / "run").rename(tmp_path / "elsewhere")
+    (tmp_path / "runs" / "run").symlink_to(tmp_path / "elsewhere")
+    before = runs(tmp_path / "r.db")
+    code, err = cli(["train", "run", "--db", str(tmp_path / "r.db"), "--data", str(data),
+                     "--runs-dir", str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and "is a link" in err and len(err.strip().splitlines()) == 1, err
+    assert runs(tmp_path / "r.db") == before
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["step_00000003.pt"]
+
+
+def test_a_temporary_file_that_is_a_link_is_replaced_not_written_through(tmp_path):
+    """open(tmp, "wb") followed a link in the temporary file's place: the checkpoint
+    overwrote the file it pointed to, outside the runs folder."""
+    (tmp_path / "precious").write_text("keep")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step_00000004.pt.tmp").symlink_to(tmp_path / "precious")
+    path = ckpt.save_checkpoint(tmp_path / "run", 4, {"step": 4, "model": {}}, keep=2)
+    assert (tmp_path / "precious").read_text() == "keep"
+    assert not path.is_symlink() and ckpt.load_checkpoint(path)["step"] == 4
 
 
 def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, capsys, monkeypatch):

@@ -118,9 +118,9 @@ def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest
                 manifest.stream(split)
         except FibctlError as e:
             raise WorkerError(str(e)) from None
-    try:
-        opts.runs_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=opts.runs_dir).close()
+    try:  # where it will be made: a run refused after this check leaves no folder behind
+        made = next(p for p in (opts.runs_dir, *opts.runs_dir.parents) if p.exists())
+        tempfile.TemporaryFile(dir=made).close()
     except OSError as e:
         raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
     return manifest
@@ -296,7 +296,7 @@ class _Lead:
             self.group.broadcast(END)
             return None
         try:
-            run_dir = _run_dir(claimed, self.opts)
+            run_dir = _run_dir(self.engine, claimed, self.opts)
         except WorkerError as e:
             queue.unclaim(self.engine, claimed.id, str(e))
             self.group.broadcast(None)
@@ -414,7 +414,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         # data that cannot train or evaluate this run is the worker's fault: back to the queue
         # (WorkerError below) before a logger or checkpoint writes anything of it
         data = check_data(claimed.config, manifest)
-        run_dir = _run_dir(claimed, opts)
+        run_dir = _run_dir(engine, claimed, opts)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()))
@@ -472,22 +472,38 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     return outcome
 
 
-def _run_dir(claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
+def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
     """The run's checkpoint folder: its own under --runs-dir, or (a run an older fibctl
     trained) the folder it recorded. A recorded checkpoint that is not there is the runs
-    folder's fault: training from step 0 instead would silently discard the run's progress."""
+    folder's fault, unless the folder holds an older one: training from step 0 instead would
+    silently discard the run's progress."""
     check_name("run", claimed.name)
+    own = opts.runs_dir / claimed.name
     if not claimed.checkpoint_path:
-        own = opts.runs_dir / claimed.name
-        if own.is_symlink():  # its checkpoints would land wherever the link points
-            raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
-                              "--runs-dir: remove the link")
+        _refuse_link(own)
+        left = ckpt.latest_checkpoint(own)
+        # only an earlier attempt of this row (killed before it recorded its checkpoint) may
+        # have left it: otherwise it is a removed run's or another database's, and resuming
+        # from it would mark the run trained with none of its steps or evaluations recorded
+        if left is not None and not queue.claimed_before(engine, claimed.id):
+            raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {left} exists "
+                              f"(a run of that name removed and queued again, or another database's): "
+                              f"move {own} away to train the run from step 0")
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
-    if not path.is_file():
+    if path.parent == own:
+        _refuse_link(own)
+    # one deleted as damaged: the run resumes from the newest left in its folder
+    if not path.is_file() and ckpt.latest_checkpoint(path.parent) is None:
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
     return path.parent
+
+
+def _refuse_link(own: Path) -> None:
+    if own.is_symlink():  # its checkpoints would land (and old ones be deleted) wherever the link points
+        raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
+                          "--runs-dir: remove the link")
 
 
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,

@@ -18,13 +18,15 @@ import os
 import pickle
 import random
 import re
+import shutil
+from contextlib import suppress
 from pathlib import Path, PurePath
 
 import numpy as np
 import torch
 
 from fibctl.config import RunConfig
-from fibctl.errors import FibctlError, first_line
+from fibctl.errors import FibctlError, WorkerError, first_line
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 # everything fibctl writes into a run's folder: checkpoints, their temporary files, loggers' folders
@@ -55,18 +57,35 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     """Write `state` for `step` atomically, then delete all but the newest `keep`."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
-    _fsync_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a crash's leftover, or a link: "x" opens a new file, never a link's target
+        with open(tmp, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
+        _fsync_dir(run_dir)
+    except (OSError, RuntimeError) as e:  # torch's writer reports a failed write as a RuntimeError
+        # the runs folder's fault (a full disk, say), not the run's: WorkerError requeues the
+        # run and stops the worker, rather than failing every run it would claim next
+        with suppress(OSError):  # no folder to delete it from, say
+            tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e, 100)
+        raise WorkerError(f"cannot write checkpoint {path}: {reason}{_free(run_dir)}") from None
     for old in list_checkpoints(run_dir)[:-max(1, keep)]:
         old.unlink(missing_ok=True)
     return path
+
+
+def _free(folder: Path) -> str:
+    """How much room the folder's disk has, where it can be asked: a full disk is the usual cause."""
+    try:
+        return f" ({shutil.disk_usage(folder).free:,} bytes free there)"
+    except OSError:
+        return ""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -311,7 +311,12 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             return None
-        state = ckpt.load_checkpoint(path)
+        try:
+            state = ckpt.load_checkpoint(path)
+        except FibctlError as e:  # damaged, say: the one before it may serve (fibctl.flows.worker._run_dir)
+            if len(ckpt.list_checkpoints(self.run_dir)) < 2:
+                raise
+            raise FibctlError(f"{e}; delete it to resume from the checkpoint before it") from None
         self._check_belongs(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:

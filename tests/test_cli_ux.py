@@ -200,6 +200,32 @@ def test_a_usage_error_is_one_line_and_exit_2(args, line):
     assert re.fullmatch(line, done.stderr.strip()), done.stderr
 
 
+@pytest.mark.parametrize("command, patched, line", [
+    (["data", "prepare", "quick", "--data", "{tmp}/d"], "fibctl.data.prepare.prepare",
+     "interrupted; run the same command again to prepare {tmp}/d"),
+    (["eval", "dense", "--length", "64", "--db", "{tmp}/r.db"], "fibctl.flows.evaluation.evaluate",
+     "interrupted; the results measured before it are recorded: run the same command again to finish"),
+])
+def test_ctrl_c_in_a_long_command_is_one_line_and_exit_130(command, patched, line, tmp_path, monkeypatch, capsys):
+    """typer ends a command a Ctrl-C stops with exit 130 and not a word (older typers: 'Aborted!'
+    and exit 1): the long commands say what was kept, as `fibctl demo` and `fibctl sql` do."""
+    import shutil
+
+    from fibctl.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    shutil.copy(REPO_EXAMPLE, tmp_path / "r.db")
+    monkeypatch.setattr(patched, interrupted)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *(a.format(tmp=tmp_path) for a in command)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 130 and out.out == ""
+    assert " ".join(out.err.split()) == line.format(tmp=tmp_path)
+
+
 def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
     # the KeyboardInterrupt raised where a real one lands: inside the import of the command line
     stop_the_import = ("import sys\n"

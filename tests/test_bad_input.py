@@ -256,6 +256,8 @@ CASES = [
     (["probe", "--db", "{tmp}/p.db", "--depth", "100000"], "--depth 100000 must be from 1 to 1024"),
     (["probe", "--db", "{tmp}/p.db", "--eval-sequences", "1000000000000"], "--eval-sequences 1000000000000 must"),
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{noheld}"], "has no held-out set to evaluate"),
+    (["eval", "runn", "--all", "--length", "64", "--db", "{good_db}", "--data", "{data}"],
+     "name runs or pass --all, not both (got --all and 'runn')"),
     (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),

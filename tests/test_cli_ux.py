@@ -106,6 +106,18 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 
+def test_sql_select_star_at_80_columns_shows_every_value():
+    """`SELECT * FROM runs` (41 columns) drew a grid of empty cells at 80 columns: a result too
+    wide to show side by side is printed a field a line, a rule between rows."""
+    done = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT * FROM runs ORDER BY id")
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    for field, value in (("name", "fib_fixed_w8"), ("schedule", "stagger"), ("final_step", "1400")):
+        assert re.search(rf"│ {field} +│ {value} +│", done.stdout), field
+    narrow = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT name, schedule FROM runs ORDER BY id")
+    assert re.search(r"│ fib_fixed_w8 +│ fixed +│", narrow.stdout), narrow.stdout  # side by side where they fit
+
+
 def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
     """The tables `fibctl demo` prints, from the database a full demo produced: columns that
     do not fit go to a second table, each value whole."""

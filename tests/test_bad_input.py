@@ -256,6 +256,8 @@ CASES = [
     (["probe", "--db", "{tmp}/p.db", "--depth", "100000"], "--depth 100000 must be from 1 to 1024"),
     (["probe", "--db", "{tmp}/p.db", "--eval-sequences", "1000000000000"], "--eval-sequences 1000000000000 must"),
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{noheld}"], "has no held-out set to evaluate"),
+    (["eval", "runn", "--all", "--length", "64", "--db", "{good_db}", "--data", "{data}"],
+     "name runs or pass --all, not both (got --all and 'runn')"),
     (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
@@ -339,6 +341,23 @@ def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monke
     (tmp_path / "demo").mkdir()
     monkeypatch.chdir(tmp_path)
     assert load_matrix("demo").source == "fibctl/matrices/demo.toml"
+
+
+@pytest.mark.parametrize("folder", [".", ""])
+def test_data_prepare_into_the_current_folder_is_refused_naming_the_option(folder, tmp_path, monkeypatch, capsys):
+    """`--data .` (or an empty one) has no name to put the lock and work folder beside it
+    under: it was refused for holding its own lock file ('..lock')."""
+    from fibctl.cli import main
+    path = recipe(tmp_path, "r.toml")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "data", "prepare", path, "--data", folder])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip() == "error: --data .: name the data folder itself (e.g. --data " \
+        "data), not ."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "r.toml"] and not any((tmp_path / "here").iterdir())
 
 
 # ----------------------------------------------------------------------------- items 4 and 8: what is printed

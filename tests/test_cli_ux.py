@@ -106,6 +106,18 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 
+def test_sql_select_star_at_80_columns_shows_every_value():
+    """`SELECT * FROM runs` (41 columns) drew a grid of empty cells at 80 columns: a result too
+    wide to show side by side is printed a field a line, a rule between rows."""
+    done = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT * FROM runs ORDER BY id")
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    for field, value in (("name", "fib_fixed_w8"), ("schedule", "stagger"), ("final_step", "1400")):
+        assert re.search(rf"│ {field} +│ {value} +│", done.stdout), field
+    narrow = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT name, schedule FROM runs ORDER BY id")
+    assert re.search(r"│ fib_fixed_w8 +│ fixed +│", narrow.stdout), narrow.stdout  # side by side where they fit
+
+
 def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
     """The tables `fibctl demo` prints, from the database a full demo produced: columns that
     do not fit go to a second table, each value whole."""
@@ -198,6 +210,32 @@ def test_a_usage_error_is_one_line_and_exit_2(args, line):
     done = fibctl(*args)
     assert done.returncode == 2 and done.stdout == ""
     assert re.fullmatch(line, done.stderr.strip()), done.stderr
+
+
+@pytest.mark.parametrize("command, patched, line", [
+    (["data", "prepare", "quick", "--data", "{tmp}/d"], "fibctl.data.prepare.prepare",
+     "interrupted; run the same command again to prepare {tmp}/d"),
+    (["eval", "dense", "--length", "64", "--db", "{tmp}/r.db"], "fibctl.flows.evaluation.evaluate",
+     "interrupted; the results measured before it are recorded: run the same command again to finish"),
+])
+def test_ctrl_c_in_a_long_command_is_one_line_and_exit_130(command, patched, line, tmp_path, monkeypatch, capsys):
+    """typer ends a command a Ctrl-C stops with exit 130 and not a word (older typers: 'Aborted!'
+    and exit 1): the long commands say what was kept, as `fibctl demo` and `fibctl sql` do."""
+    import shutil
+
+    from fibctl.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    shutil.copy(REPO_EXAMPLE, tmp_path / "r.db")
+    monkeypatch.setattr(patched, interrupted)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *(a.format(tmp=tmp_path) for a in command)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 130 and out.out == ""
+    assert " ".join(out.err.split()) == line.format(tmp=tmp_path)
 
 
 def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():

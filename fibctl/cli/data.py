@@ -56,8 +56,13 @@ def prepare_cmd(
     r = load_recipe(recipe)
     out = out or Path("data")
     start = time.perf_counter()
-    with token_progress(plain) as progress:
-        result = prepare(r, out, progress)
+    try:
+        with token_progress(plain) as progress:
+            result = prepare(r, out, progress)
+    except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
+        err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,
+                          highlight=False)
+        raise typer.Exit(130) from None
     _warn_short(result.manifest)
     if result.reused:
         console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False)

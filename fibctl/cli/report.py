@@ -184,6 +184,7 @@ def figure(
 
 
 SQL_FORMATS = ("table", "csv", "json")
+MIN_CELL = 3  # the narrowest column `fibctl sql` draws side by side
 
 
 @app.command("sql")
@@ -222,11 +223,25 @@ def sql(
     elif result.empty:
         console.print("(no rows)")
     else:  # Text cells: a value from the database is never read as markup, nor obeyed as a control code
-        table = RichTable()
-        for column in result.columns:
-            table.add_column(Text(printable(column)), overflow="fold")
-        for row in result.rows:
-            table.add_row(*(Text("NULL" if v is None else printable(str(sql_cell(v)))) for v in row))
+        def text(v) -> Text:
+            return Text("NULL" if v is None else printable(str(sql_cell(v))))
+
+        # rich narrows columns that do not fit to nothing (`SELECT * FROM runs` at 80 columns drew
+        # empty cells): a result too wide for MIN_CELL characters a column shows a field a line
+        if len(result.columns) * (MIN_CELL + 3) + 1 <= console.width:
+            table = RichTable()
+            for column in result.columns:
+                table.add_column(Text(printable(column)), overflow="fold")
+            for row in result.rows:
+                table.add_row(*map(text, row))
+        else:
+            table = RichTable("column", "value")
+            for i, row in enumerate(result.rows):
+                if i:
+                    table.add_section()  # a rule between rows
+                for column, v in zip(result.columns, row):
+                    table.add_row(Text(printable(column)), text(v))
+            table.columns[1].overflow = "fold"
         console.print(table)
     if result.truncated:
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",

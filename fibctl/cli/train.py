@@ -280,19 +280,25 @@ def eval_cmd(
     from fibctl.flows.evaluation import evaluate
 
     setup_process(device, threads)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not console.is_terminal) as progress:
-        task = progress.add_task("evaluating", total=None)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not console.is_terminal) as progress:
+            task = progress.add_task("evaluating", total=None)
 
-        def advance(row: dict, total: int) -> None:
-            progress.update(task, advance=1, total=total, description=f"{row['run']} @ {row['eval_length']} {row['dataset']}")
-            if not console.is_terminal:
-                console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
-                              highlight=False, markup=False, soft_wrap=True)
+            def advance(row: dict, total: int) -> None:
+                progress.update(task, advance=1, total=total,
+                                description=f"{row['run']} @ {row['eval_length']} {row['dataset']}")
+                if not console.is_terminal:
+                    console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
+                                  highlight=False, markup=False, soft_wrap=True)
 
-        df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset,
-                      tokens=tokens, positions=positions, speed=speed, device=device, runs_dir=runs_dir,
-                      on_result=advance, log_to=log_to)
+            df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs,
+                          datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
+                          runs_dir=runs_dir, on_result=advance, log_to=log_to)
+    except KeyboardInterrupt:  # each result is committed as it is measured
+        err_console.print("interrupted; the results measured before it are recorded: run the same command "
+                          "again to finish", markup=False, highlight=False)
+        raise typer.Exit(130) from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
         table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",

@@ -54,6 +54,8 @@ class PrepareResult:
 def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -> PrepareResult:
     """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`."""
     out = Path(out)
+    if out.name in ("", ".."):  # '.', '/', '..': its lock and work folder go beside it, under its own name
+        raise FibctlError(f"--data {out}: name the data folder itself (e.g. --data data), not {out}")
     progress = progress or Progress(disable=True)
     _check_documents_alike(recipe)
     inputs_hash = _inputs_hash(recipe)
@@ -358,7 +360,7 @@ def _existing(out: Path) -> DataManifest | None:
         return None
     if not (out / MANIFEST).is_file():
         raise FibctlError(f"{out} exists and is not a fibctl data folder (no {MANIFEST}); "
-                          "choose another --out or remove it")
+                          "choose another --data or remove it")
     try:
         return load_manifest(out)
     except FibctlError:

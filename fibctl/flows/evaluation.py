@@ -40,6 +40,8 @@ class _Target:
 def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None) -> list[_Target]:
     """Runs to evaluate, each with a checkpoint; every problem is reported before any work.
     Checkpoints are looked for under `runs_dir`, by default the folder each run trained in."""
+    if all_runs and names:  # --all would evaluate every run, a misspelt name among them unnoticed
+        raise FibctlError(f"name runs or pass --all, not both (got --all and {', '.join(map(repr, names))})")
     with engine.connect() as conn:
         if all_runs:
             rows = conn.execute(select(Run).where(Run.checkpoint_path.is_not(None)).order_by(Run.id)).all()

@@ -298,12 +298,20 @@ def removed(engine: Engine, run_id: int) -> bool:
         return conn.execute(select(Run.id).where(Run.id == run_id)).first() is None
 
 
-def release(engine: Engine, run_id: int, reason: str = "released by its worker") -> bool:
+def _ours(run_id: int, worker: str | None) -> list:
+    """The run, still running, and (with `worker`) still claimed by that worker: a worker that
+    stalled past another's heartbeat timeout finds its run taken over, and must leave the new
+    claim's row alone."""
+    return [Run.id == run_id, Run.status == RunStatus.RUNNING, *([Run.worker == worker] if worker else [])]
+
+
+def release(engine: Engine, run_id: int, reason: str = "released by its worker", worker: str | None = None) -> bool:
     """Return a running run to the queue (e.g. on SIGTERM, Ctrl-C, a SLURM preemption) with
     this attempt not counted: a clean stop is not one of the crashes `max_attempts` limits.
-    False if it was no longer running (cancelled meanwhile: stays cancelled)."""
+    False if it was no longer running (cancelled meanwhile: stays cancelled) or no longer
+    `worker`'s."""
     def write(conn: Connection) -> bool:
-        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
+        done = conn.execute(update(Run).where(*_ours(run_id, worker)).values(
             status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None,
             attempts=Run.attempts - 1)).rowcount
         if done:
@@ -326,11 +334,11 @@ def claimed_before(engine: Engine, run_id: int) -> bool:
         return conn.execute(select(_claims_kept(run_id))).scalar() > 1
 
 
-def unclaim(engine: Engine, run_id: int, reason: str) -> None:
+def unclaim(engine: Engine, run_id: int, reason: str, worker: str | None = None) -> None:
     """Undo a claim whose worker cannot train it (its data or runs folder is wrong, not the
     run): the run is queued again with the attempt not counted."""
     def write(conn: Connection) -> None:
-        done = conn.execute(update(Run).where(Run.id == run_id, Run.status == RunStatus.RUNNING).values(
+        done = conn.execute(update(Run).where(*_ours(run_id, worker)).values(
             status=RunStatus.QUEUED, worker=None, host=None, device=None, heartbeat_at=None,
             attempts=Run.attempts - 1,
             started_at=case((_claims_kept(run_id) <= 1, None), else_=Run.started_at))).rowcount
@@ -339,20 +347,28 @@ def unclaim(engine: Engine, run_id: int, reason: str) -> None:
     write_retrying(engine, write)
 
 
-def finish(engine: Engine, run_id: int) -> None:
-    """Mark a run done."""
-    def write(conn: Connection) -> None:
-        conn.execute(update(Run).where(Run.id == run_id).values(status=RunStatus.DONE, finished_at=utcnow(), error=None))
-        add_event(conn, run_id, "finished")
-    write_retrying(engine, write)
+def finish(engine: Engine, run_id: int, worker: str | None = None) -> bool:
+    """Mark a running run done; False (nothing changed) if it is no longer running or no
+    longer `worker`'s."""
+    def write(conn: Connection) -> bool:
+        done = conn.execute(update(Run).where(*_ours(run_id, worker)).values(
+            status=RunStatus.DONE, finished_at=utcnow(), error=None)).rowcount
+        if done:
+            add_event(conn, run_id, "finished")
+        return bool(done)
+    return write_retrying(engine, write)
 
 
-def fail(engine: Engine, run_id: int, error: str) -> None:
-    """Mark a run failed with the error text (e.g. the exception and its last lines)."""
-    def write(conn: Connection) -> None:
-        conn.execute(update(Run).where(Run.id == run_id).values(status=RunStatus.FAILED, finished_at=utcnow(), error=error))
-        add_event(conn, run_id, "failed", error.splitlines()[0] if error else None)
-    write_retrying(engine, write)
+def fail(engine: Engine, run_id: int, error: str, worker: str | None = None) -> bool:
+    """Mark a running run failed with the error text (e.g. the exception and its last lines);
+    False (nothing changed) if it is no longer running or no longer `worker`'s."""
+    def write(conn: Connection) -> bool:
+        done = conn.execute(update(Run).where(*_ours(run_id, worker)).values(
+            status=RunStatus.FAILED, finished_at=utcnow(), error=error)).rowcount
+        if done:
+            add_event(conn, run_id, "failed", error.splitlines()[0] if error else None)
+        return bool(done)
+    return write_retrying(engine, write)
 
 
 @dataclass

@@ -212,6 +212,32 @@ def claims_sweep_reclaim_and_record(db: str) -> None:
     assert queue.status_counts(engine) == {"failed": 1, "running": 2}
 
 
+def test_a_worker_whose_run_was_taken_over_leaves_the_new_claim_alone(db):
+    """A worker that stalled past another's heartbeat timeout finds its run reclaimed: its
+    finish, fail, release and row updates change nothing; the new owner's still work."""
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    old = queue.claim_next(engine, "w1")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET heartbeat_at = :t WHERE id = :i"),
+                     {"t": queue.utcnow() - timedelta(seconds=120), "i": old.id})
+    new = queue.claim_next(engine, "w2", heartbeat_timeout_s=60)
+    assert new.id == old.id
+    assert not queue.finish(engine, old.id, "w1")
+    assert not queue.fail(engine, old.id, "RuntimeError: late", "w1")
+    assert not queue.release(engine, old.id, "stopped", "w1")
+    RunRecorder(engine, old.id, "w1").update_run(checkpoint_path="w1/step_00000009.pt", final_step=9)
+    (row,) = queue.list_runs(engine)
+    assert (row["status"], row["worker"], row["error"]) == ("running", "w2", None)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT checkpoint_path, final_step FROM runs")).one() == (None, None)
+    assert _events(engine, old.id) == ["claimed", "reclaimed"]
+    RunRecorder(engine, new.id, "w2").update_run(final_step=3)
+    assert queue.finish(engine, new.id, "w2")
+    assert queue.list_runs(engine)[0]["status"] == "done"
+    assert not queue.finish(engine, new.id, "w2")  # done already: once
+
+
 def test_claim_sweeps_reclaims_and_records(db):
     claims_sweep_reclaim_and_record(db)
 

@@ -357,6 +357,28 @@ def test_a_run_cancelled_and_removed_while_it_trains_is_lost_and_the_worker_goes
     assert [r[:2] for r in runs(tmp_path / "r.db")] == [("next", "done")]
 
 
+@pytest.mark.parametrize("fault", [None, "raise"])
+def test_a_run_taken_over_before_its_worker_settles_it_is_left_to_its_new_owner(fault, data, tmp_path, monkeypatch):
+    """A worker that stalled past another's heartbeat timeout: the run was reclaimed after its
+    last heartbeat. Marking it done (or failed) would end the new owner's training."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+
+    def taken_over(self):
+        result = original(self)
+        with engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE runs SET worker = 'thief:1'")
+        if fault:
+            raise RuntimeError("late fault")
+        return result
+    original = Trainer.run
+    monkeypatch.setattr(Trainer, "run", taken_over)
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "lost"
+    with engine.connect() as conn:
+        row = conn.exec_driver_sql("SELECT status, worker, error, final_step FROM runs").one()
+    assert row == ("running", "thief:1", None, None)  # its checkpoint, recorded while it was its own, stays
+
+
 def test_a_second_ctrl_c_puts_the_run_back_in_the_queue_at_once(data, tmp_path, monkeypatch):
     """The second Ctrl-C (KeyboardInterrupt, mid-step) stops without a checkpoint: the run
     goes back to the queue now, attempts untouched, instead of staying `running` until its

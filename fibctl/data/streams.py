@@ -92,7 +92,7 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --out {data_dir}`")
+        raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --data {data_dir}`")
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict):

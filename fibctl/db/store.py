@@ -175,5 +175,7 @@ class RunRecorder:
         unknown = set(columns) - set(Run.__table__.c.keys())
         if unknown:
             raise TypeError(f"runs has no column(s) {', '.join(sorted(unknown))}")
-        write_retrying(self.engine, lambda conn: conn.execute(
-            update(Run).where(Run.id == self.run_id).values(**columns)))
+        # a worker's writes stop once the run is no longer its own (see heartbeat)
+        cond = [Run.id == self.run_id] + ([Run.status == RunStatus.RUNNING, Run.worker == self.worker]
+                                          if self.worker is not None else [])
+        write_retrying(self.engine, lambda conn: conn.execute(update(Run).where(*cond).values(**columns)))

@@ -435,36 +435,37 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
-        outcome = _settle(engine, claimed, recorder, opts, trainer.run())
+        outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
         step = trainer.step if trainer else 0
         try:  # back to the queue now, rather than running until its heartbeat is stale
             queue.release(engine, claimed.id, f"aborted at step {step} by a second signal; it resumes from its "
-                          "last checkpoint")
+                          "last checkpoint", worker)
             display.finish(Outcome(claimed.name, "released", step, "aborted; it resumes from its last checkpoint"))
         except Exception:  # noqa: BLE001 (the database may be why the user pressed it twice: the heartbeat hands it on)
             pass
         raise
     except DatabaseUnavailable as e:
-        error = _requeue_after_database_failure(engine, claimed, trainer, e)
+        error = _requeue_after_database_failure(engine, claimed, trainer, e, worker)
         # the progress display ends here; the error the worker stops with says why
         display.finish(Outcome(claimed.name, "released", trainer.step if trainer else 0))
         raise error from None
     except WorkerError as e:
-        queue.unclaim(engine, claimed.id, str(e))
+        queue.unclaim(engine, claimed.id, str(e), worker)
         raise
     except Exception as e:  # a run that raises must not take the worker down with it
         step = trainer.step if trainer else 0
         if group is not None and peer_failure(e):  # not the run's fault: back to the queue
             lost = as_peer_lost(e)
-            queue.release(engine, claimed.id, f"released at step {step}: {lost}")
+            queue.release(engine, claimed.id, f"released at step {step}: {lost}", worker)
             display.finish(Outcome(claimed.name, "released", step))
             raise FibctlError(f"run {claimed.name!r}: {lost}; it is queued again") from None
         if isinstance(e, IntegrityError) and queue.removed(engine, claimed.id):  # nothing left to record
             outcome = Outcome(claimed.name, "lost", step, "the run was removed from the database")
-        else:
-            queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}")
+        elif queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}", worker):
             outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
+        else:  # cancelled or taken over meanwhile: the row is no longer ours to fail
+            outcome = Outcome(claimed.name, "lost", step, f"{type(e).__name__}: {e}")
     finally:
         if tee is not None:
             tee.close()
@@ -507,14 +508,14 @@ def _refuse_link(own: Path) -> None:
 
 
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,
-                                    e: DatabaseUnavailable) -> FibctlError:
+                                    e: DatabaseUnavailable, worker: str) -> FibctlError:
     """Checkpoint the step in progress, put the run back in the queue; the error to stop with."""
     saved = ""
     if trainer is not None and trainer.step > 0:
         path = ckpt.checkpoint_path(trainer.run_dir, trainer.step)
         saved = f"; checkpointed step {trainer.step} to {path if path.is_file() else trainer.write_checkpoint()}"
     try:
-        queue.release(engine, claimed.id, f"released: {e}")
+        queue.release(engine, claimed.id, f"released: {e}", worker)
         where = "it is queued again"
     except DatabaseUnavailable:
         where = "it stays marked running until its heartbeat is stale, then the next worker resumes it"
@@ -522,19 +523,26 @@ def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, t
 
 
 def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, opts: WorkerOptions,
-            result: TrainResult) -> Outcome:
-    """Record the loop's result on the run's row and move it to its next state."""
-    if result.status == "lost":  # cancelled or taken over: the row is no longer ours to change
-        return Outcome(claimed.name, "lost", result.step, result.error, result.checkpoint)
+            result: TrainResult, worker: str) -> Outcome:
+    """Record the loop's result on the run's row and move it to its next state, if the row is
+    still this worker's: cancelled, or taken over after a stall past another worker's heartbeat
+    timeout, it is no longer ours to change."""
+    lost = Outcome(claimed.name, "lost", result.step, result.error, result.checkpoint)
+    if result.status == "lost":
+        return lost
     _record(recorder, opts, claimed.name, result)
     if result.status == "done":
         recorder.update_run(final_step=result.step)
-        queue.finish(engine, claimed.id)
+        if not queue.finish(engine, claimed.id, worker):
+            return lost
         return Outcome(claimed.name, "done", result.step, None, result.checkpoint)
     if result.status == "stopped":
-        queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {result.checkpoint}")
+        if not queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {result.checkpoint}",
+                             worker):
+            return lost
         return Outcome(claimed.name, "released", result.step, None, result.checkpoint)
-    queue.fail(engine, claimed.id, result.error)
+    if not queue.fail(engine, claimed.id, result.error, worker):
+        return lost
     return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint)
 
 

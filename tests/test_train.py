@@ -158,6 +158,29 @@ def test_a_training_stream_shorter_than_a_window_is_one_error():
     assert x.tolist() == [list(range(16))] * 4 and y.tolist() == [list(range(1, 17))] * 4
 
 
+def test_weights_a_step_made_nan_before_its_loss_shows_it_end_the_run_as_diverged(data, tmp_path, monkeypatch):
+    """Step 20's update leaves NaN weights while its own loss was finite: the evaluation after
+    it scores NaN. It fails the run as diverged, records no NaN (SQLite would refuse it, as a
+    NOT NULL failure) and writes no checkpoint of those weights."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run"))
+
+    def poisoned(self):
+        loss = original(self)
+        if self.step == 20:
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return loss
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert (outcome.status, outcome.step) == ("failed", 19)
+    db = sqlite3.connect(tmp_path / "r.db")
+    (error,) = db.execute("select error from runs").fetchone()
+    assert re.fullmatch(r"step 20 gave a held-out loss of nan on \w+", error), error
+    assert db.execute("select max(step) from evaluations").fetchone() == (10,)
+    assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step_00000010.pt"]
+
+
 # ----------------------------------------------------------------------------- the worker
 
 

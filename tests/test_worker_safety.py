@@ -200,6 +200,25 @@ def test_a_damaged_newest_checkpoint_deleted_resumes_from_the_one_before(data, t
     assert [m for (m,) in resumed] == [f"resumed from step 10: {tmp_path / 'runs' / 'run' / 'step_00000010.pt'}"]
 
 
+@pytest.mark.parametrize("part", ["sampler", "optimizer"])
+def test_a_checkpoint_of_the_run_with_a_part_missing_is_named_damaged(part, data, tmp_path):
+    """Its config hash is the run's, so only its parts can tell: a KeyError reached the error column."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    newest = tmp_path / "runs" / "run" / "step_00000013.pt"
+    state = torch.load(newest, weights_only=True)
+    if part == "sampler":
+        del state["sampler"]
+    else:  # present but empty
+        state["optimizer"] = {}
+    torch.save(state, newest)
+    [failed] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert failed.status == "failed"
+    assert f"checkpoint {newest} is damaged (" in failed.error, failed.error
+    assert failed.error.endswith("; delete it to resume from the checkpoint before it")
+
+
 # ----------------------------------------------------------------------------- 6: runs folder from anywhere
 
 

@@ -40,7 +40,7 @@ from fibctl.attention import default_impl
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
-from fibctl.errors import FibctlError, WorkerError
+from fibctl.errors import FibctlError, WorkerError, first_line
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
 from fibctl.schedules import deviations, rungs_always_kept
@@ -217,11 +217,18 @@ class Trainer:
                 step_time, steps_timed = 0.0, 0
             if self.on_progress:
                 self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s))
+            unscored = None  # a held-out loss that is not finite: weights this step made NaN or infinite
             if not self.lost:
-                last = self._evaluate_and_checkpoint() or last
+                saved, unscored = self._evaluate_and_checkpoint()
+                last = saved or last
             stopping = self.stop.is_set()  # read once: a signal may set it at any moment
             if self.group is not None:  # every rank leaves the loop at the same step, the same way
-                self.lost, stopping = self.group.any(self.lost, stopping, device=self.device)
+                self.lost, stopping, diverged = self.group.any(self.lost, stopping, unscored is not None,
+                                                               device=self.device)
+                if diverged and unscored is None:  # rank 0 scored it
+                    unscored = "a held-out loss that is not finite"
+            if unscored is not None:
+                return self._diverged(unscored)
             if self.lost:
                 return self._result("lost", last, "the run was cancelled or taken over by another worker")
             if stopping and self.step < self.tc.steps:
@@ -263,27 +270,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(total), float(grad_norm)  # one device sync per step
 
-    def _evaluate_and_checkpoint(self) -> Path | None:
+    def _evaluate_and_checkpoint(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint written at this step, if one is due; what a held-out set scored if it
+        is not finite, in which case nothing is recorded and no checkpoint written)."""
         final = self.step == self.tc.steps
         save = final or self.step % self.tc.checkpoint_interval == 0
         full = final or self.step % (self.tc.full_eval_interval or self.tc.checkpoint_interval) == 0
         if not self.main:  # rank 0 evaluates and writes the checkpoint
-            return ckpt.checkpoint_path(self.run_dir, self.step) if save else None
+            return (ckpt.checkpoint_path(self.run_dir, self.step) if save else None), None
         if full or self.step % self.tc.eval_interval == 0:
-            self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
-        return self.save() if save else None
+            unscored = self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
+            if unscored is not None:
+                return None, unscored
+        return (self.save() if save else None), None
 
-    def evaluate(self, tokens: int, positions: bool) -> None:
+    def evaluate(self, tokens: int, positions: bool) -> str | None:
+        """Score every held-out set at the training length into the database; None, or (a loss
+        that is not finite: the step's update diverged where its training loss did not yet
+        show it) what it scored, the sets after it not scored and no alpha recorded."""
         T = self.config.model.seq_len
         for name, stream in self.heldout.items():
             res = stream_loss(self.model, stream, T, tokens, self.device,
                               position_tokens=self.tc.position_tokens if positions else None)
+            if not math.isfinite(res.loss):
+                return f"a held-out loss of {res.loss} on {name}"
             self.reporter.log_eval(self.step, name, T, res.tokens, res.loss)
             if positions:
                 self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.position_windows)
             self._heartbeat()
         if self.config.model.schedule == "learned":
             self.reporter.log_alphas(self.step, self.model.alphas())
+        return None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -313,23 +330,31 @@ class Trainer:
             return None
         try:
             state = ckpt.load_checkpoint(path)
-        except FibctlError as e:  # damaged, say: the one before it may serve (fibctl.flows.worker._run_dir)
-            if len(ckpt.list_checkpoints(self.run_dir)) < 2:
-                raise
-            raise FibctlError(f"{e}; delete it to resume from the checkpoint before it") from None
+        except FibctlError as e:
+            raise self._damaged(str(e)) from None
         self._check_belongs(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:
             raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
                               f"with {self.optimizer_name}" + (f" ({self.optimizer_warning})"
                                                                if self.optimizer_warning else ""))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.restore_rng_states(state["rng"])
-        self.step, self.elapsed_s = state["step"], state["elapsed_s"]
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.sampler.load_state_dict(state["sampler"])
+            ckpt.restore_rng_states(state["rng"])
+            self.step, self.elapsed_s = state["step"], state["elapsed_s"]
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
+            raise self._damaged(f"checkpoint {path} is damaged ({type(e).__name__}: {first_line(e)})") from None
         self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
         return path
+
+    def _damaged(self, error: str) -> FibctlError:
+        """A checkpoint that cannot be resumed from; the one before it may serve
+        (fibctl.flows.worker._run_dir resumes from the newest left)."""
+        if len(ckpt.list_checkpoints(self.run_dir)) < 2:
+            return FibctlError(error)
+        return FibctlError(f"{error}; delete it to resume from the checkpoint before it")
 
     def _check_belongs(self, state: dict, path: Path) -> None:
         """Refuse a checkpoint of another config or other data (a runs folder reused, say):
@@ -347,8 +372,9 @@ class Trainer:
         if self.reporter.heartbeat() is False:
             self.lost = True
 
-    def _diverged(self, loss: float) -> TrainResult:
-        error = f"step {self.step} gave a loss of {loss}"  # shown after "failed at step N - 1"
+    def _diverged(self, loss: float | str) -> TrainResult:
+        error = f"step {self.step} gave {loss if isinstance(loss, str) else f'a loss of {loss}'}"
+        # shown after "failed at step N - 1"
         self.reporter.event("diverged", error, {"step": self.step})
         self.step -= 1  # the failed step did not complete
         return self._result("diverged", ckpt.latest_checkpoint(self.run_dir), error)

@@ -61,6 +61,23 @@ def assert_fits(text: str, width: int = 80) -> None:
     assert all(len(line) <= width for line in text.splitlines()), text
 
 
+def test_queue_ls_shows_an_errors_control_codes_instead_of_obeying_them(tmp_path):
+    """A run's error is text from anywhere (a traceback quoting data): ESC [2J would clear the
+    screen, a carriage return overwrite the line."""
+    from fibctl import queue
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "q.db"))
+    queue.add_runs(engine, [RunConfig.resolve("r", "test", "micro", schedule="fixed")])
+    queue.fail(engine, queue.claim_next(engine, "w").id, "ValueError: bad \x1b[2Jtoken\rX")
+    engine.dispose()
+    done = fibctl("queue", "ls", "--db", str(tmp_path / "q.db"))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\r" not in done.stdout
+    assert "\\x1b[2Jtoken\\rX" in "".join(done.stdout.split())
+
+
 def test_queue_ls_at_80_columns_cuts_no_cell(tmp_path):
     import shutil
 

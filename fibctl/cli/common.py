@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError
+from fibctl.reports.render import printable
 
 console = Console()
 err_console = Console(stderr=True)
@@ -29,8 +30,9 @@ DEFAULT_DB = "results.db"
 
 
 def plain(value) -> Text:
-    """A table cell shown as written: names, paths and errors from data are never rich markup."""
-    return Text("" if value is None else str(value))
+    """A table cell shown as written: names, paths and errors from data are never rich markup,
+    nor control codes a terminal would obey (an error text holding ESC [2J clears the screen)."""
+    return Text("" if value is None else printable(str(value)))
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:

@@ -215,6 +215,38 @@ def test_a_dead_rank_stops_the_group_and_a_killed_group_resumes_equal_to_an_unin
 
 
 @needs_two_cpus
+def test_a_rank_that_resumes_from_another_step_stops_the_group_and_the_run_stays_queued(data, tmp_path):
+    """A node that does not see rank 0's runs folder (no shared filesystem) found no checkpoint
+    and trained from step 0 beside a rank 0 at step 10: weights out of step, silently."""
+    from fibctl.flows.worker import WorkerOptions, work
+    import threading
+    from train_helpers import Quiet
+
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    engine = queued_db(db, micro_run("run"))
+    stop = threading.Event()
+    work(engine, WorkerOptions(data_dir=data, runs_dir=runs), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    engine.dispose()
+    rank = tmp_path / "rank.py"  # rank 1 on a node of its own: the runs folder is empty there
+    rank.write_text("import os, sys\n"
+                    "from fibctl.train import checkpoint\n"
+                    "if os.environ['RANK'] == '1':\n"
+                    "    checkpoint.latest_checkpoint = lambda run_dir: None\n"
+                    "from fibctl.cli import main\n"
+                    "sys.argv = ['fibctl', *sys.argv[1:]]\n"
+                    "main()\n")
+    # fibctl's own torchrun (what --nproc starts): the group's exit code is rank 0's
+    done = subprocess.run([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone", "--nproc-per-node", "2",
+                           str(rank), "train", "run", "--db", str(db), "--data", str(data), "--runs-dir", str(runs),
+                           "--plain"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the ranks resumed 'run' from different checkpoints (rank 0 from step 13, rank 1 from step 0)" in done.stderr
+    q = sqlite3.connect(db).execute
+    assert q("select status, checkpoint_path from runs").fetchone() == ("queued", "run/step_00000013.pt")
+    assert q("select count(*) from train_steps where step > 13").fetchone() == (0,)
+
+
+@needs_two_cpus
 def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp_path):
     queued_db(tmp_path / "r.db", micro_run("run", steps=200, checkpoint_interval=10, eval_interval=200)).dispose()
     proc = start(tmp_path / "r.db", tmp_path / "runs", data, tmp_path)

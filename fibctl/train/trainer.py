@@ -192,6 +192,8 @@ class Trainer:
         for note in deviations(self.config.model.schedule, self.config.model.n_layers):
             self.reporter.event("deviation", note)
         last = self.resume()
+        if self.group is not None:
+            self._check_same_start()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
         if self.step == 0 and self.config.model.schedule != "dense":
             self.reporter.log_alphas(0, self.model.alphas())
@@ -348,6 +350,17 @@ class Trainer:
             raise self._damaged(f"checkpoint {path} is damaged ({type(e).__name__}: {first_line(e)})") from None
         self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
         return path
+
+    def _check_same_start(self) -> None:
+        """Every rank resumes from the step rank 0 resumed from. A node that does not see rank
+        0's runs folder (no shared filesystem) would start from step 0 and train out of step
+        with the others, silently."""
+        lead = self.group.broadcast(self.step)
+        if self.group.any(self.step != lead, device=self.device)[0]:
+            mine = "" if self.step == lead else f", rank {self.group.rank} from step {self.step}"
+            raise WorkerError(f"the ranks resumed {self.config.name!r} from different checkpoints (rank 0 from "
+                              f"step {lead}{mine}): every node must see the same --runs-dir, on a shared "
+                              "filesystem (docs/cluster.md)")
 
     def _damaged(self, error: str) -> FibctlError:
         """A checkpoint that cannot be resumed from; the one before it may serve

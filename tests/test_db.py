@@ -216,11 +216,14 @@ def test_position_losses_bulk_and_replaced(recorder):
 
 
 def test_recorder_updates_run_and_logs_events(recorder):
+    recorder.update_run(params_total=123)  # worker w's recorder, and the run is queued: not its own
+    assert _rows(recorder, "SELECT params_total FROM runs") == [(None,)]
+    assert recorder.heartbeat() is False  # nothing to keep alive either
+    recorder = RunRecorder(recorder.engine, 1)  # no worker: evaluation's
     recorder.update_run(params_total=123, tokens_trained=4096, final_step=30)
     recorder.event("checkpoint", "saved", {"step": 30})
     assert _rows(recorder, "SELECT params_total, tokens_trained, final_step FROM runs") == [(123, 4096, 30)]
     assert _rows(recorder, "SELECT kind, message FROM events") == [("checkpoint", "saved")]
-    assert recorder.heartbeat() is False  # queued, not running: nothing to keep alive
     with pytest.raises(TypeError, match="no column"):
         recorder.update_run(nonsense=1)
 

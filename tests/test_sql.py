@@ -239,6 +239,13 @@ def test_copy_to_stdout_is_one_line(db, tmp_path, monkeypatch, capsys):
     fails_in_one_line(["sql", "COPY runs TO STDOUT", "--db", db], tmp_path, "not COPY", monkeypatch, capsys)
 
 
+def test_a_statement_past_the_heap_limit_is_one_line(sqlite_db, tmp_path, monkeypatch, capsys):
+    """SQLite's driver raises MemoryError past the heap limit: it was a traceback, exit 1."""
+    monkeypatch.setattr("fibctl.reports.sql.HEAP_LIMIT_BYTES", 64 << 20)
+    fails_in_one_line(["sql", "SELECT length(hex(zeroblob(50000000)))", "--db", sqlite_db], tmp_path,
+                      "stopped: the statement needed more than", monkeypatch, capsys)
+
+
 @pytest.mark.parametrize("args, words", [
     (["select 1", "--max-rows", "99999999999999999999"], "--max-rows must be 1 to 1,000,000,000"),
     (["select 1", "--max-rows", "9223372036854775807"], "--max-rows must be 1 to"),

@@ -33,6 +33,7 @@ TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count 
 MAX_RESULT_BYTES = 64 << 20  # text and bytes printed by one statement: a 1 GB value took hours to print
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
+OUT_OF_MEMORY = f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
 
 _READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 # PRAGMAs that take an argument yet only read; any other PRAGMA with an argument sets something
@@ -129,6 +130,8 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                         raise guard.signalled
     except DBAPIError as e:
         raise FibctlError(_sql_error(e, timeout_s)) from None
+    except MemoryError:  # SQLite past HEAP_LIMIT_BYTES: the driver raises it, not an SQL error
+        raise FibctlError(OUT_OF_MEMORY) from None
     finally:
         engine.dispose()
 
@@ -282,5 +285,5 @@ def _sql_error(e: DBAPIError, timeout_s: float) -> str:
     if msg == "interrupted" or "statement timeout" in msg:
         return f"stopped: the statement ran past --timeout {timeout_s:g} s; add a LIMIT or a tighter WHERE"
     if "out of memory" in msg:
-        return f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
+        return OUT_OF_MEMORY
     return f"SQL error: {msg}"

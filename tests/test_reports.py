@@ -248,9 +248,11 @@ def test_tables_4_and_5_name_the_windows_that_have_their_data(tmp_path):
 def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path):
     db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
     out = tmp_path / "report"
+    out.mkdir()
+    (out / "table4.tex").write_text("mine")  # a user's file named like a report's: never removed
     r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out)])
     assert r.exit_code == 0 and "skipped table4:" in r.output and "skipped table4: table4" not in r.output
-    assert not (out / "table4.csv").exists()
+    assert not (out / "table4.csv").exists() and (out / "table4.tex").read_text() == "mine"
     r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out), "--window", "4"])
     assert r.exit_code == 0, r.output
     assert {"table4.csv", "table5.csv", "posloss.png"} <= {p.name for p in out.iterdir()}

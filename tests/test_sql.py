@@ -217,6 +217,35 @@ def test_postgresql_server_files_and_programs_are_out_of_reach(db, tmp_path, sta
     assert run_query(db, "SELECT COUNT(*) AS n FROM runs")["n"].iloc[0] == 2  # tables still read
 
 
+@pytest.mark.parametrize("statement", [
+    "SELECT 1; ROLLBACK; INSERT INTO runs (name) VALUES ('x')",  # the transaction and SET ROLE undone
+    "END; RESET ROLE; COPY (SELECT 1) TO '{out}'",
+    "SELECT 1; SELECT 2",
+])
+def test_one_statement_at_a_time(db, tmp_path, statement):
+    """PostgreSQL ran a string of statements as it was: one that ended the read-only
+    transaction ran the rest as the login role (a superuser wrote a server file, a row)."""
+    out = tmp_path / "written-by-sql"
+    before = _digest(db)
+    with pytest.raises(FibctlError, match="one statement at a time|refused: "):  # SQLite: END is a write
+        run_query(db, statement.format(out=out))
+    assert not out.exists() and _digest(db) == before
+
+
+def test_copy_to_stdout_is_one_line(db, tmp_path, monkeypatch, capsys):
+    """COPY ... TO STDOUT left PostgreSQL's connection mid-copy: its reset logged tracebacks."""
+    if _is_sqlite(db):
+        pytest.skip("PostgreSQL's COPY")
+    fails_in_one_line(["sql", "COPY runs TO STDOUT", "--db", db], tmp_path, "not COPY", monkeypatch, capsys)
+
+
+def test_a_statement_past_the_heap_limit_is_one_line(sqlite_db, tmp_path, monkeypatch, capsys):
+    """SQLite's driver raises MemoryError past the heap limit: it was a traceback, exit 1."""
+    monkeypatch.setattr("fibctl.reports.sql.HEAP_LIMIT_BYTES", 64 << 20)
+    fails_in_one_line(["sql", "SELECT length(hex(zeroblob(50000000)))", "--db", sqlite_db], tmp_path,
+                      "stopped: the statement needed more than", monkeypatch, capsys)
+
+
 @pytest.mark.parametrize("args, words", [
     (["select 1", "--max-rows", "99999999999999999999"], "--max-rows must be 1 to 1,000,000,000"),
     (["select 1", "--max-rows", "9223372036854775807"], "--max-rows must be 1 to"),

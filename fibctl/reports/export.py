@@ -16,6 +16,7 @@ from fibctl.reports.output import write_text
 
 Job = tuple[str, Callable[[], list[Path]]]
 FIGURE_FORMATS = (".png", ".pdf")
+MANIFEST = ".fibctl-report"  # the names of the files the last report wrote into its folder
 
 
 class Built:
@@ -89,9 +90,13 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
         index = out / "index.html"
         write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
         written.append(index)
-        for stale in set(outputs(out)) - set(written):  # an earlier report's, beside this one
-            if stale.is_symlink() or stale.is_file():
+        # an earlier report's files, beside this one: only those it listed, never a user's file
+        # of the same name (--out ~ holding its own table1.csv)
+        listed = (out / MANIFEST).read_text().split("\n") if (out / MANIFEST).is_file() else []
+        for stale in set(outputs(out)) - set(written):
+            if stale.name in listed and (stale.is_symlink() or stale.is_file()):
                 stale.unlink()
+        write_text(out / MANIFEST, "".join(f"{p.name}\n" for p in written))
     return written, skipped
 
 

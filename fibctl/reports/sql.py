@@ -33,6 +33,7 @@ TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count 
 MAX_RESULT_BYTES = 64 << 20  # text and bytes printed by one statement: a 1 GB value took hours to print
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
+OUT_OF_MEMORY = f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
 
 _READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 # PRAGMAs that take an argument yet only read; any other PRAGMA with an argument sets something
@@ -129,6 +130,8 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                         raise guard.signalled
     except DBAPIError as e:
         raise FibctlError(_sql_error(e, timeout_s)) from None
+    except MemoryError:  # SQLite past HEAP_LIMIT_BYTES: the driver raises it, not an SQL error
+        raise FibctlError(OUT_OF_MEMORY) from None
     finally:
         engine.dispose()
 
@@ -160,7 +163,9 @@ def _pg_result(conn, sql: str):
     unbounded statement would run to the deadline (and a large one fill memory) whatever
     --max-rows says. A server-side cursor (DECLARE ... CURSOR FOR) fetches in batches, but
     takes only queries: any other statement (SET, SHOW, a write, several statements) fails
-    to parse there, having run nothing, and is run as it is, from the savepoint."""
+    to parse there, having run nothing, and is run from the savepoint as one prepared
+    statement: sent as it is, 'SELECT 1; ROLLBACK; SET ROLE postgres; COPY ...' would end the
+    read-only transaction (and the SET ROLE with it) and run the rest as the login role."""
     as_written = {"no_parameters": True}  # the driver parses no placeholders: a '%' is a '%'
     savepoint = conn.begin_nested()
     try:
@@ -169,7 +174,12 @@ def _pg_result(conn, sql: str):
         if getattr(e.orig, "sqlstate", None) != "42601":  # syntax_error
             raise
         savepoint.rollback()
-        return conn.exec_driver_sql(sql, execution_options=as_written)
+        conn.connection.driver_connection.prepare_threshold = 0  # the server parses one statement only
+        try:
+            return conn.exec_driver_sql(sql, execution_options=as_written)
+        except DBAPIError:
+            conn.invalidate()  # COPY ... TO STDOUT leaves it mid-copy: closed, not reset (a logged traceback)
+            raise
 
 
 def run_query(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float = TIMEOUT_S) -> pd.DataFrame:
@@ -268,8 +278,12 @@ def _sql_error(e: DBAPIError, timeout_s: float) -> str:
     if "notauthorized" in flat or "authorizationdenied" in flat:
         return ("refused: fibctl sql only reads (no writes, ATTACH, VACUUM or PRAGMA settings), "
                 "nothing was written")
+    if "multiple commands" in msg:  # PostgreSQL's words for 'SELECT 1; SELECT 2'
+        return "fibctl sql runs one statement at a time; remove the ';' between statements"
+    if msg.startswith("COPY cannot be used"):  # the driver's words for COPY ... TO STDOUT
+        return "fibctl sql prints the rows of a query, not COPY; use SELECT with --format csv"
     if msg == "interrupted" or "statement timeout" in msg:
         return f"stopped: the statement ran past --timeout {timeout_s:g} s; add a LIMIT or a tighter WHERE"
     if "out of memory" in msg:
-        return f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
+        return OUT_OF_MEMORY
     return f"SQL error: {msg}"

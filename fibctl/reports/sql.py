@@ -2,7 +2,8 @@
 
 Writes are refused by the database connection itself (`fibctl.db.engine.connect_readonly`:
 SQLite `mode=ro`, PostgreSQL read-only transactions), never by inspecting the statement. On
-PostgreSQL a role that may reach the server's files reads as pg_read_all_data instead.
+PostgreSQL a role that may reach the server's files reads as pg_read_all_data instead (a
+guard against mistakes: a superuser login can take its role back inside a query).
 A read-only SQLite connection can still create files (`ATTACH`, `VACUUM INTO`) and use
 unbounded memory and time, so the statement also runs under an authorizer that allows
 reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetched.
@@ -144,7 +145,8 @@ def _drop_file_privileges(conn) -> None:
     """A read-only transaction still lets a superuser (or a member of the file roles) write and
     read the server's files and run programs (COPY ... TO 'file' / TO PROGRAM, pg_read_file).
     Such a role runs the statement as pg_read_all_data (PostgreSQL 14+): it reads every table
-    and can do none of that."""
+    and can do none of that, unless the statement itself sets the role back, which a superuser
+    login may always do (docs/cli.md says to use another role for queries from others)."""
     privileged = conn.exec_driver_sql(
         "SELECT rolsuper OR " + " OR ".join(f"pg_has_role(current_user, '{r}', 'MEMBER')" for r in _FILE_ROLES)
         + " FROM pg_roles WHERE rolname = current_user").scalar()

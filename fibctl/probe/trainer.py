@@ -59,14 +59,16 @@ class ProbeTrainer(Trainer):
         self.model.set_blur_width(self.probe.width_at(self.step, self.tc.steps))
         return super().train_step()
 
-    def _evaluate_and_checkpoint(self) -> Path | None:
+    def _evaluate_and_checkpoint(self) -> tuple[Path | None, None]:
+        """(the checkpoint written at this step, if one is due; None: the probe scores no
+        held-out loss during training, so none can fail to be finite)."""
         final = self.step == self.tc.steps
         if final or self.step % self.tc.eval_interval == 0:
             self.reporter.log_alphas(self.step, self.model.alphas())
             self._heartbeat()
         if final:
             self.score()
-        return self.save() if final or self.step % self.tc.checkpoint_interval == 0 else None
+        return (self.save() if final or self.step % self.tc.checkpoint_interval == 0 else None), None
 
     def score(self) -> dict[str, float]:
         """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,

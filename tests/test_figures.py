@@ -143,7 +143,9 @@ def _draw_every_figure(db, tmp_path):
     engine = connect_readonly(db)
     for name in ("extrapolation", "posloss", "curves", "alphas"):
         figures.FIGURES[name](engine, tmp_path / f"{name}.png")
-    figures.coverage(tmp_path / "coverage.png", schedules=("fixed", "stagger", "coprime"), n_layers=4, seq_len=128)
+    # the study's four fib schedules side by side: their x labels once ran into each other
+    figures.coverage(tmp_path / "coverage.png", schedules=("fixed", "learned", "stagger", "coprime"), n_layers=4,
+                     seq_len=128)
 
 
 def test_figures_are_drawn_at_print_size_with_no_text_cut_or_overlapping(db, drawn, tmp_path):

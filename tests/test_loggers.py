@@ -26,6 +26,9 @@ class Recorder:
     def log_alphas(self, *args):
         self.calls.append(("alphas", args))
 
+    def event(self, *args):
+        self.calls.append(("event", args))
+
     def heartbeat(self):
         return True
 
@@ -53,6 +56,27 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     assert loss == [(10, pytest.approx(4.0)), (20, pytest.approx(3.0))]
     assert events.Scalars("eval/docs_val@64/ppl")[0].value == pytest.approx(30.0)
     assert [e.value for e in events.Scalars("alpha/layer1")] == [1.5]
+
+
+def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
+    """A worker killed at step 30 after checkpointing at 10 logged 20 and 30; the run resumes
+    from 10 and logs them again. TensorBoard showed both copies, the curve running back in
+    time; the steps after the checkpoint are now purged (as the database replaces them)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    for step in (10, 20, 30):
+        first.log_step(step, 1.0, 1e-3, 0.5, 1000.0, 1.0)
+    first.close()
+    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    again.event("resumed", "resumed from step 10", {"step": 10})
+    for step in (20, 30, 40):
+        again.log_step(step, 2.0, 1e-3, 0.5, 1000.0, 1.0)
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0), (30, 2.0), (40, 2.0)]
 
 
 def test_wandb_offline_run_folder(tmp_path, monkeypatch):

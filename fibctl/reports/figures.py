@@ -34,8 +34,9 @@ COVERAGE_FIGURE_MAX_WINDOW = 4096
 COVERAGE_FIGURE_MAX_DOTS = 2**21  # layers x length where a panel is dense (a dot per distance)
 STYLE = {
     "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType, not Type 3: accepted by venues
-    "font.size": 9, "figure.titlesize": 10, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
-    "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.spines.top": False, "axes.spines.right": False,
+    "font.size": 9, "figure.titlesize": 10, "axes.titlesize": 9, "axes.labelsize": 9, "figure.labelsize": 9,
+    "legend.fontsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.spines.top": False,
+    "axes.spines.right": False,
     "axes.grid": True, "grid.alpha": 0.25, "savefig.dpi": 200,
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
@@ -417,9 +418,10 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
         ticks = [0] + [10 ** k for k in range(len(str(seq_len - 1)))]
         ax.set_xticks(ticks, labels=[str(t) for t in ticks])
         ax.set_xlim(-0.3, seq_len * 1.25)  # room for the farthest dot
-        ax.set_xlabel("attended distance (tokens)")
         ax.set_title(f"{base} {schedule}\n{union} distinct distances")  # two lines: three panels fit
         ax.grid(axis="y", visible=False)
+    # one label under every panel: a label per panel runs into its neighbours' from four panels on
+    (fig.supxlabel if len(axes) > 1 else axes[0].set_xlabel)("attended distance (tokens)")
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top

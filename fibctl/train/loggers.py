@@ -49,6 +49,16 @@ class TensorBoardSink:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def resume(self, step: int) -> None:
+        """The run resumed from its checkpoint at `step`: the steps an earlier attempt logged
+        after it (a worker killed between checkpoints) are trained and logged again, so
+        TensorBoard is told to hide those (purge_step) rather than draw each step twice."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = self.writer.log_dir
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -96,6 +106,13 @@ class Tee:
         self.reporter.log_eval(step, dataset, eval_length, tokens, loss)
         self._copy(step, {f"eval/{dataset}@{eval_length}/loss": loss,
                           f"eval/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
+
+    def event(self, kind, message=None, data=None) -> None:
+        self.reporter.event(kind, message, data)
+        if kind == "resumed":  # only TensorBoard needs telling: W&B ignores steps below its last
+            for sink in self.sinks:
+                if hasattr(sink, "resume"):
+                    sink.resume(data["step"])
 
     def log_alphas(self, step, alphas) -> None:
         self.reporter.log_alphas(step, alphas)

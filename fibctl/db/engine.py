@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sqlite3
+import time
 import weakref
 from pathlib import Path
 from urllib.parse import quote
@@ -320,11 +321,22 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
 
 
 def _set_wal(engine: Engine) -> None:
-    raw = engine.raw_connection()  # outside any transaction: the mode cannot change inside one
-    try:
-        raw.driver_connection.execute("PRAGMA journal_mode=WAL")
-    finally:
-        raw.close()
+    """WAL mode, set outside any transaction (the mode cannot change inside one). Processes
+    opening a new database at once (workers started together) find it locked: SQLite answers
+    this PRAGMA 'database is locked' at once rather than through the busy timeout, so it is
+    retried for as long as that timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        raw = engine.raw_connection()
+        try:
+            raw.driver_connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        finally:
+            raw.close()
+        time.sleep(0.05)
 
 
 def connect(db: str, *, create: bool = True, must_exist: bool = False, option: str = "--db") -> Engine:

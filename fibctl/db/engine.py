@@ -242,8 +242,11 @@ def current_revision(engine: Engine) -> str | None:
 def _check_revision(engine: Engine, db: str) -> str | None:
     """The current revision, after refusing foreign or newer databases (nothing written)."""
     try:
-        rev = current_revision(engine)
-        tables = inspect(engine).get_table_names() if rev is None else []
+        # one connection for both: between two, another process's first upgrade could commit,
+        # and its tables would be read with no revision (a fibctl database refused as foreign)
+        with engine.connect() as conn:
+            rev = MigrationContext.configure(conn).get_current_revision()
+            tables = inspect(conn).get_table_names() if rev is None else []
     except DatabaseError as e:
         if _timed_out(e):
             url = engine.url

@@ -190,6 +190,27 @@ def test_a_field_a_whole_file_leaves_out_is_null_there(tmp_path):
         _docs(recipe, source, tmp_path)
 
 
+def test_a_json_field_first_seen_after_the_lookahead_is_read(tmp_path, monkeypatch):
+    """A title first given by record 10,001 (a corpus whose early records are untitled) was
+    refused as a typo; the rest of the records are searched for it, and a field none has is
+    still refused, naming how many were read."""
+    monkeypatch.setattr(sources, "LOOKAHEAD_ROWS", 50)
+    rows = [{"body": f"untitled {i}"} for i in range(60)] + [{"title": "T", "body": "titled"}]
+    (tmp_path / "0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
+    (tmp_path / "1.jsonl.gz").write_bytes(__import__("gzip").compress(
+        "".join(json.dumps(r) + "\n" for r in rows[40:]).encode()))
+    recipe, source = _local(str(tmp_path / "*.json*"), "json", text=["title", "body"])
+    assert _docs(recipe, source, tmp_path) == [f"untitled {i}" for i in range(60)] + ["T\n\ntitled"]
+    recipe, source = _local(str(tmp_path / "*.json*"), "json", text=["titel", "body"])
+    with pytest.raises(FibctlError, match="source 'notes': no row has field titel; fields: body; set text"):
+        _docs(recipe, source, tmp_path)
+    # a table's rows all have its columns: the first rows decide
+    (tmp_path / "t.csv").write_text("body\n" + "".join(f"row {i}\n" for i in range(60)))
+    recipe, source = _local(str(tmp_path / "t.csv"), "csv", text=["title", "body"])
+    with pytest.raises(FibctlError, match="source 'notes': none of the first 50 rows has field title"):
+        _docs(recipe, source, tmp_path)
+
+
 def test_json_files_may_differ_in_their_fields(tmp_path):
     """The datasets builder fixed the columns from the first file: a later file with one more
     field (an optional url) failed the whole source with a CastError."""

@@ -14,7 +14,7 @@ import json
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from rich.progress import Progress
@@ -63,7 +63,7 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     if not files:
         return
     if source.format == "json":
-        yield from _texts(source, _json_records(source, files))
+        yield from _texts(source, _json_records(source, files), again=lambda: _json_records(source, files))
         return
     _quiet(datasets)
     try:
@@ -236,11 +236,13 @@ def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
 LOOKAHEAD_ROWS = 10_000  # rows read ahead for a text field that none of the first rows has
 
 
-def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
+def _texts(source: Source, rows: Iterable[dict], again: Callable[[], Iterable[dict]] | None = None) -> Iterator[str]:
     """Join the source's text fields of each row; skip rows with no text. A field a row lacks
     is null there, as in a table (JSON files whose rows, or whole files, leave out an optional
-    title), once some row has had it: a field none of the first LOOKAHEAD_ROWS rows has is
-    taken for a typo and refused."""
+    title), once some row has had it. A field none of the first LOOKAHEAD_ROWS rows has is
+    looked for in the rest of them when `again` can read the rows afresh (JSON files, whose
+    records may each have other fields), and the rows are read from the start once it is found;
+    a field no row has (or, in a table, none of the first rows) is taken for a typo and refused."""
     rows = iter(rows)
     ahead: list[dict] = []
     unseen = set(source.text)
@@ -249,11 +251,23 @@ def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
         unseen.difference_update(row)
         if not unseen or len(ahead) == LOOKAHEAD_ROWS:
             break
-    if ahead and unseen:
+    read, whole, first = len(ahead), len(ahead) < LOOKAHEAD_ROWS, ahead[0] if ahead else {}
+    if unseen and again is not None and not whole:
+        ahead = []  # held no longer: the rows are read again from the start if the field turns up
+        for row in rows:
+            read += 1
+            unseen.difference_update(row)
+            if not unseen:
+                break
+        else:
+            whole = True
+        if not unseen:
+            rows = iter(again())
+    if read and unseen:
         missing = [f for f in source.text if f in unseen]
-        which = "no row" if len(ahead) < LOOKAHEAD_ROWS else f"none of the first {len(ahead):,} rows"
+        which = "no row" if whole else f"none of the first {read:,} rows"
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
-                          f"{', '.join(ahead[0])}; set text = [...] in the recipe{_delimiter_hint(source, ahead[0])}")
+                          f"{', '.join(first)}; set text = [...] in the recipe{_delimiter_hint(source, first)}")
     for row in itertools.chain(ahead, rows):
         text = "\n\n".join(t for t in (_field_text(source, f, row.get(f)) for f in source.text) if t)
         if text:

@@ -211,6 +211,33 @@ def test_a_json_field_first_seen_after_the_lookahead_is_read(tmp_path, monkeypat
         _docs(recipe, source, tmp_path)
 
 
+def test_a_dotted_field_reads_inside_nested_records(tmp_path):
+    """{"meta": {"title": ...}} could not be read at all: a mapping is refused, and no name
+    reached inside it. A dotted name does (a field of that whole name first), in JSON records
+    and parquet struct columns alike; a null parent is a null field."""
+    rows = [{"meta": {"title": f"T{i}", "n": i}, "content": {"body": f"body {i}"}} for i in range(3)]
+    rows.append({"meta": None, "content": {"body": "untitled"}})
+    expected = ["T0\n\nbody 0", "T1\n\nbody 1", "T2\n\nbody 2", "untitled"]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    for name, fmt in (("a.jsonl", "json"), ("a.parquet", "parquet")):
+        recipe, source = _local(str(tmp_path / name), fmt, text=["meta.title", "content.body"])
+        assert _docs(recipe, source, tmp_path) == expected, fmt
+        recipe, source = _local(str(tmp_path / name), fmt, text=["meta.titel"])
+        with pytest.raises(FibctlError, match="no row has field meta.titel"):
+            _docs(recipe, source, tmp_path)
+    (tmp_path / "b.jsonl").write_text('{"a.b": "a dotted name of its own", "a": {"b": "inside"}}\n')
+    recipe, source = _local(str(tmp_path / "b.jsonl"), "json", text=["a.b"])
+    assert _docs(recipe, source, tmp_path) == ["a dotted name of its own"]
+    recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["meta"])
+    with pytest.raises(FibctlError, match=re.escape("field 'meta' holds dict values, not text; text = [...] must "
+                                                    "name string fields (or fields inside it: meta.title)")):
+        _docs(recipe, source, tmp_path)
+    recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["x.y"])
+    with pytest.raises(FibctlError, match="a.parquet has no column x.y; columns: meta, content"):
+        _docs(recipe, source, tmp_path)
+
+
 def test_json_files_may_differ_in_their_fields(tmp_path):
     """The datasets builder fixed the columns from the first file: a later file with one more
     field (an optional url) failed the whole source with a CastError."""

@@ -8,9 +8,9 @@ deleting the first one's work.
 
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
-document cut, the piece ending with end-of-text as every document does). Held-out documents are chosen by a hash of their text, so a document (and any
-copy of it, in any source) is either held out or trained on, never both; held-out documents are
-kept whole.
+document cut, the piece ending with end-of-text as every document does). Held-out documents are
+chosen by a hash of their text, so a document (and any copy of it, in any source) is either held
+out or trained on, never both; held-out documents are kept whole.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from fibctl.data.recipe import parse_recipe
 from fibctl.data.streams import load_manifest
 
 # whitespace of every kind between words of every kind: the places a piece may end, and not
-WORDS = ["word", "it's", "we'll", "漢字。漢字", "😀", "👨‍👩‍👧", "e\u0301", "123", "4.5", "<|endoftext|>", "\u001f",
-         "--", "’s", "x", "עברית", "!!", '"quoted"', "(a)", "\u00a0", "\u3000", "\u0085", "\u2028", "\x00"]
+WORDS = ["word", "it's", "we'll", "漢字。漢字", "😀", "👨‍👩‍👧", "e\u0301", "123", "4.5", "<|endoftext|>",
+         "\u001f", "--", "’s", "x", "עברית", "!!", '"quoted"', "(a)", "\u00a0", "\u3000", "\u0085", "\u2028",
+         "\x00"]
 SEPARATORS = [" ", " ", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", " \n", "\n ", "\x0b", "\x0c",
               "\r", "\u001f", ""]
 
@@ -54,8 +55,8 @@ def test_a_long_document_is_encoded_in_pieces_with_the_whole_documents_ids(token
         assert max(map(len, pieces)) <= size and len(pieces) > 2 * len(docs)
         # where no place to cut lies within `size` characters, a hard cut may change the ids:
         # compare the documents cut only at those places
-        soft = [all(prep._PIECE_END.match(d, c) for c in np.cumsum([len(p) for p in prep._encode_pieces(d, size)])[:-1])
-                for d in docs]
+        soft = [all(prep._PIECE_END.match(d, c)
+                    for c in np.cumsum([len(p) for p in prep._encode_pieces(d, size)])[:-1]) for d in docs]
         assert sum(soft) > len(docs) // 3
         wrapper = type("T", (), {"encode_batch": lambda self, b: calls.append(sum(map(len, b))) or encode_batch(b)})()
         got = prep.encode(wrapper, docs, 0)
@@ -98,8 +99,9 @@ def test_every_document_ends_with_end_of_text_the_cut_ones_too(tmp_path, train_t
     """The cut last document of each source had no end-of-text: its text ran into the next
     document unmarked. Now every piece of the stream is a document (or its start) then the id."""
     rng = random.Random(train_tokens)
-    sources = {name: [f"{name} " + " ".join(rng.choice(["sun", "moon", "star", "sky"]) for _ in range(rng.randint(20, 60)))
-                      for _ in range(200)] for name in ("left", "right")}
+    words = ["sun", "moon", "star", "sky"]
+    sources = {name: [f"{name} " + " ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(200)]
+               for name in ("left", "right")}
     recipe = _local_recipe(tmp_path, sources, train_tokens)
     manifest = prepare(recipe, tmp_path / "out").manifest
     ids = np.asarray(manifest.stream("train"))

@@ -139,3 +139,28 @@ def test_a_source_that_runs_out_is_exhausted(tmp_path):
     recipe = _local_recipe(tmp_path, {"a": ["a few words only"] * 3}, 1000)
     manifest = prepare(recipe, tmp_path / "out").manifest
     assert manifest.sources["a"]["exhausted"] and manifest.sources["a"]["train_documents"] == 3
+
+
+def test_a_source_that_runs_out_is_said_with_the_mixture_it_leaves(tmp_path):
+    """The note said only that the source ran out, not that the others kept their targets: the
+    shares are then not the recipe's."""
+    import subprocess
+    import sys
+
+    rng = random.Random(0)
+    big = [" ".join(rng.choice(["sun", "moon", "star", "sky"]) for _ in range(40)) for _ in range(300)]
+    recipe = _local_recipe(tmp_path, {"big": big, "small": ["a few words only"] * 3}, 4000)
+    (tmp_path / "r.toml").write_text(
+        "vocab_size = 300\ntrain_tokens = 4000\n" + "".join(
+            f'[[sources]]\nname = "{s.name}"\nkind = "local"\nformat = "json"\nfiles = ["{s.files[0]}"]\n'
+            f"share = {s.share}\n" for s in recipe.sources))
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out", "--plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    manifest = load_manifest(tmp_path / "out")
+    small = manifest.sources["small"]
+    assert small["exhausted"] and small["train_tokens"] < small["target_tokens"] == 2000
+    assert manifest.sources["big"]["train_tokens"] == 2000  # the others keep their targets
+    share = small["train_tokens"] / manifest.tokens["train"]
+    assert (f"note: source 'small' ran out at {small['train_tokens']:,} of its 2,000 training tokens; its share of "
+            f"the training stream is {share:.1%}, not 50.0%") in " ".join(done.stderr.split())

@@ -116,7 +116,12 @@ def _print_manifest(m: DataManifest) -> None:
 
 
 def _warn_short(m: DataManifest) -> None:
+    targets = sum(s["target_tokens"] for s in m.sources.values())
     for name, s in m.sources.items():
         if s["exhausted"]:
+            # the other sources keep their targets: the mixture is not the recipe's
+            share = "" if len(m.sources) == 1 or not m.tokens["train"] else (
+                f"; its share of the training stream is {s['train_tokens'] / m.tokens['train']:.1%}, "
+                f"not {s['target_tokens'] / targets:.1%}")
             err_console.print(f"[yellow]note:[/] source {escape(repr(name))} ran out at {s['train_tokens']:,} of its "
-                              f"{s['target_tokens']:,} training tokens")
+                              f"{s['target_tokens']:,} training tokens{share}")

@@ -164,3 +164,19 @@ def test_a_source_that_runs_out_is_said_with_the_mixture_it_leaves(tmp_path):
     share = small["train_tokens"] / manifest.tokens["train"]
     assert (f"note: source 'small' ran out at {small['train_tokens']:,} of its 2,000 training tokens; its share of "
             f"the training stream is {share:.1%}, not 50.0%") in " ".join(done.stderr.split())
+
+
+def test_an_error_logged_from_prepare_is_one_line_alone(tmp_path):
+    """With stderr a file (a log, a batch job), the stopped progress bars wrote a blank line
+    before the error."""
+    import subprocess
+    import sys
+
+    (tmp_path / "out").write_text("not a folder")
+    (tmp_path / "r.toml").write_text('vocab_size = 300\ntrain_tokens = 100\n[[sources]]\nname = "g"\n'
+                                     'kind = "generated"\nshare = 1\n')
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: out exists and is not a fibctl data folder")
+    assert done.stderr.count("\n") == 1 and done.stdout == ""

@@ -32,11 +32,13 @@ class _RateColumn(ProgressColumn):
 
 
 def token_progress(plain: bool = False) -> Progress:
-    """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain."""
+    """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain,
+    nor when stderr is not a terminal (a log: stopped there, the bars left a blank line before
+    the error or summary)."""
     return Progress(
         TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
-        console=err_console, disable=plain, transient=True,  # the summary follows; an error is one line
+        console=err_console, disable=plain or not err_console.is_terminal, transient=True,  # an error is one line
     )
 
 

@@ -258,6 +258,54 @@ def test_json_files_in_each_layout_are_read(content, docs, tmp_path):
     assert _docs(recipe, source, tmp_path) == docs
 
 
+def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
+    """A file of one array was read and parsed whole (250 MB took 660 MB): its items are parsed
+    from chunks, as json.loads (the reference) reads them, whatever the chunks' size."""
+    import io
+    import random
+
+    from fibctl.data import json_files
+
+    rng = random.Random(0)
+    pieces = ["漢字", "😀", "\\u00e9", "\\ud83d\\ude00", "\\n", '\\"', "]", ",", "[", "{", " "]
+    items = [{"text": "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))), "n": rng.random(),
+              "meta": {"k": [1, 2.5e10, None, True]}} for _ in range(40)]
+    commas = [",", " ,", ",\n  "]
+    spaced = ["[", "\n", *(json.dumps(item, ensure_ascii=False) + rng.choice(commas) for item in items[:-1]),
+              json.dumps(items[-1]), " \n] \n"]
+    path = tmp_path / "rows.json"
+    path.write_text("".join(spaced), encoding="utf-8")
+    expected = json.loads(path.read_text(encoding="utf-8"))
+    for chunk in (1, 2, 3, 7, 64, 1 << 20):
+        monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
+        assert list(json_files.records(str(path))) == expected, chunk
+    for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
+                        ('[{"text": "a"},]', "item 1 is not JSON"), ('[{"text": "a"}', "the array is not closed"),
+                        ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
+                        ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
+                        ("[1, 23]", "item 0 is a JSON int"),
+                        ('[{"text": "\\ud800"}]', "item 0 holds a lone surrogate escape")]:
+        path.write_text(text)
+        for chunk in (1, 3, 1 << 20):
+            monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
+            if words is None:
+                assert list(json_files.records(str(path))) == json.loads(text)
+            else:
+                with pytest.raises(FibctlError, match=re.escape(f"rows.json: {words}")):
+                    list(json_files.records(str(path)))
+    # the first item comes before the rest of the file is read
+    path.write_text(json.dumps([{"text": "x" * 1000}] * 2000))
+    monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
+    opened = []
+    real_open = json_files.open_binary
+    monkeypatch.setattr(json_files, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
+    rows = json_files.records(str(path))
+    assert next(rows) == {"text": "x" * 1000}
+    assert opened[0].tell() < path.stat().st_size // 50
+    assert sum(1 for _ in rows) == 1999
+    assert isinstance(opened[0], io.BufferedReader)
+
+
 @pytest.mark.parametrize("content, words", [
     ('{"text": "a"}\n{"text": "b"\n', "rows.json: line 2 is not JSON"),
     ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is a JSON list, not an object of fields"),

@@ -190,6 +190,54 @@ def test_a_field_a_whole_file_leaves_out_is_null_there(tmp_path):
         _docs(recipe, source, tmp_path)
 
 
+def test_a_json_field_first_seen_after_the_lookahead_is_read(tmp_path, monkeypatch):
+    """A title first given by record 10,001 (a corpus whose early records are untitled) was
+    refused as a typo; the rest of the records are searched for it, and a field none has is
+    still refused, naming how many were read."""
+    monkeypatch.setattr(sources, "LOOKAHEAD_ROWS", 50)
+    rows = [{"body": f"untitled {i}"} for i in range(60)] + [{"title": "T", "body": "titled"}]
+    (tmp_path / "0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
+    (tmp_path / "1.jsonl.gz").write_bytes(__import__("gzip").compress(
+        "".join(json.dumps(r) + "\n" for r in rows[40:]).encode()))
+    recipe, source = _local(str(tmp_path / "*.json*"), "json", text=["title", "body"])
+    assert _docs(recipe, source, tmp_path) == [f"untitled {i}" for i in range(60)] + ["T\n\ntitled"]
+    recipe, source = _local(str(tmp_path / "*.json*"), "json", text=["titel", "body"])
+    with pytest.raises(FibctlError, match="source 'notes': no row has field titel; fields: body; set text"):
+        _docs(recipe, source, tmp_path)
+    # a table's rows all have its columns: the first rows decide
+    (tmp_path / "t.csv").write_text("body\n" + "".join(f"row {i}\n" for i in range(60)))
+    recipe, source = _local(str(tmp_path / "t.csv"), "csv", text=["title", "body"])
+    with pytest.raises(FibctlError, match="source 'notes': none of the first 50 rows has field title"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_dotted_field_reads_inside_nested_records(tmp_path):
+    """{"meta": {"title": ...}} could not be read at all: a mapping is refused, and no name
+    reached inside it. A dotted name does (a field of that whole name first), in JSON records
+    and parquet struct columns alike; a null parent is a null field."""
+    rows = [{"meta": {"title": f"T{i}", "n": i}, "content": {"body": f"body {i}"}} for i in range(3)]
+    rows.append({"meta": None, "content": {"body": "untitled"}})
+    expected = ["T0\n\nbody 0", "T1\n\nbody 1", "T2\n\nbody 2", "untitled"]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    for name, fmt in (("a.jsonl", "json"), ("a.parquet", "parquet")):
+        recipe, source = _local(str(tmp_path / name), fmt, text=["meta.title", "content.body"])
+        assert _docs(recipe, source, tmp_path) == expected, fmt
+        recipe, source = _local(str(tmp_path / name), fmt, text=["meta.titel"])
+        with pytest.raises(FibctlError, match="no row has field meta.titel"):
+            _docs(recipe, source, tmp_path)
+    (tmp_path / "b.jsonl").write_text('{"a.b": "a dotted name of its own", "a": {"b": "inside"}}\n')
+    recipe, source = _local(str(tmp_path / "b.jsonl"), "json", text=["a.b"])
+    assert _docs(recipe, source, tmp_path) == ["a dotted name of its own"]
+    recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["meta"])
+    with pytest.raises(FibctlError, match=re.escape("field 'meta' holds dict values, not text; text = [...] must "
+                                                    "name string fields (or fields inside it: meta.title)")):
+        _docs(recipe, source, tmp_path)
+    recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["x.y"])
+    with pytest.raises(FibctlError, match="a.parquet has no column x.y; columns: meta, content"):
+        _docs(recipe, source, tmp_path)
+
+
 def test_json_files_may_differ_in_their_fields(tmp_path):
     """The datasets builder fixed the columns from the first file: a later file with one more
     field (an optional url) failed the whole source with a CastError."""
@@ -208,6 +256,54 @@ def test_json_files_in_each_layout_are_read(content, docs, tmp_path):
     (tmp_path / "rows.json").write_text(content, encoding="utf-8")
     recipe, source = _local(str(tmp_path / "rows.json"), "json")
     assert _docs(recipe, source, tmp_path) == docs
+
+
+def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
+    """A file of one array was read and parsed whole (250 MB took 660 MB): its items are parsed
+    from chunks, as json.loads (the reference) reads them, whatever the chunks' size."""
+    import io
+    import random
+
+    from fibctl.data import json_files
+
+    rng = random.Random(0)
+    pieces = ["漢字", "😀", "\\u00e9", "\\ud83d\\ude00", "\\n", '\\"', "]", ",", "[", "{", " "]
+    items = [{"text": "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))), "n": rng.random(),
+              "meta": {"k": [1, 2.5e10, None, True]}} for _ in range(40)]
+    commas = [",", " ,", ",\n  "]
+    spaced = ["[", "\n", *(json.dumps(item, ensure_ascii=False) + rng.choice(commas) for item in items[:-1]),
+              json.dumps(items[-1]), " \n] \n"]
+    path = tmp_path / "rows.json"
+    path.write_text("".join(spaced), encoding="utf-8")
+    expected = json.loads(path.read_text(encoding="utf-8"))
+    for chunk in (1, 2, 3, 7, 64, 1 << 20):
+        monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
+        assert list(json_files.records(str(path))) == expected, chunk
+    for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
+                        ('[{"text": "a"},]', "item 1 is not JSON"), ('[{"text": "a"}', "the array is not closed"),
+                        ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
+                        ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
+                        ("[1, 23]", "item 0 is a JSON int"),
+                        ('[{"text": "\\ud800"}]', "item 0 holds a lone surrogate escape")]:
+        path.write_text(text)
+        for chunk in (1, 3, 1 << 20):
+            monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
+            if words is None:
+                assert list(json_files.records(str(path))) == json.loads(text)
+            else:
+                with pytest.raises(FibctlError, match=re.escape(f"rows.json: {words}")):
+                    list(json_files.records(str(path)))
+    # the first item comes before the rest of the file is read
+    path.write_text(json.dumps([{"text": "x" * 1000}] * 2000))
+    monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
+    opened = []
+    real_open = json_files.open_binary
+    monkeypatch.setattr(json_files, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
+    rows = json_files.records(str(path))
+    assert next(rows) == {"text": "x" * 1000}
+    assert opened[0].tell() < path.stat().st_size // 50
+    assert sum(1 for _ in rows) == 1999
+    assert isinstance(opened[0], io.BufferedReader)
 
 
 @pytest.mark.parametrize("content, words", [

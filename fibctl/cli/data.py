@@ -32,11 +32,13 @@ class _RateColumn(ProgressColumn):
 
 
 def token_progress(plain: bool = False) -> Progress:
-    """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain."""
+    """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain,
+    nor when stderr is not a terminal (a log: stopped there, the bars left a blank line before
+    the error or summary)."""
     return Progress(
         TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
-        console=err_console, disable=plain, transient=True,  # the summary follows; an error is one line
+        console=err_console, disable=plain or not err_console.is_terminal, transient=True,  # an error is one line
     )
 
 
@@ -116,7 +118,12 @@ def _print_manifest(m: DataManifest) -> None:
 
 
 def _warn_short(m: DataManifest) -> None:
+    targets = sum(s["target_tokens"] for s in m.sources.values())
     for name, s in m.sources.items():
         if s["exhausted"]:
+            # the other sources keep their targets: the mixture is not the recipe's
+            share = "" if len(m.sources) == 1 or not m.tokens["train"] else (
+                f"; its share of the training stream is {s['train_tokens'] / m.tokens['train']:.1%}, "
+                f"not {s['target_tokens'] / targets:.1%}")
             err_console.print(f"[yellow]note:[/] source {escape(repr(name))} ran out at {s['train_tokens']:,} of its "
-                              f"{s['target_tokens']:,} training tokens")
+                              f"{s['target_tokens']:,} training tokens{share}")

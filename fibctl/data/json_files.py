@@ -4,7 +4,8 @@ The datasets library's JSON builder fixes a source's columns from its first file
 10 MB block): a later file or block with one more field, an optional `url` or `title`, failed
 the whole source ("Couldn't cast ... because column names don't match"). Read here, each
 record keeps its own fields. A file is JSON Lines (one object per line, blank lines skipped),
-one array of objects, or one object spread over lines; a byte-order mark is dropped; `.gz`,
+one array of objects (parsed item by item, so its size is not held in memory), or one object
+spread over lines; a byte-order mark is dropped; `.gz`,
 `.bz2`, `.xz` and (with the zstandard package) `.zst` are decompressed.
 """
 
@@ -50,7 +51,7 @@ def records(path: str) -> Iterator[dict]:
         if not start:
             return
         if start == "[":
-            yield from _whole(path, start + f.read())
+            yield from _array(path, f)
             return
         first = start + f.readline()
         if start == "{" and not _an_object(first):  # one object spread over lines
@@ -80,12 +81,61 @@ def _an_object(line: str) -> bool:
 
 
 def _whole(path: str, text: str) -> Iterator[dict]:
-    data = _loads(path, "the file", text)
-    if isinstance(data, list):
-        for i, item in enumerate(data):
-            yield _record(path, f"item {i}", item)
+    yield _record(path, "the file", _loads(path, "the file", text))
+
+
+ARRAY_CHUNK = 1 << 20  # characters read at a time from a file of one array
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _array(path: str, f: IO[str]) -> Iterator[dict]:
+    """The items of the JSON array whose "[" was just read, parsed one at a time from chunks
+    of the file: a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof, i = "", 0, False, 0
+
+    def fill() -> bool:  # read more (as much again as is held, at least a chunk); False at the end
+        nonlocal buf, pos, eof
+        chunk = f.read(max(ARRAY_CHUNK, len(buf) - pos))
+        buf, pos, eof = buf[pos:] + chunk, 0, not chunk
+        return not eof
+
+    def next_char() -> str:  # the next character that is not whitespace, not consumed; '' at the end
+        nonlocal pos
+        while True:
+            pos = _SPACE.match(buf, pos).end()
+            if pos < len(buf) or not fill():
+                return buf[pos:pos + 1]
+
+    if next_char() == "]":
+        pos += 1
     else:
-        yield _record(path, "the file", data)
+        while True:
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except ValueError as e:
+                if fill():  # cut by the chunk's end, or not JSON
+                    continue
+                raise FibctlError(f"{path}: item {i} is not JSON ({getattr(e, 'msg', e)})") from None
+            except RecursionError:
+                raise FibctlError(f"{path}: item {i} nests its values too deeply to read") from None
+            if end == len(buf) and not eof:  # a number may go on in the next chunk: parse it again
+                fill()
+                continue
+            _check_surrogates(path, f"item {i}", buf[pos:end], item)
+            yield _record(path, f"item {i}", item)
+            pos, i = end, i + 1
+            c = next_char()
+            if c == "]":
+                pos += 1
+                break
+            if c != ",":
+                raise FibctlError(f"{path}: after item {i - 1}, {c!r} is not JSON (expecting ',' or ']')"
+                                  if c else f"{path}: the array is not closed (']' is missing)")
+            pos += 1
+            next_char()
+    if next_char():
+        raise FibctlError(f"{path}: the file is not JSON (text after the array's ']')")
 
 
 def _loads(path: str, where: str, text: str):
@@ -95,10 +145,14 @@ def _loads(path: str, where: str, text: str):
         raise FibctlError(f"{path}: {where} is not JSON ({getattr(e, 'msg', e)})") from None
     except RecursionError:  # the parser recurses once per level
         raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
+    _check_surrogates(path, where, text, value)
+    return value
+
+
+def _check_surrogates(path: str, where: str, text: str, value) -> None:
     if _SURROGATE.search(text) and _LONE.search(json.dumps(value, ensure_ascii=False)):
         raise FibctlError(f"{path}: {where} holds a lone surrogate escape (half of a character, e.g. \\ud800), "
                           "not text")
-    return value
 
 
 def _record(path: str, where: str, value) -> dict:

@@ -8,9 +8,9 @@ deleting the first one's work.
 
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
-document cut). Held-out documents are chosen by a hash of their text, so a document (and any
-copy of it, in any source) is either held out or trained on, never both; held-out documents are
-kept whole.
+document cut, the piece ending with end-of-text as every document does). Held-out documents are
+chosen by a hash of their text, so a document (and any copy of it, in any source) is either held
+out or trained on, never both; held-out documents are kept whole.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from fibctl.names import refuse_foreign
 
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
 ENCODE_CHARS = 1 << 22  # and at most about this many characters: 256 books took over 10 GB
+# a longer document is encoded in pieces of about this many characters: the encoder holds some
+# 850 bytes per token, and one 30 MB document took 4.7 GB encoded whole
+ENCODE_PIECE_CHARS = 1 << 18
 FLUSH_TOKENS = 1 << 20
 
 
@@ -133,7 +136,10 @@ def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator
             if not _hashed_below(doc, cut):
                 taken += len(doc)
                 progress.advance(task, len(doc))
-                yield from _pieces(doc)
+                # in pieces, as the streams encode it: BPE training counts the same words in
+                # them, without holding a huge document's words at once (30 MB took 2.7 GB)
+                for piece in _encode_pieces(doc, ENCODE_PIECE_CHARS):
+                    yield from _pieces(piece)
 
 
 def _pieces(doc: str) -> Iterator[str]:
@@ -208,17 +214,19 @@ class _Writer:
     """Appends token ids to a uint16 file, buffered."""
 
     def __init__(self, path: Path):
-        self.file, self.buffer, self.tokens, self.documents = open(path, "wb"), [], 0, 0
+        self.file, self.buffer, self.buffered, self.tokens, self.documents = open(path, "wb"), [], 0, 0, 0
 
-    def write(self, ids: list[int]) -> None:
-        self.buffer.extend(ids)
+    def write(self, ids: np.ndarray) -> None:
+        self.buffer.append(ids)
+        self.buffered += len(ids)
         self.tokens += len(ids)
-        if len(self.buffer) >= FLUSH_TOKENS:
+        if self.buffered >= FLUSH_TOKENS:
             self.flush()
 
     def flush(self) -> None:
-        np.asarray(self.buffer, dtype=np.uint16).tofile(self.file)
-        self.buffer = []
+        for ids in self.buffer:
+            ids.tofile(self.file)
+        self.buffer, self.buffered = [], 0
 
     def close(self) -> None:
         self.flush()
@@ -232,17 +240,18 @@ class _Feed:
                  cut: float):
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
         self.cut = cut  # documents hashed below it are not trained on (_training_cut)
-        self.queue: deque[tuple[str, list[int]]] = deque()
+        self.queue: deque[tuple[str, np.ndarray]] = deque()
         self.train = self.train_documents = self.read = 0
+        self.exhausted = False  # ran out of documents before its share was full
 
-    def next(self) -> tuple[str, list[int]] | None:
+    def next(self) -> tuple[str, np.ndarray] | None:
         """(where it goes: 'heldout', 'train' or 'neither', token ids ending in end-of-text) of
         the next document; None when run out."""
         if not self.queue:
             batch = _batch(self.docs)
-            encoded = self.tokenizer.encode_batch(batch)
-            self.queue.extend((self._route(doc), e.ids + [self.eos]) for doc, e in zip(batch, encoded))
+            self.queue.extend(zip(map(self._route, batch), encode(self.tokenizer, batch, self.eos)))
         if not self.queue:
+            self.exhausted = True
             return None
         self.read += 1
         return self.queue.popleft()
@@ -284,13 +293,17 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
             continue
         if route == "neither":
             continue
-        ids = ids[: feed.target - feed.train]
+        room = feed.target - feed.train
+        if len(ids) >= room:  # the source's share is full with this document
+            active.remove(feed)
+        if len(ids) > room:  # cut, and ended with end-of-text as every document is
+            if room == 1:  # no token of its text would be left: the source stops one token short
+                continue
+            ids = np.append(ids[:room - 1], ids[-1])
         train.write(ids)
         feed.train += len(ids)
         feed.train_documents += 1
         progress.advance(train_task, len(ids))
-        if feed.train >= feed.target:
-            active.remove(feed)
     for writer in (train, *heldout.values()):
         writer.close()
     for name, task in heldout_tasks.items():
@@ -299,7 +312,7 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
     per_source = {
         f.source.name: {
             "kind": f.source.kind, "target_tokens": f.target, "train_tokens": f.train,
-            "train_documents": f.train_documents, "exhausted": f.train < f.target,
+            "train_documents": f.train_documents, "exhausted": f.exhausted,
             "heldout": f.source.heldout,
             "heldout_tokens": heldout[f.source.heldout].tokens if f.source.heldout else 0,
             "heldout_documents": heldout[f.source.heldout].documents if f.source.heldout else 0,
@@ -308,6 +321,52 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
     }
     tokens = {"train": train.tokens, **{n: w.tokens for n, w in heldout.items()}}
     return tokens, per_source
+
+
+def encode(tokenizer: Tokenizer, docs: list[str], eos: int) -> list[np.ndarray]:
+    """Each document's token ids (uint16) followed by the end-of-text id. Long documents go to
+    the encoder in pieces (_encode_pieces), at most about ENCODE_CHARS characters per call, so
+    its memory stays bounded and one huge document is encoded in parallel; the ids are those
+    of the whole document."""
+    ids: list[list[np.ndarray]] = [[] for _ in docs]
+    group: list[tuple[int, str]] = []
+    chars = 0
+
+    def flush() -> None:
+        for (i, _), e in zip(group, tokenizer.encode_batch([piece for _, piece in group])):
+            ids[i].append(np.asarray(e.ids, dtype=np.uint16))
+        group.clear()
+
+    for i, doc in enumerate(docs):
+        for piece in _encode_pieces(doc, ENCODE_PIECE_CHARS):
+            group.append((i, piece))
+            chars += len(piece)
+            if chars >= ENCODE_CHARS:
+                flush()
+                chars = 0
+    flush()
+    end = np.array([eos], dtype=np.uint16)
+    return [np.concatenate([*parts, end]) for parts in ids]
+
+
+# where a pre-token always ends: before a space, tab or line break that a non-space character
+# follows (the byte-level pre-tokenizer's GPT-2 pattern ends a run of whitespace one character
+# before a non-space one, and lets no token run from a non-space character into whitespace)
+_PIECE_END = re.compile(r"(?=[ \t\n\r\f\v]\S)")
+
+
+def _encode_pieces(doc: str, size: int) -> Iterator[str]:
+    """`doc` in pieces of at most `size` characters, each cut where a pre-token ends, so that
+    their ids, encoded one by one, are the whole document's. A stretch of `size` characters
+    without such a place (one huge word) is cut at `size`; only there can the ids differ."""
+    start = 0
+    while len(doc) - start > size:
+        end = start + size
+        # the last place in the stretch (the match looks at the character after it)
+        cut = max((m.start() for m in _PIECE_END.finditer(doc, start + 1, end + 2)), default=end)
+        yield doc[start:cut]
+        start = cut
+    yield doc[start:]
 
 
 def _batch(docs: Iterator[str]) -> list[str]:

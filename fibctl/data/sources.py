@@ -14,7 +14,7 @@ import json
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from rich.progress import Progress
@@ -55,20 +55,21 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     import datasets
 
     files = recipe.local_files(source)
+    columns = None
     if source.format == "parquet":
-        files = _check_columns(source, files)
+        files, columns = _check_columns(source, files)
     # an empty file holds no document, but the csv and parquet readers fail on one without
     # naming it (EmptyDataError; ArrowInvalid: BatchSize must be greater than 0)
     files = [f for f in files if os.path.getsize(f) > 0]
     if not files:
         return
     if source.format == "json":
-        yield from _texts(source, _json_records(source, files))
+        yield from _texts(source, _json_records(source, files), again=lambda: _json_records(source, files))
         return
     _quiet(datasets)
     try:
         ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
-                                   **_builder_options(source))
+                                   **_builder_options(source, columns))
         yield from _texts(source, ds)
     except FibctlError:
         raise
@@ -97,8 +98,9 @@ def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
             raise FibctlError(f"source {source.name!r}: cannot read {path}: {_one_line(e)}") from None
 
 
-def _builder_options(source: Source) -> dict:
-    """What the datasets builder needs beyond the files, per format."""
+def _builder_options(source: Source, columns: list[str] | None) -> dict:
+    """What the datasets builder needs beyond the files, per format (`columns`: the parquet
+    columns to read)."""
     if source.format == "text":
         return {"sample_by": source.sample_by}
     if source.format == "csv":  # every cell is text: a title "1984", a document "NA" or "null" stay as written
@@ -108,29 +110,32 @@ def _builder_options(source: Source) -> dict:
         return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False,
                 **quoting}
     if source.format == "parquet":  # the text columns only: shards may differ in the others
-        return {"columns": list(source.text)}
+        return {"columns": columns}
     return {}
 
 
-def _check_columns(source: Source, files: list[str]) -> list[str]:
-    """Each parquet file has the text columns (read from its footer), else name the file; the
-    files that hold rows."""
+def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str]]:
+    """Each parquet file has the columns the text fields are read from (read from its footer),
+    else name the file; the files that hold rows, and those columns: a field's own, or the
+    nested record (struct column) its dotted name starts with, as the first file has them."""
     import pyarrow.parquet as pq
 
-    holding = []
+    holding, read = [], None
     for path in files:
         try:
             footer = pq.read_metadata(path)
         except Exception as e:
             raise FibctlError(f"source {source.name!r}: cannot read parquet file {path}: {_one_line(e)}") from None
         columns = footer.schema.to_arrow_schema().names
-        missing = [f for f in source.text if f not in columns]
+        if read is None:
+            read = {f: f if f in columns or "." not in f else f.split(".")[0] for f in source.text}
+        missing = [f for f, c in read.items() if c not in columns]
         if missing:
             raise FibctlError(f"source {source.name!r}: {path} has no column {', '.join(missing)}; columns: "
                               f"{', '.join(columns)}; set text = [...] in the recipe")
         if footer.num_rows:
             holding.append(path)
-    return holding
+    return holding, list(dict.fromkeys((read or {}).values())) or list(source.text)
 
 
 def _first_not_utf8(files: list[str]) -> str | None:
@@ -236,26 +241,41 @@ def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
 LOOKAHEAD_ROWS = 10_000  # rows read ahead for a text field that none of the first rows has
 
 
-def _texts(source: Source, rows: Iterable[dict]) -> Iterator[str]:
+def _texts(source: Source, rows: Iterable[dict], again: Callable[[], Iterable[dict]] | None = None) -> Iterator[str]:
     """Join the source's text fields of each row; skip rows with no text. A field a row lacks
     is null there, as in a table (JSON files whose rows, or whole files, leave out an optional
-    title), once some row has had it: a field none of the first LOOKAHEAD_ROWS rows has is
-    taken for a typo and refused."""
+    title), once some row has had it. A field none of the first LOOKAHEAD_ROWS rows has is
+    looked for in the rest of them when `again` can read the rows afresh (JSON files, whose
+    records may each have other fields), and the rows are read from the start once it is found;
+    a field no row has (or, in a table, none of the first rows) is taken for a typo and refused."""
     rows = iter(rows)
     ahead: list[dict] = []
     unseen = set(source.text)
     for row in rows:
         ahead.append(row)
-        unseen.difference_update(row)
+        unseen = {f for f in unseen if _lookup(row, f) is _ABSENT}
         if not unseen or len(ahead) == LOOKAHEAD_ROWS:
             break
-    if ahead and unseen:
+    read, whole, first = len(ahead), len(ahead) < LOOKAHEAD_ROWS, ahead[0] if ahead else {}
+    if unseen and again is not None and not whole:
+        ahead = []  # held no longer: the rows are read again from the start if the field turns up
+        for row in rows:
+            read += 1
+            unseen = {f for f in unseen if _lookup(row, f) is _ABSENT}
+            if not unseen:
+                break
+        else:
+            whole = True
+        if not unseen:
+            rows = iter(again())
+    if read and unseen:
         missing = [f for f in source.text if f in unseen]
-        which = "no row" if len(ahead) < LOOKAHEAD_ROWS else f"none of the first {len(ahead):,} rows"
+        which = "no row" if whole else f"none of the first {read:,} rows"
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
-                          f"{', '.join(ahead[0])}; set text = [...] in the recipe{_delimiter_hint(source, ahead[0])}")
+                          f"{', '.join(first)}; set text = [...] in the recipe{_delimiter_hint(source, first)}")
     for row in itertools.chain(ahead, rows):
-        text = "\n\n".join(t for t in (_field_text(source, f, row.get(f)) for f in source.text) if t)
+        values = ((f, _lookup(row, f)) for f in source.text)
+        text = "\n\n".join(t for t in (_field_text(source, f, None if v is _ABSENT else v) for f, v in values) if t)
         if text:
             yield text
 
@@ -266,6 +286,23 @@ def _delimiter_hint(source: Source, row: dict) -> str:
         return ""
     found = [d for d in ("\t", ";", "|") if d in next(iter(row))]
     return f", or delimiter = {json.dumps(found[0])} (the header is one column)" if found else ""
+
+
+_ABSENT = object()  # a field a row lacks: null there
+
+
+def _lookup(row: dict, field: str) -> object:
+    """A row's value of `field`. A dotted name reaches into nested records (`meta.title`) when
+    the row has no field of that whole name; a field the row lacks (or whose parent is null)
+    is _ABSENT."""
+    if field in row:
+        return row[field]
+    value: object = row
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
 
 
 def _field_text(source: Source, field: str, value: object) -> str:
@@ -280,8 +317,9 @@ def _field_text(source: Source, field: str, value: object) -> str:
             raise FibctlError(f"source {source.name!r}: field {field!r} holds bytes that are not "
                               f"UTF-8 text") from None
     if not isinstance(value, str):
+        inside = f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else ""
         raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
-                          f"values, not text; text = [...] must name string fields") from None
+                          f"values, not text; text = [...] must name string fields{inside}") from None
     if source.format == "text":  # a file's byte-order mark (the json and csv readers drop it)
         value = value.lstrip("\ufeff")
     return value.strip()

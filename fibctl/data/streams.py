@@ -2,7 +2,7 @@
 
     DIR/manifest.json     what was built: vocab, tokens per split and source, hashes
     DIR/tokenizer.json    the byte-level BPE tokenizer (`tokenizers.Tokenizer.from_file`)
-    DIR/train.bin         uint16 token ids, documents separated by the end-of-text token
+    DIR/train.bin         uint16 token ids, each document (a cut one too) ending with end-of-text
     DIR/<heldout>.bin     one stream per held-out set, e.g. docs_val.bin
 """
 

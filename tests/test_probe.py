@@ -199,6 +199,14 @@ def test_probe_runs_name_every_cell_and_refuse_bad_input():
             probe_runs(**bad)
 
 
+def test_a_value_given_twice_is_one_cell():
+    """--depth 2 --depth 2 made the same run twice and the insert failed with a traceback."""
+    twice = probe_runs(depths=(2, 2), inits=("uniform", "uniform"), seeds=(0, 0))
+    assert [r.name for r in twice] == ["probe_d2_uniform_s0"]
+    assert [r.name for r in probe_runs(depths=(4, 2, 4), inits=("uniform",), seeds=(1, 0, 1))] == [
+        "probe_d4_uniform_s1", "probe_d4_uniform_s0", "probe_d2_uniform_s1", "probe_d2_uniform_s0"]
+
+
 def test_probe_config_round_trips_and_leaves_lm_hashes_alone():
     run = probe_runs()[0]
     assert RunConfig.from_dict(run.to_dict()) == run
@@ -330,6 +338,7 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--vocab", "1000000000"], "--vocab 1,000,000,000 is too large: a probe takes at most 65,536"),
     (["--eval-sequences", "0"], "--eval-sequences 0 must be from 1 to 1,000,000"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
+    (["--quick", "--steps", "0"], "--steps 0 must be >= 1"),  # not replaced by --quick's 200
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):
     r = _fibctl(tmp_path, "probe", "--db", "r.db", *args)

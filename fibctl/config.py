@@ -176,7 +176,7 @@ class ProbeConfig:
     width_start: float = 40.0  # the blur band's width w anneals linearly from here ...
     width_end: float = 0.5  # ... to here over the first `anneal_fraction` of the steps,
     anneal_fraction: float = 0.8
-    width_floor: float = 0.25  # and is never below this
+    width_floor: float = 0.25  # the narrowest end width accepted (validate)
     eval_sequences: int = 16  # held-out sequences scored at the end (the study scored 2)
 
     def validate(self, model: "ModelConfig") -> "ProbeConfig":
@@ -237,8 +237,9 @@ PRESETS: dict[str, Preset] = {
             "probe",
             ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=512,
                         schedule="learned", base="fib", window=8),
-            # the study's probe recipe: AdamW at a constant lr 1e-3 with torch's defaults otherwise
-            # (betas 0.9/0.999, weight decay 0.01 on every parameter), no clipping; alphas every 100 steps
+            # the study's probe: AdamW at lr 1e-3, batch 2, 2,500 steps; the rest is fibctl's reading
+            # (docs/method.md): a constant lr, torch's AdamW defaults otherwise (betas 0.9/0.999,
+            # weight decay 0.01 on every parameter), no clipping; alphas every 100 steps
             TrainConfig(steps=2500, batch_size=2, grad_accum=1, lr=1e-3, min_lr_ratio=1.0, warmup_steps=0,
                         beta2=0.999, weight_decay=0.01, grad_clip=0.0, log_interval=10, eval_interval=100,
                         checkpoint_interval=500, keep_checkpoints=2),

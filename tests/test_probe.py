@@ -177,6 +177,36 @@ def test_the_model_attends_through_blur_rungs_only_when_asked():
         FibLM(dataclasses.replace(cfg, schedule="fixed")).set_blur_width(1.0)
 
 
+@pytest.mark.parametrize("width", [40, 2.5, 0.5])
+def test_the_band_weights_carry_the_loss_gradient_to_theta(width):
+    """Autograd's d loss / d theta of a whole probe model equals central finite differences
+    (float64): the gradient is the loss's own, reaching alpha through the band's weights."""
+    cfg = dataclasses.replace(get_preset("probe").model, n_layers=2, seq_len=64, d_model=32, n_heads=4)
+    torch.manual_seed(0)
+    model = FibLM(cfg).double()
+    with torch.no_grad():  # alphas 0.83 and 1.17: no centre near a rounding boundary
+        for block, alpha in zip(model.blocks, (0.83, 1.17)):
+            block.attn.theta.fill_(math.log((alpha - 0.5) / (1.5 - alpha)))
+    model.set_blur_width(width)
+    x, y = MarkedCopy(512, 64, (20, 35)).sample(2, torch.Generator().manual_seed(1))
+
+    def loss():
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    loss().backward()
+    for block in model.blocks:
+        theta, eps = block.attn.theta, 1e-6
+        with torch.no_grad():
+            theta += eps
+            up = float(loss())
+            theta -= 2 * eps
+            down = float(loss())
+            theta += eps
+        numeric = (up - down) / (2 * eps)
+        assert abs(numeric) > 1e-6  # theta moves the loss: the test can tell a lost gradient
+        assert float(theta.grad) == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+
+
 # ----------------------------------------------------------------------------- runs
 
 SMALL = dict(length=64, distances=(20, 35))
@@ -197,6 +227,14 @@ def test_probe_runs_name_every_cell_and_refuse_bad_input():
                          (dict(seeds=(-1,)), "--seed")):
         with pytest.raises(ConfigError, match=message):
             probe_runs(**bad)
+
+
+def test_a_value_given_twice_is_one_cell():
+    """--depth 2 --depth 2 made the same run twice and the insert failed with a traceback."""
+    twice = probe_runs(depths=(2, 2), inits=("uniform", "uniform"), seeds=(0, 0))
+    assert [r.name for r in twice] == ["probe_d2_uniform_s0"]
+    assert [r.name for r in probe_runs(depths=(4, 2, 4), inits=("uniform",), seeds=(1, 0, 1))] == [
+        "probe_d4_uniform_s1", "probe_d4_uniform_s0", "probe_d2_uniform_s1", "probe_d2_uniform_s0"]
 
 
 def test_probe_config_round_trips_and_leaves_lm_hashes_alone():
@@ -330,6 +368,7 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--vocab", "1000000000"], "--vocab 1,000,000,000 is too large: a probe takes at most 65,536"),
     (["--eval-sequences", "0"], "--eval-sequences 0 must be from 1 to 1,000,000"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
+    (["--quick", "--steps", "0"], "--steps 0 must be >= 1"),  # not replaced by --quick's 200
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):
     r = _fibctl(tmp_path, "probe", "--db", "r.db", *args)

@@ -42,7 +42,8 @@ def probe_cmd(
     from fibctl.probe.cells import DEPTHS, QUICK_STEPS, SEEDS, probe_runs
 
     if quick:
-        depth, seed, steps = depth or [2], seed or [0], steps or QUICK_STEPS
+        # a given --steps stands, 0 included (refused below, not replaced by the default)
+        depth, seed, steps = depth or [2], seed or [0], QUICK_STEPS if steps is None else steps
     configs = probe_runs(tuple(depth or DEPTHS), tuple(init or ("uniform", "staggered")), tuple(seed or SEEDS),
                          steps, tuple(distance) if distance else None, length, vocab, eval_sequences)
     added, present = queue.add_runs(db_engine.connect(db), configs)

@@ -56,12 +56,15 @@ def _reference(q, k, v, window, c, centres, width) -> torch.Tensor:
     for d in window:
         row = (i - d).clamp_min(0)
         columns.append((k[:, :, row], v[:, :, row], i >= d))
-    if c:
-        offsets, weights = bands(c, centres, width, T)
-        for r in range(len(c)):
-            rows = (i[:, None] - offsets[r][None, :]).clamp_min(0)  # (T, 2R+1)
-            mix = weights[r].to(q.dtype)[:, None]  # (2R+1, 1)
-            columns.append(((mix * k[:, :, rows]).sum(-2), (mix * v[:, :, rows]).sum(-2), i >= c[r]))
+    R = math.ceil(2.5 * width)
+    for r, middle in enumerate(c):
+        # the band spelled out here, not read from bands(): the fast path's table comes from
+        # bands(), and a test holding the two together must not share it
+        offsets = torch.tensor([min(T - 1, max(1, j)) for j in range(middle - R, middle + R + 1)], device=q.device)
+        mix = torch.exp(-0.5 * ((offsets.to(centres.dtype) - centres[r]) / width) ** 2)
+        mix = (mix / mix.sum()).to(q.dtype)[:, None]  # (2R+1, 1)
+        rows = (i[:, None] - offsets[None, :]).clamp_min(0)  # (T, 2R+1)
+        columns.append(((mix * k[:, :, rows]).sum(-2), (mix * v[:, :, rows]).sum(-2), i >= middle))
     return attend_columns(q, columns)
 
 

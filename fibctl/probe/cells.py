@@ -31,6 +31,8 @@ def probe_runs(depths=DEPTHS, inits=PROBE_INITS, seeds=SEEDS, steps: int | None 
     """The runs of the probe; None keeps the study's value. Raises ConfigError naming the first
     bad value, before anything is queued."""
     preset = get_preset("probe")
+    # a value given twice (--depth 2 --depth 2) is one cell, not the same run queued twice
+    depths, inits, seeds = (tuple(dict.fromkeys(values)) for values in (depths, inits, seeds))
     steps = preset.train.steps if steps is None else steps
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1")

@@ -46,7 +46,8 @@ class ProbeTrainer(Trainer):
         self.data_hash, self.heldout = self.task.hash, {}
         self._build(compile=False)
         set_alphas(self.model, probe_alphas(self.probe.init, config.model.n_layers))
-        # the study's probe: torch's AdamW with its defaults, weight decay on every parameter
+        # the study's probe trains with AdamW at lr 1e-3; fibctl's reading of the rest
+        # (docs/method.md): torch's AdamW with its defaults, weight decay on every parameter
         # (theta and the norm scales included), at a constant lr. Fused: the same update in one
         # pass over the weights instead of a dozen (it differs from the default by rounding).
         self.optimizer = marks_writes(torch.optim.AdamW(

@@ -198,9 +198,10 @@ class ProbeConfig:
             raise ConfigError(f"probe eval_sequences = {self.eval_sequences!r} must be an integer >= 1")
         return self
 
-    def width_at(self, step: int, steps: int) -> float:
-        """The band width w used by step `step` (counted from 1) of `steps`."""
-        progress = min(1.0, step / max(1.0, self.anneal_fraction * steps))
+    def width_at(self, done: int, steps: int) -> float:
+        """The band width w of the step that follows `done` finished steps of `steps` (as in
+        the study's probe, the first step trains at width_start)."""
+        progress = min(1.0, done / max(1.0, self.anneal_fraction * steps))
         return max(self.width_floor, self.width_start + (self.width_end - self.width_start) * progress)
 
 
@@ -237,8 +238,8 @@ PRESETS: dict[str, Preset] = {
             "probe",
             ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=512,
                         schedule="learned", base="fib", window=8),
-            # the study's probe: AdamW at lr 1e-3, batch 2, 2,500 steps; the rest is fibctl's reading
-            # (docs/method.md): a constant lr, torch's AdamW defaults otherwise (betas 0.9/0.999,
+            # the study's probe code (docs/method.md): AdamW at lr 1e-3, batch 2, 2,500 steps,
+            # a constant lr, torch's AdamW defaults otherwise (betas 0.9/0.999,
             # weight decay 0.01 on every parameter), no clipping; alphas every 100 steps
             TrainConfig(steps=2500, batch_size=2, grad_accum=1, lr=1e-3, min_lr_ratio=1.0, warmup_steps=0,
                         beta2=0.999, weight_decay=0.01, grad_clip=0.0, log_interval=10, eval_interval=100,

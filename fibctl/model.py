@@ -75,7 +75,7 @@ class Attention(nn.Module):
             return self._static_cols[T]
         # One product t_k = alpha * b_k in the parameter's dtype gives both the rung's row
         # (lo = floor(t_k)) and its interpolation weight (t_k - lo), as in the study.
-        targets, kept = self._rungs(T, fractional_rungs)
+        targets, kept = self._rungs(T)
         lo = [lo for _, lo in kept]
         dev = targets.device
         frac = targets[constant([k for k, _ in kept], torch.long, dev)] - constant(lo, targets.dtype, dev)
@@ -83,21 +83,25 @@ class Attention(nn.Module):
 
     def blur_columns(self, T: int) -> tuple[list[int], torch.Tensor]:
         """The probe's rungs at this length: rounded centres c_k and exact centres alpha * b_k."""
-        centres, kept = self._rungs(T, blur_rungs)
+        centres, kept = self._rungs(T, blur=True)
         return [c for _, c in kept], centres[constant([k for k, _ in kept], torch.long, centres.device)]
 
-    def _rungs(self, T: int, keep) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The products alpha * b_k (on the device, carrying alpha's gradient) and `keep` of
-        them read on the host: (k, row) of each rung kept. The host read happens once per value
+    def _rungs(self, T: int, blur: bool = False) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The products alpha * b_k (on the device, carrying alpha's gradient) and the rungs kept
+        of them (fractional_rungs, or blur_rungs for the probe) read on the host: (k, row) of
+        each. The host read happens once per value
         of theta (an optimizer step or a load changes its version or storage; optimizers that
         write without a version bump get one from fibctl.train.optim.marks_writes): on CUDA
         each read waits for the GPU, and a step's micro-batches all see the same theta."""
         alpha, cfg = self.alpha, self.cfg
-        products = alpha * constant(built_base(cfg.base, T, cfg.seq_len, cfg.n_rungs), alpha.dtype, alpha.device)
+        base = built_base(cfg.base, T, cfg.seq_len, cfg.n_rungs)
+        products = alpha * constant(base, alpha.dtype, alpha.device)
         theta = self.theta
-        key = (T, keep, theta._version, theta.data_ptr(), theta.dtype, theta.device)
+        key = (T, blur, theta._version, theta.data_ptr(), theta.dtype, theta.device)
         if self._rungs_read is None or self._rungs_read[0] != key:
-            self._rungs_read = (key, keep(products.detach().tolist(), self.cfg.window, T))
+            read = products.detach().tolist()
+            kept = blur_rungs(base, read, cfg.window, T) if blur else fractional_rungs(read, cfg.window, T)
+            self._rungs_read = (key, kept)
         return products, self._rungs_read[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

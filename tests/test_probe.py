@@ -85,6 +85,20 @@ def test_width_anneals_from_40_to_half_over_80_percent_then_holds():
     assert dataclasses.replace(p, width_end=0.25).width_at(2500, 2500) == 0.25
 
 
+def test_the_first_step_trains_at_the_starting_width(tmp_path):
+    """As in the study's probe: step s (from 1) trains at the width after s - 1 steps, 40 at
+    step 1 (not 40 - 39.5 / 2000), and the model is scored at the last step's width."""
+    run = small_runs(steps=5)[0]
+    trainer = ProbeTrainer(run, tmp_path, NullReporter())
+    widths = []
+    set_width = trainer.model.set_blur_width
+    trainer.model.set_blur_width = lambda w: (widths.append(w), set_width(w))
+    assert trainer.run().status == "done"
+    p = run.probe
+    assert widths[:5] == [p.width_at(s, 5) for s in range(5)] and widths[0] == p.width_start
+    assert widths[5:] == [p.width_at(4, 5)]
+
+
 def test_the_probe_recipe_does_not_clip():
     """grad_clip 0 means no clipping: an infinite bound, which leaves gradients as they are."""
     assert get_preset("probe").train.clip_bound == math.inf and get_preset("tiny").train.clip_bound == 1.0
@@ -103,8 +117,18 @@ def test_staggered_start_is_the_ramp_clamped():
 
 
 def test_blur_rungs_keep_centres_past_the_window_and_inside_the_length():
-    assert blur_rungs([1.0 * b for b in FIB[:15]], 8, 512) == [(k, b) for k, b in enumerate(FIB[:15]) if 8 < b <= 511]
-    assert blur_rungs([8.4, 8.6, 511.4, 511.6], 8, 512) == [(1, 9), (2, 511)]
+    base = FIB[:15]
+    assert blur_rungs(base, [1.0 * b for b in base], 8, 512) == [(k, b) for k, b in enumerate(base) if 8 < b <= 511]
+    assert blur_rungs([13, 21, 377, 610], [8.4, 8.6, 511.4, 511.6], 8, 512) == [(1, 9), (2, 511)]
+
+
+def test_blur_rungs_scale_only_base_values_past_the_window():
+    """The study's probe drops b_k <= W before scaling: at alpha 1.45, b = 8 lands on 11.6, past
+    W = 8, and is still not a rung (the integer rule of the language models would keep it)."""
+    base = FIB[:15]
+    kept = blur_rungs(base, [1.45 * b for b in base], 8, 512)
+    assert [base[k] for k, _ in kept] == [13, 21, 34, 55, 89, 144, 233]
+    assert [c for _, c in kept][:2] == [19, 30]
 
 
 # ----------------------------------------------------------------------------- blur attention
@@ -116,7 +140,7 @@ def _blur(T, width, impl, alpha=1.13, dtype=torch.float64, B=1, H=4, Hkv=2, D=8)
     k, v = (torch.randn(B, Hkv, T, D, dtype=dtype, generator=g) for _ in range(2))
     theta = torch.tensor(math.log((alpha - 0.5) / (1.5 - alpha)), dtype=dtype, requires_grad=True)
     centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(FIB[:15], dtype=dtype)
-    kept = blur_rungs(centres.detach().tolist(), 8, T)
+    kept = blur_rungs(FIB[:15], centres.detach().tolist(), 8, T)
     idx = torch.tensor([i for i, _ in kept], dtype=torch.long)
     out = blur_attention(q, k, v, list(range(min(8, T - 1) + 1)), [c for _, c in kept], centres[idx], width, impl)
     weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
@@ -273,12 +297,12 @@ def test_blur_centres_follow_the_trained_alphas(tmp_path):
     trainer = ProbeTrainer(run, tmp_path, NullReporter())
     assert trainer.run().status == "done"
     T, W, base = run.model.seq_len, run.model.window, [float(b) for b in FIB[:run.model.n_rungs]]
-    start = [c for _, c in blur_rungs(base, W, T)]  # alpha 1
+    start = [c for _, c in blur_rungs(base, base, W, T)]  # alpha 1
     moved = 0
     for block in trainer.model.blocks:
         centres, _ = block.attn.blur_columns(T)
         products = (block.attn.alpha.detach() * torch.tensor(base)).tolist()
-        trained = [c for _, c in blur_rungs(products, W, T)]
+        trained = [c for _, c in blur_rungs(base, products, W, T)]
         assert centres == trained
         moved += trained != start
     assert moved  # the run trained some alpha far enough to move a centre

@@ -356,11 +356,11 @@ def _measure_blur(bench: ProbeBench, impl: str) -> dict:
     grad_out = torch.randn(bench.batch, cfg.n_heads, T, D, generator=g)
     theta = torch.zeros((), requires_grad=True)  # alpha 1
     window = window_distances(cfg.window, T)
+    base = base_sequence(cfg.base, T, cfg.n_rungs)
 
     def forward_backward():
-        centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(base_sequence(cfg.base, T, cfg.n_rungs),
-                                                              dtype=torch.float32)
-        kept = blur_rungs(centres.detach().tolist(), cfg.window, T)
+        centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(base, dtype=torch.float32)
+        kept = blur_rungs(base, centres.detach().tolist(), cfg.window, T)
         idx = torch.tensor([i for i, _ in kept], dtype=torch.long)
         out = blur_attention(q, k, v, window, [c for _, c in kept], centres[idx], bench.width, impl)
         out.backward(grad_out)
@@ -368,4 +368,4 @@ def _measure_blur(bench: ProbeBench, impl: str) -> dict:
     before = _peak_memory_mb(torch.device("cpu"))
     ms = 1e3 * _time(forward_backward, bench.repeats, bench.warmup)
     return {"impl": impl, "fwd_bwd_ms": ms, "memory_mb": _peak_memory_mb(torch.device("cpu")) - before,
-            "rungs": len(blur_rungs(base_sequence(cfg.base, T, cfg.n_rungs), cfg.window, T))}
+            "rungs": len(blur_rungs(base, base, cfg.window, T))}

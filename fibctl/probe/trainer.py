@@ -46,8 +46,8 @@ class ProbeTrainer(Trainer):
         self.data_hash, self.heldout = self.task.hash, {}
         self._build(compile=False)
         set_alphas(self.model, probe_alphas(self.probe.init, config.model.n_layers))
-        # the study's probe trains with AdamW at lr 1e-3; fibctl's reading of the rest
-        # (docs/method.md): torch's AdamW with its defaults, weight decay on every parameter
+        # as the study's probe code trains (docs/method.md): AdamW at lr 1e-3,
+        # torch's AdamW with its defaults, weight decay on every parameter
         # (theta and the norm scales included), at a constant lr. Fused: the same update in one
         # pass over the weights instead of a dozen (it differs from the default by rounding).
         self.optimizer = marks_writes(torch.optim.AdamW(
@@ -57,7 +57,7 @@ class ProbeTrainer(Trainer):
         self.sampler = MarkedBatches(self.task, self.tc.batch_size, config.data_seed)
 
     def train_step(self) -> tuple[float, float]:
-        self.model.set_blur_width(self.probe.width_at(self.step, self.tc.steps))
+        self.model.set_blur_width(self.probe.width_at(self.step - 1, self.tc.steps))  # self.step: this one
         return super().train_step()
 
     def _evaluate_and_checkpoint(self) -> tuple[Path | None, None]:
@@ -73,12 +73,12 @@ class ProbeTrainer(Trainer):
 
     def score(self) -> dict[str, float]:
         """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,
-        at the final width; recorded with the depth, the init and the held-out loss."""
+        at the last step's width; recorded with the depth, the init and the held-out loss."""
         n = self.probe.eval_sequences
         x, y = self.task.sample(n, heldout_generator(self.config.data_seed))
-        self.model.set_blur_width(self.probe.width_at(self.tc.steps, self.tc.steps))
+        self.model.set_blur_width(self.probe.width_at(self.tc.steps - 1, self.tc.steps))
         distances = self.probe.distances
-        correct, total = torch.zeros(len(distances)), torch.zeros(len(distances))
+        correct, total = [0] * len(distances), [0] * len(distances)  # exact counts at any size
         loss_sum, loss_n = 0.0, 0
         with torch.no_grad():
             for s in range(0, n, SCORE_BATCH):
@@ -94,7 +94,7 @@ class ProbeTrainer(Trainer):
                     correct[k] += int((hit & (marker == k)).sum())
                     total[k] += int((scored & (marker == k)).sum())
         metrics = {"depth": self.config.model.n_layers, "staggered_init": int(self.probe.init == "staggered"),
-                   **{f"acc_d{d}": float(correct[k] / total[k]) if total[k] else math.nan
+                   **{f"acc_d{d}": correct[k] / total[k] if total[k] else math.nan
                       for k, d in enumerate(distances)},
                    "eval_sequences": n, "heldout_loss": loss_sum / max(1, loss_n)}
         for name, value in metrics.items():

@@ -351,6 +351,22 @@ def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matri
     assert "no 'done' attempt in fib.db, its metrics skipped: f13__fib_stagger_w12" in lines, out.stdout
 
 
+def test_a_run_whose_metrics_are_all_empty_is_named(tmp_path, db_url):
+    """Table 1 leaves out a run with no final perplexity: the import says which (not the dense
+    baseline, whose numbers are in lenextrap.json)."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.executescript("CREATE TABLE copy (run_id, step, dataset, ppl, loss, eval_tokens, recorded_at); "
+                            "INSERT INTO copy SELECT * FROM metrics; DROP TABLE metrics; "
+                            "ALTER TABLE copy RENAME TO metrics; UPDATE metrics SET ppl = NULL, loss = NULL "
+                            "WHERE run_id = (SELECT id FROM runs WHERE title = 'f09__logsparse_w8');")
+    out = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
+                          "--posloss", str(posloss), "--db", db_url], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "no perplexity in fib.db (every metrics row empty): f09__logsparse_w8" in out.stdout.splitlines(), \
+        out.stdout
+
+
 def test_import_aux_probe_extrapolation_and_position_losses(tmp_path, db_url):
     engine, _ = imported(tmp_path, db_url)
     aux = dict(rows(engine, "SELECT m.name, m.value FROM aux_metrics m JOIN runs r ON r.id = m.run_id "

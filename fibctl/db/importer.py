@@ -100,6 +100,7 @@ class ImportSummary:
     position_losses: int = 0
     skipped: list[str] = field(default_factory=list)  # study runs with no fibctl meaning
     unfinished: list[str] = field(default_factory=list)  # study runs with no `done` attempt
+    unmeasured: list[str] = field(default_factory=list)  # sparse runs imported with no perplexity in fib.db
 
 
 def study_run(title: str, where: str = "study run name") -> StudyRun | None:
@@ -345,6 +346,8 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
         out[title] = _Imported(run_id, final_step)
         summary.runs += written
         summary.evaluations += _import_metrics(conn, study, chosen["id"], run_id, where, of)
+        if chosen["id"] not in ends and run.schedule != "dense":  # the dense baseline's are in lenextrap.json
+            summary.unmeasured.append(title)
         summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step, where, of)
     return out
 

@@ -114,6 +114,15 @@ def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):
     assert (row["FineWeb-Edu"], row["FineWeb-Edu (mine)"], row["Δ FineWeb-Edu"]) == (42.0, 41.0, 1.0)
     assert pd.isna(by_config.loc[("fib", "fixed", 8), "FineWeb-Edu (mine)"])
     assert "Run" not in t.frame.columns  # run names differ between databases
+    with engine.begin() as conn:  # a second run of that kind: matched twice, the row came out twice
+        rid = add_run(conn, "other_stagger_w12", "stagger", window=12, T=1024, preset="paper", matrix="other")
+        add_eval(conn, rid, 1024, 40.0, dataset="fineweb_edu_val")
+    engine.dispose()
+    with pytest.raises(FibctlError, match=r"^table1 --compare matches runs by base, schedule and W: mine has 2 "
+                                          r"runs of fib stagger W12 \(mine_stagger_w12, other_stagger_w12\)"):
+        tables.table1(ro(study), compare=ro(other), compare_label="mine")
+    t = tables.table1(ro(study), compare=ro(other), compare_label="mine", matrix="paper")
+    assert len(t.frame) == len(tables.table1(ro(study), matrix="paper").frame)
 
 
 def test_table2_probe_alpha_range_and_mean_accuracy(study):

@@ -231,6 +231,13 @@ def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
             label: str) -> tuple[pd.DataFrame, dict[str, Formatter]]:
     """Each value column followed by the other database's value and the difference."""
     keys = ["Base", "Schedule", "W"]
+    for frame, which in ((this, "this database"), (other, label)):  # a match must be one run each side
+        for key, group in frame.groupby(keys, dropna=False):
+            if len(group) > 1:
+                kind = " ".join(str(k) for k in key[:2]) + ("" if pd.isna(key[2]) else f" W{key[2]}")
+                raise FibctlError(f"table1 --compare matches runs by base, schedule and W: {which} has "
+                                  f"{len(group)} runs of {kind} ({', '.join(sorted(group['Run'])[:4])}); "
+                                  "--matrix picks one matrix's")
     other = other[keys + [c for c in cols if c in other.columns]]
     merged = this.merge(other, on=keys, how="left", suffixes=("", f" ({label})"))
     ordered, formats = list(keys), {}  # run names differ between databases: matched by identity

@@ -201,6 +201,19 @@ def test_the_columns_read_are_the_ones_docs_name():
         assert f"`{table}` ({', '.join(columns)})" in published, table
 
 
+def test_a_name_without_its_seed_takes_the_seed_fib_db_records(tmp_path, db_url):
+    """The name's seed (`_s43`) is the study's naming; a copy that drops it still records the
+    seed in runs.seed, and Table 5 must not file that run's numbers under seed 42."""
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.execute("UPDATE runs SET title = 'g03__fib_stagger_w12' WHERE title = 'g03__fib_stagger_w12_s43'")
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    [(seed, data_seed, config)] = rows(engine, "SELECT seed, data_seed, config_json FROM runs "
+                                               "WHERE name = 'g03__fib_stagger_w12'")
+    assert (seed, data_seed, json.loads(config)["data_seed"]) == (43, 43, 43)
+
+
 def test_two_perplexities_on_as_many_tokens_stop_the_import(tmp_path, db_url):
     """A copy of metrics without its key holding each measurement twice imports; a newer
     layout whose metrics tell rows apart by a column the importer does not read (here the
@@ -550,6 +563,9 @@ BAD_STUDY = [
     ("fib.db", f"UPDATE runs SET title = 'f13__fib_w12_s99999999999999999999' {RUN}", ("fib.db", "seed = '9999",
                                                                                        "2**32 - 1")),
     ("fib.db", f"UPDATE runs SET title = x'00' {RUN}", ("fib.db", "runs.title = b'\\x00'")),
+    ("fib.db", "UPDATE runs SET seed = 45 WHERE title = 'g03__fib_stagger_w12_s43'",
+     ("fib.db", "runs.seed = 45 for run 'g03__fib_stagger_w12_s43' disagrees with the seed its name says (43)")),
+    ("fib.db", "UPDATE runs SET seed = 'x' WHERE title = 'g03__fib_stagger_w12_s43'", ("runs.seed = 'x'", "g03")),
     ("fib.db", f"UPDATE runs SET status = CAST(x'ff' AS TEXT) {RUN}", ("study database fib.db", "cannot read",
                                                                       "UTF-8")),
     ("fib.db", f"UPDATE eval_results SET value = 'x' {EVAL}", ("eval_results.value = 'x'", "f13__fib_stagger_w12")),

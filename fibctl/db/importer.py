@@ -2,7 +2,8 @@
 
 - `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T 1024, status 'done', source =
   the file name). Names are kept (`f13__fib_stagger_w12`) and mapped to base / schedule /
-  window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed);
+  window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed; a
+  name without one takes runs.seed, and a name whose seed runs.seed contradicts is an error);
   the last `done` attempt of each name that has metrics wins (else the last `done` one): a
   later registration holding nothing does not hide the results. A name with no `done`
   attempt is left out, and the summary says so. `ref_e0000`, registered in the study's db as a
@@ -88,6 +89,7 @@ class StudyRun:
     schedule: str
     window: int | None
     seed: int
+    seed_named: bool = False  # the name says the seed (`_s43`); else 42 by the study's naming
 
 
 @dataclass
@@ -119,7 +121,7 @@ def study_run(title: str, where: str = "study run name") -> StudyRun | None:
 
     seed = number("seed", SEED_MAX)
     return StudyRun(title, _BASES[m["base"]], _SCHEDULES[m["schedule"]], number("window", INT32),
-                    42 if seed is None else seed)
+                    42 if seed is None else seed, seed_named=seed is not None)
 
 
 def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | None = None,
@@ -304,9 +306,11 @@ def _matrix_configs() -> dict[str, RunConfig]:
 def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
     # a run of the paper matrix gets its config there (its micro-batch split included), so that
     # queueing the matrix beside the imported study finds the same runs
-    config = _matrix_configs().get(run.name) or RunConfig.resolve(
-        run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
-        window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
+    config = _matrix_configs().get(run.name)
+    if config is None or config.seed != run.seed:
+        config = RunConfig.resolve(
+            run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
+            window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
     # init seed was never recorded (NULL), though replicates shared their initial weights.
     return run_row(config, init_seed=None, status=schema.RunStatus.DONE,
@@ -332,6 +336,7 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
             (summary.skipped if run is None else summary.unfinished).append(title)
             continue
         of = f"for run {_shown(title)}"
+        run = _recorded_seed(run, chosen["seed"], f"{where}: runs.seed", of)
         final_step = _final_step(study, chosen["id"], where, of)
         count = dict(integer=True, hi=INT64, null=True)
         details = dict(
@@ -350,6 +355,17 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
             summary.unmeasured.append(title)
         summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step, where, of)
     return out
+
+
+def _recorded_seed(run: StudyRun, seed, what: str, of: str) -> StudyRun:
+    """The run with the seed fib.db records for it: a name without `_s<seed>` is seed 42 only
+    by the study's naming, so the recorded seed decides; a name that says another is an error."""
+    seed = _num(seed, what, of, integer=True, hi=SEED_MAX, null=True)
+    if seed is None or seed == run.seed:
+        return run
+    if run.seed_named:
+        raise FibctlError(f"{what} = {seed} {of} disagrees with the seed its name says ({run.seed})")
+    return dataclasses.replace(run, seed=seed)
 
 
 def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.Row]]:

@@ -193,6 +193,88 @@ def test_a_step_measured_twice_keeps_the_measurement_on_most_tokens(tmp_path, db
     assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(42.5, 1048576)]
 
 
+def test_the_columns_read_are_the_ones_docs_name():
+    from fibctl.db.importer import EXPECTED
+    docs = (Path(__file__).parent.parent / "docs" / "method.md").read_text()
+    published = " ".join(docs.split("## The published files")[1].split("\n## ")[0].split())
+    for table, columns in EXPECTED.items():
+        assert f"`{table}` ({', '.join(columns)})" in published, table
+
+
+def test_a_name_without_its_seed_takes_the_seed_fib_db_records(tmp_path, db_url):
+    """The name's seed (`_s43`) is the study's naming; a copy that drops it still records the
+    seed in runs.seed, and Table 5 must not file that run's numbers under seed 42."""
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.execute("UPDATE runs SET title = 'g03__fib_stagger_w12' WHERE title = 'g03__fib_stagger_w12_s43'")
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    [(seed, data_seed, config)] = rows(engine, "SELECT seed, data_seed, config_json FROM runs "
+                                               "WHERE name = 'g03__fib_stagger_w12'")
+    assert (seed, data_seed, json.loads(config)["data_seed"]) == (43, 43, 43)
+
+
+def test_two_perplexities_on_as_many_tokens_stop_the_import(tmp_path, db_url):
+    """A copy of metrics without its key holding each measurement twice imports; a newer
+    layout whose metrics tell rows apart by a column the importer does not read (here the
+    length) stops it, rather than one of the two standing in Table 1 by row order."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    _without_keys(fib_db, "metrics")
+    with sqlite3.connect(fib_db) as study:
+        study.execute("INSERT INTO metrics SELECT * FROM metrics")
+    engine = connect(db_url)
+    import_study(engine, fib_db, extrap, posloss)
+    assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(42.5, 1048576)]
+    before = _dump(engine)
+    with sqlite3.connect(fib_db) as study:
+        study.executescript("ALTER TABLE metrics ADD COLUMN seq_len INTEGER DEFAULT 1024; "
+                            "INSERT INTO metrics SELECT DISTINCT run_id, step, dataset, ppl * 3, loss + 1.1, "
+                            f"eval_tokens, recorded_at, 4096 FROM metrics WHERE run_id = {F11} AND step = {FINAL};")
+    with pytest.raises(FibctlError, match=r"^study database fib.db: metrics for run 'f11__fib_stagger_w8' step "
+                                          r"1000 dataset '\w+': two perplexities on 1,048,576 tokens "
+                                          r"\(\d+\.?\d* and \d+\.?\d*\); expected one$"):
+        import_study(engine, fib_db, extrap, posloss)
+    assert _dump(engine) == before
+
+
+def _wal_study(folder: Path) -> Path:
+    """The small study as the published fib.db is: a WAL database, no connection open."""
+    fib_db, _, _ = make_study(folder)
+    with sqlite3.connect(fib_db) as study:
+        study.execute("PRAGMA journal_mode=WAL")
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("fib.db")) == ["fib.db"]
+    return fib_db
+
+
+def test_the_study_database_is_read_without_a_file_made_beside_it(tmp_path, db_url):
+    """A read-only connection to a WAL database makes -wal and -shm files (and fails where
+    it cannot: a read-only disk or folder); with nothing in a -wal the study is read immutable."""
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    fib_db = _wal_study(study_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in study_dir.iterdir()}
+    engine = connect(db_url)
+    import_study(engine, fib_db)
+    assert {p.name: p.stat().st_mtime_ns for p in study_dir.iterdir()} == before
+    assert rows(engine, "SELECT COUNT(*) FROM runs WHERE source = 'fib.db'") == [(10 + 4,)]
+
+
+def test_rows_still_in_the_studys_wal_file_are_read(tmp_path, db_url):
+    fib_db = _wal_study(tmp_path)
+    writer = sqlite3.connect(fib_db)  # held open: its last rows stay in fib.db-wal
+    try:
+        writer.execute("PRAGMA wal_autocheckpoint=0")
+        with writer:
+            writer.execute(f"UPDATE metrics SET ppl = 40.5 WHERE run_id = {F11} AND step = {FINAL} "
+                           "AND dataset = 'fineweb_edu_val'")
+        assert (tmp_path / "fib.db-wal").stat().st_size > 0
+        engine = connect(db_url)
+        import_study(engine, fib_db)
+        assert _final_fineweb(engine, "f11__fib_stagger_w8") == [(40.5, 1048576)]
+    finally:
+        writer.close()
+
+
 def test_a_metrics_row_with_a_loss_but_no_perplexity_gets_exp_loss(tmp_path, db_url):
     fib_db, _, _ = make_study(tmp_path)
     with sqlite3.connect(fib_db) as study:
@@ -282,6 +364,22 @@ def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matri
     assert "no 'done' attempt in fib.db, its metrics skipped: f13__fib_stagger_w12" in lines, out.stdout
 
 
+def test_a_run_whose_metrics_are_all_empty_is_named(tmp_path, db_url):
+    """Table 1 leaves out a run with no final perplexity: the import says which (not the dense
+    baseline, whose numbers are in lenextrap.json)."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:
+        study.executescript("CREATE TABLE copy (run_id, step, dataset, ppl, loss, eval_tokens, recorded_at); "
+                            "INSERT INTO copy SELECT * FROM metrics; DROP TABLE metrics; "
+                            "ALTER TABLE copy RENAME TO metrics; UPDATE metrics SET ppl = NULL, loss = NULL "
+                            "WHERE run_id = (SELECT id FROM runs WHERE title = 'f09__logsparse_w8');")
+    out = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
+                          "--posloss", str(posloss), "--db", db_url], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "no perplexity in fib.db (every metrics row empty): f09__logsparse_w8" in out.stdout.splitlines(), \
+        out.stdout
+
+
 def test_import_aux_probe_extrapolation_and_position_losses(tmp_path, db_url):
     engine, _ = imported(tmp_path, db_url)
     aux = dict(rows(engine, "SELECT m.name, m.value FROM aux_metrics m JOIN runs r ON r.id = m.run_id "
@@ -333,8 +431,13 @@ def test_wrong_layout_names_what_was_expected(tmp_path, db_url):
     conn = sqlite3.connect(broken)
     conn.execute("CREATE TABLE runs (id INTEGER, title TEXT)")
     conn.close()
-    with pytest.raises(FibctlError, match="lacks columns status.*expected the study's layout.*metrics\\(run_id"):
+    with pytest.raises(FibctlError, match="broken.db: table 'runs' lacks columns status, seed.*not the layout of "
+                                          "the study's fib.db \\(docs/method.md, 'The published files'\\)$"):
         import_study(engine, broken)
+    ours = tmp_path / "ours.db"  # a fibctl database given where the study's belongs
+    connect(str(ours)).dispose()
+    with pytest.raises(FibctlError, match="ours.db is a fibctl results database, not the study's fib.db"):
+        import_study(engine, ours)
     not_db = tmp_path / "notes.txt"
     not_db.write_text("hello " * 100)
     with pytest.raises(FibctlError, match="not an SQLite database"):
@@ -460,6 +563,9 @@ BAD_STUDY = [
     ("fib.db", f"UPDATE runs SET title = 'f13__fib_w12_s99999999999999999999' {RUN}", ("fib.db", "seed = '9999",
                                                                                        "2**32 - 1")),
     ("fib.db", f"UPDATE runs SET title = x'00' {RUN}", ("fib.db", "runs.title = b'\\x00'")),
+    ("fib.db", "UPDATE runs SET seed = 45 WHERE title = 'g03__fib_stagger_w12_s43'",
+     ("fib.db", "runs.seed = 45 for run 'g03__fib_stagger_w12_s43' disagrees with the seed its name says (43)")),
+    ("fib.db", "UPDATE runs SET seed = 'x' WHERE title = 'g03__fib_stagger_w12_s43'", ("runs.seed = 'x'", "g03")),
     ("fib.db", f"UPDATE runs SET status = CAST(x'ff' AS TEXT) {RUN}", ("study database fib.db", "cannot read",
                                                                       "UTF-8")),
     ("fib.db", f"UPDATE eval_results SET value = 'x' {EVAL}", ("eval_results.value = 'x'", "f13__fib_stagger_w12")),
@@ -497,6 +603,12 @@ BAD_STUDY = [
     ("posloss.json", ((*P11, "per_position", 7), -1.0), ("per_position[7] = -1.0", ">= 0")),
     ("posloss.json", ((*P11, "seq_len"), 10**30), ("posloss.json", "seq_len = 1000000", "2**31 - 1")),
     ("posloss.json", ((*P11, "n_windows"), True), ("posloss.json", "n_windows = True")),
+    ("posloss.json", ((*P11, "n_windows"), 0), ("posloss.json", "n_windows = 0", "integer from 1")),
+    # every predicted position of the window, or Table 4's bins would span part of it
+    ("posloss.json", ((*P11, "per_position"), [3.7] * 500), ("posloss.json", "500 per-position losses",
+                                                           "'f11__fib_stagger_w8'", "seq_len - 1 = 1023")),
+    ("posloss.json", ((*P11, "per_position"), [3.7] * 1033), ("1033 per-position losses", "seq_len - 1 = 1023")),
+    ("posloss.json", ((*P11, "seq_len"), 2048), ("1023 per-position losses", "seq_len - 1 = 2047")),
     ("lenextrap.json", (("f11__fib_stagger_w8", "²"), {"fineweb_edu_val": 40.0}), ("lenextrap.json", "length = '²'")),
     ("lenextrap.json", (("f11__fib_stagger_w8", "9" * 20), {"fineweb_edu_val": 40.0}), ("length = '9999",)),
     ("lenextrap.json", (("f11__fib_stagger_w8", "2048", "fineweb_edu_val"), math.inf), ("lenextrap.json", "ppl = inf",

@@ -114,6 +114,15 @@ def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):
     assert (row["FineWeb-Edu"], row["FineWeb-Edu (mine)"], row["Δ FineWeb-Edu"]) == (42.0, 41.0, 1.0)
     assert pd.isna(by_config.loc[("fib", "fixed", 8), "FineWeb-Edu (mine)"])
     assert "Run" not in t.frame.columns  # run names differ between databases
+    with engine.begin() as conn:  # a second run of that kind: matched twice, the row came out twice
+        rid = add_run(conn, "other_stagger_w12", "stagger", window=12, T=1024, preset="paper", matrix="other")
+        add_eval(conn, rid, 1024, 40.0, dataset="fineweb_edu_val")
+    engine.dispose()
+    with pytest.raises(FibctlError, match=r"^table1 --compare matches runs by base, schedule and W: mine has 2 "
+                                          r"runs of fib stagger W12 \(mine_stagger_w12, other_stagger_w12\)"):
+        tables.table1(ro(study), compare=ro(other), compare_label="mine")
+    t = tables.table1(ro(study), compare=ro(other), compare_label="mine", matrix="paper")
+    assert len(t.frame) == len(tables.table1(ro(study), matrix="paper").frame)
 
 
 def test_table2_probe_alpha_range_and_mean_accuracy(study):
@@ -243,6 +252,38 @@ def test_tables_4_and_5_name_the_windows_that_have_their_data(tmp_path):
     with pytest.raises(FibctlError, match="for two or more seeds; some have at --window 4$"):
         tables.table5(ro(db))
     assert list(tables.table4(ro(db), window=4).frame["Row"]) == ["fixed W4", "stagger W4", "gap"]
+
+
+def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, capsys):
+    """Another matrix's runs of the same kind and seed (or one configuration under two names):
+    Table 5 averaged them into one seed's value and Table 4 ended in a pandas traceback."""
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
+    engine = connect(db)
+    with engine.begin() as conn:
+        for schedule in ("fixed", "stagger"):
+            rid = add_run(conn, f"other_{schedule}", schedule, window=4, matrix="other")
+            add_eval(conn, rid, 128, 30.0)
+            conn.execute(insert(schema.PositionLoss), [
+                dict(run_id=rid, step=600, dataset="docs_val", eval_length=128, position=p,
+                     mean_loss=4.0, windows=4) for p in range(127)])
+    engine.dispose()
+    fails_in_one_line(["figure", "posloss", "--db", db, "--window", "4", "--out", str(tmp_path / "p.png")],
+                      tmp_path, "choose one with --matrix (demo, other)", monkeypatch, capsys)
+    with pytest.raises(FibctlError, match=r"^table4: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
+                                          r"for one cell; choose one with --matrix \(demo, other\)$"):
+        tables.table4(ro(db), window=4)
+    with pytest.raises(FibctlError, match=r"^table5: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
+                                          r"for one cell; choose one with --matrix \(demo, other\)$"):
+        tables.table5(ro(db), window=4)
+    assert tables.table5(ro(db), window=4, matrix="demo").frame["seed 42"].tolist() == [20.42, 20.42]
+    assert list(tables.table4(ro(db), window=4, matrix="demo").frame["Run"])[:2] == ["fixed_w4_s42",
+                                                                                    "stagger_w4_s42"]
+    engine = connect(db)
+    with engine.begin() as conn:  # one matrix, one configuration under two names: --matrix cannot help
+        add_eval(conn, add_run(conn, "fixed_again", "fixed", window=4), 128, 25.0)
+    engine.dispose()
+    with pytest.raises(FibctlError, match=r"2 runs \(fixed_again, fixed_w4_s42\) for one cell; keep one of them"):
+        tables.table5(ro(db), window=4, matrix="demo")
 
 
 def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path):

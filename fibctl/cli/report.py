@@ -286,6 +286,9 @@ def import_study(
     if s.skipped:
         console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False,
                       markup=False)
+    if s.unmeasured:  # Table 1 reads fib.db's final perplexities: these runs have no row there
+        console.print(f"no perplexity in {fib_db.name} (every metrics row empty): {', '.join(s.unmeasured)}",
+                      highlight=False, markup=False)
     if s.unfinished:  # its evaluations in the JSON dumps, if any, are still imported
         console.print(f"no 'done' attempt in {fib_db.name}, its metrics skipped: {', '.join(s.unfinished)}",
                       highlight=False, markup=False)

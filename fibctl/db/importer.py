@@ -2,7 +2,8 @@
 
 - `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T 1024, status 'done', source =
   the file name). Names are kept (`f13__fib_stagger_w12`) and mapped to base / schedule /
-  window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed);
+  window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed; a
+  name without one takes runs.seed, and a name whose seed runs.seed contradicts is an error);
   the last `done` attempt of each name that has metrics wins (else the last `done` one): a
   later registration holding nothing does not hide the results. A name with no `done`
   attempt is left out, and the summary says so. `ref_e0000`, registered in the study's db as a
@@ -10,7 +11,8 @@
 - `metrics` -> `evaluations` at eval_length 1024 (dataset names and token counts as they are).
   A copy without the table's key may hold a step twice for one dataset: the measurement on
   the most tokens wins (Table 1 is read at 1,048,576 tokens, not the 262,144 of the
-  periodic check), then the last. A row with no perplexity but a loss gets exp(loss).
+  periodic check); two different perplexities on as many tokens are an error (something the
+  importer does not read tells them apart). A row with no perplexity but a loss gets exp(loss).
 - `eval_results` -> `aux_metrics`: name = eval_name at the run's final step,
   `eval_name@step<N>` at earlier steps; metric as it is. A repeated measurement: the last wins.
 - `retrieval_results` rows with source 'marked' (Table 2's probe) -> one run per probe model
@@ -22,7 +24,10 @@
   or two alpha lists, are an error, not a silent choice.
 - `lenextrap.json` -> `evaluations` at each length at the run's final step (tokens NULL: the
   file does not record them); a row already imported from `metrics` is kept.
-- `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len.
+- `posloss.json` -> `position_losses` at the run's final step, eval_length = seq_len; each
+  entry holds seq_len - 1 losses (every predicted position) over at least one window.
+- `fib.db` is read where it lies and never changed: with no -wal content it is opened
+  immutable, so SQLite makes no -wal and -shm files beside it.
 
 Every row is written by its natural key, so importing twice changes nothing; the summary
 counts the rows written or changed (a second import of the same files counts none).
@@ -39,6 +44,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
@@ -83,6 +89,7 @@ class StudyRun:
     schedule: str
     window: int | None
     seed: int
+    seed_named: bool = False  # the name says the seed (`_s43`); else 42 by the study's naming
 
 
 @dataclass
@@ -95,6 +102,7 @@ class ImportSummary:
     position_losses: int = 0
     skipped: list[str] = field(default_factory=list)  # study runs with no fibctl meaning
     unfinished: list[str] = field(default_factory=list)  # study runs with no `done` attempt
+    unmeasured: list[str] = field(default_factory=list)  # sparse runs imported with no perplexity in fib.db
 
 
 def study_run(title: str, where: str = "study run name") -> StudyRun | None:
@@ -113,7 +121,7 @@ def study_run(title: str, where: str = "study run name") -> StudyRun | None:
 
     seed = number("seed", SEED_MAX)
     return StudyRun(title, _BASES[m["base"]], _SCHEDULES[m["schedule"]], number("window", INT32),
-                    42 if seed is None else seed)
+                    42 if seed is None else seed, seed_named=seed is not None)
 
 
 def import_study(engine: Engine, fib_db: str | Path, lenextrap: str | Path | None = None,
@@ -156,21 +164,38 @@ def check_inputs(fib_db: str | Path, lenextrap: str | Path | None = None, poslos
 
 
 def _open_study(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
+    """The study's database, read-only. Where no -wal file holds anything (the published
+    fib.db is a WAL database, its -wal absent or empty) it is opened immutable: SQLite then
+    makes no -wal and -shm files beside it, and reads it from a folder or disk it cannot write
+    (plain `mode=ro` needs an -shm file there, and fails without one). A non-empty -wal holds
+    rows the file does not yet: read through it."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        immutable = not wal.exists() or wal.stat().st_size == 0
+    except OSError:
+        immutable = False
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro{'&immutable=1' if immutable else ''}"
+    conn = sqlite3.connect(uri, uri=True)
     conn.row_factory = sqlite3.Row
     try:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as e:
         conn.close()
-        raise FibctlError(f"{path}: not an SQLite database ({e}); expected the study's fib.db") from None
+        if getattr(e, "sqlite_errorname", "") == "SQLITE_NOTADB":
+            raise FibctlError(f"{path}: not an SQLite database; expected the study's fib.db") from None
+        raise FibctlError(f"{path}: cannot read it ({_cut(str(e), 80)})") from None
+    if "alembic_version" in tables:  # a fibctl database (its schema revision table)
+        conn.close()
+        raise FibctlError(f"{path} is a fibctl results database, not the study's fib.db; the reports "
+                          "read it as it is (--db, or --compare beside another)")
     for table, columns in EXPECTED.items():
         have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")} if table in tables else set()
         missing = [c for c in columns if c not in have]
         if missing:
             conn.close()
             what = f"table {table!r} lacks columns {', '.join(missing)}" if have else f"no table {table!r}"
-            raise FibctlError(f"{path}: {what}; expected the study's layout (docs/method.md, 'The published files'): "
-                              + "; ".join(f"{t}({', '.join(c)})" for t, c in EXPECTED.items()))
+            raise FibctlError(f"{path}: {_cut(what, 120)}; not the layout of the study's fib.db "
+                              "(docs/method.md, 'The published files')")
     return conn
 
 
@@ -281,9 +306,11 @@ def _matrix_configs() -> dict[str, RunConfig]:
 def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
     # a run of the paper matrix gets its config there (its micro-batch split included), so that
     # queueing the matrix beside the imported study finds the same runs
-    config = _matrix_configs().get(run.name) or RunConfig.resolve(
-        run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
-        window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
+    config = _matrix_configs().get(run.name)
+    if config is None or config.seed != run.seed:
+        config = RunConfig.resolve(
+            run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
+            window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
     # init seed was never recorded (NULL), though replicates shared their initial weights.
     return run_row(config, init_seed=None, status=schema.RunStatus.DONE,
@@ -309,6 +336,7 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
             (summary.skipped if run is None else summary.unfinished).append(title)
             continue
         of = f"for run {_shown(title)}"
+        run = _recorded_seed(run, chosen["seed"], f"{where}: runs.seed", of)
         final_step = _final_step(study, chosen["id"], where, of)
         count = dict(integer=True, hi=INT64, null=True)
         details = dict(
@@ -323,8 +351,21 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
         out[title] = _Imported(run_id, final_step)
         summary.runs += written
         summary.evaluations += _import_metrics(conn, study, chosen["id"], run_id, where, of)
+        if chosen["id"] not in ends and run.schedule != "dense":  # the dense baseline's are in lenextrap.json
+            summary.unmeasured.append(title)
         summary.aux_metrics += _import_eval_results(conn, study, chosen["id"], run_id, final_step, where, of)
     return out
+
+
+def _recorded_seed(run: StudyRun, seed, what: str, of: str) -> StudyRun:
+    """The run with the seed fib.db records for it: a name without `_s<seed>` is seed 42 only
+    by the study's naming, so the recorded seed decides; a name that says another is an error."""
+    seed = _num(seed, what, of, integer=True, hi=SEED_MAX, null=True)
+    if seed is None or seed == run.seed:
+        return run
+    if run.seed_named:
+        raise FibctlError(f"{what} = {seed} {of} disagrees with the seed its name says ({run.seed})")
+    return dataclasses.replace(run, seed=seed)
 
 
 def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.Row]]:
@@ -399,7 +440,14 @@ def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, 
                    ppl=ppl, loss=math.log(ppl) if loss is None else loss,
                    created_at=_time(r["recorded_at"], f"{where}: metrics.recorded_at", at))
         key = row["step"], row["dataset"]
-        if key not in rows or (row["tokens"] or 0) >= (rows[key]["tokens"] or 0):
+        kept = rows.get(key)
+        if kept is not None and (kept["tokens"] or 0) == (row["tokens"] or 0) and kept["ppl"] != row["ppl"]:
+            # not a repeated row but two measurements: a column fibctl does not read (a newer
+            # layout's length, say) tells them apart, and choosing one would be a guess
+            raise FibctlError(f"{where}: metrics {of} step {row['step']} dataset {_shown(row['dataset'])}: two "
+                              f"perplexities on {'unrecorded' if row['tokens'] is None else format(row['tokens'], ',')} tokens ({kept['ppl']:.6g} and "
+                              f"{row['ppl']:.6g}); expected one")
+        if kept is None or (row["tokens"] or 0) >= (kept["tokens"] or 0):
             rows[key] = row
     return upsert(conn, schema.Evaluation.__table__, list(rows.values()), ("run_id", "step", "dataset", "eval_length"))
 
@@ -538,8 +586,11 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
                     and isinstance(entry.get("n_windows"), int) and isinstance(entry.get("seq_len"), int)):
                 raise FibctlError(f"{source}: expected {{per_position: [losses], n_windows: int, seq_len: int}} {of}")
             _dataset(ds, f"{source}: dataset", f"for run {_shown(title)}")
-            seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=1, hi=INT32)
-            windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, hi=INT32)
+            seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=2, hi=INT32)
+            windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, lo=1, hi=INT32)
+            if len(entry["per_position"]) != seq_len - 1:  # Table 4's bins span the whole window
+                raise FibctlError(f"{source}: {len(entry['per_position'])} per-position losses {of}; expected "
+                                  f"seq_len - 1 = {seq_len - 1} (one per predicted position of the window)")
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=seq_len, position=i,
                           mean_loss=_num(v, f"{source}: per_position[{i}]", of), windows=windows)
                      for i, v in enumerate(entry["per_position"])]

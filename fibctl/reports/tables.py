@@ -231,6 +231,13 @@ def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
             label: str) -> tuple[pd.DataFrame, dict[str, Formatter]]:
     """Each value column followed by the other database's value and the difference."""
     keys = ["Base", "Schedule", "W"]
+    for frame, which in ((this, "this database"), (other, label)):  # a match must be one run each side
+        for key, group in frame.groupby(keys, dropna=False):
+            if len(group) > 1:
+                kind = " ".join(str(k) for k in key[:2]) + ("" if pd.isna(key[2]) else f" W{key[2]}")
+                raise FibctlError(f"table1 --compare matches runs by base, schedule and W: {which} has "
+                                  f"{len(group)} runs of {kind} ({', '.join(sorted(group['Run'])[:4])}); "
+                                  "--matrix picks one matrix's")
     other = other[keys + [c for c in cols if c in other.columns]]
     merged = this.merge(other, on=keys, how="left", suffixes=("", f" ({label})"))
     ordered, formats = list(keys), {}  # run names differ between databases: matched by identity
@@ -428,7 +435,7 @@ n AS (
     FROM position_losses
     GROUP BY run_id, step, dataset, eval_length
 )
-SELECT r.name AS run, r.schedule,
+SELECT r.name AS run, r.matrix, r.schedule,
        -- bin i holds positions [edge_i, edge_i+1), edges = linspace(0, n_positions, {N_BINS + 1}) as integers
        ({N_BINS} * (p.position + 1) - 1) / n.n_positions AS bin,
        MIN(p.position) AS first_position, MAX(p.position) AS last_position,
@@ -441,7 +448,7 @@ JOIN n ON n.run_id = p.run_id AND n.step = p.step AND n.dataset = p.dataset
 WHERE p.dataset = :dataset AND p.eval_length = r.train_length
   AND r.base = 'fib' AND r."window" = :window AND r.schedule IN ('fixed', 'stagger')
   AND r.seed = :seed{matrix_clause(matrix)}
-GROUP BY r.name, r.schedule, ({N_BINS} * (p.position + 1) - 1) / n.n_positions
+GROUP BY r.name, r.matrix, r.schedule, ({N_BINS} * (p.position + 1) - 1) / n.n_positions
 ORDER BY r.schedule, bin"""
     long, sql_text = read_sql(engine, sql, **matrix_params(matrix, dataset=dataset, window=window, seed=seed))
     missing = [s for s in ("fixed", "stagger") if s not in set(long["schedule"])]
@@ -455,6 +462,7 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", matrix_params(matr
             f"fib {' and '.join(missing)} W{window}{in_matrix(matrix)}; "
             + (f"fixed and stagger have them at {elsewhere}" if elsewhere else
                "record them with `fibctl eval NAME --length T --positions` or import the study's posloss.json"))
+    _one_run_each(long, ["schedule"], lambda k: f"table4: fib {k['schedule']} W{window} seed {seed}", matrix)
     bins = long.drop_duplicates("bin").sort_values("bin")
     labels = {b: f"{f}-{l}" for b, f, l in zip(bins["bin"], bins["first_position"], bins["last_position"])}
     wide = long.pivot(index="schedule", columns="bin", values="mean_loss").rename(columns=labels)
@@ -474,7 +482,7 @@ def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
     """Per-seed final perplexity at window W, with mean and population std (ddof 0)."""
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP}
-SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl,
+SELECT r.name AS run, r.matrix, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl,
        e.dataset, e.eval_length, e.tokens, {MOST_TOKENS}
 FROM runs r
 JOIN final f ON f.run_id = r.id
@@ -496,6 +504,8 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ma
             f"table5: no configuration at W={window} on {dataset}{in_matrix(matrix)} has "
             "final evaluations for two or more seeds; "
             + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs"))
+    _one_run_each(long, ["base", "schedule", "seed"],
+                  lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", matrix)
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()
     seeds = [c for c in per_seed.columns if c not in ("base", "schedule")]
     values = per_seed[seeds]
@@ -513,6 +523,20 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ma
              "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset) \
         + deviation_notes(engine, long["run"]) + budget_notes(long)
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
+
+
+def _one_run_each(long: pd.DataFrame, keys: list[str], cell: Callable[[dict], str], matrix: str | None) -> None:
+    """Tables 4 and 5 hold one run per cell (a schedule; a configuration and seed): two runs
+    there, from two matrices or two names for one configuration, would be averaged into one
+    number (or not fit), so they are an error naming them; `cell` says which cell."""
+    for key, group in long.drop_duplicates("run").groupby(keys, dropna=False):
+        if len(group) > 1:
+            names = ", ".join(sorted(group["run"])[:4]) + (", ..." if len(group) > 4 else "")
+            matrices = sorted(group["matrix"].unique())
+            fix = (f"choose one with --matrix ({', '.join(matrices)})" if matrix is None and len(matrices) > 1
+                   else "keep one of them in this database (`fibctl queue rm NAME`)")
+            said = cell(dict(zip(keys, key if isinstance(key, tuple) else (key,))))
+            raise FibctlError(f"{said}: {len(group)} runs ({names}) for one cell; {fix}")
 
 
 def _windows_with(engine: Engine, sql: str, params: dict) -> str:

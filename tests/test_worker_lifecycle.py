@@ -141,10 +141,61 @@ def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
     lines = [line for line in out.splitlines() if line.strip()]
-    # step 10, the outcome with its checkpoint, the worker's summary: each whole, on its line
-    assert [line.split(" ")[0] for line in lines] == [name, f"{name}:", "worker:"], out
+    # steps 1 and 10, an evaluation line per held-out set, the outcome with its checkpoint,
+    # the worker's summary: each whole, on its line
+    assert [line.split(" ")[0] for line in lines] == [name] * (2 + len(HELDOUT)) + [f"{name}:", "worker:"], out
     assert all(name in line for line in lines), out
-    assert lines[1] == f"{name}: done at step 10 (runs/{name}/step_00000010.pt)"
+    assert lines[-2].startswith(f"{name}: done at step 10 in ")
+    assert lines[-2].endswith(f" (runs/{name}/step_00000010.pt)")
+
+
+def test_plain_log_lines_say_what_the_database_records(tmp_path):
+    """nanoGPT's line (step, loss, lr, time per step, tokens/s, ETA) at step 1, every 10 steps
+    and the last; a line per held-out set when the run evaluates; at the end one line with
+    the time taken and the final perplexities. Each number is the one the database holds."""
+    import math
+    import re
+
+    data = write_data(tmp_path / "data")
+    queued_db(tmp_path / "r.db", micro_run("run", steps=20, eval_interval=10, checkpoint_interval=20)).dispose()
+    done = spawn(["worker", "--db", "r.db", "--data", str(data), "--runs-dir", "runs", "--plain"], tmp_path)
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    db = sqlite3.connect(tmp_path / "r.db")
+    losses = dict(db.execute("SELECT step, loss FROM train_steps"))
+    lr = dict(db.execute("SELECT step, lr FROM train_steps"))
+    evals = {(step, dataset): loss for step, dataset, loss in db.execute("SELECT step, dataset, loss FROM evaluations")}
+    number = r"[0-9.]+(?:e-?[0-9]+)?"
+    steps = [re.fullmatch(rf"run (\d+)/20 loss ({number}) lr ({number}) {number}m?s {number}[kM]? tok/s"
+                          rf"(?: ETA \d+(?:m\d\d)?s)?", line) for line in out.splitlines()
+             if re.match(r"run \d+/20 loss", line)]
+    assert all(steps) and [int(m[1]) for m in steps] == [1, 10, 20], out
+    for m in steps[1:]:  # the steps the database logged (every log_interval = 5)
+        step = int(m[1])
+        assert float(m[2]) == pytest.approx(losses[step], abs=5e-4) and float(m[3]) == pytest.approx(lr[step], rel=0.05)
+    assert "ETA" in out.splitlines()[0] and "ETA" not in [line for line in out.splitlines() if "run 20/20 loss" in line][0]
+    shown = re.findall(r"^run (\d+)/20 eval (\w+) loss ([0-9.]+) ppl ([0-9.]+)$", out, re.M)
+    assert sorted((int(s), d) for s, d, _, _ in shown) == sorted(evals), out
+    for step, dataset, loss, ppl in shown:
+        assert float(loss) == pytest.approx(evals[int(step), dataset], abs=5e-4)
+        assert float(ppl) == pytest.approx(math.exp(evals[int(step), dataset]), abs=5e-3)
+    [summary] = [line for line in out.splitlines() if line.startswith("run: ")]
+    final = ", ".join(f"{d} {math.exp(evals[20, d]):.2f}" for d in HELDOUT)
+    assert re.fullmatch(rf"run: done at step 20 in \d+s; final ppl {final} \(runs/run/step_00000020.pt\)",
+                        summary), summary
+
+
+def test_a_paper_runs_log_line_fits_80_columns():
+    from fibctl.cli.train import progress_line
+    from fibctl.train.trainer import Progress
+
+    slow = Progress(12_000, 13_000, 3.45678, 512_345.0, 3600.0, 3.0e-5, 1.2345, 5025.0)
+    fast = Progress(9, 13_000, 10.3, 999.7, 3.0, 2.7e-6, 0.0123, 3.0e5)
+    assert progress_line("f13__fib_stagger_w12", slow) == \
+        "f13__fib_stagger_w12 12000/13000 loss 3.457 lr 3.0e-5 1.23s 512k tok/s ETA 1h23m"
+    assert progress_line("f13__fib_stagger_w12", fast) == \
+        "f13__fib_stagger_w12 9/13000 loss 10.300 lr 2.7e-6 12.3ms 1k tok/s ETA 83h20m"
+    assert len(progress_line("f13__fib_stagger_w12", slow)) <= 80
 
 
 def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():

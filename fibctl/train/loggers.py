@@ -65,7 +65,8 @@ class TensorBoardSink:
 
 class WandbSink:
     """A W&B run named after the fibctl run, its files under RUN_DIR/wandb; offline by default.
-    The run id is the fibctl run's name, so a resumed run continues the same W&B run."""
+    The run id is the fibctl run's name, so a resumed run continues the same W&B run; runs of
+    one matrix form a group, which W&B's run table and charts compare together."""
 
     def __init__(self, run_dir: Path, name: str, config: dict):
         import wandb
@@ -73,7 +74,7 @@ class WandbSink:
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name, id=name,
-                              resume="allow", dir=str(run_dir), config=config, mode=mode,
+                              group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
 
     def log(self, step: int, values: dict[str, float]) -> None:

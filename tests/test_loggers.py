@@ -107,11 +107,11 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     for step in (10, 20, 30):
         first.log_step(step, 1.0, 1e-3, 0.5, 1000.0, 1.0)
     first.close()
-    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     again.event("resumed", "resumed from step 10", {"step": 10})
     for step in (20, 30, 40):
         again.log_step(step, 2.0, 1e-3, 0.5, 1000.0, 1.0)
@@ -119,6 +119,7 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0), (30, 2.0), (40, 2.0)]
+    assert len(events.Tensors("config/text_summary")) == 1  # the config once, not once per attempt
 
 
 def test_wandb_offline_run_folder(tmp_path, monkeypatch):

@@ -217,3 +217,19 @@ def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
     with stop_on_signals(StopRequest()):
         pass
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_resumed_runs_first_step_has_a_line(capsys):
+    """Resumed from step 100, the first line was at 110: nothing said where the run resumed."""
+    from fibctl.cli.train import RunDisplay
+    from fibctl.flows.worker import Outcome
+    from fibctl.train.trainer import Progress
+
+    display = RunDisplay(plain=True)
+    show = display.start("run", 300)
+    for step in range(101, 121):
+        show(Progress(step, 300, 3.0, 5000.0, 10.0, 1e-3, 0.1, 20.0))
+    display.finish(Outcome("run", "released", 120))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:-1]] == ["101/300", "110/300", "120/300"], lines
+    assert lines[-1] == "run: released at step 120"  # no time or perplexity: it did not finish

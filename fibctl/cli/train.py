@@ -47,8 +47,8 @@ DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
 class RunDisplay:
-    """Per-run progress: a rich bar (step, loss, tokens/s, ETA) or, when output is not a
-    terminal, a log line at step 1, every `every` steps and the last (step, loss, lr, time per
+    """Per-run progress: a rich bar (step, loss, lr, tokens/s, ETA) or, when output is not a
+    terminal, a log line at the first step (of this attempt), every `every` steps and the last (step, loss, lr, time per
     step, tokens/s, ETA); either way a line per held-out set when the run evaluates, and one
     line at the end with the final perplexities. Each line is printed unwrapped (soft_wrap):
     in a log file, one event stays one line."""
@@ -67,8 +67,8 @@ class RunDisplay:
 
         if self.plain:
             def line(p: trainer.Progress) -> None:
-                self.last = p
-                if p.step == 1 or p.step % self.every == 0 or p.step == p.steps:
+                first, self.last = self.last is None, p  # a resumed run's first step says where it resumed
+                if first or p.step % self.every == 0 or p.step == p.steps:
                     _log(progress_line(name, p))
                 evals(p, _log)
             return line

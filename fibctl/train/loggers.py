@@ -41,8 +41,11 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-        self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
+        log_dir = Path(run_dir) / "tensorboard"
+        fresh = not any(log_dir.glob("events.out.tfevents.*"))  # a resumed or evaluated run has its config
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        if fresh:
+            self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():

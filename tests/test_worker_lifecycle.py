@@ -233,3 +233,35 @@ def test_a_resumed_runs_first_step_has_a_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:-1]] == ["101/300", "110/300", "120/300"], lines
     assert lines[-1] == "run: released at step 120"  # no time or perplexity: it did not finish
+
+
+@pytest.mark.parametrize("name", ["f13__fib_stagger_w12", "fixed_w4"])
+def test_the_bar_on_an_80_column_terminal_cuts_no_number(monkeypatch, name):
+    """The bar's columns (bar, step count, loss, tokens/s, elapsed, ETA) were wider than 80
+    columns with a paper run's name, and rich cut them: '60…', 'ETA 0:0…'. The bar now has
+    the room the log line leaves, or is left out."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from fibctl.cli import train as cli_train
+    from fibctl.flows.worker import Outcome
+    from fibctl.train.trainer import Progress
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_train, "console", Console(file=screen, width=80, force_terminal=True,
+                                                      color_system=None))
+    display = cli_train.RunDisplay(plain=False)
+    show = display.start(name, 13_000)
+    for step in (1, 6000, 12_000):
+        show(Progress(step, 13_000, 3.4567, 512_345.0, 100.0, 3e-4, 0.1, 5025.0,
+                      {"fineweb_edu_val": 3.3} if step == 6000 else {}))
+        display.progress.refresh()
+    display.finish(Outcome(name, "released", 12_000))
+    frames = [line for line in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+              if line.strip()]
+    assert "…" not in screen.getvalue() and all(len(line) <= 80 for line in frames), frames
+    assert any(line.startswith(name) and line.endswith(" 12000/13000 loss 3.457 lr 3.0e-4 100ms 512k tok/s "
+                                                        "ETA 1h23m") for line in frames), frames
+    assert f"{name} 6000/13000 eval fineweb_edu_val loss 3.300 ppl 27.11" in frames

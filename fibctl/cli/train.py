@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.cells import cell_len
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fibctl.cli import app
@@ -72,19 +73,23 @@ class RunDisplay:
                     _log(progress_line(name, p))
                 evals(p, _log)
             return line
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
-                                 TextColumn("{task.fields[tps]} tok/s"),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
-        self.progress.start()
-        task = self.progress.add_task(name, total=steps, loss="-", lr="-", tps="-")
+        # the bar takes the room the line leaves at the terminal's width (none: no bar), so
+        # that no number is cut
+        from fibctl.train.trainer import Progress as Step  # torch: loaded by now, for the run
 
-        def bar(p: trainer.Progress) -> None:
+        widest = progress_line(name, Step(steps, steps, 10.0, 999e3, 0.0, 1e-4, 0.999)) + " ETA 99h59m"
+        room = min(40, console.width - cell_len(widest) - 1)
+        bar = [BarColumn(bar_width=room)] if room >= 5 else []
+        self.progress = Progress(TextColumn("[bold]{task.description}"), *bar, TextColumn("{task.fields[line]}"),
+                                 console=console)
+        self.progress.start()
+        task = self.progress.add_task(name, total=steps, line="")
+
+        def draw(p: trainer.Progress) -> None:
             self.last = p
-            self.progress.update(task, completed=p.step, loss=f"{p.loss:.4f}", lr=_lr(p.lr),
-                                 tps=f"{p.tokens_per_s:,.0f}")
+            self.progress.update(task, completed=p.step, line=progress_line(name, p)[len(name) + 1:])
             evals(p, lambda text: self.progress.console.print(text, highlight=False, markup=False))
-        return bar
+        return draw
 
     def warn(self, message: str) -> None:  # on stderr, as warnings are: stdout is the run's log
         err_console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)

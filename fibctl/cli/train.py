@@ -48,11 +48,11 @@ DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
 class RunDisplay:
-    """Per-run progress: a rich bar (step, loss, lr, tokens/s, ETA) or, when output is not a
-    terminal, a log line at the first step (of this attempt), every `every` steps and the last (step, loss, lr, time per
-    step, tokens/s, ETA); either way a line per held-out set when the run evaluates, and one
-    line at the end with the final perplexities. Each line is printed unwrapped (soft_wrap):
-    in a log file, one event stays one line."""
+    """Per-run progress as one line (step, loss, lr, time per step, tokens/s, ETA): on a
+    terminal redrawn each step after a bar; otherwise printed at the first step of this
+    attempt, every `every` steps and the last. Either way a line per held-out set when the
+    run evaluates, and one at the end with the time taken and the final perplexities. Each
+    line is printed unwrapped (soft_wrap): in a log file, one event stays one line."""
 
     def __init__(self, plain: bool, every: int = 10):
         self.plain = plain or not console.is_terminal

@@ -170,7 +170,9 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     from train_helpers import micro_run, queued_db, write_data
 
     data, runs, db = write_data(tmp_path / "data"), tmp_path / "runs", str(tmp_path / "r.db")
-    queued_db(tmp_path / "r.db", micro_run("tb_run"), micro_run("wb_run")).dispose()
+    # light evaluations at steps 10 and 20, the full one with the checkpoint at 30
+    queued_db(tmp_path / "r.db", micro_run("tb_run", checkpoint_interval=30),
+              micro_run("wb_run", checkpoint_interval=30)).dispose()
     common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
     code, out = _fibctl(["worker", *common, "--max-runs", "1", "--log-to", "tensorboard"], monkeypatch, capsys)
     assert code == 0, out.err
@@ -181,13 +183,16 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
         "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'tb_run' ORDER BY step").fetchall()
     assert [s for s, _ in stored] == [5, 10, 15, 20, 25, 30]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in stored]
-    assert [e.step for e in events.Scalars("eval/stories_val@64/loss")] == [10, 20, 30]
+    # the two budgets apart: the full evaluation scores more of the stream, a jump in the light curve
+    assert [e.step for e in events.Scalars("eval/stories_val@64/loss")] == [10, 20]
+    assert [e.step for e in events.Scalars("eval_full/stories_val@64/loss")] == [30]
     tb_tags = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "alpha/layer0", "alpha/layer1",
-               *(f"eval/{d}@64/{m}" for d in ("stories_val", "math_val") for m in ("loss", "ppl"))}
+               *(f"{kind}/{d}@64/{m}" for kind in ("eval", "eval_full") for d in ("stories_val", "math_val")
+                 for m in ("loss", "ppl"))}
     assert set(events.Tags()["scalars"]) == tb_tags
     for tag in tb_tags - {"alpha/layer0", "alpha/layer1"}:  # a fixed run's alphas: step 0 alone
         steps = [e.step for e in events.Scalars(tag)]
-        assert steps == sorted(set(steps)) and steps[-1] == 30, tag
+        assert steps == sorted(set(steps)) and steps[-1] == (20 if tag.startswith("eval/") else 30), tag
 
     code, out = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
                          "--db", db, "--data", str(data), "--runs-dir", str(runs), "--log-to", "tensorboard"],
@@ -217,7 +222,8 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     stored = sqlite3.connect(db).execute(
         "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'wb_run' ORDER BY step").fetchall()
     assert history["train/loss"] == [(s, pytest.approx(v)) for s, v in stored]
-    assert [s for s, _ in history["eval/math_val@64/ppl"]] == [10, 20, 30]
+    assert [s for s, _ in history["eval/math_val@64/ppl"]] == [10, 20]
+    assert [s for s, _ in history["eval_full/math_val@64/ppl"]] == [30]
     assert not (runs / "wb_run" / "tensorboard").exists() and not (runs / "tb_run" / "wandb").exists()
 
 

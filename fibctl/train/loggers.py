@@ -91,10 +91,14 @@ SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 class Tee:
-    """A Reporter that writes to the database reporter and copies the metrics to back-ends."""
+    """A Reporter that writes to the database reporter and copies the metrics to back-ends.
+    An evaluation on more tokens than the run's light budget (`eval_tokens`: the full ones
+    at checkpoints and the last step, and `fibctl eval`'s) goes under `eval_full/`: it scores
+    more of each held-out stream, so in the light ones' curve it would be a jump at every
+    checkpoint (the curves figure draws the two budgets apart too)."""
 
-    def __init__(self, reporter, sinks: list):
-        self.reporter, self.sinks = reporter, sinks
+    def __init__(self, reporter, sinks: list, light_tokens: int | None = None):
+        self.reporter, self.sinks, self.light_tokens = reporter, sinks, light_tokens
 
     def _copy(self, step: int, values: dict) -> None:
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
@@ -108,8 +112,9 @@ class Tee:
 
     def log_eval(self, step, dataset, eval_length, tokens, loss) -> None:
         self.reporter.log_eval(step, dataset, eval_length, tokens, loss)
-        self._copy(step, {f"eval/{dataset}@{eval_length}/loss": loss,
-                          f"eval/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
+        kind = "eval_full" if self.light_tokens is not None and tokens > self.light_tokens else "eval"
+        self._copy(step, {f"{kind}/{dataset}@{eval_length}/loss": loss,
+                          f"{kind}/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
 
     def event(self, kind, message=None, data=None) -> None:
         self.reporter.event(kind, message, data)

@@ -78,12 +78,12 @@ def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
 
 
 def progress(engine: Engine) -> list[dict]:
-    """Each running run with where it runs, its last logged step, throughput, ETA and
-    heartbeat (from its newest `train_steps` row)."""
+    """Each running run with where it runs, its last logged step, training loss, throughput,
+    ETA and heartbeat (from its newest `train_steps` row)."""
     last = (select(TrainStep.run_id, func.max(TrainStep.step).label("step"))
             .group_by(TrainStep.run_id).subquery())
     q = (select(Run.name, Run.host, Run.device, Run.worker, Run.heartbeat_at, Run.config_json,
-                TrainStep.step, TrainStep.tokens_per_s)
+                TrainStep.step, TrainStep.loss, TrainStep.tokens_per_s)
          .outerjoin(last, last.c.run_id == Run.id)
          .outerjoin(TrainStep, (TrainStep.run_id == Run.id) & (TrainStep.step == last.c.step))
          .where(Run.status == RunStatus.RUNNING).order_by(Run.id))
@@ -96,7 +96,8 @@ def progress(engine: Engine) -> list[dict]:
             step = r.step or 0
             eta = (tc.steps - step) * per_step / r.tokens_per_s if r.tokens_per_s else None
             out.append(dict(name=r.name, host=r.host, device=r.device, worker=r.worker, step=step,
-                            steps=tc.steps, tokens_per_s=r.tokens_per_s, eta_s=eta, heartbeat_at=r.heartbeat_at))
+                            steps=tc.steps, loss=r.loss, tokens_per_s=r.tokens_per_s, eta_s=eta,
+                            heartbeat_at=r.heartbeat_at))
     return out
 
 

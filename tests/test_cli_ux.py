@@ -46,9 +46,12 @@ def test_flags_show_as_flags_and_help_paragraphs_wrap():
     assert done.returncode == 0, done.stderr
     assert "<bool>" not in done.stdout and "--quick" in done.stdout and "--plain" in done.stdout
     assert all(len(line) <= 80 for line in done.stdout.splitlines())
-    for command in (["worker"], ["sql"], ["eval"], ["data", "prepare"], ["queue", "rm"]):
+    for command in (["worker"], ["sql"], ["eval"], ["data", "prepare"], ["queue", "rm"], ["probe"], ["figure"]):
         out = fibctl(*command, "--help").stdout
         assert "<bool>" not in out and "--help" in out, command
+        # a repeatable option shows the type of one value, not Python's <list[int]>
+        assert "list[" not in out, command
+    assert re.search(r"--length +<int> ", fibctl("eval", "--help").stdout)
 
 
 # ----------------------------------------------------------------------------- 80 columns

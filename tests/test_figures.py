@@ -230,3 +230,33 @@ def test_the_change_axis_reads_short_numbers():
     """A tick at a small range's end read +0.654804."""
     assert [figures.percent_tick(v) for v in (0.654804, -0.570405, 0.0, 2.0, -5.25, 150.0, 1234.5)] == \
         ["+0.65", "-0.57", "0", "+2", "-5.2", "+150", "+1,234"]
+
+
+def test_up_to_eight_runs_of_repeated_schedules_get_a_colour_each(tmp_path, drawn, many_runs_db):
+    """Colour is the schedule, so fixed at W 6 and at W 8 drew the same blue: in the training
+    panel, whose lines have no marker, they could not be told apart. Up to 8 runs now get a
+    colour each (dense keeps black); past 8 the legend keys the encoding, colour the schedule."""
+    from matplotlib.colors import to_hex
+
+    path = str(tmp_path / "r.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for name, schedule, w in (("dense", "dense", 8), ("fixed_w6", "fixed", 6), ("fixed_w8", "fixed", 8),
+                                  ("stagger_w6", "stagger", 6), ("stagger_w8", "stagger", 8)):
+            rid = add_run(conn, name, schedule, window=w)
+            for step in (200, 400, 600):
+                add_eval(conn, rid, 128, 30 - step / 100 - w / 10, step=step)
+                conn.execute(insert(schema.TrainStep).values(run_id=rid, step=step, loss=4 - step / 1000, lr=1e-3,
+                                                             grad_norm=1.0, tokens_per_s=1e3, elapsed_s=step))
+    engine.dispose()
+    figures.curves(connect_readonly(path), tmp_path / "c.png")
+    left, right = drawn[0].axes
+    shown = {line.get_label(): to_hex(line.get_color()) for line in left.get_lines()}
+    assert sorted(shown) == ["dense", "fixed_w6", "fixed_w8", "stagger_w6", "stagger_w8"]
+    assert len(set(shown.values())) == 5 and shown["dense"] == "#000000"
+    assert set(shown.values()) <= {to_hex(c) for c in OKABE_ITO}
+    assert {to_hex(line.get_color()) for line in right.get_lines()} == set(shown.values())
+
+    figures.curves(connect_readonly(many_runs_db), tmp_path / "many.png")  # 13 runs: by schedule
+    colors = {to_hex(line.get_color()) for line in drawn[1].axes[0].get_lines()}
+    assert colors == {to_hex(figures.SCHEDULE_COLORS[s]) for s in ("dense", "fixed", "stagger")}

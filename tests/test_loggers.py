@@ -3,6 +3,7 @@ back-ends' own files (TensorBoard event files; a W&B offline run folder)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -31,6 +32,47 @@ class Recorder:
 
     def heartbeat(self):
         return True
+
+
+def wandb_records(path) -> list:
+    """The records of a W&B run file (`run-ID.wandb`, LevelDB's log format: 32 KiB blocks of
+    chunks, each a 7-byte header of crc32, length and type 1 whole, 2 first, 3 middle, 4 last),
+    as W&B's own protobuf Records: what `wandb sync` would upload."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, pos, pending = path.read_bytes(), [], 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_history(records) -> dict[str, list[tuple[int, float]]]:
+    """Each logged key's (step, value) points."""
+    import json
+
+    out: dict[str, list] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for key, value in row.items():
+                if not key.startswith("_"):
+                    out.setdefault(key, []).append((row["_step"], value))
+    return out
 
 
 def feed(tee: Tee) -> None:
@@ -65,11 +107,11 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     for step in (10, 20, 30):
         first.log_step(step, 1.0, 1e-3, 0.5, 1000.0, 1.0)
     first.close()
-    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {}))
+    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     again.event("resumed", "resumed from step 10", {"step": 10})
     for step in (20, 30, 40):
         again.log_step(step, 2.0, 1e-3, 0.5, 1000.0, 1.0)
@@ -77,6 +119,7 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0), (30, 2.0), (40, 2.0)]
+    assert len(events.Tensors("config/text_summary")) == 1  # the config once, not once per attempt
 
 
 def test_wandb_offline_run_folder(tmp_path, monkeypatch):
@@ -127,7 +170,9 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     from train_helpers import micro_run, queued_db, write_data
 
     data, runs, db = write_data(tmp_path / "data"), tmp_path / "runs", str(tmp_path / "r.db")
-    queued_db(tmp_path / "r.db", micro_run("tb_run"), micro_run("wb_run")).dispose()
+    # light evaluations at steps 10 and 20, the full one with the checkpoint at 30
+    queued_db(tmp_path / "r.db", micro_run("tb_run", checkpoint_interval=30),
+              micro_run("wb_run", checkpoint_interval=30)).dispose()
     common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
     code, out = _fibctl(["worker", *common, "--max-runs", "1", "--log-to", "tensorboard"], monkeypatch, capsys)
     assert code == 0, out.err
@@ -138,7 +183,16 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
         "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'tb_run' ORDER BY step").fetchall()
     assert [s for s, _ in stored] == [5, 10, 15, 20, 25, 30]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in stored]
-    assert [e.step for e in events.Scalars("eval/stories_val@64/loss")] == [10, 20, 30]
+    # the two budgets apart: the full evaluation scores more of the stream, a jump in the light curve
+    assert [e.step for e in events.Scalars("eval/stories_val@64/loss")] == [10, 20]
+    assert [e.step for e in events.Scalars("eval_full/stories_val@64/loss")] == [30]
+    tb_tags = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "alpha/layer0", "alpha/layer1",
+               *(f"{kind}/{d}@64/{m}" for kind in ("eval", "eval_full") for d in ("stories_val", "math_val")
+                 for m in ("loss", "ppl"))}
+    assert set(events.Tags()["scalars"]) == tb_tags
+    for tag in tb_tags - {"alpha/layer0", "alpha/layer1"}:  # a fixed run's alphas: step 0 alone
+        steps = [e.step for e in events.Scalars(tag)]
+        assert steps == sorted(set(steps)) and steps[-1] == (20 if tag.startswith("eval/") else 30), tag
 
     code, out = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
                          "--db", db, "--data", str(data), "--runs-dir", str(runs), "--log-to", "tensorboard"],
@@ -157,6 +211,19 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     assert code == 0, out.err
     [folder] = (runs / "wb_run" / "wandb").glob("offline-run-*-wb_run")
     assert list(folder.glob("*.wandb")) and (folder / "files").is_dir()
+    records = wandb_records(folder / "run-wb_run.wandb")
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    # named and grouped as the database has it, with its config
+    assert (run.run_id, run.display_name, run.run_group, run.project) == ("wb_run", "wb_run", "test", "fibctl")
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert config["name"] == "wb_run" and config["model"]["schedule"] == "fixed" and config["train"]["steps"] == 30
+    history = wandb_history(records)
+    assert set(history) == tb_tags
+    stored = sqlite3.connect(db).execute(
+        "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'wb_run' ORDER BY step").fetchall()
+    assert history["train/loss"] == [(s, pytest.approx(v)) for s, v in stored]
+    assert [s for s, _ in history["eval/math_val@64/ppl"]] == [10, 20]
+    assert [s for s, _ in history["eval_full/math_val@64/ppl"]] == [30]
     assert not (runs / "wb_run" / "tensorboard").exists() and not (runs / "tb_run" / "wandb").exists()
 
 

@@ -389,7 +389,7 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     assert out.returncode == 0, out.stderr
     text_ = out.stdout
     # micro: 4 x 2 x 64 = 512 tokens a step; 60 steps left at 512 tokens/s: 60 s
-    assert "r000" in text_ and "40/100" in text_ and "512" in text_ and "1m00s" in text_
+    assert "r000" in text_ and "40/100" in text_ and "512" in text_ and "1m00s" in text_ and "3.500" in text_
     assert "host-a" in text_ and "1 running; 2 queued, 0 done" in text_
     assert "…" not in text_ and max(map(len, text_.splitlines())) <= 80
     bad = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0"],
@@ -411,6 +411,34 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     _, err = watch.communicate(timeout=60)
     os.close(primary)
     assert watch.returncode == 130 and "Traceback" not in err, err
+
+
+def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
+    """Not on a terminal, --watch printed its first view and then nothing until Ctrl-C: a log
+    (`fibctl status --watch >> status.log`) never saw the runs move. Each view is now
+    written, under the time it was read."""
+    import re
+    import select
+    import signal
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1, steps=100))
+    run = queue.claim_next(engine, "host-a:1", host="host-a", device="cpu")
+    RunRecorder(engine, run.id).log_step(40, 3.5, 1e-3, 0.5, tokens_per_s=512.0, elapsed_s=40.0)
+    watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0.2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "80"})
+    shown = b""
+    while shown.count(b" UTC\n") < 3 and select.select([watch.stdout], [], [], 60)[0]:
+        chunk = os.read(watch.stdout.fileno(), 4096)
+        if not chunk:
+            break
+        shown += chunk
+    watch.send_signal(signal.SIGINT)
+    _, err = watch.communicate(timeout=60)
+    assert watch.returncode == 130 and b"Traceback" not in err, err
+    text_ = shown.decode()
+    assert len(re.findall(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$", text_, re.M)) >= 3, text_
+    assert text_.count("40/100") >= 3 and "\x1b" not in text_
 
 
 def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_path, monkeypatch, capsys):

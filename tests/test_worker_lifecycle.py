@@ -141,10 +141,61 @@ def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
     lines = [line for line in out.splitlines() if line.strip()]
-    # step 10, the outcome with its checkpoint, the worker's summary: each whole, on its line
-    assert [line.split(" ")[0] for line in lines] == [name, f"{name}:", "worker:"], out
+    # steps 1 and 10, an evaluation line per held-out set, the outcome with its checkpoint,
+    # the worker's summary: each whole, on its line
+    assert [line.split(" ")[0] for line in lines] == [name] * (2 + len(HELDOUT)) + [f"{name}:", "worker:"], out
     assert all(name in line for line in lines), out
-    assert lines[1] == f"{name}: done at step 10 (runs/{name}/step_00000010.pt)"
+    assert lines[-2].startswith(f"{name}: done at step 10 in ")
+    assert lines[-2].endswith(f" (runs/{name}/step_00000010.pt)")
+
+
+def test_plain_log_lines_say_what_the_database_records(tmp_path):
+    """nanoGPT's line (step, loss, lr, time per step, tokens/s, ETA) at step 1, every 10 steps
+    and the last; a line per held-out set when the run evaluates; at the end one line with
+    the time taken and the final perplexities. Each number is the one the database holds."""
+    import math
+    import re
+
+    data = write_data(tmp_path / "data")
+    queued_db(tmp_path / "r.db", micro_run("run", steps=20, eval_interval=10, checkpoint_interval=20)).dispose()
+    done = spawn(["worker", "--db", "r.db", "--data", str(data), "--runs-dir", "runs", "--plain"], tmp_path)
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    db = sqlite3.connect(tmp_path / "r.db")
+    losses = dict(db.execute("SELECT step, loss FROM train_steps"))
+    lr = dict(db.execute("SELECT step, lr FROM train_steps"))
+    evals = {(step, dataset): loss for step, dataset, loss in db.execute("SELECT step, dataset, loss FROM evaluations")}
+    number = r"[0-9.]+(?:e-?[0-9]+)?"
+    steps = [re.fullmatch(rf"run (\d+)/20 loss ({number}) lr ({number}) {number}m?s {number}[kM]? tok/s"
+                          rf"(?: ETA \d+(?:m\d\d)?s)?", line) for line in out.splitlines()
+             if re.match(r"run \d+/20 loss", line)]
+    assert all(steps) and [int(m[1]) for m in steps] == [1, 10, 20], out
+    for m in steps[1:]:  # the steps the database logged (every log_interval = 5)
+        step = int(m[1])
+        assert float(m[2]) == pytest.approx(losses[step], abs=5e-4) and float(m[3]) == pytest.approx(lr[step], rel=0.05)
+    assert "ETA" in out.splitlines()[0] and "ETA" not in [line for line in out.splitlines() if "run 20/20 loss" in line][0]
+    shown = re.findall(r"^run (\d+)/20 eval (\w+) loss ([0-9.]+) ppl ([0-9.]+)$", out, re.M)
+    assert sorted((int(s), d) for s, d, _, _ in shown) == sorted(evals), out
+    for step, dataset, loss, ppl in shown:
+        assert float(loss) == pytest.approx(evals[int(step), dataset], abs=5e-4)
+        assert float(ppl) == pytest.approx(math.exp(evals[int(step), dataset]), abs=5e-3)
+    [summary] = [line for line in out.splitlines() if line.startswith("run: ")]
+    final = ", ".join(f"{d} {math.exp(evals[20, d]):.2f}" for d in HELDOUT)
+    assert re.fullmatch(rf"run: done at step 20 in \d+s; final ppl {final} \(runs/run/step_00000020.pt\)",
+                        summary), summary
+
+
+def test_a_paper_runs_log_line_fits_80_columns():
+    from fibctl.cli.train import progress_line
+    from fibctl.train.trainer import Progress
+
+    slow = Progress(12_000, 13_000, 3.45678, 512_345.0, 3600.0, 3.0e-5, 1.2345, 5025.0)
+    fast = Progress(9, 13_000, 10.3, 999.7, 3.0, 2.7e-6, 0.0123, 3.0e5)
+    assert progress_line("f13__fib_stagger_w12", slow) == \
+        "f13__fib_stagger_w12 12000/13000 loss 3.457 lr 3.0e-5 1.23s 512k tok/s ETA 1h23m"
+    assert progress_line("f13__fib_stagger_w12", fast) == \
+        "f13__fib_stagger_w12 9/13000 loss 10.300 lr 2.7e-6 12.3ms 1k tok/s ETA 83h20m"
+    assert len(progress_line("f13__fib_stagger_w12", slow)) <= 80
 
 
 def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
@@ -166,3 +217,51 @@ def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
     with stop_on_signals(StopRequest()):
         pass
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_resumed_runs_first_step_has_a_line(capsys):
+    """Resumed from step 100, the first line was at 110: nothing said where the run resumed."""
+    from fibctl.cli.train import RunDisplay
+    from fibctl.flows.worker import Outcome
+    from fibctl.train.trainer import Progress
+
+    display = RunDisplay(plain=True)
+    show = display.start("run", 300)
+    for step in range(101, 121):
+        show(Progress(step, 300, 3.0, 5000.0, 10.0, 1e-3, 0.1, 20.0))
+    display.finish(Outcome("run", "released", 120))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:-1]] == ["101/300", "110/300", "120/300"], lines
+    assert lines[-1] == "run: released at step 120"  # no time or perplexity: it did not finish
+
+
+@pytest.mark.parametrize("name", ["f13__fib_stagger_w12", "fixed_w4"])
+def test_the_bar_on_an_80_column_terminal_cuts_no_number(monkeypatch, name):
+    """The bar's columns (bar, step count, loss, tokens/s, elapsed, ETA) were wider than 80
+    columns with a paper run's name, and rich cut them: '60…', 'ETA 0:0…'. The bar now has
+    the room the log line leaves, or is left out."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from fibctl.cli import train as cli_train
+    from fibctl.flows.worker import Outcome
+    from fibctl.train.trainer import Progress
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_train, "console", Console(file=screen, width=80, force_terminal=True,
+                                                      color_system=None))
+    display = cli_train.RunDisplay(plain=False)
+    show = display.start(name, 13_000)
+    for step in (1, 6000, 12_000):
+        show(Progress(step, 13_000, 3.4567, 512_345.0, 100.0, 3e-4, 0.1, 5025.0,
+                      {"fineweb_edu_val": 3.3} if step == 6000 else {}))
+        display.progress.refresh()
+    display.finish(Outcome(name, "released", 12_000))
+    frames = [line for line in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+              if line.strip()]
+    assert "…" not in screen.getvalue() and all(len(line) <= 80 for line in frames), frames
+    assert any(line.startswith(name) and line.endswith(" 12000/13000 loss 3.457 lr 3.0e-4 100ms 512k tok/s "
+                                                        "ETA 1h23m") for line in frames), frames
+    assert f"{name} 6000/13000 eval fineweb_edu_val loss 3.300 ppl 27.11" in frames

@@ -21,22 +21,28 @@ from fibctl.errors import FibctlError
 def _help_fixes() -> None:
     """Fixes to typer's help, each applied where this typer has the part it fixes (they are
     internals, and fibctl allows any typer from 0.16 on): a boolean flag shows as
-    a flag (typer 0.29 prints `<bool>` after every flag, `--help` included); help text is
+    a flag (typer 0.29 prints `<bool>` after every flag, `--help` included); a repeatable
+    option or a list of arguments shows the type of one value (`<int>`, not `<list[int]>`:
+    Python's annotation, which the help's "repeat" already says); help text is
     wrapped to the terminal, not at its source line breaks (half-empty lines at 80 columns);
     and it is shown as written, not read as rich markup (which took `pip install -e
     '.[slurm]'` for a style tag and printed `'.'`)."""
     from typer import rich_utils
-    from typer.core import TyperOption
+    from typer.core import TyperArgument, TyperOption
 
     if getattr(rich_utils, "_fibctl_fixed", False):
         return
     rich_utils._fibctl_fixed = True
-    shown_type = getattr(TyperOption, "display_type_rich", None)
-    if shown_type is not None:
-        def display_type_rich(self, ctx):
-            return None if getattr(self, "is_flag", False) and self.metavar is None else shown_type(self, ctx)
+    for kind in (TyperOption, TyperArgument):
+        shown_type = getattr(kind, "display_type_rich", None)
+        if shown_type is not None:
+            def display_type_rich(self, ctx, shown_type=shown_type):
+                if getattr(self, "is_flag", False) and self.metavar is None:
+                    return None
+                shown = shown_type(self, ctx)
+                return re.sub(r"<list\[(\w+)\]>", r"<\1>", shown) if isinstance(shown, str) else shown
 
-        TyperOption.display_type_rich = display_type_rich
+            kind.display_type_rich = display_type_rich
     shown_text = getattr(rich_utils, "_make_rich_text", None)
     if shown_text is not None:
         def make_rich_text(*, text, style="", markup_mode):

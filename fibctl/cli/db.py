@@ -169,11 +169,13 @@ def queue_ls(db: DbOption = DEFAULT_DB,
 @app.command("status")
 def status_cmd(
     db: DbOption = DEFAULT_DB,
-    watch: Annotated[bool, typer.Option("--watch", help="Redraw every --every seconds until Ctrl-C.")] = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="Redraw every --every seconds until Ctrl-C (output that is not a terminal, a log "
+        "file say: a new view each time, under the time it was read).")] = False,
     every: Annotated[float, typer.Option("--every", help="Seconds between redraws with --watch.")] = 5.0,
 ) -> None:
-    """What is running where: each running run's host, device, step, tokens/s, ETA and last
-    heartbeat, then the queue's counts."""
+    """What is running where: each running run's host, device, step, last training loss,
+    tokens/s, ETA and last heartbeat, then the queue's counts."""
     import time
 
     from rich.console import Group
@@ -186,16 +188,17 @@ def status_cmd(
     def view():
         now = utcnow()
         rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/{r['steps']:,}",
+                 f"{r['loss']:.3f}" if r["loss"] is not None else "-",
                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                  duration(r["eta_s"]) if r["eta_s"] is not None else "-",
                  f"{duration((now - r['heartbeat_at']).total_seconds())} ago" if r["heartbeat_at"] else "-"]
                 for r in queue.progress(engine)]
-        headers = ["run", "host", "device", "step", "tok/s", "ETA", "heartbeat"]
+        headers = ["run", "host", "device", "step", "loss", "tok/s", "ETA", "heartbeat"]
         parts = []
         if rows:
             table, dropped = fitted_table(headers, rows, width=console.width, fold=("device", "host"),
                                           names=("run",), optional=("device", "host"),
-                                          right=("step", "tok/s", "ETA"))
+                                          right=("step", "loss", "tok/s", "ETA"))
             parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(
@@ -205,6 +208,13 @@ def status_cmd(
     if not watch:
         console.print(view())
         return
+    if not console.is_terminal:  # Live would print its first view alone: a log gets each view, dated
+        try:
+            while True:
+                console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), view(), "")
+                time.sleep(every)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
     with Live(view(), console=console, auto_refresh=False) as live:
         try:
             while True:

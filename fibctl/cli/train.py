@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.cells import cell_len
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fibctl.cli import app
@@ -18,6 +19,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
 from fibctl.train.loggers import LOGGERS, check_loggers
+from fibctl.units import duration
 
 if TYPE_CHECKING:  # torch loads when a command trains or evaluates, not when the CLI starts
     from fibctl.flows.worker import Outcome
@@ -46,30 +48,48 @@ DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
 class RunDisplay:
-    """Per-run progress: a rich bar (step, loss, tokens/s, ETA) or a log line per interval.
-    Each line is printed unwrapped (soft_wrap): in a log file, one event stays one line."""
+    """Per-run progress as one line (step, loss, lr, time per step, tokens/s, ETA): on a
+    terminal redrawn each step after a bar; otherwise printed at the first step of this
+    attempt, every `every` steps and the last. Either way a line per held-out set when the
+    run evaluates, and one at the end with the time taken and the final perplexities. Each
+    line is printed unwrapped (soft_wrap): in a log file, one event stays one line."""
 
     def __init__(self, plain: bool, every: int = 10):
         self.plain = plain or not console.is_terminal
         self.every, self.progress = every, None
+        self.last: trainer.Progress | None = None
 
     def start(self, name: str, steps: int):
+        self.last = None
+
+        def evals(p: trainer.Progress, say) -> None:
+            for dataset, loss in p.evals.items():
+                say(f"{name} {p.step}/{p.steps} eval {dataset} loss {loss:.3f} ppl {_ppl(loss)}")
+
         if self.plain:
             def line(p: trainer.Progress) -> None:
-                if p.step % self.every == 0 or p.step == p.steps:
-                    console.print(f"{name} step {p.step}/{p.steps} loss {p.loss:.4f} "
-                                  f"{p.tokens_per_s:,.0f} tok/s elapsed {p.elapsed_s:.0f}s", highlight=False,
-                                  markup=False, soft_wrap=True)
+                first, self.last = self.last is None, p  # a resumed run's first step says where it resumed
+                if first or p.step % self.every == 0 or p.step == p.steps:
+                    _log(progress_line(name, p))
+                evals(p, _log)
             return line
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
-        self.progress.start()
-        task = self.progress.add_task(name, total=steps, loss="-", tps="-")
+        # the bar takes the room the line leaves at the terminal's width (none: no bar), so
+        # that no number is cut
+        from fibctl.train.trainer import Progress as Step  # torch: loaded by now, for the run
 
-        def bar(p: trainer.Progress) -> None:
-            self.progress.update(task, completed=p.step, loss=f"{p.loss:.4f}", tps=f"{p.tokens_per_s:,.0f}")
-        return bar
+        widest = progress_line(name, Step(steps, steps, 10.0, 999e3, 0.0, 1e-4, 0.999)) + " ETA 99h59m"
+        room = min(40, console.width - cell_len(widest) - 1)
+        bar = [BarColumn(bar_width=room)] if room >= 5 else []
+        self.progress = Progress(TextColumn("[bold]{task.description}"), *bar, TextColumn("{task.fields[line]}"),
+                                 console=console)
+        self.progress.start()
+        task = self.progress.add_task(name, total=steps, line="")
+
+        def draw(p: trainer.Progress) -> None:
+            self.last = p
+            self.progress.update(task, completed=p.step, line=progress_line(name, p)[len(name) + 1:])
+            evals(p, lambda text: self.progress.console.print(text, highlight=False, markup=False))
+        return draw
 
     def warn(self, message: str) -> None:  # on stderr, as warnings are: stdout is the run's log
         err_console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)
@@ -80,10 +100,42 @@ class RunDisplay:
             self.progress = None
         style = {"done": "green", "released": "yellow", "failed": "red", "lost": "yellow"}[outcome.status]
         detail = f": {outcome.error}" if outcome.error else ""
+        last = self.last if self.last is not None and self.last.step == outcome.step else None
+        if last is not None and outcome.status == "done":  # how long, and what it scored at the end
+            detail += f" in {duration(last.elapsed_s)}" + ("; final ppl " + ", ".join(
+                f"{dataset} {_ppl(loss)}" for dataset, loss in last.evals.items()) if last.evals else "")
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
         # folded at a terminal's width; one line in a file, for grep
         console.print(f"[{style}]{escape(outcome.name)}: {outcome.status} at step {outcome.step}{escape(detail)}[/]"
                       f"{escape(where)}", highlight=False, soft_wrap=not console.is_terminal)
+
+
+def progress_line(name: str, p: trainer.Progress) -> str:
+    """nanoGPT's log line, with the run's name (workers share a log): at a paper run's name
+    and numbers it fits 80 columns."""
+    step = f"{p.step_s * 1000:.3g}ms" if p.step_s < 1 else f"{p.step_s:.2f}s"
+    eta = f" ETA {duration(p.eta_s)}" if p.eta_s is not None and p.step < p.steps else ""
+    return (f"{name} {p.step}/{p.steps} loss {p.loss:.3f} lr {_lr(p.lr)} {step} {_si(p.tokens_per_s)} tok/s{eta}")
+
+
+def _lr(lr: float) -> str:
+    return f"{lr:.1e}".replace("e-0", "e-")
+
+
+def _si(value: float) -> str:
+    """3 significant figures at most, with k or M: 812, 11.3k, 512k, 1.25M."""
+    for factor, unit in ((1e6, "M"), (1e3, "k")):
+        if value >= factor * 0.9995:
+            return f"{value / factor:.3g}{unit}"
+    return f"{value:.0f}"
+
+
+def _ppl(loss: float) -> str:
+    return f"{math.exp(loss):.2f}" if loss < 700 else "inf"
+
+
+def _log(text: str) -> None:
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command("train")

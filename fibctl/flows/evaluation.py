@@ -162,7 +162,8 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     if not log_to:
         return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
                         on_result)
-    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict()))
+    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict()),
+                      light_tokens=t.config.train.eval_tokens)
     try:
         return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
                         on_result)

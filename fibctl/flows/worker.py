@@ -417,7 +417,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         run_dir = _run_dir(engine, claimed, opts)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
-                                                                      claimed.config.to_dict()))
+                                                                      claimed.config.to_dict()),
+                                         light_tokens=claimed.config.train.eval_tokens)
         on_checkpoint = lambda result: _record(recorder, opts, claimed.name, result)  # noqa: E731
         if claimed.config.probe is not None:  # trains in one process, eagerly (its width changes every step)
             if opts.compile:

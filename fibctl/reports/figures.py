@@ -3,7 +3,9 @@
 Each function reads the database by SQL (or, for coverage, the attention schedule itself),
 writes a PNG or PDF chosen by the file's extension, and returns the path. One visual
 language runs through all of them: colour is the schedule (Okabe-Ito, safe for colour-blind
-readers), line style the base (fib solid, pow2 dashed), marker the window W. Figures are drawn
+readers), line style the base (fib solid, pow2 dashed), marker the window W; only the training
+curves, where a run's line has no marker, give each of up to 8 runs its own colour when
+schedules repeat. Figures are drawn
 at their print size (a column or the text width of a two-column paper), so their 8-9 pt text
 stays 8-9 pt on the page; fonts are embedded as TrueType (venues reject Type 3), and the same
 data give the same bytes (no creation date in the PDF).
@@ -45,6 +47,9 @@ COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
 # is black, the baseline everything is read against
 _PALETTE = ("black", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
 SCHEDULE_COLORS = dict(zip(SCHEDULES, _PALETTE))
+# a run each, where up to RUN_LEGEND_MAX runs are compared and schedules repeat: the whole
+# Okabe-Ito palette, black last (dense's, when a dense run is among them), yellow late (faint)
+RUN_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#F0E442", "black")
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
@@ -109,6 +114,18 @@ def run_style(schedule: str, base, window) -> dict:
                 linestyle="-" if dense else BASE_STYLES.get(base, ":"),
                 marker="*" if dense else WINDOW_MARKERS.get(int(window) if pd.notna(window) else -1, "^"),
                 linewidth=2.2 if dense else 1.3, markersize=6 if dense else 4.5, zorder=3 if dense else 2)
+
+
+def run_colors(schedules: dict[str, str]) -> dict[str, str]:
+    """Each run's colour: its schedule's, unless two of at most RUN_LEGEND_MAX runs share a
+    schedule (fixed at W 6 and W 8, say), which their curves alone could not tell apart; then
+    each run has a colour of its own, dense keeping black."""
+    colors = {run: SCHEDULE_COLORS.get(s, "tab:gray") for run, s in schedules.items()}
+    if len(schedules) > RUN_LEGEND_MAX or len(set(colors.values())) == len(colors):
+        return colors
+    dense = [run for run, s in schedules.items() if s == "dense"][:1]
+    free = iter(c for c in RUN_COLORS if not (dense and c == "black"))
+    return {run: "black" if run in dense else next(free) for run in schedules}
 
 
 def run_label(run: str, schedule: str) -> str:
@@ -273,7 +290,7 @@ def curves(engine: Engine, path: str | Path, *, dataset: str | None = None, seed
            matrix: str | None = None) -> Path:
     """Validation perplexity at the training length vs step (left; one line per run and token
     budget, since the light and full evaluations score different documents) and training loss
-    (right)."""
+    (right). Up to RUN_LEGEND_MAX runs each have a colour of their own (run_colors)."""
     check_path(path)
     dataset = dataset or default_dataset(engine)
     seed_clause = "\n  AND r.seed = :seed" if seed is not None else ""
@@ -301,10 +318,11 @@ ORDER BY r.name, t.step""", **params)
     long["tokens"] = long["tokens"].fillna(-1)
     light_shown = False
     styles = []
+    colors = run_colors(long.groupby("run", sort=True)["schedule"].first().to_dict())
     for run, points in long.groupby("run", sort=True):
         first = points.iloc[0]
         styles.append(first[["schedule", "base", "window"]].to_dict())
-        style = run_style(first["schedule"], first["base"], first["window"])
+        style = run_style(first["schedule"], first["base"], first["window"]) | {"color": colors[run]}
         budgets = sorted(points["tokens"].unique())
         for tokens in budgets:  # the largest budget is the full evaluation
             line = points[points["tokens"] == tokens]

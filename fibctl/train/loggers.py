@@ -41,8 +41,11 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-        self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
+        log_dir = Path(run_dir) / "tensorboard"
+        fresh = not any(log_dir.glob("events.out.tfevents.*"))  # a resumed or evaluated run has its config
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        if fresh:
+            self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -65,7 +68,8 @@ class TensorBoardSink:
 
 class WandbSink:
     """A W&B run named after the fibctl run, its files under RUN_DIR/wandb; offline by default.
-    The run id is the fibctl run's name, so a resumed run continues the same W&B run."""
+    The run id is the fibctl run's name, so a resumed run continues the same W&B run; runs of
+    one matrix form a group, which W&B's run table and charts compare together."""
 
     def __init__(self, run_dir: Path, name: str, config: dict):
         import wandb
@@ -73,7 +77,7 @@ class WandbSink:
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name, id=name,
-                              resume="allow", dir=str(run_dir), config=config, mode=mode,
+                              group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -87,10 +91,14 @@ SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 class Tee:
-    """A Reporter that writes to the database reporter and copies the metrics to back-ends."""
+    """A Reporter that writes to the database reporter and copies the metrics to back-ends.
+    An evaluation on more tokens than the run's light budget (`eval_tokens`: the full ones
+    at checkpoints and the last step, and `fibctl eval`'s) goes under `eval_full/`: it scores
+    more of each held-out stream, so in the light ones' curve it would be a jump at every
+    checkpoint (the curves figure draws the two budgets apart too)."""
 
-    def __init__(self, reporter, sinks: list):
-        self.reporter, self.sinks = reporter, sinks
+    def __init__(self, reporter, sinks: list, light_tokens: int | None = None):
+        self.reporter, self.sinks, self.light_tokens = reporter, sinks, light_tokens
 
     def _copy(self, step: int, values: dict) -> None:
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
@@ -104,8 +112,9 @@ class Tee:
 
     def log_eval(self, step, dataset, eval_length, tokens, loss) -> None:
         self.reporter.log_eval(step, dataset, eval_length, tokens, loss)
-        self._copy(step, {f"eval/{dataset}@{eval_length}/loss": loss,
-                          f"eval/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
+        kind = "eval_full" if self.light_tokens is not None and tokens > self.light_tokens else "eval"
+        self._copy(step, {f"{kind}/{dataset}@{eval_length}/loss": loss,
+                          f"{kind}/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
 
     def event(self, kind, message=None, data=None) -> None:
         self.reporter.event(kind, message, data)

@@ -29,7 +29,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -72,13 +72,17 @@ class Reporter(Protocol):
 
 @dataclass
 class Progress:
-    """What a display shows after each step."""
+    """What a display shows after each step (and its evaluations, if it had any)."""
 
     step: int
     steps: int
     loss: float
     tokens_per_s: float
     elapsed_s: float
+    lr: float = 0.0
+    step_s: float = 0.0  # mean seconds of a training step since the last logged one
+    eta_s: float | None = None  # at this attempt's pace, evaluations and checkpoints included
+    evals: dict[str, float] = field(default_factory=dict)  # held-out loss by set, at this step
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Trainer:
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
+        self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
 
     def _build(self, compile: bool) -> None:
         """The model (drawn after seeding with init_seed), its DDP and compiled wrappers, and
@@ -195,6 +200,7 @@ class Trainer:
         if self.group is not None:
             self._check_same_start()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
+        start_step = self.step
         if self.step == 0 and self.config.model.schedule != "dense":
             self.reporter.log_alphas(0, self.model.alphas())
         step_time, steps_timed = 0.0, 0  # training time since the last log line: tokens/s
@@ -210,19 +216,24 @@ class Trainer:
             if not math.isfinite(loss):
                 return self._diverged(loss)
             step_time, steps_timed = step_time + time.perf_counter() - t0, steps_timed + 1
-            tokens_per_s = steps_timed * self.tokens_per_step / step_time
+            tokens_per_s, step_s = steps_timed * self.tokens_per_step / step_time, step_time / steps_timed
             self._tick()
             if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                 self.reporter.log_step(self.step, loss, lr_at(self.step, self.tc), grad_norm,
                                        tokens_per_s, self.elapsed_s)
                 self._heartbeat()
                 step_time, steps_timed = 0.0, 0
-            if self.on_progress:
-                self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s))
             unscored = None  # a held-out loss that is not finite: weights this step made NaN or infinite
+            self.evals = {}
             if not self.lost:
                 saved, unscored = self._evaluate_and_checkpoint()
                 last = saved or last
+            if self.on_progress and unscored is None:  # after the evaluations, so that it shows them
+                self._tick()
+                pace = (self.elapsed_s - self._elapsed_before) / (self.step - start_step)
+                self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s,
+                                          lr_at(self.step, self.tc), step_s, pace * (self.tc.steps - self.step),
+                                          self.evals))
             stopping = self.stop.is_set()  # read once: a signal may set it at any moment
             if self.group is not None:  # every rank leaves the loop at the same step, the same way
                 self.lost, stopping, diverged = self.group.any(self.lost, stopping, unscored is not None,
@@ -297,6 +308,7 @@ class Trainer:
             if not math.isfinite(res.loss):
                 return f"a held-out loss of {res.loss} on {name}"
             self.reporter.log_eval(self.step, name, T, res.tokens, res.loss)
+            self.evals[name] = res.loss
             if positions:
                 self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.position_windows)
             self._heartbeat()

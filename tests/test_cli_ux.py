@@ -175,7 +175,9 @@ def test_option_names_agree_across_commands():
 
 def test_data_prepare_writes_to_data_and_still_accepts_out(tmp_path):
     recipe = tmp_path / "tiny.toml"
-    recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n\n'
+    # a sample of 20,000 characters for the tokenizer (the default, 50 million, took 20 s)
+    recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n'
+                      'tokenizer_sample_chars = 20000\n\n'
                       '[[sources]]\nname = "gen"\nkind = "generated"\nseed = 1\nshare = 1.0\n'
                       'heldout = "gen_val"\nheldout_fraction = 0.1\n')
     done = fibctl("data", "prepare", str(recipe), "--data", str(tmp_path / "a"), "--plain")

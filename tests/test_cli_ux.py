@@ -41,17 +41,28 @@ def test_the_model_loads_without_torchs_compiler():
     assert done.stdout.strip() == "[]"
 
 
+def help_text(*command: str) -> str:
+    """`fibctl COMMAND --help` at 80 columns, from the app in this process (a new Python for
+    each help text cost seconds)."""
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    done = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80", "TERM": "dumb", "NO_COLOR": "1"})
+    assert done.exit_code == 0, done.output
+    return done.output
+
+
 def test_flags_show_as_flags_and_help_paragraphs_wrap():
-    done = fibctl("demo", "--help")
-    assert done.returncode == 0, done.stderr
-    assert "<bool>" not in done.stdout and "--quick" in done.stdout and "--plain" in done.stdout
-    assert all(len(line) <= 80 for line in done.stdout.splitlines())
+    out = help_text("demo")
+    assert "<bool>" not in out and "--quick" in out and "--plain" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
     for command in (["worker"], ["sql"], ["eval"], ["data", "prepare"], ["queue", "rm"], ["probe"], ["figure"]):
-        out = fibctl(*command, "--help").stdout
+        out = help_text(*command)
         assert "<bool>" not in out and "--help" in out, command
         # a repeatable option shows the type of one value, not Python's <list[int]>
         assert "list[" not in out, command
-    assert re.search(r"--length +<int> ", fibctl("eval", "--help").stdout)
+    assert re.search(r"--length +<int> ", help_text("eval"))
 
 
 # ----------------------------------------------------------------------------- 80 columns
@@ -168,17 +179,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_option_names_agree_across_commands():
     """A data folder is --data, an output format --format, plain output --plain, everywhere
     (the older spellings still work, as aliases)."""
-    data_help = fibctl("data", "prepare", "--help").stdout
+    data_help = help_text("data", "prepare")
     assert "--data" in data_help and "--plain" in data_help
     for command in (["worker"], ["train"], ["eval"]):
-        assert "--data" in fibctl(*command, "--help").stdout, command
-    assert "--plain" in fibctl("worker", "--help").stdout and "--plain" in fibctl("demo", "--help").stdout
-    assert "--format" in fibctl("sql", "--help").stdout and "--format" in fibctl("report", "table1", "--help").stdout
+        assert "--data" in help_text(*command), command
+    assert "--plain" in help_text("worker") and "--plain" in help_text("demo")
+    assert "--format" in help_text("sql") and "--format" in help_text("report", "table1")
 
 
 def test_data_prepare_writes_to_data_and_still_accepts_out(tmp_path):
     recipe = tmp_path / "tiny.toml"
-    recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n\n'
+    # a sample of 20,000 characters for the tokenizer (the default, 50 million, took 20 s)
+    recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n'
+                      'tokenizer_sample_chars = 20000\n\n'
                       '[[sources]]\nname = "gen"\nkind = "generated"\nseed = 1\nshare = 1.0\n'
                       'heldout = "gen_val"\nheldout_fraction = 0.1\n')
     done = fibctl("data", "prepare", str(recipe), "--data", str(tmp_path / "a"), "--plain")
@@ -226,10 +239,15 @@ def test_report_tables_at_80_columns_cut_no_cell():
     (["bogus"], r"error: No such command 'bogus'. \(see `.*fibctl --help`\)"),
     (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
 ])
-def test_a_usage_error_is_one_line_and_exit_2(args, line):
-    done = fibctl(*args)
-    assert done.returncode == 2 and done.stdout == ""
-    assert re.fullmatch(line, done.stderr.strip()), done.stderr
+def test_a_usage_error_is_one_line_and_exit_2(args, line, monkeypatch, capsys):
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:  # fibctl's main in this process: no new Python to start
+        main()
+    out = capsys.readouterr()
+    assert done.value.code == 2 and out.out == ""
+    assert re.fullmatch(line, out.err.strip()), out.err
 
 
 @pytest.mark.parametrize("command, patched, line", [

@@ -327,14 +327,18 @@ def test_an_in_memory_database_is_refused(db, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args", [["db", "upgrade"], ["db", "current"], ["queue", "add", "demo"],
                                   ["queue", "ls"], ["sql", "select 1"]])
-def test_cli_refuses_an_in_memory_database_in_one_line(args, tmp_path):
-    import subprocess
+def test_cli_refuses_an_in_memory_database_in_one_line(args, tmp_path, monkeypatch, capsys):
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "fibctl", *args, "--db", "sqlite://"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.strip().splitlines() == [
+    from fibctl.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args, "--db", "sqlite://"])
+    with pytest.raises(SystemExit) as exit_:  # the entry point in this process: no new Python to start
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.strip().splitlines() == [
         "error: --db sqlite:// is an in-memory database: it keeps nothing between commands; name a file "
         "(e.g. results.db)"]
 

@@ -18,6 +18,18 @@ from test_reports import study  # noqa: F401  (the small imported study: every t
 from train_helpers import micro_run
 
 
+def fibctl(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """`fibctl ARGS` run by its main in this process (a new Python cost seconds of imports), as
+    the CompletedProcess a process would have given."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["fibctl", *args], done.value.code, out.out, out.err)
+
+
 @pytest.fixture
 def target(db_url):
     return db_url
@@ -44,18 +56,16 @@ def test_a_target_run_with_another_config_is_refused_and_nothing_copied(study, t
     assert counts(target)["runs"] == 1
 
 
-def test_cli_copy(study, tmp_path):  # noqa: F811
+def test_cli_copy(study, tmp_path, monkeypatch, capsys):  # noqa: F811
     out = str(tmp_path / "c.db")
-    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", study, "--to", out],
-                          capture_output=True, text=True, timeout=120)
+    done = fibctl(monkeypatch, capsys, "db", "copy", "--from", study, "--to", out)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and counts(connect(out)) == counts(connect(study))
-    again = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", study, "--to", out],
-                           capture_output=True, text=True, timeout=120)
+    again = fibctl(monkeypatch, capsys, "db", "copy", "--from", study, "--to", out)
     assert "nothing (already copied)" in " ".join(again.stdout.split())
 
 
-def test_cli_copy_onto_itself_is_refused_and_changes_nothing(study, tmp_path):  # noqa: F811
+def test_cli_copy_onto_itself_is_refused_and_changes_nothing(study, tmp_path, monkeypatch, capsys):  # noqa: F811
     """The same SQLite file by another path, or the same server database: refused, untouched."""
     import hashlib
     import shutil
@@ -71,8 +81,7 @@ def test_cli_copy_onto_itself_is_refused_and_changes_nothing(study, tmp_path):  
         state = lambda: (sorted(p.name for p in tmp_path.iterdir()),  # noqa: E731
                          hashlib.sha256((tmp_path / "self.db").read_bytes()).hexdigest())
     before = state()
-    done = subprocess.run([sys.executable, "-m", "fibctl", "db", "copy", "--from", source, "--to", target],
-                          capture_output=True, text=True, timeout=120)
+    done = fibctl(monkeypatch, capsys, "db", "copy", "--from", source, "--to", target)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: --from and --to are the same database ({shown(source)}); nothing to copy"]
     assert state() == before

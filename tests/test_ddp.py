@@ -46,6 +46,21 @@ def fibctl(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
+def refused(monkeypatch, capsys, *args: str) -> str:
+    """`fibctl ARGS` in this process (its main, as the entry point calls it): exit 2 with one
+    line and no traceback; that line. For refusals that do not depend on the process's
+    environment: a new Python for each cost seconds of importing torch."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    assert done.value.code == 2 and "Traceback" not in out.err + out.out, out
+    assert len(out.err.strip().splitlines()) == 1, out.err
+    return out.err
+
+
 def one_process(config, data, run_dir) -> tuple[dict, dict]:
     reporter = Losses()
     trainer = Trainer(config, load_manifest(data), run_dir, reporter)
@@ -111,13 +126,13 @@ def test_a_learned_layer_that_keeps_no_rung_trains_on_two_ranks_as_in_one_proces
     ("0", "--nproc 0 must be >= 1"),
     (str((os.cpu_count() or 1) + 1), "CPUs (gloo: one process per CPU)"),
 ])
-def test_an_nproc_that_does_not_fit_is_one_line_exit_2_and_the_run_stays_queued(data, tmp_path, nproc, words):
+def test_an_nproc_that_does_not_fit_is_one_line_exit_2_and_the_run_stays_queued(data, tmp_path, monkeypatch, capsys,
+                                                                               nproc, words):
     db = tmp_path / "r.db"
     queued_db(db, micro_run("run", grad_accum=3)).dispose()
-    done = fibctl("train", "run", "--nproc", nproc, "--db", str(db), "--data", str(data), "--device", "cpu",
-                  "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
-    assert done.returncode == 2 and words in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    monkeypatch.chdir(tmp_path)
+    assert words in refused(monkeypatch, capsys, "train", "run", "--nproc", nproc, "--db", str(db), "--data",
+                            str(data), "--device", "cpu", "--runs-dir", str(tmp_path / "runs"))
     assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
     assert not (tmp_path / "runs").exists()
 
@@ -383,15 +398,22 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR"
     (["--ddp", "--nproc", "2"], TORCHRUN_ENV, "--nproc under torchrun"),
     (["--ddp", "--nproc", "1", "--compile"], {"CXX": "/no-such-g++"}, "--compile: torch.compile cannot run on cpu"),
 ])
-def test_worker_ddp_bad_input_is_one_line_exit_2_and_the_runs_stay_queued(data, tmp_path, args, env, words):
+def test_worker_ddp_bad_input_is_one_line_exit_2_and_the_runs_stay_queued(data, tmp_path, monkeypatch, capsys, args,
+                                                                         env, words):
     db = tmp_path / "r.db"
     queued_db(db, micro_run("run")).dispose()
-    clean = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    done = subprocess.run([sys.executable, "-m", "fibctl", "worker", *args, "--db", str(db), "--data", str(data),
-                           "--device", "cpu", "--runs-dir", str(tmp_path / "runs")], capture_output=True,
-                          text=True, cwd=tmp_path, env={**clean, **env}, timeout=300)
-    assert done.returncode == 2 and words in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    worker = ["worker", *args, "--db", str(db), "--data", str(data), "--device", "cpu", "--runs-dir",
+              str(tmp_path / "runs")]
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if not env:  # options alone: fibctl's main in this process
+        monkeypatch.chdir(tmp_path)
+        assert words in refused(monkeypatch, capsys, *worker)
+    else:  # a process started with this environment (a regression here must not join a group in pytest's)
+        done = subprocess.run([sys.executable, "-m", "fibctl", *worker], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, **env}, timeout=300)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
 
 

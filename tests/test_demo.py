@@ -17,6 +17,19 @@ def fibctl(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def refused(monkeypatch, capsys, *args) -> str:
+    """`fibctl ARGS` run by its main in this process (a refusal needs no new Python): exit 2;
+    its stderr."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    assert done.value.code == 2, out
+    return out.err
+
+
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
@@ -52,15 +65,14 @@ def test_second_run_resumes_and_skips_finished_work(quick_demo):
     assert after == before
 
 
-def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path):
+def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, monkeypatch, capsys):
     (tmp_path / "thesis.tex").write_text("precious")
-    r = fibctl("demo", "--quick", "--out", str(tmp_path))
-    assert r.returncode == 2
-    assert "holds files that are not a fibctl demo" in r.stderr
+    assert "holds files that are not a fibctl demo" in refused(monkeypatch, capsys, "demo", "--quick", "--out",
+                                                                str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.tex"]
 
 
-def test_demo_refuses_the_other_plans_folder_before_changing_it(quick_demo):
+def test_demo_refuses_the_other_plans_folder_before_changing_it(quick_demo, monkeypatch, capsys):
     """A full demo over a --quick one would rebuild its data and then refuse its runs."""
     import hashlib
 
@@ -69,8 +81,8 @@ def test_demo_refuses_the_other_plans_folder_before_changing_it(quick_demo):
     state = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*")  # noqa: E731
                      if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
     before = state()
-    r = fibctl("demo", "--out", str(out), "--plain")
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+    err = refused(monkeypatch, capsys, "demo", "--out", str(out), "--plain")
+    assert err.strip().splitlines() == [
         f"error: --out {out} holds a `fibctl demo --quick`; run that to resume it, or choose another folder"]
     assert state() == before
 

@@ -8,7 +8,6 @@ import dataclasses
 import math
 import re
 import sqlite3
-import subprocess
 import sys
 
 import numpy as np
@@ -269,16 +268,20 @@ def test_eight_bit_optimizer_falls_back_on_a_cpu_with_a_warning():
     assert plain.optimizer.defaults["eps"] == 1e-8 and plain.optimizer.defaults["betas"] == (0.9, 0.95)
 
 
-def test_unknown_optimizer_in_a_matrix_is_one_line_exit_2_nothing_queued(tmp_path):
+def test_unknown_optimizer_in_a_matrix_is_one_line_exit_2_nothing_queued(tmp_path, monkeypatch, capsys):
+    from fibctl.cli import main
+
     matrix = tmp_path / "m.toml"
     matrix.write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "fixed"\n'
                       'window = 4\ntrain = { optimizer = "sgd" }\n')
     db = tmp_path / "r.db"
-    proc = subprocess.run([sys.executable, "-m", "fibctl", "queue", "add", str(matrix), "--db", str(db)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "unknown optimizer 'sgd'; allowed: adamw, adamw8bit" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "add", str(matrix), "--db", str(db)])
+    with pytest.raises(SystemExit) as done:  # fibctl's main in this process: no new Python to start
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err
+    assert "unknown optimizer 'sgd'; allowed: adamw, adamw8bit" in err
+    assert len(err.strip().splitlines()) == 1
     if db.exists():
         assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
 

@@ -351,12 +351,24 @@ def test_the_final_step_is_the_last_with_a_perplexity(table, row, tmp_path, db_u
     assert _final_fineweb(engine, "f06__fib_fixed_w8") == [(44.0, 1048576)]
 
 
-def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matrix(tmp_path, db_url):
+def fibctl(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """`fibctl ARGS` run by its main in this process (not a new Python, which cost seconds of
+    imports each), as the CompletedProcess a process would have given."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["fibctl", *args], done.value.code, out.out, out.err)
+
+
+def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matrix(tmp_path, db_url, monkeypatch,
+                                                                                  capsys):
     fib_db, _, _ = make_study(tmp_path)
     with sqlite3.connect(fib_db) as study:
         study.execute("UPDATE runs SET status = 'running' WHERE title = 'f13__fib_stagger_w12'")
-    out = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--db", db_url],
-                         capture_output=True, text=True)
+    out = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--db", db_url)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert any(line.startswith("not part of the study's matrix") and "ref_e0030" in line
@@ -468,20 +480,19 @@ def test_a_run_fibctl_trained_is_not_overwritten(tmp_path, db_url):
     assert rows(engine, "SELECT name, status FROM runs") == [("f06__fib_fixed_w8", "queued")]
 
 
-def test_cli_import_study_and_its_bad_input_exit_code(tmp_path, db_url):
+def test_cli_import_study_and_its_bad_input_exit_code(tmp_path, db_url, monkeypatch, capsys):
     fib_db, extrap, posloss = make_study(tmp_path)
     db = db_url
-    ok = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
-                         "--posloss", str(posloss), "--db", db], capture_output=True, text=True)
+    ok = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--lenextrap", str(extrap), "--posloss",
+                str(posloss), "--db", db)
     assert ok.returncode == 0, ok.stderr
     assert "imported 10 runs, 4 probe models" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(extrap), "--db", db],
-                         capture_output=True, text=True)
+    bad = fibctl(monkeypatch, capsys, "import-study", str(extrap), "--db", db)
     assert bad.returncode == 2
     assert "not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path, db_url):
+def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path, db_url, monkeypatch, capsys):
     fib_db, extrap, posloss = make_study(tmp_path)
     engine = connect(db_url)
     first = import_study(engine, fib_db, lenextrap=extrap, posloss=posloss)
@@ -497,8 +508,8 @@ def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path, db_u
     assert (changed.runs, changed.probe_runs, changed.evaluations, changed.aux_metrics,
             changed.position_losses) == (0, 0, 1, 0, 0)
     db = db_url
-    again = subprocess.run([sys.executable, "-m", "fibctl", "import-study", str(fib_db), "--lenextrap", str(extrap),
-                            "--posloss", str(posloss), "--db", db], capture_output=True, text=True)
+    again = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--lenextrap", str(extrap), "--posloss",
+                   str(posloss), "--db", db)
     assert again.returncode == 0 and "nothing to import" in again.stdout and "imported" not in again.stdout
 
 

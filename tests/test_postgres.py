@@ -25,7 +25,18 @@ def pg() -> str:
         yield url
 
 
-def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    """`fibctl data prepare quick`, once for the module: both tests train on it and neither
+    writes to it (its tokenizer's BPE training is the slow part)."""
+    root = tmp_path_factory.mktemp("pgdata")
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "quick", "--data", "data", "--plain"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return str(root / "data")
+
+
+def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, data, tmp_path):
     env = {**os.environ, "FIBCTL_DB": pg, "COLUMNS": "120"}
 
     def fibctl(*args, code=0):
@@ -37,10 +48,9 @@ def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, tmp_path):
 
     (tmp_path / "m.toml").write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "fixed"\n'
                                      'window = 4\n\n[[runs]]\nname = "b"\nschedule = "learned"\nwindow = 4\n')
-    fibctl("data", "prepare", "quick", "--data", "data", "--plain")
     fibctl("queue", "add", "m.toml")
-    assert "2 run(s)" in fibctl("worker", "--data", "data", "--runs-dir", "runs", "--plain")
-    fibctl("eval", "a", "b", "--length", "128", "--data", "data")
+    assert "2 run(s)" in fibctl("worker", "--data", data, "--runs-dir", "runs", "--plain")
+    fibctl("eval", "a", "b", "--length", "128", "--data", data)
     assert "docs_val" in fibctl("report", "table1")
     assert "a" in fibctl("sql", "SELECT name, status FROM runs WHERE status = 'done'")
     refused = fibctl("sql", "DELETE FROM runs", code=2)
@@ -64,7 +74,7 @@ def _restart_server() -> None:
                    stderr=subprocess.DEVNULL, timeout=120)
 
 
-def test_a_server_restart_mid_run_loses_no_metric_row(pg, tmp_path):
+def test_a_server_restart_mid_run_loses_no_metric_row(pg, data, tmp_path):
     import time
 
     env = {**os.environ, "FIBCTL_DB": pg}
@@ -73,9 +83,8 @@ def test_a_server_restart_mid_run_loses_no_metric_row(pg, tmp_path):
         'train = { steps = 600, log_interval = 2, eval_interval = 200, checkpoint_interval = 200 }\n')
     run = lambda *a: subprocess.run([sys.executable, "-m", "fibctl", *a], cwd=tmp_path, env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=300)
-    assert run("data", "prepare", "quick", "--data", "data", "--plain").returncode == 0
     assert run("queue", "add", "m.toml").returncode == 0
-    worker = subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--data", "data", "--runs-dir", "runs",
+    worker = subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--data", data, "--runs-dir", "runs",
                                "--plain"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     engine = create_engine(pg)

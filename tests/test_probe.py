@@ -351,6 +351,21 @@ def _fibctl(tmp_path, *args, timeout=300):
                           text=True, timeout=timeout)
 
 
+def _refused(tmp_path, monkeypatch, capsys, *args) -> str:
+    """`fibctl ARGS` in this process (its main, as the entry point calls it), in `tmp_path`:
+    exit 2 with one line and no traceback; that line."""
+    from fibctl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    assert done.value.code == 2 and "Traceback" not in out.err + out.out, out
+    assert len(out.err.strip().splitlines()) == 1, out.err
+    return out.err
+
+
 def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     """`fibctl probe --quick` (depth 2, both inits, seed 0, 200 steps), a worker with no data
     folder, then Table 2 from fibctl's own runs: the pipeline of the study's probe."""
@@ -394,21 +409,19 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
     (["--quick", "--steps", "0"], "--steps 0 must be >= 1"),  # not replaced by --quick's 200
 ])
-def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, args, message):
-    r = _fibctl(tmp_path, "probe", "--db", "r.db", *args)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, monkeypatch, capsys, args, message):
+    assert message in _refused(tmp_path, monkeypatch, capsys, "probe", "--db", "r.db", *args)
     if (tmp_path / "r.db").exists():
         assert sqlite3.connect(tmp_path / "r.db").execute("select count(*) from runs").fetchone() == (0,)
 
 
-def test_a_worker_without_data_puts_back_a_run_that_needs_text(tmp_path):
+def test_a_worker_without_data_puts_back_a_run_that_needs_text(tmp_path, monkeypatch, capsys):
     from train_helpers import micro_run
 
     engine = connect(str(tmp_path / "r.db"))
     add_runs(engine, [micro_run("text")])
-    r = _fibctl(tmp_path, "worker", "--db", "r.db", "--data", "no-data", "--plain")
-    assert r.returncode == 2 and "trains on text" in r.stderr and "Traceback" not in r.stderr
+    assert "trains on text" in _refused(tmp_path, monkeypatch, capsys, "worker", "--db", "r.db", "--data",
+                                        "no-data", "--plain")
     assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
 
 
@@ -439,25 +452,24 @@ def test_eval_refuses_probe_runs_and_all_skips_them(tmp_path):
         find_runs(engine, [], True)
 
 
-def test_a_probe_run_trains_in_one_process(tmp_path):
+def test_a_probe_run_trains_in_one_process(tmp_path, monkeypatch, capsys):
     from fibctl.errors import WorkerError
     from fibctl.flows.worker import check_group_run
 
     [run] = small_runs()[:1]
     add_runs(connect(str(tmp_path / "r.db")), [run])
-    r = _fibctl(tmp_path, "train", run.name, "--db", "r.db", "--nproc", "2", "--device", "cpu")
-    assert r.returncode == 2 and "is a probe run: it trains in one process" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    refused = _refused(tmp_path, monkeypatch, capsys, "train", run.name, "--db", "r.db", "--nproc", "2",
+                       "--device", "cpu")
+    assert "is a probe run: it trains in one process" in refused
     assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts from runs").fetchone() == ("queued", 0)
     with pytest.raises(WorkerError, match="probe run"):  # what worker --ddp's rank 0 checks at each claim
         check_group_run(run, None, 2)
 
 
-def test_bench_probe_times_both_paths_in_one_run_and_refuses_bad_input(tmp_path):
+def test_bench_probe_times_both_paths_in_one_run_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
     from fibctl.flows.bench import ProbeBench, bench_probe
 
     df = bench_probe(ProbeBench(width=2.0, length=64, batch=1, repeats=1, warmup=0))
     assert list(df.impl) == ["reference", "fast"] and df.time_vs_reference.iloc[0] == 1.0
     assert (df.fwd_bwd_ms > 0).all() and df.rungs.iloc[0] == 4  # 13, 21, 34 and 55
-    r = _fibctl(tmp_path, "bench", "probe", "--width", "0")
-    assert r.returncode == 2 and "--width 0 must be > 0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "--width 0 must be > 0" in _refused(tmp_path, monkeypatch, capsys, "bench", "probe", "--width", "0")

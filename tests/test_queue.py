@@ -378,7 +378,7 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path,
     assert code == 0 and not (runs / "r000").exists() and queue.list_runs(engine) == []
 
 
-def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
+def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatch, capsys):
     engine = connect(db)
     queue.add_runs(engine, _configs(3, steps=100))
     run = queue.claim_next(engine, "host-a:1", host="host-a", device="cpu (2 threads)")
@@ -392,9 +392,8 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db):
     assert "r000" in text_ and "40/100" in text_ and "512" in text_ and "1m00s" in text_ and "3.500" in text_
     assert "host-a" in text_ and "1 running; 2 queued, 0 done" in text_
     assert "…" not in text_ and max(map(len, text_.splitlines())) <= 80
-    bad = subprocess.run([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--every must be above 0" in bad.stderr
+    code, err = _main_exit(monkeypatch, capsys, "status", "--db", db, "--watch", "--every", "0")
+    assert code == 2 and "--every must be above 0" in err
     # Ctrl-C is the way out of --watch: 130, as for every command a Ctrl-C ends (it was 0). On a
     # terminal (a pty), so the view is drawn: the signal comes once the first frame is
     import pty

@@ -61,7 +61,7 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
 # ----------------------------------------------------------------------------- refusals, no cluster needed
 
 
-def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data, tmp_path):
+def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data, tmp_path, monkeypatch, capsys):
     db = tmp_path / "r.db"
     queued_db(db, micro_run("a", steps=4))
     args = ["slurm", "submit", "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
@@ -73,12 +73,12 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     one_line_error(done, "submitit", ".[slurm]")
     if importlib.util.find_spec("submitit") is None:
         pytest.skip("the rest needs submitit (pip install -e '.[slurm]')")
-    # no sbatch on the PATH (the Python executable is called by its full path)
+    # no sbatch on the PATH (fibctl's main in this process: the PATH is read when a tool is called)
     bare = tmp_path / "bin"
     bare.mkdir()
-    done = fibctl(*args, env={**ENV, "PATH": str(bare)})
-    one_line_error(done, "sbatch")
-    one_line_error(fibctl("slurm", "status", "--db", str(db), env={**ENV, "PATH": str(bare)}), "squeue")
+    monkeypatch.setenv("PATH", str(bare))
+    one_line_error(cli_done(monkeypatch, capsys, *args), "sbatch")
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)), "squeue")
     assert runs(db) == [("a", "queued", None, None)]
     assert not (tmp_path / "jobs").exists()
 
@@ -107,6 +107,12 @@ def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         main()
     out = capsys.readouterr()
     return done.value.code, out.out, out.err
+
+
+def cli_done(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """`cli`, as the CompletedProcess a process would have given."""
+    code, out, err = cli(monkeypatch, capsys, *args)
+    return subprocess.CompletedProcess(["fibctl", *args], code, out, err)
 
 
 # what a worker on a node would refuse, and what sbatch would: {root} is the `inputs` folder
@@ -181,13 +187,14 @@ def test_what_a_worker_accepts_is_accepted(inputs, tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.db"]  # a dry run makes no folder
 
 
-def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path):
+def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path, monkeypatch, capsys):
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
     db = tmp_path / "r.db"
     queued_db(db, micro_run("a", steps=4))
-    done = fibctl("slurm", "submit", "--db", str(db), "--data", str(data), "--runs-dir", "rel-runs",
-                  "--tasks-per-node", "2", "--time", "01:30:00", "--partition", "cpu", "--account", "lab",
-                  "--folder", str(tmp_path / "jobs"), "--dry-run", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    done = cli_done(monkeypatch, capsys, "slurm", "submit", "--db", str(db), "--data", str(data), "--runs-dir",
+                    "rel-runs", "--tasks-per-node", "2", "--time", "01:30:00", "--partition", "cpu", "--account",
+                    "lab", "--folder", str(tmp_path / "jobs"), "--dry-run")
     assert done.returncode == 0, done.stderr
     script = done.stdout
     for line in ["#!/bin/bash", "#SBATCH --job-name=fibctl-worker", "#SBATCH --ntasks-per-node=2",
@@ -196,13 +203,13 @@ def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path):
                  f"export FIBCTL_DATA={data}", f"export FIBCTL_RUNS_DIR={tmp_path / 'rel-runs'}"]:
         assert line in script.splitlines(), (line, script)
     assert "srun" in script and "submitit.core._submit" in script and "gpus" not in script
-    gpu = fibctl("slurm", "submit", "--db", str(db), "--data", str(data), "--gpus-per-node", "4", "--nodes", "1",
-                 "--dry-run", cwd=tmp_path)
+    gpu = cli_done(monkeypatch, capsys, "slurm", "submit", "--db", str(db), "--data", str(data), "--gpus-per-node",
+                   "4", "--nodes", "1", "--dry-run")
     assert gpu.returncode == 0 and "#SBATCH --gpus-per-node=4" in gpu.stdout and "--ntasks-per-node=4" in gpu.stdout
     assert not (tmp_path / "jobs").exists() and runs(db) == [("a", "queued", None, None)]
 
 
-def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path):
+def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path, monkeypatch, capsys):
     """--dry-run upgraded the database's schema (a write) before printing the script."""
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
     from alembic import command
@@ -216,8 +223,9 @@ def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path):
     with engine.begin() as conn:
         command.downgrade(alembic_config(conn), "-1")
     before = current_revision(engine)
-    done = fibctl("slurm", "submit", "--db", str(db), "--data", str(data), "--folder", str(tmp_path / "jobs"),
-                  "--dry-run", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    done = cli_done(monkeypatch, capsys, "slurm", "submit", "--db", str(db), "--data", str(data), "--folder",
+                    str(tmp_path / "jobs"), "--dry-run")
     one_line_error(done, "fibctl db upgrade")
     assert current_revision(engine) == before
 

@@ -104,15 +104,19 @@ def test_cli_sql_table_csv_and_json(db):
     assert r.exit_code == 0 and "demo_stagger" in r.output and "schedule" in r.output
 
 
-def test_cli_insert_exits_2_with_one_clear_line(db):
+def test_cli_insert_exits_2_with_one_clear_line(db, monkeypatch, capsys):
+    from fibctl.cli import main
+
     before = _digest(db)
-    r = subprocess.run([sys.executable, "-m", "fibctl", "sql", "INSERT INTO runs (name) VALUES ('x')", "--db", db],
-                       capture_output=True, text=True)
-    assert r.returncode == 2
+    monkeypatch.setattr(sys, "argv", ["fibctl", "sql", "INSERT INTO runs (name) VALUES ('x')", "--db", db])
+    with pytest.raises(SystemExit) as done:  # fibctl's main in this process: no new Python to start
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2
     # SQLite's authorizer refuses it before the read-only file would; PostgreSQL's read-only transaction
     refusal = "fibctl sql only reads" if _is_sqlite(db) else "the database is opened read-only"
-    assert r.stderr.strip().startswith(f"error: refused: {refusal}")
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert err.strip().startswith(f"error: refused: {refusal}")
+    assert len(err.strip().splitlines()) == 1
     assert _digest(db) == before
 
 

@@ -77,8 +77,8 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     bare = tmp_path / "bin"
     bare.mkdir()
     monkeypatch.setenv("PATH", str(bare))
-    one_line_error(cli_done(monkeypatch, capsys, *args), "sbatch")
-    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)), "squeue")
+    one_line_error(cli_done(monkeypatch, capsys, *args), "no `sbatch` on this machine")
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)), "no `squeue` on this machine")
     assert runs(db) == [("a", "queued", None, None)]
     assert not (tmp_path / "jobs").exists()
 

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import uuid
 
 import pytest
+
+# A suite started as a background job of a non-interactive shell (`... &`, as some CI
+# runners and nohup do) inherits SIGINT ignored, and so would every fibctl the tests start
+# (an ignored signal stays ignored across exec): the Ctrl-C tests would send SIGINT to
+# processes that cannot get it. Take the default back here; an installed handler resets to
+# the default in each child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 PG_SERVER = os.environ.get("FIBCTL_TEST_PG")
 NO_PG = "FIBCTL_TEST_PG names no PostgreSQL server"

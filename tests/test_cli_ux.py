@@ -230,7 +230,7 @@ def test_report_tables_at_80_columns_cut_no_cell():
                              capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"}, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "…" not in out.stdout and max(map(len, out.stdout.splitlines())) <= 80
-        assert "27.52" in out.stdout or "3.598" in out.stdout or "27.84" in out.stdout
+        assert "fib_stagger_w8" in out.stdout  # a row of the demo's, whatever its numbers
 
 
 @pytest.mark.parametrize("args,line", [

@@ -87,6 +87,15 @@ def test_demo_refuses_the_other_plans_folder_before_changing_it(quick_demo, monk
     assert state() == before
 
 
+@pytest.mark.parametrize("timings,threads", [({1: 317.0, 2: 179.0}, 2), ({1: 2380.0, 2: 7270.0}, 1),
+                                             ({1: 99_999.0, 128: 99_999.0}, 128)])
+def test_the_threads_measurement_fits_80_columns(timings, threads):
+    """At 81 characters (a loaded 2-core VM) the chosen count wrapped onto a line of its own."""
+    line = demo.threads_line(timings, threads)
+    assert len(line) <= 80 and line.endswith(f"training with {threads}")
+    assert all(f"{ms:,.0f}" in line for ms in timings.values())
+
+
 def _db_with(tmp_path, ppl: dict[str, tuple[float, float]]):
     """A demo database whose runs have the given perplexity at 1x and 4x (T = 128)."""
     engine = connect(str(tmp_path / "h.db"))

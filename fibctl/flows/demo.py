@@ -104,6 +104,13 @@ def fastest_threads(preset: str, steps: int = 4) -> tuple[int, dict[int, float]]
     return min(timings, key=timings.get), timings
 
 
+def threads_line(timings: dict[int, float], threads: int) -> str:
+    """The measurement and its choice on one 80-column line (wrapped, the chosen count was left
+    alone on the next line)."""
+    measured = ", ".join(f"{n} thread{'s' if n > 1 else ''} {ms:,.0f}" for n, ms in timings.items())
+    return f"ms per training step: {measured}; training with {threads}"
+
+
 def queue_demo(engine: Engine, p: DemoPlan) -> tuple[list[str], list[str]]:
     """Queue the `demo` matrix at the plan's preset (idempotent: finished runs stay done)."""
     return queue.add_runs(engine, load_matrix("demo").resolve(preset=p.preset))
@@ -266,8 +273,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
 
     view.section("3/5 train: one worker, runs one after the other")
     threads, timings = fastest_threads(p.preset)
-    view.line("measured ms per training step: " + ", ".join(f"{n} thread(s) {ms:.0f}" for n, ms in timings.items())
-              + f"; training with {threads}")
+    view.line(threads_line(timings, threads))
     opts = WorkerOptions(data_dir=data_dir, runs_dir=out / "runs", threads=threads,
                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     stop = StopRequest()  # the worker's own: a signal checkpoints the run in training and stops

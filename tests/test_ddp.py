@@ -19,6 +19,7 @@ from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.train.checkpoint import load_checkpoint
 from fibctl.train.trainer import Trainer
+from cli_helpers import refused
 from train_helpers import micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
@@ -44,21 +45,6 @@ def data(tmp_path_factory):
 def fibctl(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout)
-
-
-def refused(monkeypatch, capsys, *args: str) -> str:
-    """`fibctl ARGS` in this process (its main, as the entry point calls it): exit 2 with one
-    line and no traceback; that line. For refusals that do not depend on the process's
-    environment: a new Python for each cost seconds of importing torch."""
-    from fibctl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    with pytest.raises(SystemExit) as done:
-        main()
-    out = capsys.readouterr()
-    assert done.value.code == 2 and "Traceback" not in out.err + out.out, out
-    assert len(out.err.strip().splitlines()) == 1, out.err
-    return out.err
 
 
 def one_process(config, data, run_dir) -> tuple[dict, dict]:

@@ -12,22 +12,11 @@ from sqlalchemy import text
 from fibctl.flows import demo
 from fibctl.db.engine import connect
 
+from cli_helpers import refused
+
 
 def fibctl(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd)
-
-
-def refused(monkeypatch, capsys, *args) -> str:
-    """`fibctl ARGS` run by its main in this process (a refusal needs no new Python): exit 2;
-    its stderr."""
-    from fibctl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    with pytest.raises(SystemExit) as done:
-        main()
-    out = capsys.readouterr()
-    assert done.value.code == 2, out
-    return out.err
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from fibctl.queue import add_runs
 from fibctl.reports import tables
 from fibctl.schedules import FIB, blur_rungs, probe_alphas
 from fibctl.train.checkpoint import load_checkpoint
+from cli_helpers import refused
 from train_helpers import NullReporter, Quiet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -352,18 +353,9 @@ def _fibctl(tmp_path, *args, timeout=300):
 
 
 def _refused(tmp_path, monkeypatch, capsys, *args) -> str:
-    """`fibctl ARGS` in this process (its main, as the entry point calls it), in `tmp_path`:
-    exit 2 with one line and no traceback; that line."""
-    from fibctl.cli import main
-
+    """`fibctl ARGS` refused in this process, run in `tmp_path`."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    with pytest.raises(SystemExit) as done:
-        main()
-    out = capsys.readouterr()
-    assert done.value.code == 2 and "Traceback" not in out.err + out.out, out
-    assert len(out.err.strip().splitlines()) == 1, out.err
-    return out.err
+    return refused(monkeypatch, capsys, *args)
 
 
 def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):

@@ -72,3 +72,19 @@ def module_backend(request) -> str:
     """The backend of a module's shared databases (e.g. the imported study in test_reports.py):
     every module-scoped database fixture that takes it is on the same backend in one test."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory) -> tuple:
+    """One finished `fibctl demo --quick` for the whole session (about 40 s): its folder and
+    what it printed. tests/test_demo.py reads and resumes it; a test that changes it in
+    other ways works on a copy (tests/test_docs_commands.py)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo") / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "fibctl", "demo", "--quick", "--out", str(out), "--plain"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out, done.stdout

@@ -19,14 +19,6 @@ def fibctl(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fibctl", *args], capture_output=True, text=True, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def quick_demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "out"
-    first = fibctl("demo", "--quick", "--out", str(out), "--plain")
-    assert first.returncode == 0, first.stdout + first.stderr
-    return out, first.stdout
-
-
 def test_quick_demo_runs_the_whole_pipeline(quick_demo):
     out, log = quick_demo
     for heading in ("Table 1", "Table 3", "Table 4", "total time"):

@@ -50,13 +50,12 @@ def test_the_docs_hold_runnable_and_parsed_commands():
 
 
 @pytest.fixture(scope="module")
-def sandbox(tmp_path_factory) -> tuple[Path, dict]:
-    """A folder with a finished quick demo (as fibctl-demo/) and results.db.example."""
+def sandbox(tmp_path_factory, quick_demo) -> tuple[Path, dict]:
+    """A folder with a copy of the session's finished quick demo (as fibctl-demo/, which the
+    commands change) and results.db.example."""
     root = tmp_path_factory.mktemp("docs")
     env = {**os.environ, "COLUMNS": "100", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "fibctl", "demo", "--quick", "--plain", "--out", "fibctl-demo"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.copytree(quick_demo[0], root / "fibctl-demo")
     shutil.copy(ROOT / "results.db.example", root / "results.db.example")
     env |= {"FIBCTL_DB": "fibctl-demo/results.db", "FIBCTL_DATA": "fibctl-demo/data",
             "FIBCTL_RUNS_DIR": "fibctl-demo/runs",

@@ -65,6 +65,23 @@ def test_flags_show_as_flags_and_help_paragraphs_wrap():
     assert re.search(r"--length +<int> ", help_text("eval"))
 
 
+def test_the_top_help_lists_every_command_once_in_the_order_of_the_work():
+    """Headings in the order of the work, each command's first sentence only (the whole of
+    `train --help` made the list three screens long)."""
+    import click
+    from typer.main import get_command
+
+    from fibctl.cli import PANELS, app
+
+    out = help_text()
+    names = re.findall(r"^│ ([a-z][a-z-]+) ", out, re.M)
+    assert names == [name for names in PANELS.values() for name in names]
+    assert sorted(names) == sorted(click.Group.list_commands(get_command(app), None))  # every command
+    assert [h for h in PANELS if f"─ {h} ─" in out] == list(PANELS)
+    assert out.index("─ Start here ─") < out.index("│ demo ") < out.index("─ Data and training ─")
+    assert len(out.splitlines()) < 60 and all(len(line) <= 80 for line in out.splitlines())
+
+
 # ----------------------------------------------------------------------------- 80 columns
 
 REPO_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results.db.example")

@@ -76,7 +76,23 @@ def _one_line_usage_errors() -> None:
 
 _one_line_usage_errors()
 
+# `fibctl --help` lists the commands in the order of the work, under these headings.
+PANELS = {
+    "Start here": ["demo"],
+    "Data and training": ["data", "matrix", "queue", "worker", "train", "status", "slurm", "probe"],
+    "Results": ["eval", "report", "figure", "sql", "import-study"],
+    "Inspect and measure": ["model", "coverage", "bench", "db"],
+}
+ORDER = [name for names in PANELS.values() for name in names]
+
+
+class _InOrder(typer.core.TyperGroup):
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(self.commands, key=lambda name: ORDER.index(name) if name in ORDER else len(ORDER))
+
+
 app = typer.Typer(
+    cls=_InOrder,
     name="fibctl",
     help="Reproduce and extend the scaled-Fibonacci sparse-attention study: queue a matrix of "
     "runs, train them, evaluate them at any length, and report from one SQL database.",
@@ -99,6 +115,15 @@ def _register() -> None:
 
 
 _register()
+
+
+def _panels() -> None:
+    panel = {name: heading for heading, names in PANELS.items() for name in names}
+    for info in [*app.registered_commands, *app.registered_groups]:
+        info.rich_help_panel = panel[info.name]  # a KeyError: a new command needs its heading
+
+
+_panels()
 
 
 def _terminated(signum, frame) -> None:

@@ -21,7 +21,7 @@ from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.names import check_name, refuse_foreign
 
-db_app = typer.Typer(help="The results database: schema revision and upgrades.", no_args_is_help=True)
+db_app = typer.Typer(help="The results database: its schema revision, upgrades and copies.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
                          no_args_is_help=True)
 queue_app = typer.Typer(help="The run queue: add a matrix, list, cancel, retry and remove runs.",

@@ -34,7 +34,9 @@ def probe_cmd(
         "--eval-sequences", help="Held-out sequences scored at the end (default 16; the study scored 2).")] = None,
 ) -> None:
     """Queue the mechanism probe (Table 2): does gradient descent move a layer's learned alpha
-    when the task rewards particular distances? Each depth x init x seed is one run in matrix
+    when the task rewards particular distances?
+
+    Each depth x init x seed is one run in matrix
     `probe`; `fibctl worker` trains them (no --data needed: the task makes its own), and
     `fibctl report table2` and `fibctl figure alphas` read the results. Idempotent: runs
     already queued with the same config are skipped."""

@@ -201,8 +201,9 @@ def sql(
     timeout: Annotated[float, typer.Option("--timeout", help="Stop the statement after this many seconds.")]
     = TIMEOUT_S,
 ) -> None:
-    """Run a read-only SQL query on the results database (writes, ATTACH, VACUUM and PRAGMA
-    settings are refused; rows and time are bounded). Values are printed as the database
+    """Run a read-only SQL query on the results database.
+
+    Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
     returns them: NULL as NULL, integers as integers."""
     from fibctl.reports.sql import to_csv, to_json
 

@@ -155,7 +155,8 @@ def train_cmd(
         "per GPU on CUDA, gloo on the CPU); N must divide the run's grad_accum. Under torchrun itself, "
         "leave it out.")] = None,
 ) -> None:
-    """Train one run of the database (resuming from its last checkpoint if it has one).
+    """Train one run of the database, resuming from its last checkpoint if it has one.
+
     Under torchrun (`torchrun --nproc-per-node N -m fibctl train NAME`) each process trains its
     share of every step and rank 0 alone writes to the database and the checkpoints.
     Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
@@ -212,8 +213,9 @@ def worker_cmd(
         "--nproc", help="With --ddp: the process count (default: every GPU; required on the CPU, gloo). "
         "Each run's grad_accum must be a multiple of it.")] = None,
 ) -> None:
-    """Claim queued runs and train them until the queue is empty. Ctrl-C checkpoints and requeues.
-    Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
+    """Claim queued runs and train them until the queue is empty.
+
+    Ctrl-C checkpoints and requeues. Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal: the
     queue may not be finished)."""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work

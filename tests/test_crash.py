@@ -205,3 +205,78 @@ def test_retry_from_start_refuses_while_a_checkpoint_is_there_and_changes_nothin
     assert rows(db) == before and run_row(db)[0] == "failed"
     code, _, err = cli(["queue", "retry", "--all-failed", "--from-start", "--db", str(db)], capsys, monkeypatch)
     assert code == 2 and "--from-start takes one run by name" in err
+
+
+# ----------------------------------------------------------------------------- a kill at any write
+
+
+class Killed(BaseException):
+    """What SIGKILL does to a worker, in-process: nothing after it runs (no release, no
+    cleanup handler: train_claimed catches Exception and KeyboardInterrupt, not this)."""
+
+
+def _killed_at(monkeypatch, where: str, n: int):
+    """Kill the worker at its `n`th database write of the run's results (inside the
+    transaction, before it commits), or inside its `n`th checkpoint save, half written."""
+    from fibctl.db import store
+    count = [0]
+    if where == "write":
+        real = store.write_retrying
+
+        def write_retrying(engine, write):
+            def dying(conn):
+                result = write(conn)
+                count[0] += 1
+                if count[0] == n:
+                    raise Killed
+                return result
+            return real(engine, dying)
+        monkeypatch.setattr(store, "write_retrying", write_retrying)
+    else:
+        real_save = torch.save
+
+        def save(state, f):
+            count[0] += 1
+            if count[0] == n:
+                f.write(b"half")
+                raise Killed
+            real_save(state, f)
+        monkeypatch.setattr(ckpt.torch, "save", save)
+
+
+def _consistent(db):
+    """What a report may read is whole: each evaluation's perplexity is its loss's, and each
+    position-loss set has one row per position of its length."""
+    c = sqlite3.connect(db)
+    assert c.execute("select count(*) from evaluations where abs(ppl - exp(loss)) > 1e-9 * ppl").fetchone() == (0,)
+    assert c.execute("select count(*) from (select eval_length, count(*) n, max(position) m from position_losses "
+                     "group by run_id, step, dataset, eval_length) where n != eval_length - 1 "
+                     "or m != eval_length - 2").fetchone() == (0,)
+
+
+# the run's writes, in order: 1 its row at the start, 3 the first step's metrics, 7 and 9 the
+# first evaluation (two held-out sets), 11 the checkpoint event, 12 its path on the row, 28
+# and 31 the final position losses, 35 the final row, 36 the final step; saves 1 and 3 are
+# the checkpoints of steps 10 and 30
+KILLS = [("write", n) for n in (1, 3, 7, 9, 11, 12, 28, 31, 35, 36)] + [("save", 1), ("save", 3)]
+
+
+@pytest.mark.parametrize("where,n", KILLS, ids=[f"{w}{n}" for w, n in KILLS])
+def test_a_worker_killed_at_any_write_or_save_finishes_as_an_uninterrupted_run(where, n, data, tmp_path,
+                                                                               monkeypatch, reference):
+    from fibctl.flows.worker import train_named
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    with monkeypatch.context() as m:
+        _killed_at(m, where, n)
+        with pytest.raises(Killed):
+            work(engine, opts(data, tmp_path), Quiet())
+    _consistent(tmp_path / "r.db")
+    assert run_row(tmp_path / "r.db")[0] == "running"  # as a kill leaves it: the next claim takes it
+    outcome = train_named(engine, "run", WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs",
+                                                        heartbeat_timeout_s=0), Quiet())
+    assert outcome.status == "done"
+    assert_same_run(tmp_path / "r.db", ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+    names = sorted(p.name for p in (tmp_path / "runs" / "run").iterdir())
+    assert names == ["step_00000020.pt", "step_00000030.pt"]  # no temporary left, the two newest kept
+    status, attempts, error, path, final = run_row(tmp_path / "r.db")
+    assert (status, error, path, final) == ("done", None, "run/step_00000030.pt", 30)

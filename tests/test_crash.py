@@ -4,6 +4,7 @@ job as an uninterrupted run would (bit for bit, on the CPU)."""
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import sys
 import threading
@@ -34,7 +35,7 @@ def reference(data, tmp_path_factory):
     engine = queued_db(path / "r.db", micro_run("run", **LONG))
     [outcome] = work(engine, WorkerOptions(data_dir=data, runs_dir=path / "runs"), Quiet())
     assert outcome.status == "done"
-    return ckpt.load_checkpoint(outcome.checkpoint)["model"], rows(path / "r.db")
+    return ckpt.load_checkpoint(outcome.checkpoint)["model"], rows(path / "r.db"), path
 
 
 def rows(db) -> dict:
@@ -49,7 +50,7 @@ def rows(db) -> dict:
 
 
 def assert_same_run(db, weights, reference):
-    ref_weights, ref_rows = reference
+    ref_weights, ref_rows, _ = reference
     assert weights.keys() == ref_weights.keys()
     for k in weights:
         assert torch.equal(weights[k], ref_weights[k]), k
@@ -280,3 +281,28 @@ def test_a_worker_killed_at_any_write_or_save_finishes_as_an_uninterrupted_run(w
     assert names == ["step_00000020.pt", "step_00000030.pt"]  # no temporary left, the two newest kept
     status, attempts, error, path, final = run_row(tmp_path / "r.db")
     assert (status, error, path, final) == ("done", None, "run/step_00000030.pt", 30)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_an_evaluation_killed_mid_write_leaves_whole_rows_and_its_rerun_the_same_rows(n, data, tmp_path,
+                                                                                       monkeypatch, reference):
+    """`fibctl eval` at two lengths with positions writes 8 row sets (2 lengths x 2 sets x
+    perplexity and positions), each in its own transaction: killed at the nth, the ones before
+    stay, the one in progress is not half there, and running it again gives the rows of a
+    run that was not interrupted."""
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.db.engine import connect
+    for name in ("killed", "whole"):
+        shutil.copytree(reference[2], tmp_path / name)
+    args = dict(data_dir=data, positions=True)
+    whole = connect(str(tmp_path / "whole" / "r.db"))
+    evaluate(whole, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "whole" / "runs"})  # copies: moved
+    killed = connect(str(tmp_path / "killed" / "r.db"))
+    with monkeypatch.context() as m:
+        _killed_at(m, "write", n)
+        with pytest.raises(Killed):
+            evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
+    _consistent(tmp_path / "killed" / "r.db")
+    assert len(rows(tmp_path / "killed" / "r.db")["evaluations"]) >= len(reference[1]["evaluations"])
+    evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
+    assert rows(tmp_path / "killed" / "r.db") == rows(tmp_path / "whole" / "r.db")

@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,3 +307,26 @@ def test_an_evaluation_killed_mid_write_leaves_whole_rows_and_its_rerun_the_same
     assert len(rows(tmp_path / "killed" / "r.db")["evaluations"]) >= len(reference[1]["evaluations"])
     evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
     assert rows(tmp_path / "killed" / "r.db") == rows(tmp_path / "whole" / "r.db")
+
+
+# ----------------------------------------------------------------------------- report files
+
+
+def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else(tmp_path, capsys, monkeypatch):
+    """A kill mid-write left `.table1.HEX.part.csv` in the report's folder for good."""
+    import os
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    out = tmp_path / "report"
+    out.mkdir()
+    dead = 2**22 + 1  # above any pid_max: no process has it
+    left = [out / f".table1.{dead}-0123abcd.part.csv", out / f".index.{dead}-0123abcd.part.html"]
+    kept = [out / f".table1.{os.getpid()}-0123abcd.part.csv",  # a report still writing it
+            out / ".table1.notes.part.csv", out / f".mine.{dead}-0123abcd.part.csv"]  # not a report's
+    for f in left + kept:
+        f.write_text("x")
+    code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+    assert code in (0, None), err
+    assert (out / "table1.csv").is_file()
+    assert not any(f.exists() for f in left) and all(f.exists() for f in kept)
+    assert not [f for f in out.iterdir() if ".part" in f.name and f not in kept]

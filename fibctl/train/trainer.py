@@ -356,6 +356,10 @@ class Trainer:
             except ckpt.DamagedCheckpoint as e:
                 damaged.append((path, str(e)))
                 continue
+            except FibctlError:
+                if not self.main and not path.exists():  # rank 0 moved it aside meanwhile: damaged
+                    continue
+                raise
             self._set_aside(damaged, f"resuming from step {self.step}")
             self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
             return path

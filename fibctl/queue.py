@@ -138,6 +138,39 @@ def retry(engine: Engine, name: str) -> None:
         add_event(conn, run_id, "retried", "queued again by the user")
 
 
+@dataclass
+class Restart:
+    """What `retry_from_start` discarded: the run's rows past step 0, by table."""
+    name: str
+    discarded: dict[str, int]  # table -> rows deleted
+
+
+def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str | None], None]) -> Restart:
+    """Queue a failed or cancelled run again from step 0 (as `retry` does), deleting its rows
+    past step 0 (train steps, evaluations, position losses, alphas): a run none of whose
+    checkpoints loads. Rows at step 0 (its initial alphas), auxiliary metrics and events stay.
+    `check(runs_dir, checkpoint_path)` (where it last trained, what it recorded) runs in the
+    transaction before the delete: what it raises (a checkpoint in the run's folder that a
+    retry would resume from) keeps everything as it was."""
+    from sqlalchemy import delete
+
+    from fibctl.db.schema import Alpha, Evaluation, PositionLoss
+
+    with engine.begin() as conn:
+        row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
+        run_id = _transition(conn, name, (RunStatus.FAILED, RunStatus.CANCELLED), dict(
+            status=RunStatus.QUEUED, attempts=0, error=None, worker=None, host=None, device=None,
+            heartbeat_at=None, started_at=None, finished_at=None, checkpoint_path=None, tokens_trained=None,
+            wall_seconds=None, final_step=None), "retry")
+        check(row.runs_dir, row.checkpoint_path)
+        discarded = {t.__tablename__: conn.execute(delete(t).where(t.run_id == run_id, t.step > 0)).rowcount
+                     for t in (TrainStep, Evaluation, PositionLoss, Alpha)}
+        gone = ", ".join(f"{n} {t}" for t, n in discarded.items() if n) or "none"
+        add_event(conn, run_id, "retried", f"queued again from step 0 by the user; rows past step 0 deleted: {gone}",
+                  {"from_step": 0, "deleted": discarded})
+    return Restart(name, discarded)
+
+
 def retry_failed(engine: Engine) -> list[str]:
     """Put every failed run back in the queue (as `retry` does); returns their names."""
     with engine.begin() as conn:

@@ -232,7 +232,7 @@ def test_a_rank_that_resumes_from_another_step_stops_the_group_and_the_run_stays
     rank.write_text("import os, sys\n"
                     "from fibctl.train import checkpoint\n"
                     "if os.environ['RANK'] == '1':\n"
-                    "    checkpoint.latest_checkpoint = lambda run_dir: None\n"
+                    "    checkpoint.list_checkpoints = lambda run_dir: []\n"
                     "from fibctl.cli import main\n"
                     "sys.argv = ['fibctl', *sys.argv[1:]]\n"
                     "main()\n")

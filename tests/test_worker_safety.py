@@ -181,22 +181,25 @@ def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_p
     assert [m for (m,) in resumed] == [f"resumed from step 3: {tmp_path / 'runs' / 'run' / 'step_00000003.pt'}"]
 
 
-def test_a_damaged_newest_checkpoint_deleted_resumes_from_the_one_before(data, tmp_path):
-    """Deleting it left the run refused for good: the database still recorded it."""
-    from fibctl.queue import retry
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(data, tmp_path):
+    """It failed the run, and a retry failed it again, until the file was deleted by hand."""
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()
     work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
     newest = tmp_path / "runs" / "run" / "step_00000013.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    [failed] = work(engine, opts(data, tmp_path / "runs"), Quiet())
-    assert failed.status == "failed" and "is damaged" in failed.error
-    assert failed.error.endswith("; delete it to resume from the checkpoint before it")
-    newest.unlink()
-    retry(engine, "run")
-    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    warned = []
+    display = Quiet()
+    display.warn = warned.append
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), display)
     assert outcome.status == "done"
-    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert not newest.exists() and newest.with_name("step_00000013.pt.damaged").is_file()
+    db = sqlite3.connect(tmp_path / "r.db")
+    [(damaged,)] = db.execute("select message from events where kind = 'damaged'")
+    assert damaged.startswith(f"checkpoint {newest} is damaged") and "moved aside as step_00000013.pt.damaged, " \
+        "resuming from step 10" in damaged
+    assert warned == [f"run: {damaged}"]
+    resumed = db.execute("select message from events where kind = 'resumed'")
     assert [m for (m,) in resumed] == [f"resumed from step 10: {tmp_path / 'runs' / 'run' / 'step_00000010.pt'}"]
 
 
@@ -213,10 +216,10 @@ def test_a_checkpoint_of_the_run_with_a_part_missing_is_named_damaged(part, data
     else:  # present but empty
         state["optimizer"] = {}
     torch.save(state, newest)
-    [failed] = work(engine, opts(data, tmp_path / "runs"), Quiet())
-    assert failed.status == "failed"
-    assert f"checkpoint {newest} is damaged (" in failed.error, failed.error
-    assert failed.error.endswith("; delete it to resume from the checkpoint before it")
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    assert outcome.status == "done"
+    [(damaged,)] = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'damaged'")
+    assert damaged.startswith(f"checkpoint {newest} is damaged ("), damaged
 
 
 # ----------------------------------------------------------------------------- 6: runs folder from anywhere

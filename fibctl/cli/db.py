@@ -234,12 +234,40 @@ def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
 @queue_app.command("retry")
 def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
                 all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed run.")] = False,
+                from_start: Annotated[bool, typer.Option(
+                    "--from-start", help="Train it from step 0, deleting its rows past step 0: a run none of "
+                                         "whose checkpoints loads.")] = False,
+                runs_dir: Annotated[Optional[Path], typer.Option(
+                    "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+                    help="With --from-start: the runs folder (default: the one the run last trained in, "
+                         "else runs).")] = None,
                 db: DbOption = DEFAULT_DB) -> None:
-    """Queue a failed or cancelled run (or, with --all-failed, every failed one) again, attempts reset."""
+    """Queue a failed or cancelled run (or, with --all-failed, every failed one) again, attempts reset;
+    it resumes from its newest checkpoint that loads, or with --from-start trains from step 0."""
     if (name is None) == (not all_failed):
         raise FibctlError("name a run, or pass --all-failed (not both)")
+    if from_start and all_failed:
+        raise FibctlError("--from-start takes one run by name, not --all-failed")
     engine = db_engine.connect(db, must_exist=True)
-    if all_failed:
+    if from_start:
+        check_name("run", name)
+
+        def check(recorded_dir: str | None, recorded: str | None) -> None:
+            from fibctl.train import checkpoint as ckpt  # torch: only for this option
+
+            where = runs_dir or Path(recorded_dir or "runs")
+            folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
+            left = ckpt.latest_checkpoint(folder)
+            if left is not None:
+                raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or from "
+                                  f"the newest that loads); to train from step 0 anyway, move {folder} away "
+                                  "first. Nothing was changed")
+
+        restart = queue.retry_from_start(engine, name, check)
+        gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
+        console.print(f"queued {name} again from step 0; deleted its rows past step 0: {gone or 'none'}",
+                      highlight=False, markup=False)
+    elif all_failed:
         names = queue.retry_failed(engine)
         console.print(f"queued {len(names)} failed run(s) again" + (f": {', '.join(names)}" if names else ""),
                       highlight=False, markup=False)

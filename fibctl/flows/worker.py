@@ -58,7 +58,7 @@ from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, chec
 from fibctl.device import check_compile, describe, resolve_device, setup_process
 from fibctl.flows.torchrun import LAUNCHER, children
 from fibctl.probe.trainer import ProbeTrainer
-from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data
+from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data, no_checkpoint_loads
 
 
 @dataclass
@@ -297,8 +297,11 @@ class _Lead:
             return None
         try:
             run_dir = _run_dir(self.engine, claimed, self.opts)
-        except WorkerError as e:
-            queue.unclaim(self.engine, claimed.id, str(e))
+        except FibctlError as e:  # the worker's fault: back to the queue; the run's: it fails
+            if isinstance(e, WorkerError):
+                queue.unclaim(self.engine, claimed.id, str(e))
+            else:
+                queue.fail(self.engine, claimed.id, str(e), self.name)
             self.group.broadcast(None)
             raise
         self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir)})
@@ -435,6 +438,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
                             optimizer=trainer.optimizer_name, runs_dir=str(opts.runs_dir.resolve()))
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
+        trainer.on_warning = lambda message: display.warn(f"{claimed.name}: {message}")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
@@ -495,8 +499,10 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
     if path.parent == own:
         _refuse_link(own)
-    # one deleted as damaged: the run resumes from the newest left in its folder
+    # one moved aside (or deleted) as damaged: the run resumes from the newest left in its folder
     if not path.is_file() and ckpt.latest_checkpoint(path.parent) is None:
+        if any(path.parent.glob(f"step_*.pt{ckpt.DAMAGED}")):  # the run's fault, not the folder's: it fails
+            raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {path.parent} were damaged"))
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
     return path.parent

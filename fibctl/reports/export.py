@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports import figures, html, render, tables
-from fibctl.reports.output import write_text
+from fibctl.reports.output import remove_leftovers, write_text
 
 Job = tuple[str, Callable[[], list[Path]]]
 FIGURE_FORMATS = (".png", ".pdf")
@@ -79,6 +79,7 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     comes last and is left out too when nothing else had data: no report is written then."""
     built = Built()
     written, skipped = [], []
+    remove_leftovers([*outputs(out), out / MANIFEST])  # of an earlier report killed mid-write
     for name, job in track(jobs(engine, out, built=built, **kwargs)):
         if name == "coverage" and not written:  # the last job; alone it reports nothing
             break

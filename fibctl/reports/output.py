@@ -4,16 +4,20 @@ replaced, never written through; and a reader never sees half of a file."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
 def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
-    """Call `write` with a new file's path in path's folder (same suffix), then rename it to `path`."""
+    """Call `write` with a new file's path in path's folder (same suffix), then rename it to `path`.
+    The temporary file's name holds the writer's process id: `remove_leftovers` tells from it
+    whether a process killed mid-write left it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{path.suffix}")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.part{path.suffix}")
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
     try:
         write(tmp)
@@ -26,3 +30,32 @@ def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
 
 def write_text(path: Path, text: str) -> Path:
     return replace_file(path, lambda tmp: tmp.write_text(text))
+
+
+def remove_leftovers(paths: Iterable[Path]) -> list[Path]:
+    """Delete the temporary files of `paths` that a writer killed mid-write left (its process
+    is gone); returns them. One of a process still running (another report writing into the
+    same folder) stays, as does any other file."""
+    gone = []
+    for path in paths:
+        if not path.parent.is_dir():
+            continue
+        own = re.compile(rf"\.{re.escape(path.stem)}\.(\d+)-[0-9a-f]{{8}}\.part{re.escape(path.suffix)}")
+        for tmp in path.parent.glob(f".{glob.escape(path.stem)}.*.part{glob.escape(path.suffix)}"):
+            m = own.fullmatch(tmp.name)
+            if m and not _alive(int(m.group(1))) and tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink(missing_ok=True)
+                gone.append(tmp)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # none has that number
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

@@ -29,8 +29,11 @@ from fibctl.config import RunConfig
 from fibctl.errors import FibctlError, WorkerError, first_line
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
-# everything fibctl writes into a run's folder: checkpoints, their temporary files, loggers' folders
-OWN = re.compile(r"^(step_\d+\.pt(\.tmp)?|tensorboard|wandb)$")
+_TEMPORARY = re.compile(r"^step_\d+\.pt\.tmp$")
+DAMAGED = ".damaged"  # a checkpoint that would not load, moved aside (fibctl.train.trainer.Trainer.resume)
+# everything fibctl writes into a run's folder: checkpoints, their temporary files, damaged
+# checkpoints moved aside, loggers' folders
+OWN = re.compile(r"^(step_\d+\.pt(\.tmp|\.damaged)?|tensorboard|wandb)$")
 # What checkpoints written before weights-only loading hold besides tensors: numpy's RNG
 # state, a plain uint32 array. Rebuilding an array runs no code of the file's choosing.
 _LEGACY_NUMPY = [np.dtype, np.ndarray, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
@@ -54,6 +57,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def remove_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files an interrupted save left in this run's folder (a kill or a
+    third Ctrl-C mid-write); returns them. Only `step_N.pt.tmp` files directly in `run_dir`:
+    every other run has its own folder."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = [p for p in run_dir.iterdir() if _TEMPORARY.match(p.name)]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     """Write `state` for `step` atomically, then delete all but the newest `keep`."""
     run_dir = Path(run_dir)
@@ -61,13 +77,18 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp.unlink(missing_ok=True)  # a crash's leftover, or a link: "x" opens a new file, never a link's target
+        # a crash's leftovers, or a link: "x" opens a new file, never a link's target
+        remove_temporaries(run_dir)
         with open(tmp, "xb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
         _fsync_dir(run_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C mid-write: the half-written file goes, the stop goes on
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     except (OSError, RuntimeError) as e:  # torch's writer reports a failed write as a RuntimeError
         # the runs folder's fault (a full disk, say), not the run's: WorkerError requeues the
         # run and stops the worker, rather than failing every run it would claim next
@@ -96,8 +117,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DamagedCheckpoint(FibctlError):
+    """A checkpoint that cannot be read back (truncated, not one, a part missing): a run
+    resumes from the one before it instead. A file refused as unsafe is not one of these."""
+
+
 def load_checkpoint(path: Path) -> dict:
-    """The checkpoint's dict, loaded weights-only; FibctlError for anything else."""
+    """The checkpoint's dict, loaded weights-only; DamagedCheckpoint for a file that does not
+    read back as one, FibctlError for anything else."""
     try:
         with torch.serialization.safe_globals(_LEGACY_NUMPY):
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -111,11 +138,19 @@ def load_checkpoint(path: Path) -> dict:
         raise FibctlError(f"checkpoint {path} was refused: it holds more than tensors and plain values "
                           f"({reason[:200]})") from None
     except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
-        raise FibctlError(f"checkpoint {path} is damaged or not a checkpoint "
-                          f"({type(e).__name__}: {first_line(e)})") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint "
+                                f"({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise FibctlError(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
+        raise DamagedCheckpoint(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
     return state
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to `step_N.pt.damaged`: no longer listed, so neither
+    resumed from nor counted among the kept ones, yet there to look at."""
+    aside = path.with_name(path.name + DAMAGED)
+    os.replace(path, aside)
+    return aside
 
 
 # ----------------------------------------------------------------------------- paths in the database

@@ -145,6 +145,7 @@ class Trainer:
         self.run_dir, self.reporter, self.device = Path(run_dir), reporter, device
         self.stop = stop or threading.Event()
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
+        self.on_warning: Callable[[str], None] | None = None  # a line for the user, beside the event
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
@@ -338,14 +339,39 @@ class Trainer:
         return path
 
     def resume(self) -> Path | None:
-        """Load the newest checkpoint of the run, if any; returns its path."""
-        path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
-            return None
-        try:
-            state = ckpt.load_checkpoint(path)
-        except FibctlError as e:
-            raise self._damaged(str(e)) from None
+        """Load the newest checkpoint of the run that loads, if any; returns its path.
+
+        Stale temporary files of interrupted saves are deleted first. A checkpoint that is
+        damaged (truncated, a part missing) is moved aside as `step_N.pt.damaged`, with a
+        `damaged` event naming it: training goes on from the one before, and the rows logged
+        past it are written again as the steps are. With none that loads the run fails, naming
+        the way out (`fibctl queue retry NAME --from-start`). A checkpoint of another run, of
+        another optimizer or refused as unsafe stops the resume: it is not damage."""
+        if self.main:  # the other ranks see the same folder: one process tidies it
+            ckpt.remove_temporaries(self.run_dir)
+        damaged: list[tuple[Path, str]] = []
+        for path in reversed(ckpt.list_checkpoints(self.run_dir)):
+            try:
+                self._load(path)
+            except ckpt.DamagedCheckpoint as e:
+                damaged.append((path, str(e)))
+                continue
+            except FibctlError:
+                if not self.main and not path.exists():  # rank 0 moved it aside meanwhile: damaged
+                    continue
+                raise
+            self._set_aside(damaged, f"resuming from step {self.step}")
+            self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
+            return path
+        if damaged:
+            self._set_aside(damaged, "and no checkpoint is left to resume from")
+            raise FibctlError(no_checkpoint_loads(self.config.name, damaged[0][1]))
+        return None
+
+    def _load(self, path: Path) -> None:
+        """Put the checkpoint's weights, optimizer, sampler, RNGs and step in place (each part
+        whole: a damaged one half applied is overwritten by the next one loaded)."""
+        state = ckpt.load_checkpoint(path)
         self._check_belongs(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:
@@ -359,9 +385,18 @@ class Trainer:
             ckpt.restore_rng_states(state["rng"])
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
         except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
-            raise self._damaged(f"checkpoint {path} is damaged ({type(e).__name__}: {first_line(e)})") from None
-        self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
-        return path
+            raise ckpt.DamagedCheckpoint(f"checkpoint {path} is damaged ({type(e).__name__}: "
+                                         f"{first_line(e)})") from None
+
+    def _set_aside(self, damaged: list[tuple[Path, str]], then: str) -> None:
+        """Move the damaged checkpoints out of the run's list, saying which and why."""
+        for path, error in damaged:
+            if self.main:
+                aside = ckpt.set_aside(path)
+                message = f"{error}; moved aside as {aside.name}, {then}"
+                self.reporter.event("damaged", message, {"path": str(aside)})
+                if self.on_warning:
+                    self.on_warning(message)
 
     def _check_same_start(self) -> None:
         """Every rank resumes from the step rank 0 resumed from. A node that does not see rank
@@ -373,13 +408,6 @@ class Trainer:
             raise WorkerError(f"the ranks resumed {self.config.name!r} from different checkpoints (rank 0 from "
                               f"step {lead}{mine}): every node must see the same --runs-dir, on a shared "
                               "filesystem (docs/cluster.md)")
-
-    def _damaged(self, error: str) -> FibctlError:
-        """A checkpoint that cannot be resumed from; the one before it may serve
-        (fibctl.flows.worker._run_dir resumes from the newest left)."""
-        if len(ckpt.list_checkpoints(self.run_dir)) < 2:
-            return FibctlError(error)
-        return FibctlError(f"{error}; delete it to resume from the checkpoint before it")
 
     def _check_belongs(self, state: dict, path: Path) -> None:
         """Refuse a checkpoint of another config or other data (a runs folder reused, say):
@@ -407,6 +435,12 @@ class Trainer:
     def _result(self, status: str, last: Path | None, error: str | None = None) -> TrainResult:
         self._tick()
         return TrainResult(status, self.step, last, self.step * self.tokens_per_step, self.elapsed_s, error)
+
+
+def no_checkpoint_loads(name: str, why: str) -> str:
+    """The error of a run none of whose checkpoints loads: why, and the one way out."""
+    return (f"{why}; no checkpoint of run {name!r} loads (moved aside as step_N.pt.damaged): "
+            f"`fibctl queue retry {name} --from-start` trains it again from step 0")
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,0 +1,332 @@
+"""Crash consistency: an interrupted save leaves no temporary file for good, a run whose
+checkpoints are damaged has one way out, and rerunning after an interruption finishes the
+job as an uninterrupted run would (bit for bit, on the CPU)."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from fibctl.data.streams import load_manifest
+from fibctl.flows.worker import WorkerOptions, work
+from fibctl.train import checkpoint as ckpt
+from fibctl.train.trainer import Trainer
+from train_helpers import NullReporter, Quiet, micro_run, queued_db, write_data
+
+torch.set_num_threads(1)
+# checkpoints every 10 steps, keeping 2; light evaluations every 10, a full one at each checkpoint
+LONG = dict(steps=30, eval_interval=10, checkpoint_interval=10, keep_checkpoints=2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Final weights of an uninterrupted run, and the rows it records (from a worker)."""
+    path = tmp_path_factory.mktemp("ref")
+    engine = queued_db(path / "r.db", micro_run("run", **LONG))
+    [outcome] = work(engine, WorkerOptions(data_dir=data, runs_dir=path / "runs"), Quiet())
+    assert outcome.status == "done"
+    return ckpt.load_checkpoint(outcome.checkpoint)["model"], rows(path / "r.db"), path
+
+
+def rows(db) -> dict:
+    """Every metric row of the database, without times: what a report reads."""
+    c = sqlite3.connect(db)
+    return {"train_steps": c.execute("select step, loss, lr, grad_norm from train_steps order by step").fetchall(),
+            "evaluations": c.execute("select step, dataset, eval_length, tokens, loss from evaluations "
+                                     "order by step, dataset, eval_length").fetchall(),
+            "position_losses": c.execute("select step, dataset, position, mean_loss from position_losses "
+                                         "order by step, dataset, position").fetchall(),
+            "alphas": c.execute("select step, layer, alpha from alphas order by step, layer").fetchall()}
+
+
+def assert_same_run(db, weights, reference):
+    ref_weights, ref_rows, _ = reference
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:
+        assert torch.equal(weights[k], ref_weights[k]), k
+    assert rows(db) == ref_rows
+
+
+def opts(data, tmp_path):
+    return WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs")
+
+
+def run_row(db):
+    return sqlite3.connect(db).execute("select status, attempts, error, checkpoint_path, final_step from runs").fetchone()
+
+
+def cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    from fibctl.cli import main
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+# ----------------------------------------------------------------------------- temporaries
+
+
+def test_a_second_ctrl_c_mid_save_leaves_no_temporary_and_the_rerun_is_the_same_run(data, tmp_path, monkeypatch,
+                                                                                      reference):
+    """KeyboardInterrupt inside torch.save left step_N.pt.tmp beside the checkpoints for good."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    real_save = torch.save
+
+    def interrupted(state, f):
+        if state["step"] == 20:
+            f.write(b"half a checkpoint")
+            raise KeyboardInterrupt
+        real_save(state, f)
+    monkeypatch.setattr(ckpt.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        work(engine, opts(data, tmp_path), Quiet())
+    folder = tmp_path / "runs" / "run"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000010.pt"]
+    assert run_row(tmp_path / "r.db")[:2] == ("queued", 0)
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert outcome.status == "done"
+    assert_same_run(tmp_path / "r.db", ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+
+
+def test_a_killed_saves_temporary_goes_at_the_next_resume_and_another_runs_stays(data, tmp_path):
+    """A kill mid-write (no handler runs) left step_N.pt.tmp, at a step no later save rewrote."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    folder, other = tmp_path / "runs" / "run", tmp_path / "runs" / "other"
+    other.mkdir()
+    for f in (folder, other):
+        (f / "step_00000017.pt.tmp").write_bytes(b"a kill mid-write")
+    resumed = []
+    trainer = Trainer(micro_run("run", **LONG), load_manifest(data), folder, NullReporter())
+    trainer.on_progress = lambda p: (resumed.append(sorted(x.name for x in folder.iterdir())), stop.set())
+    trainer.stop = stop = threading.Event()
+    assert trainer.run().status == "stopped"
+    assert resumed[0] == ["step_00000010.pt", "step_00000013.pt"]  # gone before the first step
+    assert (other / "step_00000017.pt.tmp").is_file()  # not this run's
+
+
+def test_a_save_removes_a_temporary_an_earlier_attempt_left(tmp_path):
+    (tmp_path / "step_00000003.pt.tmp").write_bytes(b"x")
+    ckpt.save_checkpoint(tmp_path, 5, {"model": {}, "step": 5}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005.pt"]
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def _stop_at(engine, data, tmp_path, step):
+    stop = threading.Event()
+    [outcome] = work(engine, opts(data, tmp_path), Quiet(lambda p: p.step == step and stop.set()), stop=stop)
+    assert outcome.status == "released"
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes_the_same(data, tmp_path, reference):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    _stop_at(engine, data, tmp_path, 23)  # checkpoints 20 and 23
+    newest = tmp_path / "runs" / "run" / "step_00000023.pt"
+    newest.write_bytes(newest.read_bytes()[:500])
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert outcome.status == "done"
+    assert_same_run(tmp_path / "r.db", ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+    names = sorted(p.name for p in newest.parent.iterdir())
+    # the two newest that load are kept; the damaged one, apart, is not counted among them
+    assert names == ["step_00000020.pt", "step_00000023.pt.damaged", "step_00000030.pt"]
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_has_one_way_out(data, tmp_path, capsys, monkeypatch, reference):
+    """It failed, `queue retry` failed it again, and deleting the file left the worker refusing
+    it ("give the --runs-dir it was trained with"): only `queue rm` and adding it again helped,
+    losing every row."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **{**LONG, "keep_checkpoints": 1}))
+    _stop_at(engine, data, tmp_path, 13)
+    only = tmp_path / "runs" / "run" / "step_00000013.pt"
+    assert ckpt.list_checkpoints(only.parent) == [only]
+    only.write_bytes(b"")
+    db = tmp_path / "r.db"
+    sqlite3.connect(db).execute("insert into aux_metrics (run_id, name, metric, value) values (1, 'speed@64', "
+                                "'tokens_per_s', 5.0)").connection.commit()
+    [failed] = work(engine, opts(data, tmp_path), Quiet())
+    assert failed.status == "failed"
+    assert failed.error.endswith("no checkpoint of run 'run' loads (moved aside as step_N.pt.damaged): "
+                                 "`fibctl queue retry run --from-start` trains it again from step 0"), failed.error
+    # a plain retry fails it the same way, whichever worker claims it: the folder is not at fault
+    code, out, err = cli(["queue", "retry", "run", "--db", str(db)], capsys, monkeypatch)
+    assert code in (0, None)
+    [again] = work(engine, opts(data, tmp_path), Quiet())
+    assert again.status == "failed" and "`fibctl queue retry run --from-start`" in again.error
+    before = rows(db)
+    assert [s for s, *_ in before["train_steps"]] == [5, 10] and {s for s, *_ in before["evaluations"]} == {10}
+    code, out, err = cli(["queue", "retry", "run", "--from-start", "--db", str(db)], capsys, monkeypatch)
+    assert code in (0, None), err
+    assert " ".join(out.split()) == ("queued run again from step 0; deleted its rows past step 0: 2 train steps, "
+                                     "2 evaluations")
+    assert all(len(line) <= 80 for line in out.splitlines())
+    after = rows(db)
+    assert after["train_steps"] == [] and after["evaluations"] == []
+    assert after["alphas"] == before["alphas"] == [r for r in before["alphas"] if r[0] == 0]
+    c = sqlite3.connect(db)
+    assert c.execute("select count(*) from aux_metrics").fetchone() == (1,)  # not a step's: kept
+    assert c.execute("select status, attempts, checkpoint_path, tokens_trained from runs").fetchone() == \
+        ("queued", 0, None, None)
+    assert "retried" in [k for (k,) in c.execute("select kind from events")]
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert outcome.status == "done"
+    c.execute("delete from aux_metrics")
+    c.commit()
+    assert_same_run(db, ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+
+
+def test_retry_from_start_refuses_while_a_checkpoint_is_there_and_changes_nothing(data, tmp_path, capsys,
+                                                                                  monkeypatch):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    _stop_at(engine, data, tmp_path, 13)
+    db = tmp_path / "r.db"
+    code, _, err = cli(["queue", "retry", "run", "--from-start", "--db", str(db)], capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1 and "cannot retry run 'run': it is queued" in err, err
+    sqlite3.connect(db).execute("update runs set status = 'failed'").connection.commit()
+    before = rows(db)
+    code, _, err = cli(["queue", "retry", "run", "--from-start", "--db", str(db)], capsys, monkeypatch)
+    newest = tmp_path / "runs" / "run" / "step_00000013.pt"
+    assert code == 2 and f"{newest} is still there: `fibctl queue retry run` resumes from it" in err, err
+    assert "Traceback" not in err
+    assert rows(db) == before and run_row(db)[0] == "failed"
+    code, _, err = cli(["queue", "retry", "--all-failed", "--from-start", "--db", str(db)], capsys, monkeypatch)
+    assert code == 2 and "--from-start takes one run by name" in err
+
+
+# ----------------------------------------------------------------------------- a kill at any write
+
+
+class Killed(BaseException):
+    """What SIGKILL does to a worker, in-process: nothing after it runs (no release, no
+    cleanup handler: train_claimed catches Exception and KeyboardInterrupt, not this)."""
+
+
+def _killed_at(monkeypatch, where: str, n: int):
+    """Kill the worker at its `n`th database write of the run's results (inside the
+    transaction, before it commits), or inside its `n`th checkpoint save, half written."""
+    from fibctl.db import store
+    count = [0]
+    if where == "write":
+        real = store.write_retrying
+
+        def write_retrying(engine, write):
+            def dying(conn):
+                result = write(conn)
+                count[0] += 1
+                if count[0] == n:
+                    raise Killed
+                return result
+            return real(engine, dying)
+        monkeypatch.setattr(store, "write_retrying", write_retrying)
+    else:
+        real_save = torch.save
+
+        def save(state, f):
+            count[0] += 1
+            if count[0] == n:
+                f.write(b"half")
+                raise Killed
+            real_save(state, f)
+        monkeypatch.setattr(ckpt.torch, "save", save)
+
+
+def _consistent(db):
+    """What a report may read is whole: each evaluation's perplexity is its loss's, and each
+    position-loss set has one row per position of its length."""
+    c = sqlite3.connect(db)
+    assert c.execute("select count(*) from evaluations where abs(ppl - exp(loss)) > 1e-9 * ppl").fetchone() == (0,)
+    assert c.execute("select count(*) from (select eval_length, count(*) n, max(position) m from position_losses "
+                     "group by run_id, step, dataset, eval_length) where n != eval_length - 1 "
+                     "or m != eval_length - 2").fetchone() == (0,)
+
+
+# the run's writes, in order: 1 its row at the start, 3 the first step's metrics, 7 and 9 the
+# first evaluation (two held-out sets), 11 the checkpoint event, 12 its path on the row, 28
+# and 31 the final position losses, 35 the final row, 36 the final step; saves 1 and 3 are
+# the checkpoints of steps 10 and 30
+KILLS = [("write", n) for n in (1, 3, 7, 9, 11, 12, 28, 31, 35, 36)] + [("save", 1), ("save", 3)]
+
+
+@pytest.mark.parametrize("where,n", KILLS, ids=[f"{w}{n}" for w, n in KILLS])
+def test_a_worker_killed_at_any_write_or_save_finishes_as_an_uninterrupted_run(where, n, data, tmp_path,
+                                                                               monkeypatch, reference):
+    from fibctl.flows.worker import train_named
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    with monkeypatch.context() as m:
+        _killed_at(m, where, n)
+        with pytest.raises(Killed):
+            work(engine, opts(data, tmp_path), Quiet())
+    _consistent(tmp_path / "r.db")
+    assert run_row(tmp_path / "r.db")[0] == "running"  # as a kill leaves it: the next claim takes it
+    outcome = train_named(engine, "run", WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs",
+                                                        heartbeat_timeout_s=0), Quiet())
+    assert outcome.status == "done"
+    assert_same_run(tmp_path / "r.db", ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+    names = sorted(p.name for p in (tmp_path / "runs" / "run").iterdir())
+    assert names == ["step_00000020.pt", "step_00000030.pt"]  # no temporary left, the two newest kept
+    status, attempts, error, path, final = run_row(tmp_path / "r.db")
+    assert (status, error, path, final) == ("done", None, "run/step_00000030.pt", 30)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_an_evaluation_killed_mid_write_leaves_whole_rows_and_its_rerun_the_same_rows(n, data, tmp_path,
+                                                                                       monkeypatch, reference):
+    """`fibctl eval` at two lengths with positions writes 8 row sets (2 lengths x 2 sets x
+    perplexity and positions), each in its own transaction: killed at the nth, the ones before
+    stay, the one in progress is not half there, and running it again gives the rows of a
+    run that was not interrupted."""
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.db.engine import connect
+    for name in ("killed", "whole"):
+        shutil.copytree(reference[2], tmp_path / name)
+    args = dict(data_dir=data, positions=True)
+    whole = connect(str(tmp_path / "whole" / "r.db"))
+    evaluate(whole, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "whole" / "runs"})  # copies: moved
+    killed = connect(str(tmp_path / "killed" / "r.db"))
+    with monkeypatch.context() as m:
+        _killed_at(m, "write", n)
+        with pytest.raises(Killed):
+            evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
+    _consistent(tmp_path / "killed" / "r.db")
+    assert len(rows(tmp_path / "killed" / "r.db")["evaluations"]) >= len(reference[1]["evaluations"])
+    evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
+    assert rows(tmp_path / "killed" / "r.db") == rows(tmp_path / "whole" / "r.db")
+
+
+# ----------------------------------------------------------------------------- report files
+
+
+def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else(tmp_path, capsys, monkeypatch):
+    """A kill mid-write left `.table1.HEX.part.csv` in the report's folder for good."""
+    import os
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    out = tmp_path / "report"
+    out.mkdir()
+    dead = 2**22 + 1  # above any pid_max: no process has it
+    left = [out / f".table1.{dead}-0123abcd.part.csv", out / f".index.{dead}-0123abcd.part.html"]
+    kept = [out / f".table1.{os.getpid()}-0123abcd.part.csv",  # a report still writing it
+            out / ".table1.notes.part.csv", out / f".mine.{dead}-0123abcd.part.csv"]  # not a report's
+    for f in left + kept:
+        f.write_text("x")
+    code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+    assert code in (0, None), err
+    assert (out / "table1.csv").is_file()
+    assert not any(f.exists() for f in left) and all(f.exists() for f in kept)
+    assert not [f for f in out.iterdir() if ".part" in f.name and f not in kept]

@@ -359,11 +359,12 @@ def _refused(tmp_path, monkeypatch, capsys, *args) -> str:
 
 
 def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
-    """`fibctl probe --quick` (depth 2, both inits, seed 0, 200 steps), a worker with no data
-    folder, then Table 2 from fibctl's own runs: the pipeline of the study's probe."""
-    queued = _fibctl(tmp_path, "probe", "--quick", "--db", "r.db")
+    """`fibctl probe --quick` (depth 2, both inits, seed 0; 40 steps here, not its 200: a
+    minute less), a worker with no data folder, then Table 2 from fibctl's own runs: the
+    pipeline of the study's probe."""
+    queued = _fibctl(tmp_path, "probe", "--quick", "--steps", "40", "--db", "r.db")
     assert queued.returncode == 0 and "queued 2 probe run(s)" in queued.stdout, queued.stderr
-    again = _fibctl(tmp_path, "probe", "--quick", "--db", "r.db")
+    again = _fibctl(tmp_path, "probe", "--quick", "--steps", "40", "--db", "r.db")
     assert "queued 0 probe run(s); 2 already present" in again.stdout  # idempotent
     # two 1-thread workers, a run each: on 2 cores they beat one 2-thread worker
     # (docs/benchmarks.md, "The probe's whole table")
@@ -373,19 +374,30 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
         assert worker.returncode == 0, output
     db = sqlite3.connect(tmp_path / "r.db")
     assert db.execute("select name, status from runs order by id").fetchall() == [
-        ("probe_d2_uniform_s0_200steps", "done"), ("probe_d2_staggered_s0_200steps", "done")]
+        ("probe_d2_uniform_s0_40steps", "done"), ("probe_d2_staggered_s0_40steps", "done")]
     assert db.execute("select count(*) from events where kind = 'claimed'").fetchone() == (2,)  # each once
-    assert db.execute("select count(distinct step) from alphas").fetchone() == (3,)  # steps 0, 100 and 200
+    assert db.execute("select count(distinct step) from alphas").fetchone() == (2,)  # steps 0 and 40 (the last)
     table = _fibctl(tmp_path, "report", "table2", "--db", "r.db")
     assert table.returncode == 0, table.stderr
     said = " ".join(table.stdout.split())
-    assert "fibctl's models, 200 steps" in said and "staggered" in table.stdout
+    assert "fibctl's models, 40 steps" in said and "staggered" in table.stdout
     assert "Task: marked copy at length 512, vocab 512, distances 200/350." in said  # the one task: no column
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
     frame = tables.table2(connect(str(tmp_path / "r.db"), must_exist=True)).frame.set_index("Init")
     assert frame.loc["staggered", "Depth"] == 2 and frame.loc["staggered", "Seeds"] == 1
     assert frame.loc["staggered", "Scored"] == 16
     assert 0.5 <= frame.loc["staggered", "α min"] < frame.loc["staggered", "α max"] <= 1.5
+
+
+def test_quick_probe_queues_depth_2_both_inits_seed_0_for_200_steps(tmp_path):
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    done = CliRunner().invoke(app, ["probe", "--quick", "--db", str(tmp_path / "r.db")])
+    assert done.exit_code == 0, done.output
+    runs = sqlite3.connect(tmp_path / "r.db").execute("select name from runs order by id").fetchall()
+    assert runs == [("probe_d2_uniform_s0_200steps",), ("probe_d2_staggered_s0_200steps",)]
 
 
 @pytest.mark.parametrize("args, message", [

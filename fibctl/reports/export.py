@@ -77,6 +77,14 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     """Run every job, then write index.html; a table or figure whose data is missing is
     skipped with the reason (listed on the page too). Coverage, drawn from the schedule alone,
     comes last and is left out too when nothing else had data: no report is written then."""
+    listed = _listed(out)
+    # before anything is drawn: a file of the user's named like one the report writes would be
+    # replaced by it (report files are renamed onto their paths), and it is not the report's to replace
+    theirs = [p.name for p in outputs(out) if (p.is_symlink() or p.exists()) and p.name not in listed]
+    if theirs:
+        raise FibctlError(f"{out} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, not written by "
+                          f"a fibctl report (its {MANIFEST} does not list them), which the report would replace: "
+                          "move them or choose another --out; nothing was written")
     built = Built()
     written, skipped = [], []
     for name, job in track(jobs(engine, out, built=built, **kwargs)):
@@ -92,12 +100,16 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
         written.append(index)
         # an earlier report's files, beside this one: only those it listed, never a user's file
         # of the same name (--out ~ holding its own table1.csv)
-        listed = (out / MANIFEST).read_text().split("\n") if (out / MANIFEST).is_file() else []
         for stale in set(outputs(out)) - set(written):
             if stale.name in listed and (stale.is_symlink() or stale.is_file()):
                 stale.unlink()
         write_text(out / MANIFEST, "".join(f"{p.name}\n" for p in written))
     return written, skipped
+
+
+def _listed(out: Path) -> list[str]:
+    """The names of the files the folder's last report wrote (none in a folder of no report)."""
+    return (out / MANIFEST).read_text(errors="replace").split("\n") if (out / MANIFEST).is_file() else []
 
 
 def outputs(out: Path) -> list[Path]:

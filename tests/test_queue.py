@@ -347,6 +347,16 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path,
     assert count("events", "WHERE run_id = :r", r=ids["r001"]) == 0
     assert (runs / "r001" / "step_00000010.pt").is_file()
 
+    # a --runs-dir that is no folder (a file, a path through one, a typo) would find no
+    # checkpoint folder and leave it behind the deleted rows: refused, the run kept
+    (tmp_path / "notes.txt").write_text("mine")
+    for wrong in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "runs", tmp_path / "runz"):
+        code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
+                               "--runs-dir", str(wrong))
+        assert code == 2 and err.strip().splitlines() == [
+            f"error: --runs-dir {wrong} is not a folder; nothing was removed"]
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000", "r002"]
+
     code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
                          "--runs-dir", str(runs))
     assert code == 0 and not (runs / "r002").exists() and (runs / "r001").is_dir()

@@ -341,6 +341,13 @@ def test_bad_recipe_is_one_clear_error(change, message):
         parse_recipe({**data, **change})
 
 
+def test_a_recipe_nested_too_deeply_is_one_clear_error(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text("vocab_size = 512\nx = " + "[" * 50_000 + "]" * 50_000 + "\n")  # the parser's RecursionError
+    with pytest.raises(FibctlError, match=f"cannot read recipe {path}: it nests its values too deeply"):
+        load_recipe(str(path))
+
+
 def test_bad_sources_are_named():
     base = {"vocab_size": 512, "train_tokens": 1000}
     with pytest.raises(FibctlError, match="shares sum to 0.8"):

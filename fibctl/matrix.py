@@ -135,6 +135,8 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise bad(f"not valid TOML ({e})") from None
+    except RecursionError:  # the TOML parser recurses once per level of nesting
+        raise bad("not valid TOML (it nests its values too deeply)") from None
     _check_keys(doc, {"matrix", "runs"}, "top level", bad)
     head = doc.get("matrix", {})
     _check_keys(head, MATRIX_KEYS, "[matrix]", bad)

@@ -57,10 +57,22 @@ def add_runs(engine: Engine, configs: Sequence[RunConfig]) -> tuple[list[str], l
     return [c.name for c in new], [n for n in names if n in existing]
 
 
+def stored_config(name: str, config_json: str | None) -> RunConfig:
+    """A run's config as the database holds it; one line naming the run where that is not a
+    fibctl config (a row edited by hand or written by another tool: damaged, or nested too
+    deep for the JSON parser)."""
+    try:
+        return RunConfig.from_dict(json.loads(config_json))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise FibctlError(f"run {name!r}: its stored config is not a fibctl config ({reason[:80]}); "
+                          f"remove it (fibctl queue rm {name}) and queue it again") from None
+
+
 def _conflict(cfg: RunConfig, row) -> str | None:
     try:
-        old = RunConfig.from_dict(json.loads(row.config_json))
-    except (ValueError, KeyError, TypeError):
+        old = stored_config(row.name, row.config_json)
+    except FibctlError:
         return f"{cfg.name} (its stored config, source {row.source}, is not a fibctl config)"
     fields = old.diff(cfg)
     return f"{cfg.name} differs in {', '.join(fields)}" if fields else None
@@ -90,7 +102,7 @@ def progress(engine: Engine) -> list[dict]:
     out = []
     with engine.connect() as conn:
         for r in conn.execute(q):
-            config = RunConfig.from_dict(json.loads(r.config_json))
+            config = stored_config(r.name, r.config_json)
             tc = config.train
             per_step = tc.batch_size * tc.grad_accum * config.model.seq_len
             step = r.step or 0
@@ -202,8 +214,12 @@ def claim_next(engine: Engine, worker: str, host: str | None = None, device: str
         run = _claim_in_steps(engine, params)
     if run is None:
         return None
-    return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts,
-                      config=RunConfig.from_dict(json.loads(run.config_json)),
+    try:
+        config = stored_config(run.name, run.config_json)
+    except FibctlError as e:  # no worker can train it: failed with the reason, and the next one claimed
+        fail(engine, run.id, str(e), worker)
+        return claim_next(engine, worker, host, device, heartbeat_timeout_s, max_attempts)
+    return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts, config=config,
                       checkpoint_path=run.checkpoint_path)
 
 
@@ -289,7 +305,7 @@ def run_config(engine: Engine, run_name: str) -> RunConfig:
         config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar()
     if config_json is None:
         raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
-    return RunConfig.from_dict(json.loads(config_json))
+    return stored_config(run_name, config_json)
 
 
 def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
@@ -307,7 +323,8 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
     with engine.connect() as conn:
         config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
-    check(RunConfig.from_dict(json.loads(config_json)))
+    config = stored_config(run_name, config_json)
+    check(config)
     now = utcnow()
     with engine.begin() as conn:
         run = conn.execute(
@@ -321,8 +338,7 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         if run is None:
             raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
         add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
-    return ClaimedRun(run.id, run_name, run.attempts, RunConfig.from_dict(json.loads(config_json)),
-                            run.checkpoint_path)
+    return ClaimedRun(run.id, run_name, run.attempts, config, run.checkpoint_path)
 
 
 def removed(engine: Engine, run_id: int) -> bool:

@@ -330,3 +330,35 @@ def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else
     assert (out / "table1.csv").is_file()
     assert not any(f.exists() for f in left) and all(f.exists() for f in kept)
     assert not [f for f in out.iterdir() if ".part" in f.name and f not in kept]
+
+
+def test_report_all_killed_before_its_index_is_finished_by_the_next_one(tmp_path, capsys, monkeypatch):
+    """The report's list of its files was written last: one killed after its tables left them
+    unlisted, and the next `report all` refused them as the user's files."""
+    from fibctl.reports import export
+
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    out = tmp_path / "a" / "report"
+    with monkeypatch.context() as m:
+        def killed(*args, **kwargs):
+            raise KeyboardInterrupt
+        m.setattr(export.html, "page", killed)
+        code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+    assert code == 130 and (out / "table1.txt").is_file() and not (out / "index.html").exists(), err
+    code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+    assert code in (0, None) and (out / "index.html").is_file(), err
+    listed = (out / export.MANIFEST).read_text().split()
+    assert sorted(listed) == sorted(p.name for p in out.iterdir() if p.name != export.MANIFEST)
+
+
+def test_report_all_with_no_data_leaves_no_folder_and_no_list(tmp_path, capsys, monkeypatch):
+    from fibctl.db.engine import connect
+
+    connect(str(tmp_path / "empty.db"))
+    code, _, err = cli(["report", "all", "--db", str(tmp_path / "empty.db"), "--out", str(tmp_path / "a" / "b")],
+                       capsys, monkeypatch)
+    assert not (tmp_path / "a").exists(), err
+    (tmp_path / "mine").mkdir()
+    cli(["report", "all", "--db", str(tmp_path / "empty.db"), "--out", str(tmp_path / "mine")], capsys, monkeypatch)
+    assert list((tmp_path / "mine").iterdir()) == []

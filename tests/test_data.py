@@ -165,6 +165,43 @@ def test_missing_manifest_names_the_folder(tmp_path):
         load_manifest(tmp_path)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"tokenizer_vocab": "big"}, "tokenizer_vocab 'big' is not a count"),
+    ({"eos_id": -1}, "eos_id -1 is not a count"),
+    ({"recipe": 5}, "recipe 5 is not text"),
+    ({"heldout": ["train"]}, "repeat a name"),
+    ({"sources": {"s": {"kind": "local", "target_tokens": "x", "train_tokens": 1, "train_documents": 1,
+                        "exhausted": False, "heldout": None, "heldout_tokens": 0, "heldout_documents": 0}}},
+     "sources['s']: counts must be whole numbers"),
+    (None, "nests its values too deeply"),
+])
+def test_a_damaged_manifest_is_one_clear_error(tmp_path, monkeypatch, capsys, change, words):
+    """A manifest edited by hand or damaged: a wrong type that `fibctl data show` printed with a
+    traceback (or nesting too deep for the parser) is refused as not a valid manifest."""
+    from cli_helpers import refused
+    from train_helpers import write_data
+
+    data = write_data(tmp_path / "data", train_tokens=1_000, heldout_tokens=100)
+    manifest = json.loads((data / "manifest.json").read_text())
+    text = "[" * 100_000 + "]" * 100_000 if change is None else json.dumps({**manifest, **change})
+    (data / "manifest.json").write_text(text)
+    with pytest.raises(FibctlError, match="is not a valid data manifest"):
+        load_manifest(data)
+    assert words in refused(monkeypatch, capsys, "data", "show", str(data))
+
+
+def test_data_show_prints_a_recipe_name_s_control_codes_escaped(tmp_path, capsys):
+    from fibctl.cli.data import show_cmd
+    from train_helpers import write_data
+
+    data = write_data(tmp_path / "data", train_tokens=1_000, heldout_tokens=100)
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / "manifest.json").write_text(json.dumps({**manifest, "recipe": "\u001b[2Jmine"}))
+    show_cmd(data)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "recipe \\x1b[2Jmine (" in out
+
+
 def test_same_recipe_same_bytes(built, corpora):
     again = corpora / "again"
     prepare(load_recipe(_recipe_file(corpora)), again)
@@ -302,6 +339,13 @@ def test_bad_recipe_is_one_clear_error(change, message):
     data = {"vocab_size": 512, "train_tokens": 1000, "sources": [{"name": "g", "kind": "generated", "share": 1}]}
     with pytest.raises(FibctlError, match=message):
         parse_recipe({**data, **change})
+
+
+def test_a_recipe_nested_too_deeply_is_one_clear_error(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text("vocab_size = 512\nx = " + "[" * 50_000 + "]" * 50_000 + "\n")  # the parser's RecursionError
+    with pytest.raises(FibctlError, match=f"cannot read recipe {path}: it nests its values too deeply"):
+        load_recipe(str(path))
 
 
 def test_bad_sources_are_named():

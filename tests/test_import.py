@@ -376,6 +376,15 @@ def test_a_run_with_no_done_attempt_is_named_as_unfinished_not_outside_the_matri
     assert "no 'done' attempt in fib.db, its metrics skipped: f13__fib_stagger_w12" in lines, out.stdout
 
 
+def test_a_run_name_s_control_codes_are_shown_escaped_not_obeyed(tmp_path, db_url, monkeypatch, capsys):
+    fib_db, _, _ = make_study(tmp_path)
+    with sqlite3.connect(fib_db) as study:  # a run outside the matrix, named with a screen clear
+        study.execute("UPDATE runs SET title = 'mine\x1b[2J' WHERE title = 'ref_e0030'")
+    out = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--db", db_url)
+    assert out.returncode == 0 and "\x1b" not in out.stdout, out.stdout
+    assert "skipped: mine\\x1b[2J" in out.stdout
+
+
 def test_a_run_whose_metrics_are_all_empty_is_named(tmp_path, db_url):
     """Table 1 leaves out a run with no final perplexity: the import says which (not the dense
     baseline, whose numbers are in lenextrap.json)."""

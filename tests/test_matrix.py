@@ -96,6 +96,7 @@ def test_unknown_matrix_names_the_shipped_ones():
     ("[matrix]\npreset = 'huge'\n[[runs]]\nname = 'a'\nschedule = 'dense'\n", "unknown preset 'huge'"),
     ("[[runs]]\nname = 'a b'\nschedule = 'dense'\n", "run names use"),
     ("[[runs]]\nname = 'a'\nschedule = 'dense'\ntrain = { stepz = 3 }\n", "unknown key.*stepz"),
+    ("x = " + "[" * 50_000 + "]" * 50_000, "not valid TOML \\(it nests its values too deeply\\)"),  # a RecursionError
 ])
 def test_malformed_matrix_file_names_file_and_problem(tmp_path, body, problem):
     path = tmp_path / "bad.toml"

@@ -347,6 +347,16 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path,
     assert count("events", "WHERE run_id = :r", r=ids["r001"]) == 0
     assert (runs / "r001" / "step_00000010.pt").is_file()
 
+    # a --runs-dir that is no folder (a file, a path through one, a typo) would find no
+    # checkpoint folder and leave it behind the deleted rows: refused, the run kept
+    (tmp_path / "notes.txt").write_text("mine")
+    for wrong in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "runs", tmp_path / "runz"):
+        code, err = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
+                               "--runs-dir", str(wrong))
+        assert code == 2 and err.strip().splitlines() == [
+            f"error: --runs-dir {wrong} is not a folder; nothing was removed"]
+    assert [r["name"] for r in queue.list_runs(engine)] == ["r000", "r002"]
+
     code, _ = _main_exit(monkeypatch, capsys, "queue", "rm", "r002", "--db", db, "--checkpoints",
                          "--runs-dir", str(runs))
     assert code == 0 and not (runs / "r002").exists() and (runs / "r001").is_dir()
@@ -479,3 +489,41 @@ def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_pa
     assert f"what is left is at {runs / 'r001'}: delete it by hand" in err
     assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (runs / "r001").is_dir()
     assert sorted(p.name for p in runs.iterdir()) == ["r000", "r001"]  # nothing hidden left behind
+
+
+@pytest.mark.parametrize("damage", ["not json", "[]", '{"name": 5}', "[" * 100_000 + "]" * 100_000])
+def test_a_run_whose_stored_config_is_damaged_is_one_line_and_no_worker_crashes_on_it(
+        db, damage, monkeypatch, capsys):
+    """A row edited by hand or written by another tool: the commands that read its config
+    tracebacked (every worker claiming it, over and over); now each names the run in one line,
+    and a worker fails that run with the reason and trains the next."""
+    engine = connect(db)
+    queue.add_runs(engine, _configs(2))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET config_json = :c WHERE name = 'r000'"), {"c": damage})
+    for read in (lambda: queue.run_config(engine, "r000"),
+                 lambda: queue.claim_named(engine, "r000", "w", "h", "cpu", 600)):
+        with pytest.raises(FibctlError, match=r"^run 'r000': its stored config is not a fibctl config \("):
+            read()
+    assert queue.list_runs(engine, "queued") == queue.list_runs(engine)  # nothing claimed
+    claimed = queue.claim_next(engine, "w1")
+    assert claimed is not None and claimed.name == "r001"
+    failed = queue.list_runs(engine, "failed")
+    assert [r["name"] for r in failed] == ["r000"] and "stored config is not a fibctl config" in failed[0]["error"]
+    with engine.begin() as conn:  # a running run's config is read by `fibctl status`
+        conn.execute(text("UPDATE runs SET status = 'running' WHERE name = 'r000'"))
+    code, err = _main_exit(monkeypatch, capsys, "status", "--db", db)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "run 'r000': its stored config is not a fibctl config" in err
+
+
+def test_reports_pass_over_a_stored_config_nested_too_deeply(db):
+    from fibctl.reports import html, tables
+
+    deep = "[" * 100_000 + "]" * 100_000
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET config_json = :c"), {"c": deep})
+    assert tables.deviation_notes(engine, ["r000"]) == []  # no note to make, and no RecursionError
+    assert html._pretty_json(deep) == deep  # shown as stored

@@ -286,14 +286,20 @@ def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, caps
         tables.table5(ro(db), window=4, matrix="demo")
 
 
-def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path):
+def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path, monkeypatch, capsys):
     db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
     out = tmp_path / "report"
     out.mkdir()
     (out / "table4.tex").write_text("mine")  # a user's file named like a report's: never removed
+    (out / "table1.txt").write_text("mine too")  # nor replaced (it was, table1 having data)
+    fails_in_one_line(["report", "all", "--db", db, "--out", str(out)], tmp_path,
+                      "holds table1.txt, table4.tex, not written by a fibctl report", monkeypatch, capsys)
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"table4.tex": "mine", "table1.txt": "mine too"}
+    (out / "table4.tex").unlink()
+    (out / "table1.txt").unlink()
     r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out)])
     assert r.exit_code == 0 and "skipped table4:" in r.output and "skipped table4: table4" not in r.output
-    assert not (out / "table4.csv").exists() and (out / "table4.tex").read_text() == "mine"
+    assert not (out / "table4.csv").exists()
     r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out), "--window", "4"])
     assert r.exit_code == 0, r.output
     assert {"table4.csv", "table5.csv", "posloss.png"} <= {p.name for p in out.iterdir()}

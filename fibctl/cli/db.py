@@ -291,6 +291,9 @@ def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
     aside: list[Path] = []
 
     def check(recorded: str | None) -> None:  # before any row is deleted
+        if checkpoints and runs_dir is not None and not runs_dir.is_dir():
+            # a mistyped folder would find no checkpoints there, and leave them behind the rows
+            raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
         if checkpoints:
             folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
 

@@ -13,7 +13,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, seed_value, sqlite_int
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, resolve_url, shown
 from fibctl.errors import FibctlError
@@ -284,9 +284,8 @@ def import_study(
     else:
         console.print(f"nothing to import: {shown(db)} already holds every row of these files unchanged",
                       highlight=False, markup=False)
-    if s.skipped:
-        console.print(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}", highlight=False,
-                      markup=False)
+    if s.skipped:  # names as fib.db has them: free text, whose control codes are shown, not obeyed
+        console.print(plain(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}"))
     if s.unmeasured:  # Table 1 reads fib.db's final perplexities: these runs have no row there
         console.print(f"no perplexity in {fib_db.name} (every metrics row empty): {', '.join(s.unmeasured)}",
                       highlight=False, markup=False)

@@ -150,6 +150,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
                           f"{e.start} is not UTF-8; save the recipe as UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise FibctlError(f"cannot read recipe {path}: {e}") from None
+    except RecursionError:  # the TOML parser recurses once per level of nesting
+        raise FibctlError(f"cannot read recipe {path}: it nests its values too deeply") from None
     return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
 
 

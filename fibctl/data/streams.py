@@ -110,16 +110,31 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
         return manifest
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise FibctlError(f"{path} is not a valid data manifest ({type(e).__name__}: {e})") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise FibctlError(f"{path} is not a valid data manifest (it nests its values too deeply to read)") from None
 
 
-SOURCE_KEYS = ("kind", "target_tokens", "train_tokens", "train_documents", "exhausted", "heldout",
-               "heldout_tokens", "heldout_documents")
+SOURCE_COUNTS = ("target_tokens", "train_tokens", "train_documents", "heldout_tokens", "heldout_documents")
+SOURCE_KEYS = ("kind", *SOURCE_COUNTS[:3], "exhausted", "heldout", *SOURCE_COUNTS[3:])
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check(m: DataManifest) -> None:
-    """Types the readers rely on; split names become file names, so they must be names."""
+    """Types the readers rely on (and `fibctl data show` prints); split names become file
+    names, so they must be names, and a held-out set is never the training stream."""
     if not isinstance(m.vocab_size, int) or isinstance(m.vocab_size, bool) or not 0 < m.vocab_size <= 65536:
         raise ValueError(f"vocab_size {m.vocab_size!r} is not an integer from 1 to 65536")
+    for key in ("tokenizer_vocab", "eos_id"):
+        if not _count(getattr(m, key)):
+            raise ValueError(f"{key} {getattr(m, key)!r} is not a count")
+    for key in ("recipe", "recipe_hash", "inputs_hash", "tokenizer_hash"):
+        if not isinstance(getattr(m, key), str):
+            raise TypeError(f"{key} {getattr(m, key)!r} is not text")
+    if len(set(m.splits)) < len(m.splits):
+        raise ValueError(f"splits {', '.join(m.splits)} repeat a name (a held-out set named like the training split?)")
     for split in m.splits:
         check_name("split", split)
         if not isinstance(m.tokens.get(split), int):
@@ -127,6 +142,9 @@ def _check(m: DataManifest) -> None:
     for name, source in m.sources.items():
         if not isinstance(source, dict) or any(k not in source for k in SOURCE_KEYS):
             raise KeyError(f"sources[{name!r}] needs {', '.join(SOURCE_KEYS)}")
+        if not all(_count(source[k]) for k in SOURCE_COUNTS) or not isinstance(source["kind"], str) \
+                or not isinstance(source["heldout"], (str, type(None))):
+            raise TypeError(f"sources[{name!r}]: counts must be whole numbers, kind and heldout text")
 
 
 def token_stream(data_dir: str | Path, split: str) -> np.memmap:

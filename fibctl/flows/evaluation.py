@@ -8,7 +8,6 @@ checkpoint, a vocabulary that does not match the data) is reported before any wo
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
+from fibctl.queue import stored_config
 from fibctl.train.checkpoint import load_checkpoint, resolve_path, stored_config_hash
 
 
@@ -57,7 +57,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
         raise FibctlError("no run in the database has a checkpoint yet")
     targets = []
     for r in rows:
-        config = RunConfig.from_dict(json.loads(r.config_json))
+        config = stored_config(r.name, r.config_json)
         if config.probe is not None:  # scored on its own task by its worker, not on text
             if all_runs:
                 continue

@@ -18,7 +18,6 @@ Each run a task starts gets a `slurm` event naming the job id, the task and the 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -179,10 +178,7 @@ def queued_configs(engine: Engine) -> list[RunConfig]:
         rows = conn.execute(q).all()
     configs = []
     for name, config_json in rows:
-        try:
-            configs.append(RunConfig.from_dict(json.loads(config_json)))
-        except (ValueError, KeyError, TypeError):  # a worker claiming it would fail the same way
-            raise FibctlError(f"queued run {name!r}: its stored config is not a fibctl config") from None
+        configs.append(queue.stored_config(name, config_json))  # a worker claiming it would fail the same way
     return configs
 
 

@@ -77,28 +77,81 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     """Run every job, then write index.html; a table or figure whose data is missing is
     skipped with the reason (listed on the page too). Coverage, drawn from the schedule alone,
     comes last and is left out too when nothing else had data: no report is written then."""
-    built = Built()
+    listed, made = _listed(out), _first_missing(out)
+    # before anything is drawn: a file of the user's named like one the report writes would be
+    # replaced by it (report files are renamed onto their paths), and it is not the report's to replace
+    theirs = [p.name for p in outputs(out) if (p.is_symlink() or p.exists()) and p.name not in listed]
+    if theirs:
+        raise FibctlError(f"{out} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, not written by "
+                          f"a fibctl report (its {MANIFEST} does not list them), which the report would replace: "
+                          "move them or choose another --out; nothing was written")
+    built, before = Built(), listed
     written, skipped = [], []
     remove_leftovers([*outputs(out), out / MANIFEST])  # of an earlier report killed mid-write
     for name, job in track(jobs(engine, out, built=built, **kwargs)):
         if name == "coverage" and not written:  # the last job; alone it reports nothing
             break
+        # listed before they are written: a report killed midway leaves its files claimed, and
+        # the next one replaces them rather than refusing them as the user's
+        listed = _claim(out, listed, [p.name for p in outputs(out) if p.stem == name])
         try:
             written += job()
         except FibctlError as e:
             skipped.append((name, str(e)))
     if written:
         index = out / "index.html"
+        listed = _claim(out, listed, [index.name])
         write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
         written.append(index)
         # an earlier report's files, beside this one: only those it listed, never a user's file
         # of the same name (--out ~ holding its own table1.csv)
-        listed = (out / MANIFEST).read_text().split("\n") if (out / MANIFEST).is_file() else []
         for stale in set(outputs(out)) - set(written):
             if stale.name in listed and (stale.is_symlink() or stale.is_file()):
                 stale.unlink()
         write_text(out / MANIFEST, "".join(f"{p.name}\n" for p in written))
+    else:
+        _unclaim(out, before, made)
     return written, skipped
+
+
+def _claim(out: Path, listed: list[str], names: list[str]) -> list[str]:
+    """`listed` with `names` added, written to the folder's manifest if that adds any."""
+    new = [n for n in names if n not in listed]
+    if new:
+        listed = [n for n in listed if n] + new
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / MANIFEST, "".join(f"{n}\n" for n in listed))
+    return listed
+
+
+def _unclaim(out: Path, before: list[str], made: Path | None) -> None:
+    """Put the manifest back as it was (no report was written), and remove the folders `_claim`
+    made (`made`: the first of them), which then hold nothing."""
+    if before:
+        write_text(out / MANIFEST, "\n".join(before))
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+    if made is not None:
+        for folder in [out, *out.parents]:
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+            if folder == made:
+                break
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (None: it exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _listed(out: Path) -> list[str]:
+    """The names of the files the folder's last report wrote (none in a folder of no report)."""
+    return (out / MANIFEST).read_text(errors="replace").split("\n") if (out / MANIFEST).is_file() else []
 
 
 def outputs(out: Path) -> list[Path]:

@@ -96,7 +96,7 @@ def _quoted(column: str) -> str:
 def _pretty_json(raw: str | None) -> str:
     try:
         return json.dumps(json.loads(raw), indent=2, sort_keys=True)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return raw or ""
 
 

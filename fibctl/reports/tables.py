@@ -138,7 +138,7 @@ def deviation_notes(engine: Engine, runs) -> list[str]:
             config = json.loads(config_json)
             asked = config["train"].get("optimizer", "adamw")
             model = config["model"]
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             continue
         if used is not None and asked != used:
             swapped.setdefault((asked, used), []).append(name)

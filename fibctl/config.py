@@ -79,6 +79,16 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         return self
 
+    def check_window(self) -> "ModelConfig":
+        """Refuse a sparse window that reaches the training length. Distances reach T - 1 at
+        most: a window that reaches it attends to every one, and the model would train as dense
+        attention under a sparse schedule's name. Evaluation at other lengths caps the window
+        instead (with_length), so this holds at the training length only."""
+        if self.schedule != "dense" and self.window >= self.seq_len - 1:
+            raise ConfigError(f"window W={self.window} is too large: at most T - 2 = {self.seq_len - 2} at "
+                              f"the training length T={self.seq_len}; a window of T - 1 is dense attention")
+        return self
+
     def with_length(self, seq_len: int) -> "ModelConfig":
         return dataclasses.replace(self, seq_len=seq_len)
 
@@ -300,12 +310,7 @@ class RunConfig:
                 window: int = 8, seed: int = DEFAULT_SEED, init_seed: int | None = None, **overrides) -> "RunConfig":
         """`seed` is the data seed; `init_seed` defaults to it."""
         p = get_preset(preset)
-        model = dataclasses.replace(p.model, schedule=schedule, base=base, window=window).validate()
-        # distances reach T - 1 at most: a window that reaches it attends to every one, and the
-        # run would train as dense attention under a sparse schedule's name
-        if schedule != "dense" and window >= model.seq_len - 1:
-            raise ConfigError(f"window W={window} is too large: at most T - 2 = {model.seq_len - 2} at "
-                              f"the training length T={model.seq_len}; a window of T - 1 is dense attention")
+        model = dataclasses.replace(p.model, schedule=schedule, base=base, window=window).validate().check_window()
         try:
             train = dataclasses.replace(p.train, **overrides) if overrides else p.train
         except TypeError as e:

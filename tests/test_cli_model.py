@@ -28,9 +28,10 @@ def test_model_prints_paper_breakdown_and_layers():
 
 
 def test_a_window_that_reaches_the_length_shows_no_rungs_after_it():
-    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "63"], env={"COLUMNS": "80"})
+    # micro trains at T = 64 with W = 8; built at 9, its window reaches T - 1
+    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "8", "--length", "9"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
-    assert "0..63 " in r.output and "0..63 +" not in r.output  # it printed '0..63 +' and nothing after
+    assert "0..8 " in r.output and "0..8 +" not in r.output  # it printed '0..8 +' and nothing after
     assert "0..8 + 13, 21" in runner.invoke(app, ["model", "--preset", "micro", "--window", "8"],
                                             env={"COLUMNS": "120"}).output
 
@@ -38,8 +39,14 @@ def test_a_window_that_reaches_the_length_shows_no_rungs_after_it():
 def test_dense_coverage_counts_every_distance_and_a_window_shows_capped_at_the_length():
     r = runner.invoke(app, ["coverage", "--schedule", "dense", "--layers", "2", "--length", "3000"])
     assert r.exit_code == 0 and r.output.strip().splitlines()[-2].split("│")[-2].strip() == "3000"
-    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "1000"])  # T = 64
-    assert r.exit_code == 0 and "│ 64        │ 0..63  " in r.output and "0..1000" not in r.output
+    r = runner.invoke(app, ["model", "--preset", "micro", "--window", "8", "--length", "5"])
+    assert r.exit_code == 0 and "│ 5         │ 0..4  " in r.output and "0..8" not in r.output
+
+
+def test_dense_shows_no_window_and_takes_any():
+    for command in (["model", "--preset", "micro"], ["coverage", "--layers", "2", "--length", "64"]):
+        r = runner.invoke(app, [*command, "--schedule", "dense", "--window", "99999999999999999999"])
+        assert r.exit_code == 0 and "W=" not in r.output, r.output
 
 
 def test_coverage_fixed_fib_w8_is_19():
@@ -173,6 +180,12 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["model", "--schedule", "sliding"], "unknown schedule 'sliding'; allowed: dense, fixed, learned, stagger, coprime"),
     (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),
+    # queue add's bound: a sparse window leaves T - 1 to a rung (it printed W=99999999999999999999)
+    (["model", "--window", "99999999999999999999"], "window W=99999999999999999999 is too large: at most "
+                                                     "T - 2 = 1022 at the training length T=1024"),
+    (["model", "--preset", "micro", "--window", "63", "--length", "1000"], "at most T - 2 = 62"),
+    (["coverage", "--window", "99999999999999999999"], "at most T - 2 = 1022"),
+    (["coverage", "--schedule", "stagger", "--window", "63", "--length", "64"], "at most T - 2 = 62"),
     (["coverage", "--layers", "0"], "n_layers=0 must be >= 1"),
     # every layer's distances are listed: a mistyped length is one line, not gigabytes
     (["coverage", "--schedule", "dense", "--layers", "1024", "--length", "100000"],

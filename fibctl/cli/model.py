@@ -28,13 +28,22 @@ Window = Annotated[int, typer.Option(help="Local window W: distances 0..W are al
 Length = Annotated[int | None, typer.Option(help="Sequence length to build at (default: the preset's).")]
 
 
+def _check_length(length: int) -> int:
+    if not 2 <= length <= MAX_LENGTH:
+        raise ConfigError(f"length {length:,} must be from 2 to {MAX_LENGTH:,}")
+    return length
+
+
 def _model_config(preset: str, schedule: str, base: str, window: int, length: int | None):
+    # the window queue add accepts at the preset's training length; --length then caps it
     cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
-    if length is not None:
-        if not 2 <= length <= MAX_LENGTH:
-            raise ConfigError(f"length {length:,} must be from 2 to {MAX_LENGTH:,}")
-        cfg = cfg.with_length(length)
-    return cfg.validate()
+    cfg = cfg.validate().check_window()
+    return cfg if length is None else cfg.with_length(_check_length(length)).validate()
+
+
+def _attention(schedule: str, base: str, window: int) -> str:
+    # dense attention has no base or window (a matrix refuses them): none to show
+    return schedule if schedule == "dense" else f"{schedule}, {base}, W={window}"
 
 
 @app.command("model")
@@ -57,7 +66,7 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
             "ffn (SwiGLU)" if ".ffn." in name else "norms")
         groups[key] = groups.get(key, 0) + p.numel()
     t = Table(title=f"{preset}: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
-                    f"T={cfg.seq_len} V={cfg.vocab_size} ({schedule}, {base}, W={window})")
+                    f"T={cfg.seq_len} V={cfg.vocab_size} ({_attention(schedule, base, window)})")
     t.add_column("parameters")
     t.add_column("count", justify="right")
     for k, v in groups.items():
@@ -92,10 +101,11 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     if layers * length > MAX_LISTED:
         raise FibctlError(f"--layers {layers} x --length {length:,}: coverage lists every layer's distances, "
                           f"at most {MAX_LISTED:,} in all")
-    cfg = _model_config("paper", schedule, base, window, length)
-    cfg = dataclasses.replace(cfg, n_layers=layers).validate()
+    # the paper model, trained at --length: its window bound is queue add's at that length
+    cfg = dataclasses.replace(get_preset("paper").model, schedule=schedule, base=base, window=window,
+                              n_layers=layers, seq_len=_check_length(length)).validate().check_window()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
-    t = Table(title=f"coverage: {base} {schedule} W={window} L={layers} T={length}")
+    t = Table(title=f"coverage: {_attention(schedule, base, window)}, L={layers} T={length}")
     t.add_column("layer")
     t.add_column("distinct distances", justify="right")
     for l, n in enumerate(per_layer):

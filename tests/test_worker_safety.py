@@ -566,6 +566,22 @@ def test_a_command_that_cannot_get_the_write_lock_says_so_in_one_line(tmp_path, 
     assert runs(tmp_path / "r.db")[0][1] == "queued"
 
 
+def test_a_reader_locked_out_says_it_waited_to_read_not_for_a_write_lock(tmp_path, capsys, monkeypatch):
+    """A reader never takes the write lock: only another process's exclusive lock stops it."""
+    from fibctl.db import engine as db_engine
+    queued_db(tmp_path / "r.db", micro_run("run")).dispose()
+    monkeypatch.setattr(db_engine, "BUSY_TIMEOUT_MS", 100)
+    holder = sqlite3.connect(tmp_path / "r.db", isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")  # a write under it keeps readers out too
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("UPDATE runs SET status = status")
+    code, err = cli(["queue", "ls", "--db", str(tmp_path / "r.db")], capsys, monkeypatch)
+    holder.rollback()
+    holder.close()
+    assert code == 2 and "r.db is locked by another process: waited 0.1 s to read it;" in err, err
+    assert "write lock" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_a_database_error_mid_command_is_one_line_without_the_statement(tmp_path, capsys, monkeypatch, wrapped):
     """Raised as it is, or wrapped by pandas mid-query (its DatabaseError, an OSError)."""

@@ -239,8 +239,10 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def _check_revision(engine: Engine, db: str) -> str | None:
-    """The current revision, after refusing foreign or newer databases (nothing written)."""
+def _check_revision(engine: Engine, db: str, *, reading: bool = False) -> str | None:
+    """The current revision, after refusing foreign or newer databases (nothing written).
+    `reading`: the engine only reads, so a lock it waits out is another process's exclusive
+    one (a writer's engine begins by taking the write lock itself)."""
     try:
         # one connection for both: between two, another process's first upgrade could commit,
         # and its tables would be read with no revision (a fibctl database refused as foreign)
@@ -255,8 +257,9 @@ def _check_revision(engine: Engine, db: str) -> str | None:
             raise FibctlError(f"the database server {server} did not answer within {waited} s "
                               f"({shown(db)}); is it up, and is that its address?") from None
         if "locked" in str(e.orig):
+            waited = "to read it" if reading else "for its write lock"
             raise FibctlError(f"{shown(db)} is locked by another process: waited {BUSY_TIMEOUT_MS / 1000:g} s "
-                              "for its write lock; try again when it is done") from None
+                              f"{waited}; try again when it is done") from None
         reason = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]  # the driver's first line
         path = _sqlite_path(resolve_url(db))
         if path is not None and "unable to open" in reason \
@@ -381,7 +384,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
     else:
         raise FibctlError(f"{option} {shown(url)}: read-only access supports SQLite and PostgreSQL "
                           "databases only")
-    rev = _check_revision(engine, db)
+    rev = _check_revision(engine, db, reading=True)
     if current and rev != head_revision():
         engine.dispose()
         now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"

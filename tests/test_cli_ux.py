@@ -309,3 +309,123 @@ def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["fibctl"] == "fibctl.__main__:main"  # the program starts there too, not in fibctl.cli
+
+
+# names, workers and errors as a hand-edited database may hold them: markup that rich would
+# obey ([red]), and ESC [2J, which clears a terminal
+MARKUP, ESC = "[red]a[/red]", "b\x1b[2J"
+
+
+def _in_process(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _shown_not_obeyed(text: str) -> None:
+    assert "\x1b" not in text, text
+    assert MARKUP in text and "b\\x1b[2J" in text, text
+
+
+def _hostile_db(tmp_path) -> Path:
+    """Two failed runs renamed by hand to MARKUP and ESC, their error text holding both."""
+    import sqlite3
+
+    from fibctl import queue
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect
+
+    db = tmp_path / "r.db"
+    engine = connect(str(db))
+    queue.add_runs(engine, [RunConfig.resolve(n, "test", "micro", schedule="fixed") for n in ("a", "b")])
+    for _ in range(2):
+        queue.fail(engine, queue.claim_next(engine, "w").id, f"ValueError: {MARKUP} {ESC}")
+    engine.dispose()
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE runs SET name = ? WHERE name = 'a'", (MARKUP,))
+        conn.execute("UPDATE runs SET name = ? WHERE name = 'b'", (ESC,))
+    return db
+
+
+def test_run_names_read_from_the_database_are_shown_not_obeyed(tmp_path, capsys, monkeypatch):
+    db = str(_hostile_db(tmp_path))
+    code, out, _ = _in_process(capsys, monkeypatch, "queue", "ls", "--db", db)  # its table: as written
+    assert code == 0 and "\x1b" not in out and "b\\x1b[2J" in "".join(out.split()), out
+    code, out, _ = _in_process(capsys, monkeypatch, "queue", "retry", "--all-failed", "--db", db)
+    assert code == 0 and out.startswith("queued 2 failed run(s) again: ")
+    _shown_not_obeyed(out)  # ESC went to the terminal as it was
+
+
+def test_an_error_naming_a_worker_from_the_database_is_shown_not_obeyed(tmp_path, capsys, monkeypatch):
+    """`fibctl train` of a run another worker holds names that worker, as the database has it."""
+    import sqlite3
+
+    from train_helpers import write_data
+
+    db = _hostile_db(tmp_path)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE runs SET status = 'running', heartbeat_at = ?, worker = ?",
+                     ("2999-01-01 00:00:00", f"{MARKUP} {ESC}"))
+    code, _, err = _in_process(capsys, monkeypatch, "train", MARKUP, "--db", str(db), "--data",
+                               str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"))
+    assert code == 2 and "is running on" in err, err
+    _shown_not_obeyed(err)
+
+
+def test_a_worker_shows_the_names_and_errors_of_the_runs_it_failed_as_written(tmp_path, capsys, monkeypatch):
+    """Its closing lines name each run, and the error, in the database's words."""
+    import sqlite3
+
+    from train_helpers import write_data
+
+    db = _hostile_db(tmp_path)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE runs SET status = 'queued', attempts = 0, error = NULL")
+    code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
+                                 str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"))
+    assert code == 1, out + err  # neither name is one a run folder may have
+    assert out.count("failed at step 0") == 2, out
+    _shown_not_obeyed(out)
+
+
+def test_eval_shows_run_and_set_names_as_written(tmp_path, capsys, monkeypatch):
+    """The results table and the per-result lines show names as the database and manifest
+    have them (a hand-made run folder lets a run named so be evaluated)."""
+    import pandas as pd
+
+    import fibctl.flows.evaluation as evaluation
+
+    def measured(engine, names, lengths, *, on_result=None, **_):
+        rows = [{"run": MARKUP, "step": 10, "dataset": ESC, "eval_length": 64, "tokens": 64, "loss": 1.0,
+                 "ppl": 2.718, "tokens_per_s": 100.0}]
+        for row in rows:
+            on_result(row, len(rows))
+        return pd.DataFrame(rows)
+
+    monkeypatch.setattr(evaluation, "evaluate", measured)
+    db = _hostile_db(tmp_path)
+    code, out, err = _in_process(capsys, monkeypatch, "eval", MARKUP, "--length", "64", "--speed", "--db", str(db),
+                                 "--data", str(tmp_path))
+    assert code == 0, out + err
+    _shown_not_obeyed(out)
+    assert out.count(MARKUP) == 3, out  # the line logged, the table and the speed table
+
+
+def test_a_slurm_task_log_shows_names_and_errors_as_written(capsys):
+    """A task's log is read in a terminal (tail -f): the database's text is shown, not obeyed."""
+    from fibctl.flows.slurm import JobDisplay
+    from fibctl.flows.worker import Outcome
+
+    display = JobDisplay(None, "7", 0, 0)
+    display.warn(f"run {ESC} {MARKUP}")
+    display.finish(Outcome(ESC, "failed", 0, f"ValueError: {MARKUP} {ESC}"))
+    out = capsys.readouterr().out
+    assert out.count("b\\x1b[2J") == 3 and out.startswith("task 0: warning: run b\\x1b[2J"), out
+    _shown_not_obeyed(out)

@@ -15,6 +15,7 @@ import typer
 from rich.markup import escape
 
 from fibctl.cli.common import err_console
+from fibctl.reports.render import printable
 from fibctl.errors import FibctlError
 
 
@@ -68,7 +69,7 @@ def _one_line_usage_errors() -> None:
             return
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        err_console.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False,
+        err_console.print(f"[bold red]error:[/] {escape(printable(e.format_message() + hint))}", highlight=False,
                           soft_wrap=True)
 
     rich_utils.rich_format_error = one_line
@@ -158,5 +159,6 @@ def main() -> None:
 def _fail(message: str) -> None:
     # a word of thousands of characters (a pasted name, a path) would bury the line: its start is enough
     message = re.sub(r"\S{200,}", lambda m: f"{m[0][:60]}... ({len(m[0]):,} characters)", message)
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    # a name or error text read from a database is shown, never obeyed (markup, control codes)
+    err_console.print(f"[bold red]error:[/] {escape(printable(message))}", highlight=False, soft_wrap=True)
     sys.exit(2)

@@ -29,10 +29,11 @@ DbOption = Annotated[
 DEFAULT_DB = "results.db"
 
 
-def plain(value) -> Text:
-    """A table cell shown as written: names, paths and errors from data are never rich markup,
-    nor control codes a terminal would obey (an error text holding ESC [2J clears the screen)."""
-    return Text("" if value is None else printable(str(value)))
+def plain(value, style: str = "") -> Text:
+    """A table cell or line shown as written: names, paths and errors from data are never rich
+    markup, nor control codes a terminal would obey (an error text holding ESC [2J clears the
+    screen). Anything that prints text read from a database or a file goes through this."""
+    return Text("" if value is None else printable(str(value)), style=style)
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:

@@ -228,7 +228,7 @@ def status_cmd(
 def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
     """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
     queue.cancel(db_engine.connect(db, must_exist=True), name)
-    console.print(f"cancelled {name}", markup=False)
+    console.print(plain(f"cancelled {name}"))
 
 
 @queue_app.command("retry")
@@ -265,15 +265,15 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
 
         restart = queue.retry_from_start(engine, name, check)
         gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
-        console.print(f"queued {name} again from step 0; deleted its rows past step 0: {gone or 'none'}",
-                      highlight=False, markup=False)
+        console.print(plain(f"queued {name} again from step 0; deleted its rows past step 0: {gone or 'none'}"),
+                      highlight=False)
     elif all_failed:
         names = queue.retry_failed(engine)
-        console.print(f"queued {len(names)} failed run(s) again" + (f": {', '.join(names)}" if names else ""),
-                      highlight=False, markup=False)
+        console.print(plain(f"queued {len(names)} failed run(s) again" + (f": {', '.join(names)}" if names else "")),
+                      highlight=False)
     else:
         queue.retry(engine, name)
-        console.print(f"queued {name} again", highlight=False, markup=False)
+        console.print(plain(f"queued {name} again"), highlight=False)
 
 
 @queue_app.command("rm")
@@ -327,7 +327,7 @@ def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
         message += f"; deleted {folder[0]}"
     elif folder:
         message += f"; no checkpoint folder at {folder[0]}"
-    console.print(message, highlight=False, markup=False)
+    console.print(plain(message), highlight=False)
 
 
 def _checkpoint_folder(name: str, runs_dir: Path) -> Path:

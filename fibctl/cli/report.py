@@ -136,7 +136,7 @@ def report_all(
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     for name, why in skipped:
         why = why.removeprefix(f"{name}: ")  # a table's own errors start with its name
-        err_console.print(f"[yellow]skipped {escape(name)}:[/] {escape(why)}", highlight=False)
+        err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False)
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
     console.print(f"wrote {len(written)} files to {out}/", highlight=False, markup=False)
@@ -287,8 +287,8 @@ def import_study(
     if s.skipped:  # names as fib.db has them: free text, whose control codes are shown, not obeyed
         console.print(plain(f"not part of the study's matrix, skipped: {', '.join(s.skipped)}"))
     if s.unmeasured:  # Table 1 reads fib.db's final perplexities: these runs have no row there
-        console.print(f"no perplexity in {fib_db.name} (every metrics row empty): {', '.join(s.unmeasured)}",
-                      highlight=False, markup=False)
+        console.print(plain(f"no perplexity in {fib_db.name} (every metrics row empty): {', '.join(s.unmeasured)}"),
+                      highlight=False)
     if s.unfinished:  # its evaluations in the JSON dumps, if any, are still imported
-        console.print(f"no 'done' attempt in {fib_db.name}, its metrics skipped: {', '.join(s.unfinished)}",
-                      highlight=False, markup=False)
+        console.print(plain(f"no 'done' attempt in {fib_db.name}, its metrics skipped: {', '.join(s.unfinished)}"),
+                      highlight=False)

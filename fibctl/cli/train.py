@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.markup import escape
 from rich.cells import cell_len
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
+from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
 from fibctl.train.loggers import LOGGERS, check_loggers
@@ -80,19 +80,20 @@ class RunDisplay:
         widest = progress_line(name, Step(steps, steps, 10.0, 999e3, 0.0, 1e-4, 0.999)) + " ETA 99h59m"
         room = min(40, console.width - cell_len(widest) - 1)
         bar = [BarColumn(bar_width=room)] if room >= 5 else []
-        self.progress = Progress(TextColumn("[bold]{task.description}"), *bar, TextColumn("{task.fields[line]}"),
-                                 console=console)
+        # the run's name, as the database has it, is text: never markup
+        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False), *bar,
+                                 TextColumn("{task.fields[line]}", markup=False), console=console)
         self.progress.start()
-        task = self.progress.add_task(name, total=steps, line="")
+        task = self.progress.add_task(as_written(name), total=steps, line="")
 
         def draw(p: trainer.Progress) -> None:
             self.last = p
             self.progress.update(task, completed=p.step, line=progress_line(name, p)[len(name) + 1:])
-            evals(p, lambda text: self.progress.console.print(text, highlight=False, markup=False))
+            evals(p, lambda text: self.progress.console.print(as_written(text), highlight=False))
         return draw
 
     def warn(self, message: str) -> None:  # on stderr, as warnings are: stdout is the run's log
-        err_console.print(f"[yellow]warning: {escape(message)}[/]", highlight=False, soft_wrap=True)
+        err_console.print(as_written(f"warning: {message}", "yellow"), highlight=False, soft_wrap=True)
 
     def finish(self, outcome: Outcome) -> None:
         if self.progress:
@@ -106,8 +107,8 @@ class RunDisplay:
                 f"{dataset} {_ppl(loss)}" for dataset, loss in last.evals.items()) if last.evals else "")
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
         # folded at a terminal's width; one line in a file, for grep
-        console.print(f"[{style}]{escape(outcome.name)}: {outcome.status} at step {outcome.step}{escape(detail)}[/]"
-                      f"{escape(where)}", highlight=False, soft_wrap=not console.is_terminal)
+        line = as_written(f"{outcome.name}: {outcome.status} at step {outcome.step}{detail}", style)
+        console.print(line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
 
 
 def progress_line(name: str, p: trainer.Progress) -> str:
@@ -135,7 +136,7 @@ def _ppl(loss: float) -> str:
 
 
 def _log(text: str) -> None:
-    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    console.print(as_written(text), highlight=False, soft_wrap=True)
 
 
 @app.command("train")
@@ -253,9 +254,9 @@ def worker_cmd(
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain), stop)
-    console.print(f"worker: {len(outcomes)} run(s): "
-                  + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"),
-                  highlight=False, markup=False, soft_wrap=True)
+    console.print(as_written(f"worker: {len(outcomes)} run(s): "
+                        + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued")),
+                  highlight=False, soft_wrap=True)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
@@ -335,16 +336,16 @@ def eval_cmd(
 
     setup_process(device, threads)
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, disable=not console.is_terminal) as progress:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
             task = progress.add_task("evaluating", total=None)
 
             def advance(row: dict, total: int) -> None:
                 progress.update(task, advance=1, total=total,
-                                description=f"{row['run']} @ {row['eval_length']} {row['dataset']}")
+                                description=as_written(f"{row['run']} @ {row['eval_length']} {row['dataset']}"))
                 if not console.is_terminal:
-                    console.print(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f}",
-                                  highlight=False, markup=False, soft_wrap=True)
+                    console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: "
+                                        f"ppl {row['ppl']:.3f}"), highlight=False, soft_wrap=True)
 
             df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs,
                           datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
@@ -355,11 +356,12 @@ def eval_cmd(
         raise typer.Exit(130) from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
-        table.add_row(r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
+        table.add_row(as_written(r.run), str(r.step), as_written(r.dataset), str(r.eval_length), f"{r.tokens:,}",
+                      f"{r.loss:.4f}",
                       f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf")
     console.print(table)
     if speed:  # one measurement per run and length, whatever the held-out sets
         speeds = Table("run", "step", "length", "tokens/s", title="inference speed, one sequence")
         for r in df.drop_duplicates(["run", "eval_length"]).itertuples():
-            speeds.add_row(r.run, str(r.step), str(r.eval_length), f"{r.tokens_per_s:,.0f}")
+            speeds.add_row(as_written(r.run), str(r.step), str(r.eval_length), f"{r.tokens_per_s:,.0f}")
         console.print(speeds)

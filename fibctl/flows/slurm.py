@@ -43,6 +43,7 @@ from fibctl.db.engine import connect, connect_readonly, resolve_url, shown
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError
+from fibctl.reports.render import printable
 
 try:
     from submitit.helpers import Checkpointable
@@ -330,20 +331,24 @@ class JobDisplay:
 
     def start(self, name: str, steps: int):
         note_job(self.engine, name, self.job_id, self.task, self.host, self.restart)
-        print(f"task {self.task}: {name}: training, {steps} steps", flush=True)
+        self._say(f"{name}: training, {steps} steps")
 
         def line(p) -> None:
             if p.step % self.every == 0 or p.step == p.steps:
-                print(f"task {self.task}: {name} step {p.step}/{p.steps} loss {p.loss:.4f} "
-                      f"{p.tokens_per_s:,.0f} tok/s", flush=True)
+                self._say(f"{name} step {p.step}/{p.steps} loss {p.loss:.4f} {p.tokens_per_s:,.0f} tok/s")
         return line
 
     def warn(self, message: str) -> None:
-        print(f"task {self.task}: warning: {message}", flush=True)
+        self._say(f"warning: {message}")
 
     def finish(self, outcome) -> None:
         detail = f": {outcome.error}" if outcome.error else ""
-        print(f"task {self.task}: {outcome.name}: {outcome.status} at step {outcome.step}{detail}", flush=True)
+        self._say(f"{outcome.name}: {outcome.status} at step {outcome.step}{detail}")
+
+    def _say(self, text: str) -> None:
+        # names and errors come from the database: a log read in a terminal shows their
+        # control codes, never obeys them
+        print(f"task {self.task}: {printable(text)}", flush=True)
 
 
 def note_job(engine: Engine, run_name: str, job_id: str, task: int, host: str, restart: int = 0) -> None:

@@ -193,14 +193,34 @@ def retry_failed(engine: Engine) -> list[str]:
 
 
 def claim_next(engine: Engine, worker: str, host: str | None = None, device: str | None = None,
-               heartbeat_timeout_s: float = 600, max_attempts: int = 3) -> ClaimedRun | None:
+               heartbeat_timeout_s: float = 600, max_attempts: int = 3,
+               on_failed: Callable[[str, str], object] = lambda name, error: None) -> ClaimedRun | None:
     """Claim the oldest queued (or abandoned) run for `worker`; None when nothing is left.
 
     Abandoned runs (running, heartbeat older than the timeout) that have used
     `max_attempts` claims are failed first, each with an `abandoned` event; one under the
     limit is claimed again with a `reclaimed` event naming its previous worker; any other
-    claim writes a `claimed` event. On PostgreSQL all of it is one statement.
+    claim writes a `claimed` event. On PostgreSQL all of it is one statement. A claimed run
+    whose stored config is damaged (no worker can train it) is failed, `on_failed(name,
+    error)` told, and the next one claimed.
     """
+    while True:
+        run = _claim_one(engine, worker, host, device, heartbeat_timeout_s, max_attempts)
+        if run is None:
+            return None
+        try:
+            config = stored_config(run.name, run.config_json)
+        except FibctlError as e:
+            fail(engine, run.id, str(e), worker)
+            on_failed(run.name, str(e))
+            continue
+        return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts, config=config,
+                          checkpoint_path=run.checkpoint_path)
+
+
+def _claim_one(engine: Engine, worker: str, host: str | None, device: str | None, heartbeat_timeout_s: float,
+               max_attempts: int):
+    """claim_next's row, its config not yet read."""
     now = utcnow()
     params = dict(by_worker=worker, on_host=host, on_device=device, now=now, max_attempts=max_attempts,
                   stale=now - timedelta(seconds=heartbeat_timeout_s),
@@ -209,18 +229,8 @@ def claim_next(engine: Engine, worker: str, host: str | None = None, device: str
                   claimed_msg=f"claimed by {worker}")
     if engine.dialect.name == "postgresql":
         with engine.begin() as conn:
-            run = conn.execute(_CLAIM_PG, params).first()
-    else:
-        run = _claim_in_steps(engine, params)
-    if run is None:
-        return None
-    try:
-        config = stored_config(run.name, run.config_json)
-    except FibctlError as e:  # no worker can train it: failed with the reason, and the next one claimed
-        fail(engine, run.id, str(e), worker)
-        return claim_next(engine, worker, host, device, heartbeat_timeout_s, max_attempts)
-    return ClaimedRun(id=run.id, name=run.name, attempts=run.attempts, config=config,
-                      checkpoint_path=run.checkpoint_path)
+            return conn.execute(_CLAIM_PG, params).first()
+    return _claim_in_steps(engine, params)
 
 
 # Statements built once: building and cache-keying Core constructs on every claim cost

@@ -517,6 +517,28 @@ def test_a_run_whose_stored_config_is_damaged_is_one_line_and_no_worker_crashes_
     assert "run 'r000': its stored config is not a fibctl config" in err
 
 
+def test_a_worker_names_the_run_it_failed_for_a_damaged_stored_config(tmp_path, monkeypatch, capsys):
+    """Its closing summary said "nothing queued", exit 0: the run failed as it was claimed
+    never reached the worker's outcomes."""
+    from fibctl.cli import main
+    from train_helpers import write_data
+
+    engine = connect(str(tmp_path / "r.db"))
+    queue.add_runs(engine, _configs(1))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET config_json = 'not json'"))
+    monkeypatch.setattr(sys, "argv", ["fibctl", "worker", "--db", str(tmp_path / "r.db"), "--data",
+                                      str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1, out  # a run failed
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("r000: failed at step 0: run 'r000': its stored config is not a fibctl config"), out
+    assert lines[-1] == "worker: 1 run(s): r000 failed", out
+    assert [r["name"] for r in queue.list_runs(engine, "failed")] == ["r000"]
+
+
 def test_reports_pass_over_a_stored_config_nested_too_deeply(db):
     from fibctl.reports import html, tables
 

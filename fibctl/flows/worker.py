@@ -175,14 +175,27 @@ def work(engine: Engine, opts: WorkerOptions, display: Display,
     manifest = check_environment(opts, device)
     name = worker_name(device)
     outcomes: list[Outcome] = []
+    trained = 0  # what --max-runs counts: runs failed as they were claimed never trained
     with stop_on_signals(stop):
-        while not stop.is_set() and (opts.max_runs is None or len(outcomes) < opts.max_runs):
+        while not stop.is_set() and (opts.max_runs is None or trained < opts.max_runs):
             claimed = queue.claim_next(engine, name, socket.gethostname(), describe(device),
-                                       opts.heartbeat_timeout_s, opts.max_attempts)
+                                       opts.heartbeat_timeout_s, opts.max_attempts,
+                                       on_failed=_failed_at_claim(display, outcomes))
             if claimed is None:
                 break
             outcomes.append(train_claimed(engine, claimed, opts, manifest, device, name, display, stop))
+            trained += 1
     return outcomes
+
+
+def _failed_at_claim(display: Display, outcomes: list[Outcome]) -> Callable[[str, str], None]:
+    """claim_next's `on_failed`: a run failed as it was claimed (its stored config damaged) is
+    one of the worker's outcomes, shown and summed up like a run that failed in training."""
+    def failed(name: str, error: str) -> None:
+        outcome = Outcome(name, "failed", 0, error)
+        display.finish(outcome)
+        outcomes.append(outcome)
+    return failed
 
 
 def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Display,
@@ -222,9 +235,12 @@ def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display
     time, as `work` does, and the whole group trains each, until none is queued, `max_runs`
     were trained or a rank is asked to stop. A claimed run whose grad_accum the group cannot
     share, or whose data does not fit, goes back to the queue and stops the group (WorkerError)."""
+    failed: list[Outcome] = []
+
     def claim(engine: Engine, worker: str, describe_as: str, manifest: DataManifest, world: int):
         claimed = queue.claim_next(engine, worker, socket.gethostname(), describe_as,
-                                   opts.heartbeat_timeout_s, opts.max_attempts)
+                                   opts.heartbeat_timeout_s, opts.max_attempts,
+                                   on_failed=_failed_at_claim(display, failed))
         if claimed is not None:
             try:
                 check_group_run(claimed.config, manifest, world)
@@ -233,7 +249,8 @@ def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display
                 raise WorkerError(f"{e}; it is queued again") from None
         return claimed
 
-    return _distributed(connect, claim, opts, display, stop)
+    trained = _distributed(connect, claim, opts, display, stop)
+    return failed + trained  # rank 0's: the other ranks claim nothing
 
 
 def check_group_run(config: RunConfig, manifest: DataManifest | None, world: int) -> None:

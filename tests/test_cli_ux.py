@@ -429,3 +429,26 @@ def test_a_slurm_task_log_shows_names_and_errors_as_written(capsys):
     out = capsys.readouterr().out
     assert out.count("b\\x1b[2J") == 3 and out.startswith("task 0: warning: run b\\x1b[2J"), out
     _shown_not_obeyed(out)
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_a_run_s_progress_shows_its_name_and_sets_as_written(bar, monkeypatch):
+    """The progress bar's description was markup ([bold]{name}): a run named [red]a[/red]
+    showed as a red 'a'; the plain log lines let ESC through."""
+    import io
+
+    from rich.console import Console
+
+    import fibctl.cli.train as cli_train
+    from fibctl.flows.worker import Outcome
+    from fibctl.train.trainer import Progress
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli_train, "console", Console(file=out, force_terminal=bar, width=200))
+    display = cli_train.RunDisplay(plain=not bar)
+    for name in (MARKUP, ESC):
+        step = display.start(name, 10)
+        step(Progress(10, 10, 2.0, 1e3, 1.0, 1e-4, 0.1, None, {ESC: 2.0}))
+        display.finish(Outcome(name, "done", 10))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # rich's own colours, when a terminal
+    assert MARKUP in text and "eval b\\x1b[2J loss" in text and "\x1b[2J" not in text, repr(text)

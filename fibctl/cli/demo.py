@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fibctl.cli import app
-from fibctl.cli.common import console, err_console
+from fibctl.cli.common import console, err_console, plain
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import RunDisplay
 from fibctl.errors import FibctlError
@@ -44,13 +44,13 @@ class RichView:
 
     @contextmanager
     def eval_progress(self):
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, disable=self.plain) as progress:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, disable=self.plain) as progress:
             task = progress.add_task("evaluating", total=None)
 
             def advance(row: dict, total: int) -> None:
                 progress.update(task, advance=1, total=total,
-                                description=f"{row['run']} @ {row['eval_length']}: ppl {row['ppl']:.2f}")
+                                description=plain(f"{row['run']} @ {row['eval_length']}: ppl {row['ppl']:.2f}"))
             yield advance
 
 

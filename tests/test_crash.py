@@ -17,7 +17,7 @@ from fibctl.data.streams import load_manifest
 from fibctl.flows.worker import WorkerOptions, work
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
-from train_helpers import NullReporter, Quiet, micro_run, queued_db, write_data
+from train_helpers import HELDOUT, NullReporter, Quiet, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
 # checkpoints every 10 steps, keeping 2; light evaluations every 10, a full one at each checkpoint
@@ -257,10 +257,10 @@ def _consistent(db):
 
 
 # the run's writes, in order: 1 its row at the start, 3 the first step's metrics, 7 and 9 the
-# first evaluation (two held-out sets), 11 the checkpoint event, 12 its path on the row, 28
-# and 31 the final position losses, 35 the final row, 36 the final step; saves 1 and 3 are
-# the checkpoints of steps 10 and 30
-KILLS = [("write", n) for n in (1, 3, 7, 9, 11, 12, 28, 31, 35, 36)] + [("save", 1), ("save", 3)]
+# first evaluation (two held-out sets), 11 the checkpoint event, 12 its path on the row, 27
+# and 29 the final evaluation with its position losses, 33 the final row, 34 the final step;
+# saves 1 and 3 are the checkpoints of steps 10 and 30
+KILLS = [("write", n) for n in (1, 3, 7, 9, 11, 12, 27, 29, 33, 34)] + [("save", 1), ("save", 3)]
 
 
 @pytest.mark.parametrize("where,n", KILLS, ids=[f"{w}{n}" for w, n in KILLS])
@@ -284,11 +284,11 @@ def test_a_worker_killed_at_any_write_or_save_finishes_as_an_uninterrupted_run(w
     assert (status, error, path, final) == ("done", None, "run/step_00000030.pt", 30)
 
 
-@pytest.mark.parametrize("n", [1, 2, 5, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_an_evaluation_killed_mid_write_leaves_whole_rows_and_its_rerun_the_same_rows(n, data, tmp_path,
                                                                                        monkeypatch, reference):
-    """`fibctl eval` at two lengths with positions writes 8 row sets (2 lengths x 2 sets x
-    perplexity and positions), each in its own transaction: killed at the nth, the ones before
+    """`fibctl eval` at two lengths with positions writes 4 evaluations (2 lengths x 2 sets),
+    each, perplexity and positions, in one transaction: killed at the nth, the ones before
     stay, the one in progress is not half there, and running it again gives the rows of a
     run that was not interrupted."""
     from fibctl.flows.evaluation import evaluate
@@ -307,6 +307,52 @@ def test_an_evaluation_killed_mid_write_leaves_whole_rows_and_its_rerun_the_same
     assert len(rows(tmp_path / "killed" / "r.db")["evaluations"]) >= len(reference[1]["evaluations"])
     evaluate(killed, ["run"], [64, 128], **{**args, "runs_dir": tmp_path / "killed" / "runs"})
     assert rows(tmp_path / "killed" / "r.db") == rows(tmp_path / "whole" / "r.db")
+
+
+def _evaluations(db) -> dict:
+    """Each evaluation's rows by key (dataset, length): its perplexity row and its positions."""
+    c = sqlite3.connect(db)
+    out = {}
+    for dataset, length, tokens, loss in c.execute("select dataset, eval_length, tokens, loss from evaluations "
+                                                   "where eval_length = 128"):
+        out[dataset, length] = (tokens, loss, c.execute(
+            "select position, mean_loss, windows from position_losses where dataset = ? and eval_length = ? "
+            "order by position", (dataset, length)).fetchall())
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_evaluation_killed_between_its_perplexity_and_positions_leaves_either_set_whole(
+        n, data, tmp_path, monkeypatch, reference):
+    """Measured again over more tokens, an evaluation replaces its perplexity and its position
+    losses. They were two transactions: a kill between them left the new perplexity beside
+    the positions of the old measurement. Now each key holds the old set or the new one."""
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.db.engine import connect
+    for name in ("killed", "whole"):
+        shutil.copytree(reference[2], tmp_path / name)
+    args = dict(data_dir=data, positions=True)
+    before = None
+    for name in ("killed", "whole"):  # a quick look first: 8 windows of 128 per held-out set
+        engine = connect(str(tmp_path / name / "r.db"))
+        evaluate(engine, ["run"], [128], tokens=1024, runs_dir=tmp_path / name / "runs", **args)
+        before = _evaluations(tmp_path / name / "r.db")
+    whole = connect(str(tmp_path / "whole" / "r.db"))
+    evaluate(whole, ["run"], [128], runs_dir=tmp_path / "whole" / "runs", **args)
+    after = _evaluations(tmp_path / "whole" / "r.db")
+    assert before.keys() == after.keys() and len(after) == 2
+    assert all(before[k][0] < after[k][0] for k in after)  # a larger budget: every row differs
+    killed = connect(str(tmp_path / "killed" / "r.db"))
+    with monkeypatch.context() as m:
+        _killed_at(m, "write", n)
+        with pytest.raises(Killed):
+            evaluate(killed, ["run"], [128], runs_dir=tmp_path / "killed" / "runs", **args)
+    left = _evaluations(tmp_path / "killed" / "r.db")
+    assert left.keys() == after.keys()
+    for key, rows_ in left.items():
+        assert rows_ in (before[key], after[key]), key
+    # the sets before the kill are the new ones, the one it stopped and those after it the old
+    assert [left[d, 128] == after[d, 128] for d in HELDOUT] == [i < n - 1 for i in range(2)]
 
 
 # ----------------------------------------------------------------------------- report files

@@ -207,12 +207,14 @@ def test_writing_a_metric_twice_replaces_it(recorder):
 
 
 def test_position_losses_bulk_and_replaced(recorder):
-    recorder.log_positions(30, "fineweb_edu_val", 1024, [float(i) for i in range(1023)], windows=16)
+    recorder.log_eval(30, "fineweb_edu_val", 1024, 16_384, 2.0, [float(i) for i in range(1023)], windows=16)
     assert _rows(recorder, "SELECT count(*), sum(mean_loss), min(windows) FROM position_losses") == [
         (1023, sum(range(1023)), 16)]
-    recorder.log_positions(30, "fineweb_edu_val", 1024, [1.0, 2.0], windows=2)
+    recorder.log_eval(30, "fineweb_edu_val", 1024, 2048, 3.0, [1.0, 2.0], windows=2)
     assert _rows(recorder, "SELECT position, mean_loss, windows FROM position_losses ORDER BY position") == [
         (0, 1.0, 2), (1, 2.0, 2)]
+    recorder.log_eval(30, "fineweb_edu_val", 1024, 4096, 4.0)  # without positions: they stay
+    assert _rows(recorder, "SELECT count(*) FROM position_losses") == [(2,)]
 
 
 def test_recorder_updates_run_and_logs_events(recorder):

@@ -116,47 +116,47 @@ class RunRecorder:
         self.run_id = run_id
         self.worker = worker
 
-    def _replace(self, table: Table, key: dict, rows: list[dict]) -> None:
-        """The rows under `key` become `rows` (a shorter set of positions drops the rest)."""
-        key = {"run_id": self.run_id, **key}
-
+    def _replace(self, *sets: tuple[Table, dict, list[dict]]) -> None:
+        """For each (table, key, rows), the rows under `key` become `rows` (a shorter set of
+        positions drops the rest); all of them in one transaction."""
         def write(conn: Connection) -> None:
-            conn.execute(delete(table).where(and_(*(table.c[k] == v for k, v in key.items()))))
-            upsert(conn, table, [{**key, **row} for row in rows])
+            for table, key, rows in sets:
+                key = {"run_id": self.run_id, **key}
+                conn.execute(delete(table).where(and_(*(table.c[k] == v for k, v in key.items()))))
+                upsert(conn, table, [{**key, **row} for row in rows])
         write_retrying(self.engine, write)
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float | None = None,
                  tokens_per_s: float | None = None, elapsed_s: float | None = None) -> None:
-        self._replace(TrainStep.__table__, {"step": step},
-                      [dict(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
-                            elapsed_s=elapsed_s)])
+        self._replace((TrainStep.__table__, {"step": step},
+                       [dict(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
+                             elapsed_s=elapsed_s)]))
 
-    def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float) -> None:
-        """Mean next-token loss over `tokens` predicted tokens; perplexity is exp(loss)."""
-        self._replace(Evaluation.__table__,
-                      {"step": step, "dataset": dataset, "eval_length": eval_length},
-                      [dict(tokens=tokens, loss=loss, ppl=math.exp(loss), created_at=utcnow())])
-
-    def log_positions(self, step: int, dataset: str, eval_length: int, losses: Sequence[float],
-                      windows: int) -> None:
-        """Mean loss at each position (index = position), averaged over `windows` windows."""
-        self._replace(PositionLoss.__table__,
-                      {"step": step, "dataset": dataset, "eval_length": eval_length},
-                      [dict(position=i, mean_loss=float(v), windows=windows)
-                       for i, v in enumerate(losses)])
+    def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float,
+                 positions: Sequence[float] | None = None, windows: int | None = None) -> None:
+        """Mean next-token loss over `tokens` predicted tokens; perplexity is exp(loss). With
+        `positions`, the mean loss at each position (index = position) over `windows` windows,
+        written in the same transaction: a kill between them cannot pair this perplexity with
+        an earlier evaluation's positions."""
+        key = {"step": step, "dataset": dataset, "eval_length": eval_length}
+        sets = [(Evaluation.__table__, key,
+                 [dict(tokens=tokens, loss=loss, ppl=math.exp(loss), created_at=utcnow())])]
+        if positions is not None:
+            sets.append((PositionLoss.__table__, key,
+                         [dict(position=i, mean_loss=float(v), windows=windows) for i, v in enumerate(positions)]))
+        self._replace(*sets)
 
     def log_alphas(self, step: int, alphas: Sequence[float]) -> None:
         """alpha_l of every layer l (index = layer) at `step`."""
-        self._replace(Alpha.__table__, {"step": step},
-                      [dict(layer=i, alpha=float(a)) for i, a in enumerate(alphas)])
+        self._replace((Alpha.__table__, {"step": step},
+                       [dict(layer=i, alpha=float(a)) for i, a in enumerate(alphas)]))
 
     def log_metric(self, name: str, metric: str, value: float | None = None,
                    text: str | dict | list | None = None) -> None:
         """An auxiliary metric; `text` may be a string or anything JSON can hold."""
         if text is not None and not isinstance(text, str):
             text = json.dumps(text)
-        self._replace(AuxMetric.__table__, {"name": name, "metric": metric},
-                      [dict(value=value, text=text)])
+        self._replace((AuxMetric.__table__, {"name": name, "metric": metric}, [dict(value=value, text=text)]))
 
     def heartbeat(self) -> bool:
         """Mark the run alive. False when it is no longer running (cancelled, or taken over

@@ -203,9 +203,9 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             if not math.isfinite(res.loss):  # weights that are not finite: there is no number to record
                 raise FibctlError(f"run {t.run.name!r} scores a loss of {res.loss} on {dataset} at length "
                                   f"{length}: its checkpoint {t.checkpoint} holds weights that are not finite")
-            recorder.log_eval(step, dataset, length, res.tokens, res.loss)
-            if positions:
-                recorder.log_positions(step, dataset, length, res.position_losses.tolist(), res.position_windows)
+            # the perplexity and its positions: one transaction, never a new one beside old positions
+            recorder.log_eval(step, dataset, length, res.tokens, res.loss,
+                              *((res.position_losses.tolist(), res.position_windows) if positions else ()))
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
                    "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan}
             rows.append(row)

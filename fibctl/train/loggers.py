@@ -110,8 +110,10 @@ class Tee:
         self._copy(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                           "train/tokens_per_s": tokens_per_s})
 
-    def log_eval(self, step, dataset, eval_length, tokens, loss) -> None:
-        self.reporter.log_eval(step, dataset, eval_length, tokens, loss)
+    def log_eval(self, step, dataset, eval_length, tokens, loss, positions=None, windows=None) -> None:
+        # positions: the database only, in the perplexity's transaction
+        self.reporter.log_eval(step, dataset, eval_length, tokens, loss,
+                               *((positions, windows) if positions is not None else ()))
         kind = "eval_full" if self.light_tokens is not None and tokens > self.light_tokens else "eval"
         self._copy(step, {f"{kind}/{dataset}@{eval_length}/loss": loss,
                           f"{kind}/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
@@ -131,7 +133,7 @@ class Tee:
         for sink in self.sinks:
             sink.close()
 
-    def __getattr__(self, name):  # positions, events, heartbeats, run updates: the database only
+    def __getattr__(self, name):  # metrics, heartbeats, run updates: the database only
         return getattr(self.reporter, name)
 
 

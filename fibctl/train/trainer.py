@@ -56,10 +56,9 @@ class Reporter(Protocol):
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
                  elapsed_s: float) -> None: ...
 
-    def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float) -> None: ...
-
-    def log_positions(self, step: int, dataset: str, eval_length: int, losses: list[float],
-                      windows: int) -> None: ...
+    # `positions`: the mean loss at each position over `windows` windows, written with it
+    def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float,
+                 positions: list[float] | None = None, windows: int | None = None) -> None: ...
 
     def log_alphas(self, step: int, alphas: list[float]) -> None: ...
 
@@ -308,10 +307,9 @@ class Trainer:
                               position_tokens=self.tc.position_tokens if positions else None)
             if not math.isfinite(res.loss):
                 return f"a held-out loss of {res.loss} on {name}"
-            self.reporter.log_eval(self.step, name, T, res.tokens, res.loss)
+            self.reporter.log_eval(self.step, name, T, res.tokens, res.loss,
+                                   *((res.position_losses.tolist(), res.position_windows) if positions else ()))
             self.evals[name] = res.loss
-            if positions:
-                self.reporter.log_positions(self.step, name, T, res.position_losses.tolist(), res.position_windows)
             self._heartbeat()
         if self.config.model.schedule == "learned":
             self.reporter.log_alphas(self.step, self.model.alphas())

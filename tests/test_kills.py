@@ -360,3 +360,22 @@ def test_a_killed_upgrade_leaves_the_database_as_it_was_and_the_rerun_upgrades_i
         _insert_rev1_run(whole, "r1", config)
         upgrade(whole)
         assert dump(db_url) == dump(whole)
+
+
+def test_a_reuse_leaves_what_lies_beside_the_folder_while_a_prepare_holds_its_lock(tmp_path, monkeypatch):
+    """A reuse removes a killed prepare's leftovers only when no prepare is building the folder
+    now: with the lock held, the folder beside it may be that prepare's work."""
+    import fcntl
+
+    from fibctl.data.prepare import lock_path
+
+    out = tmp_path / "d"
+    prepare(load_recipe(_recipe(tmp_path, 3000)), out)
+    work = tmp_path / ".d.partial-999999"
+    (work / "scratch").mkdir(parents=True)
+    with open(lock_path(out), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert prepare(load_recipe(_recipe(tmp_path, 3000)), out).reused
+        assert work.is_dir()
+    assert prepare(load_recipe(_recipe(tmp_path, 3000)), out).reused
+    assert beside(out) == ["d"]

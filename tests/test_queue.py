@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -549,3 +550,57 @@ def test_reports_pass_over_a_stored_config_nested_too_deeply(db):
         conn.execute(text("UPDATE runs SET config_json = :c"), {"c": deep})
     assert tables.deviation_notes(engine, ["r000"]) == []  # no note to make, and no RecursionError
     assert html._pretty_json(deep) == deep  # shown as stored
+
+
+def test_queue_show_gives_one_run_at_a_glance(db):
+    """Status, config, last logged step, the perplexities of the last evaluation (the final
+    step's, not an earlier one's) and the newest events, within 80 columns."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(2))
+    claimed = queue.claim_next(engine, "w1", host="h", device="cpu")
+    rec = RunRecorder(engine, claimed.id, "w1")
+    rec.log_step(10, 4.5, 1e-3, 0.7, 1234.0, 1.0)
+    rec.log_step(20, 4.25, 5e-4, 0.5, 2345.0, 2.0)
+    rec.log_eval(10, "val", 64, 640, 4.6)
+    rec.log_eval(20, "val", 64, 640, 4.3)
+    rec.log_eval(20, "val", 128, 1280, 4.4)
+    queue.fail(engine, claimed.id, "step 20 gave a loss of [red]nan[/red]", "w1")
+    engine.dispose()
+    runner = CliRunner()
+    shown = runner.invoke(app, ["queue", "show", "r000", "--db", db], env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    out = shown.output
+    assert out.startswith("r000: failed (matrix test, id 1, preset micro)")
+    assert "model: fixed, base fib, W " in out and "attempt(s)" in out
+    assert "error: step 20 gave a loss of [red]nan[/red]" in out  # as written, never markup
+    assert "last logged step 20: loss 4.2500, lr 5.00e-04, grad norm 0.500, 2,345 tok/s" in out
+    assert "perplexity at step 20" in out
+    assert re.search(r"│ val +│ +73\.70 │ +81\.45 │", out)  # exp(4.3), exp(4.4): step 20's, not step 10's
+    assert "claimed" in out and "failed" in out and all(len(line) <= 80 for line in out.splitlines())
+    fewer = runner.invoke(app, ["queue", "show", "r000", "--db", db, "--events", "1"], env={"COLUMNS": "80"})
+    assert "events: the newest 1 of" in fewer.output
+    queued = runner.invoke(app, ["queue", "show", "r001", "--db", db], env={"COLUMNS": "80"}).output
+    assert queued.startswith("r001: queued") and "perplexity" not in queued and "last logged" not in queued
+
+
+def test_queue_show_refuses_an_unknown_run_and_reads_a_damaged_config(tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    path = tmp_path / "r.db"
+    engine = connect(str(path))
+    queue.add_runs(engine, _configs(1))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET config_json = '[1, 2'"))
+    engine.dispose()
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    code, err = _main_exit(monkeypatch, capsys, "queue", "show", "nope", "--db", str(path))
+    assert code == 2 and err.strip() == "error: no run named 'nope' (see fibctl queue ls)"
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "show", "r000", "--db", str(path)])
+    from fibctl.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None) and "its stored config is not a fibctl config" in out
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()} == before  # read-only

@@ -66,7 +66,10 @@ def prepare_cmd(
                           highlight=False)
         raise typer.Exit(130) from None
     _warn_short(result.manifest)
-    if result.reused:
+    if result.finished:  # killed while putting its build in place: that build, checked, is in place now
+        console.print(f"{out}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
+                      "its complete build is in place", markup=False)
+    elif result.reused:
         console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False)
     else:
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())

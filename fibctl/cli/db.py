@@ -24,7 +24,7 @@ from fibctl.names import check_name, refuse_foreign
 db_app = typer.Typer(help="The results database: its schema revision, upgrades and copies.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
                          no_args_is_help=True)
-queue_app = typer.Typer(help="The run queue: add a matrix, list, cancel, retry and remove runs.",
+queue_app = typer.Typer(help="The run queue: add a matrix; list runs or show one; cancel, retry and remove runs.",
                         no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(matrix_app, name="matrix")
@@ -343,3 +343,70 @@ def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
     if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
         refuse_foreign(folder, OWN, "fibctl", "nothing was removed")
     return folder
+
+
+@queue_app.command("show")
+def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
+               events: Annotated[int, typer.Option("--events", min=0, max=10_000,
+                                                   help="How many of its newest events to list.")] = 10) -> None:
+    """One run at a glance: its status, config, where and how long it trained, its last logged
+    step, the perplexities of its last evaluation and its newest events."""
+    from fibctl.reports.overview import overview
+
+    engine = db_engine.connect_readonly(db)
+    o = overview(engine, name, events=events)
+    r, c = o.run, o.config
+    say = lambda text: console.print(plain(text))  # noqa: E731  (names and errors from data, never markup)
+    say(f"{r['name']}: {r['status']} (matrix {r['matrix']}, id {r['id']}, preset {r['preset']})")
+    if c is None:
+        say(o.config_error)
+    else:
+        m, t = c.model, c.train
+        sparse = "dense" if m.schedule == "dense" else f"{m.schedule}, base {m.base}, W {m.window}"
+        say(f"model: {sparse}; {m.n_layers} layers, d {m.d_model}, heads {m.n_heads}/{m.n_kv_heads}, "
+            f"vocab {m.vocab_size:,}, T {m.seq_len:,}")
+        say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {m.seq_len:,} tokens, lr {t.lr:g}, "
+            f"seed {r['seed']}")
+    done = [f"step {r['final_step']:,}" if r["final_step"] is not None else None,
+            f"{r['tokens_trained']:,} tokens" if r["tokens_trained"] else None,
+            duration(r["wall_seconds"]) if r["wall_seconds"] else None,
+            f"{r['attempts']} attempt(s)"]
+    say("trained: " + ", ".join(d for d in done if d))
+    where = [r["worker"], r["device"], r["torch_version"] and f"torch {r['torch_version']}",
+             r["fibctl_version"] and f"fibctl {r['fibctl_version']}", r["git_commit"] and f"git {_short_commit(r['git_commit'])}"]
+    if any(where):
+        say("on: " + ", ".join(w for w in where if w))
+    if r["status"] == "running" and r["heartbeat_at"]:
+        say(f"heartbeat: {duration((utcnow() - r['heartbeat_at']).total_seconds())} ago")
+    if r["checkpoint_path"]:
+        say(f"checkpoint: {r['checkpoint_path']}" + (f" (in {r['runs_dir']})" if r["runs_dir"] else ""))
+    if r["error"]:
+        say(f"error: {r['error']}")
+    if o.last_step:
+        s = o.last_step
+        parts = [f"loss {s['loss']:.4f}", f"lr {s['lr']:.2e}"]
+        parts += [f"grad norm {s['grad_norm']:.3f}"] if s["grad_norm"] is not None else []
+        parts += [f"{s['tokens_per_s']:,.0f} tok/s"] if s["tokens_per_s"] else []
+        say(f"last logged step {s['step']:,}: " + ", ".join(parts))
+    if o.perplexity:
+        lengths = sorted({n for by_length in o.perplexity.values() for n in by_length})
+        rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
+                for dataset, by_length in o.perplexity.items()]
+        headers = ["dataset", *(f"{n:,}" for n in lengths)]
+        table, _ = fitted_table(headers, rows, width=console.width, names=("dataset",), right=headers[1:],
+                                title=f"perplexity at step {o.eval_step:,}, by length")
+        table.title_justify = "left"
+        console.print(table)
+    if o.events:
+        rows = [[f"{e['time']:%Y-%m-%d %H:%M:%S}", e["kind"], e["message"] or ""] for e in o.events]
+        table, _ = fitted_table(["time (UTC)", "event", "message"], rows, width=console.width, fold=("message",),
+                                title=f"events: the newest {len(o.events)} of {o.event_count}"
+                                if o.event_count > len(o.events) else "events")
+        table.title_justify = "left"
+        console.print(table)
+
+
+def _short_commit(commit: str) -> str:
+    """A commit as git shows it short: 12 hex digits, and "+dirty" if the tree had changes."""
+    sha, plus, rest = commit.partition("+")
+    return sha[:12] + plus + rest

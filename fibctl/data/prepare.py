@@ -4,7 +4,10 @@ Everything is built in a hidden sibling folder and renamed into place only when 
 interrupted or failed run (an unreachable hub, say) leaves nothing a later run could mistake for
 finished data. Same recipe and inputs -> same bytes; an up-to-date folder is reused as is.
 A rebuild holds a lock beside the folder, so a second prepare into it refuses rather than
-deleting the first one's work.
+deleting the first one's work. Putting a build in place takes two renames (the old folder
+away, the new one in): a prepare killed between them (or just before them) leaves its build
+complete beside a missing folder, and the next prepare puts that build in place, once its
+manifest and hashes check, instead of building it again (hours, for the paper recipe).
 
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
@@ -21,6 +24,7 @@ import hashlib
 import itertools
 import os
 import re
+import secrets
 import shutil
 import time
 from collections import deque
@@ -50,8 +54,9 @@ FLUSH_TOKENS = 1 << 20
 @dataclass(frozen=True)
 class PrepareResult:
     manifest: DataManifest
-    reused: bool  # the folder was already up to date
+    reused: bool  # the folder was already up to date, or `finished`
     seconds: dict[str, float]  # per phase: tokenizer, streams (empty when reused)
+    finished: bool = False  # the complete build of a prepare killed while putting it in place was put there
 
 
 def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -> PrepareResult:
@@ -64,13 +69,18 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     inputs_hash = _inputs_hash(recipe)
     existing = _existing(out)
     if existing and existing.inputs_hash == inputs_hash and _complete(existing):
+        _tidy(out)
         return PrepareResult(existing, True, {})
     out.parent.mkdir(parents=True, exist_ok=True)
     with _building(out):
         if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
             refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: "
                            "move them, or choose another --data")
-        _remove_leftovers(out)
+        built = _finished_build(out, inputs_hash)
+        _remove_leftovers(out, keep=built)
+        if built is not None:
+            _swap_into_place(built, out)
+            return PrepareResult(load_manifest(out), True, {}, finished=True)
         work = out.parent / f".{out.name}.partial-{os.getpid()}"
         work.mkdir()
         try:
@@ -87,8 +97,9 @@ def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> 
     t0 = time.perf_counter()
     tokenizer = train_tokenizer(recipe, scratch, progress)
     tokenizer.save(str(work / TOKENIZER))
+    _sync(work / TOKENIZER)
     t1 = time.perf_counter()
-    tokens, per_source = _write_streams(recipe, tokenizer, work, scratch, progress)
+    tokens, per_source, hashes = _write_streams(recipe, tokenizer, work, scratch, progress)
     t2 = time.perf_counter()
     shutil.rmtree(scratch)
     DataManifest(
@@ -96,7 +107,8 @@ def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> 
         vocab_size=recipe.vocab_size, tokenizer_vocab=tokenizer.get_vocab_size(),
         tokenizer_hash=short_hash((work / TOKENIZER).read_bytes()),
         eos_id=tokenizer.token_to_id(EOS), heldout=recipe.heldout, tokens=tokens, sources=per_source,
-    ).write()
+        stream_hashes=hashes,
+    ).write()  # last, and synced: a folder with a manifest is a complete build
     return {"tokenizer": t1 - t0, "streams": t2 - t1}
 
 
@@ -211,10 +223,11 @@ def _inputs(recipe: Recipe, source: Source) -> set:
 # ---- token streams ---------------------------------------------------------------------------
 
 class _Writer:
-    """Appends token ids to a uint16 file, buffered."""
+    """Appends token ids to a uint16 file, buffered, hashing what it writes."""
 
     def __init__(self, path: Path):
         self.file, self.buffer, self.buffered, self.tokens, self.documents = open(path, "wb"), [], 0, 0, 0
+        self.hash = hashlib.sha256()
 
     def write(self, ids: np.ndarray) -> None:
         self.buffer.append(ids)
@@ -226,11 +239,18 @@ class _Writer:
     def flush(self) -> None:
         for ids in self.buffer:
             ids.tofile(self.file)
+            self.hash.update(ids.tobytes())
         self.buffer, self.buffered = [], 0
 
     def close(self) -> None:
         self.flush()
+        self.file.flush()
+        os.fsync(self.file.fileno())  # on disk before the manifest that vouches for it
         self.file.close()
+
+    @property
+    def digest(self) -> str:
+        return self.hash.hexdigest()[:16]  # short_hash of the file's bytes
 
 
 class _Feed:
@@ -263,7 +283,7 @@ class _Feed:
 
 
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
-                   progress: Progress) -> tuple[dict[str, int], dict[str, dict]]:
+                   progress: Progress) -> tuple[dict[str, int], dict[str, dict], dict[str, str]]:
     eos = tokenizer.token_to_id(EOS)
     # a document's own "<|endoftext|>" (web text, model outputs) is its text, encoded byte by byte:
     # only a document's end is the end-of-text id (set after the tokenizer is saved: its file is as it was)
@@ -320,7 +340,8 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
         for f in feeds
     }
     tokens = {"train": train.tokens, **{n: w.tokens for n, w in heldout.items()}}
-    return tokens, per_source
+    hashes = {"train": train.digest, **{n: w.digest for n, w in heldout.items()}}
+    return tokens, per_source, hashes
 
 
 def encode(tokenizer: Tokenizer, docs: list[str], eos: int) -> list[np.ndarray]:
@@ -463,17 +484,73 @@ def _building(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _remove_leftovers(out: Path) -> None:
-    """Folders an interrupted run (killed before it could clean up) left beside `out`; called
-    holding `out`'s lock, so none is a running prepare's."""
-    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
-        for path in out.parent.glob(pattern):
+def _leftovers(out: Path) -> list[Path]:
+    """Folders an interrupted run (killed before it could clean up) left beside `out`: its
+    build, whole or not, and the folder it had moved away to put its build in place."""
+    return sorted(path for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*")
+                  for path in out.parent.glob(pattern))
+
+
+def _remove_leftovers(out: Path, keep: Path | None = None) -> None:
+    """Called holding `out`'s lock, so none is a running prepare's."""
+    for path in _leftovers(out):
+        if path != keep:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _tidy(out: Path) -> None:
+    """Remove what a killed prepare left beside an up-to-date `out` (killed after putting its
+    build in place, before removing the old folder: a whole data folder's worth of disk),
+    unless a prepare is building `out` now, whose work they may be."""
+    if _leftovers(out):
+        with contextlib.suppress(FibctlError), _building(out):
+            _remove_leftovers(out)
+
+
+def _finished_build(out: Path, inputs_hash: str) -> Path | None:
+    """A complete build for `inputs_hash` that a killed prepare left beside `out`: its own (killed
+    between its two renames, or just before them) or the folder it had moved away (the same
+    recipe asked for again). Complete means its manifest loads, it holds exactly the files
+    the manifest names, and each has the size and hash recorded: a half build has no manifest
+    (that is written last), and a file that never reached the disk fails its hash."""
+    for path in _leftovers(out):
+        try:
+            manifest = load_manifest(path)
+        except FibctlError:  # no manifest yet: a half build
+            continue
+        files = {MANIFEST, TOKENIZER, *(manifest.split_path(s).name for s in manifest.splits)}
+        if manifest.inputs_hash == inputs_hash and {p.name for p in path.iterdir()} == files \
+                and _complete(manifest) and set(manifest.stream_hashes) == set(manifest.splits) \
+                and short_hash(manifest.tokenizer_path.read_bytes()) == manifest.tokenizer_hash \
+                and all(_file_hash(manifest.split_path(s)) == manifest.stream_hashes[s] for s in manifest.splits):
+            return path
+    return None
+
+
+def _file_hash(path: Path) -> str:
+    """short_hash of a file's bytes, read a piece at a time (a stream can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            digest.update(piece)
+    return digest.hexdigest()[:16]
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _swap_into_place(work: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    """Two renames: a kill between them leaves `out` missing and `work` complete beside it,
+    which the next prepare puts in place (_finished_build)."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"  # never a leftover's name
     if out.exists():
         out.rename(old)
     work.rename(out)
+    _sync(out.parent)  # the renames themselves on disk
     shutil.rmtree(old, ignore_errors=True)

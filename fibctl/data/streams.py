@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class DataManifest:
     heldout: list[str]  # held-out set names, recipe order
     tokens: dict[str, int]  # per split
     sources: dict[str, dict] = field(default_factory=dict)  # per source: train/heldout tokens, docs
+    # per split: short_hash of its .bin file, by which a build a killed prepare left is checked
+    # before it is put in place (absent from folders built before they were recorded)
+    stream_hashes: dict[str, str] = field(default_factory=dict)
     train_split: str = TRAIN_SPLIT
     _streams: dict = field(default_factory=dict, compare=False, repr=False)  # split -> checked memmap
 
@@ -81,11 +85,16 @@ class DataManifest:
             "tokenizer": TOKENIZER, "tokenizer_vocab": self.tokenizer_vocab,
             "tokenizer_hash": self.tokenizer_hash, "eos_id": self.eos_id, "dtype": "uint16",
             "train_split": self.train_split, "heldout": self.heldout, "tokens": self.tokens,
-            "sources": self.sources,
+            "sources": self.sources, "stream_hashes": self.stream_hashes,
         }
 
     def write(self) -> None:
-        (self.data_dir / MANIFEST).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Written and synced to disk: the build is renamed into place next, and after a power
+        loss a manifest must not stand beside streams that never reached the disk."""
+        with open(self.data_dir / MANIFEST, "w") as f:
+            f.write(json.dumps(self.to_dict(), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def load_manifest(data_dir: str | Path) -> DataManifest:
@@ -105,6 +114,7 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
             inputs_hash=d["inputs_hash"], vocab_size=d["vocab_size"], tokenizer_vocab=d["tokenizer_vocab"],
             tokenizer_hash=d["tokenizer_hash"], eos_id=d["eos_id"], heldout=list(d["heldout"]),
             tokens=dict(d["tokens"]), sources=dict(d["sources"]), train_split=d["train_split"],
+            stream_hashes=dict(d.get("stream_hashes", {})),
         )
         _check(manifest)
         return manifest
@@ -139,6 +149,9 @@ def _check(m: DataManifest) -> None:
         check_name("split", split)
         if not isinstance(m.tokens.get(split), int):
             raise KeyError(f"tokens[{split!r}]")
+    for split, digest in m.stream_hashes.items():
+        if split not in m.splits or not isinstance(digest, str):
+            raise ValueError(f"stream_hashes[{split!r}] is not the hash of one of its splits")
     for name, source in m.sources.items():
         if not isinstance(source, dict) or any(k not in source for k in SOURCE_KEYS):
             raise KeyError(f"sources[{name!r}] needs {', '.join(SOURCE_KEYS)}")

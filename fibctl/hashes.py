@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 
 def short_hash(data: bytes | str | dict | list) -> str:
@@ -14,3 +15,12 @@ def short_hash(data: bytes | str | dict | list) -> str:
     if isinstance(data, str):
         data = data.encode()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def file_hash(path: Path) -> str:
+    """short_hash of a file's bytes, read a piece at a time (a token stream can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            digest.update(piece)
+    return digest.hexdigest()[:16]

@@ -232,7 +232,7 @@ def test_a_leftover_build_is_put_in_place_only_when_whole_and_for_these_inputs(t
     # between the two renames: the old folder moved away, the new build not yet in place
     ("pathlib:Path.rename", 1, ".d.partial-", False, None),
     # after them, before the old folder is removed: the new build is in place
-    ("fibctl.data.prepare:_sync", 1, "PosixPath('.')", False, 4000),
+    ("fibctl.data.prepare:fsync", 1, "PosixPath('.')", False, 4000),
 ])
 def test_a_killed_prepare_leaves_the_old_data_or_the_new_and_the_rerun_finishes_it(
         tmp_path, builds, where, n, match, after, left):

@@ -40,7 +40,8 @@ from fibctl.data import installed_docs, sources
 from fibctl.data.recipe import Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError
-from fibctl.hashes import short_hash
+from fibctl.durable import fsync
+from fibctl.hashes import file_hash, short_hash
 from fibctl.names import refuse_foreign
 
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer encodes a batch in parallel)
@@ -97,7 +98,7 @@ def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> 
     t0 = time.perf_counter()
     tokenizer = train_tokenizer(recipe, scratch, progress)
     tokenizer.save(str(work / TOKENIZER))
-    _sync(work / TOKENIZER)
+    fsync(work / TOKENIZER)
     t1 = time.perf_counter()
     tokens, per_source, hashes = _write_streams(recipe, tokenizer, work, scratch, progress)
     t2 = time.perf_counter()
@@ -522,27 +523,9 @@ def _finished_build(out: Path, inputs_hash: str) -> Path | None:
         if manifest.inputs_hash == inputs_hash and {p.name for p in path.iterdir()} == files \
                 and _complete(manifest) and set(manifest.stream_hashes) == set(manifest.splits) \
                 and short_hash(manifest.tokenizer_path.read_bytes()) == manifest.tokenizer_hash \
-                and all(_file_hash(manifest.split_path(s)) == manifest.stream_hashes[s] for s in manifest.splits):
+                and all(file_hash(manifest.split_path(s)) == manifest.stream_hashes[s] for s in manifest.splits):
             return path
     return None
-
-
-def _file_hash(path: Path) -> str:
-    """short_hash of a file's bytes, read a piece at a time (a stream can be gigabytes)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            digest.update(piece)
-    return digest.hexdigest()[:16]
-
-
-def _sync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') writes to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _swap_into_place(work: Path, out: Path) -> None:
@@ -552,5 +535,5 @@ def _swap_into_place(work: Path, out: Path) -> None:
     if out.exists():
         out.rename(old)
     work.rename(out)
-    _sync(out.parent)  # the renames themselves on disk
+    fsync(out.parent)  # the renames themselves on disk
     shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fibctl.config import RunConfig
+from fibctl.durable import fsync
 from fibctl.errors import FibctlError, WorkerError, first_line
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
@@ -84,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old set or the new file, never half of it
-        _fsync_dir(run_dir)
+        fsync(run_dir)
     except KeyboardInterrupt:  # a second Ctrl-C mid-write: the half-written file goes, the stop goes on
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -107,14 +108,6 @@ def _free(folder: Path) -> str:
         return f" ({shutil.disk_usage(folder).free:,} bytes free there)"
     except OSError:
         return ""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DamagedCheckpoint(FibctlError):

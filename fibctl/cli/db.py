@@ -362,7 +362,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         say(o.config_error)
     else:
         m, t = c.model, c.train
-        sparse = "dense" if m.schedule == "dense" else f"{m.schedule}, base {m.base}, W {m.window}"
+        sparse = "dense" if m.schedule == "dense" else f"{m.schedule} {m.base} W {m.window}"
         say(f"model: {sparse}; {m.n_layers} layers, d {m.d_model}, heads {m.n_heads}/{m.n_kv_heads}, "
             f"vocab {m.vocab_size:,}, T {m.seq_len:,}")
         say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {m.seq_len:,} tokens, lr {t.lr:g}, "
@@ -393,16 +393,13 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
                 for dataset, by_length in o.perplexity.items()]
         headers = ["dataset", *(f"{n:,}" for n in lengths)]
-        table, _ = fitted_table(headers, rows, width=console.width, names=("dataset",), right=headers[1:],
-                                title=f"perplexity at step {o.eval_step:,}, by length")
-        table.title_justify = "left"
+        table, _ = fitted_table(headers, rows, width=console.width, names=("dataset",), right=headers[1:])
+        say(f"perplexity at step {o.eval_step:,}, by evaluation length:")  # a title would wrap at the table's width
         console.print(table)
     if o.events:
         rows = [[f"{e['time']:%Y-%m-%d %H:%M:%S}", e["kind"], e["message"] or ""] for e in o.events]
-        table, _ = fitted_table(["time (UTC)", "event", "message"], rows, width=console.width, fold=("message",),
-                                title=f"events: the newest {len(o.events)} of {o.event_count}"
-                                if o.event_count > len(o.events) else "events")
-        table.title_justify = "left"
+        table, _ = fitted_table(["time (UTC)", "event", "message"], rows, width=console.width, fold=("message",))
+        say(f"events, the newest {len(o.events)} of {o.event_count}:" if o.event_count > len(o.events) else "events:")
         console.print(table)
 
 

@@ -209,6 +209,20 @@ def test_retry_from_start_refuses_while_a_checkpoint_is_there_and_changes_nothin
     assert code == 2 and "--from-start takes one run by name" in err
 
 
+def test_retry_from_start_refuses_a_runs_dir_that_is_not_a_folder(data, tmp_path, capsys, monkeypatch):
+    """A mistyped --runs-dir found no checkpoint there and deleted the rows; a worker given the
+    real folder then resumed from its checkpoint with the steps before it gone."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    _stop_at(engine, data, tmp_path, 13)
+    db = tmp_path / "r.db"
+    sqlite3.connect(db).execute("update runs set status = 'failed'").connection.commit()
+    before = rows(db)
+    code, _, err = cli(["queue", "retry", "run", "--from-start", "--runs-dir", str(tmp_path / "rnus"),
+                        "--db", str(db)], capsys, monkeypatch)
+    assert code == 2 and f"--runs-dir {tmp_path / 'rnus'} is not a folder" in err, err
+    assert rows(db) == before and run_row(db)[0] == "failed"
+
+
 # ----------------------------------------------------------------------------- a kill at any write
 
 

@@ -255,10 +255,10 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
     engine = db_engine.connect(db, must_exist=True)
     if from_start:
         check_name("run", name)
+        # torch, only for this option: seconds to import, so not while holding the write lock
+        from fibctl.train import checkpoint as ckpt
 
         def check(recorded_dir: str | None, recorded: str | None) -> None:
-            from fibctl.train import checkpoint as ckpt  # torch: only for this option
-
             where = runs_dir or Path(recorded_dir or "runs")
             folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
             left = ckpt.latest_checkpoint(folder)

@@ -209,6 +209,20 @@ def test_retry_from_start_refuses_while_a_checkpoint_is_there_and_changes_nothin
     assert code == 2 and "--from-start takes one run by name" in err
 
 
+def test_retry_from_start_refuses_a_runs_dir_that_is_not_a_folder(data, tmp_path, capsys, monkeypatch):
+    """A mistyped --runs-dir found no checkpoint there and deleted the rows; a worker given the
+    real folder then resumed from its checkpoint with the steps before it gone."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    _stop_at(engine, data, tmp_path, 13)
+    db = tmp_path / "r.db"
+    sqlite3.connect(db).execute("update runs set status = 'failed'").connection.commit()
+    before = rows(db)
+    code, _, err = cli(["queue", "retry", "run", "--from-start", "--runs-dir", str(tmp_path / "rnus"),
+                        "--db", str(db)], capsys, monkeypatch)
+    assert code == 2 and f"--runs-dir {tmp_path / 'rnus'} is not a folder" in err, err
+    assert rows(db) == before and run_row(db)[0] == "failed"
+
+
 # ----------------------------------------------------------------------------- a kill at any write
 
 
@@ -408,3 +422,28 @@ def test_report_all_with_no_data_leaves_no_folder_and_no_list(tmp_path, capsys, 
     (tmp_path / "mine").mkdir()
     cli(["report", "all", "--db", str(tmp_path / "empty.db"), "--out", str(tmp_path / "mine")], capsys, monkeypatch)
     assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_retry_from_start_loads_torch_before_it_takes_the_write_lock(tmp_path):
+    """The checkpoint module (torch: seconds to import) was imported inside the transaction,
+    every worker's heartbeat and log write waiting on the write lock meanwhile."""
+    import subprocess
+
+    from fibctl import queue
+
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    queue.fail(engine, queue.claim_next(engine, "w").id, "it failed")
+    engine.dispose()
+    script = ("import sys\n"
+              "from fibctl import queue\n"
+              "real = queue.retry_from_start\n"
+              "def spy(*a, **k):\n"
+              "    print('torch loaded:', 'torch' in sys.modules)\n"
+              "    return real(*a, **k)\n"
+              "queue.retry_from_start = spy\n"
+              "from fibctl.cli import main\n"
+              f"sys.argv = ['fibctl', 'queue', 'retry', 'run', '--from-start', '--db', {str(tmp_path / 'r.db')!r}]\n"
+              "main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("torch loaded: True"), done.stdout

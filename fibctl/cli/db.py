@@ -248,13 +248,17 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
         raise FibctlError("name a run, or pass --all-failed (not both)")
     if from_start and all_failed:
         raise FibctlError("--from-start takes one run by name, not --all-failed")
+    if from_start and runs_dir is not None and not runs_dir.is_dir():
+        # a mistyped folder would find no checkpoint there: the rows would go, and a worker
+        # given the real folder would resume from its checkpoint without them
+        raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was changed")
     engine = db_engine.connect(db, must_exist=True)
     if from_start:
         check_name("run", name)
+        # torch, only for this option: seconds to import, so not while holding the write lock
+        from fibctl.train import checkpoint as ckpt
 
         def check(recorded_dir: str | None, recorded: str | None) -> None:
-            from fibctl.train import checkpoint as ckpt  # torch: only for this option
-
             where = runs_dir or Path(recorded_dir or "runs")
             folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
             left = ckpt.latest_checkpoint(folder)

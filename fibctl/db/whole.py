@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from fibctl.db.engine import _check_sqlite_file as check_sqlite_file, resolve_url, shown
+from fibctl.db.engine import check_sqlite_file, resolve_url, shown
 from fibctl.durable import fsync
 from fibctl.errors import FibctlError
 
@@ -82,15 +82,15 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
             if any(tmp.with_name(tmp.name + s).exists() for s in SIDE_FILES):
                 raise FibctlError(f"{path}: another process has the new database open; nothing was written")
             fsync(tmp)
+            raced = FibctlError(f"{shown(db)} was created by another process meanwhile; nothing was "
+                                "written to it: run this again to write into it")
             try:
                 os.link(tmp, path)  # unlike a rename, never replaces a database made meanwhile
             except FileExistsError:
-                raise FibctlError(f"{shown(db)} was created by another process meanwhile; nothing was "
-                                  "written to it: run this again to write into it") from None
+                raise raced from None
             except OSError:  # a file system without hard links: a rename, checked just before
-                if path.exists():
-                    raise FibctlError(f"{shown(db)} was created by another process meanwhile; nothing "
-                                      "was written to it: run this again to write into it") from None
+                if os.path.lexists(path):
+                    raise raced from None
                 os.rename(tmp, path)
             fsync(path.absolute().parent)
         finally:

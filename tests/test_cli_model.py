@@ -165,6 +165,21 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["bench", "train", "--threads", "0"], "--threads must be from 1 to this machine's"),
     (["bench", "train", "--threads", "999999"], "CPUs, got 999999"),
     (["bench", "attention", "--window", "-1"], "window W=-1 must be >= 0"),
+    # queue add's window bound, at each --length (a huge one built its distances for ever)
+    (["bench", "attention", "--length", "64", "--window", "99999999999999999999"],
+     "window W=99999999999999999999 is too large: at most T - 2 = 62 at the training length T=64"),
+    (["bench", "attention", "--length", "1024", "--length", "64", "--window", "63"], "at most T - 2 = 62"),
+    (["bench", "train", "--preset", "micro", "--window", "63", "--schedule", "fixed"], "at most T - 2 = 62"),
+    (["bench", "train", "--preset", "micro", "--seq-len", "32", "--window", "31"], "at most T - 2 = 30"),
+    # counts past torch's shapes: one line, not a traceback (nor a list of batches never done)
+    (["bench", "attention", "--batch", "99999999999999999999"],
+     "--batch 99,999,999,999,999,999,999 is too large: at most 2,147,483,647"),
+    (["bench", "attention", "--repeats", "2147483648"], "--repeats 2,147,483,648 is too large"),
+    (["bench", "probe", "--batch", "99999999999999999999"], "--batch 99,999,999,999,999,999,999 is too large"),
+    (["bench", "train", "--batch-size", "99999999999999999999"], "--batch-size 99,999,999,999,999,999,999 is too"),
+    (["bench", "train", "--grad-accum", "99999999999999999999"], "--grad-accum 99,999,999,999,999,999,999 is too"),
+    (["bench", "train", "--steps", "99999999999999999999"], "--steps 99,999,999,999,999,999,999 is too large"),
+    (["bench", "train", "--warmup", "2147483648"], "--warmup 2,147,483,648 is too large"),
     (["bench", "train", "--device", "cuda"], "device 'cuda' requested but CUDA is not available"),
     # sizes past the machine: one line, not a traceback of the allocator (or a blur that never ends)
     (["bench", "attention", "--length", "99999999999"], "--length 99,999,999,999 must be from 2 to 1,048,576"),

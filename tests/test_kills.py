@@ -307,15 +307,53 @@ def test_a_killed_import_leaves_the_database_as_it_was_and_the_rerun_imports_it_
         assert dump(db_url) == dump(whole)
 
 
-def test_an_import_killed_into_a_new_database_leaves_no_rows(tmp_path):
+@pytest.mark.parametrize("command, where, after", [
+    ("import", "fibctl.db.importer:_import_probe", False),  # schema made, runs written
+    ("copy", "fibctl.db.copy:_copy_events", True),  # everything written, not committed
+    ("import", "fibctl.db.whole:fsync", False),  # committed, not yet in place
+])
+def test_a_command_killed_into_a_new_sqlite_file_leaves_none_and_the_rerun_makes_it_whole(tmp_path, command,
+                                                                                         where, after):
+    """A new SQLite target comes into being only whole: killed, there is no new.db (it was
+    an empty fibctl database), only the dead process's temporary, which the rerun removes."""
     fib_db, _, _ = make_study(tmp_path)
-    killed_at(tmp_path, "fibctl.db.importer:_import_probe", "import-study", "fib.db", "--db", "new.db")
-    assert not any(dump(str(tmp_path / "new.db")).get(t) for t in ("runs", "evaluations", "aux_metrics"))
-    fibctl(tmp_path, "import-study", "fib.db", "--db", "new.db")
     engine = connect(str(tmp_path / "whole.db"))
     import_study(engine, fib_db)
     engine.dispose()
+    args = (("import-study", "fib.db", "--db", "new.db") if command == "import"
+            else ("db", "copy", "--from", "whole.db", "--to", "new.db"))
+    killed_at(tmp_path, where, *args, after=after)
+    assert not (tmp_path / "new.db").exists()
+    assert [p.name for p in tmp_path.glob(".new.db.partial-*")]  # what the kill left
+    fibctl(tmp_path, *args)
+    assert not list(tmp_path.glob(".new.db*"))
     assert dump(str(tmp_path / "new.db")) == dump(str(tmp_path / "whole.db"))
+
+
+def test_a_new_sqlite_file_removes_only_dead_builders_temporaries_and_a_failed_one_its_own(tmp_path):
+    import fcntl
+
+    from fibctl.db.whole import created_whole
+
+    target = tmp_path / "new.db"
+    dead, live = tmp_path / ".new.db.partial-999998", tmp_path / ".new.db.partial-999999"
+    for p in (dead, tmp_path / ".new.db.partial-999998-wal", live):
+        p.write_bytes(b"")
+    with open(live) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a builder alive now
+        with pytest.raises(RuntimeError, match="stopped"), created_whole(str(target)) as into:
+            connect(into).dispose()  # the schema, then a failure: nothing appears
+            raise RuntimeError("stopped")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+        with created_whole(str(target)) as into:
+            engine = connect(into)
+            add_runs(engine, [micro_run("mine")])
+            engine.dispose()
+            assert not target.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "new.db"]
+    assert [r[0] for r in dump(str(target))["runs"]] == ["'mine'"]
+    with created_whole(str(target)) as into:  # an existing file: written directly
+        assert into == str(target)
 
 
 @pytest.mark.parametrize("where, n, after", [("fibctl.db.copy:upsert", 4, False),

@@ -62,15 +62,21 @@ def db_copy(
     many runs were kept so, and why.
     """
     from fibctl.db.copy import copy_database, counts
+    from fibctl.db.whole import created_whole
 
     for db, option in ((source, "--from"), (target, "--to")):  # a refusal names the option given
         db_engine.resolve_url(db, option)
     if db_engine.same_database(source, target):
         raise FibctlError(f"--from and --to are the same database ({db_engine.shown(source)}); nothing to copy")
     src = db_engine.connect_readonly(source, option="--from")
-    dst = db_engine.connect(target, option="--to")
-    summary = copy_database(src, dst)
-    mine, theirs = counts(src), counts(dst)
+    with created_whole(target, option="--to") as into:  # a new SQLite file appears only whole
+        dst = db_engine.connect(into, option="--to")
+        try:
+            summary = copy_database(src, dst)
+            theirs = counts(dst)
+        finally:
+            dst.dispose()
+    mine = counts(src)
     written = ", ".join(f"{n:,} {t}" for t, n in summary.rows.items() if n) \
         or ("nothing" if summary.kept else "nothing (already copied)")
     console.print(f"{db_engine.shown(source)} -> {db_engine.shown(target)}: wrote {written}", markup=False)

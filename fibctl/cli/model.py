@@ -148,15 +148,12 @@ def bench_attention_cmd(
     import torch
 
     from fibctl.device import check_threads, resolve_device
-    from fibctl.flows.bench import bench_attention
+    from fibctl.flows.bench import bench_attention, check_counts
 
     for T in length:
         if not 2 <= T <= MAX_LENGTH:
             raise ConfigError(f"--length {T:,} must be from 2 to {MAX_LENGTH:,}")
-    for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
-                               ("threads", threads, 1)):
-        if value < least:
-            raise ConfigError(f"--{name} {value} must be >= {least}")
+    check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))
     resolved = resolve_device(device)
     torch.set_num_threads(check_threads(threads))  # more than the CPUs would only contend
     with console.status("benchmarking") as status:
@@ -257,16 +254,13 @@ def bench_probe_cmd(
     """Time forward+backward of the probe's blur attention (one probe layer: 4 query heads, 2 kv
     heads, dim 64, alpha 1) and its memory, reference against the fast path, each in a fresh
     process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference."""
-    from fibctl.flows.bench import ProbeBench, bench_probe
+    from fibctl.flows.bench import ProbeBench, bench_probe, check_counts
 
     if not 2 <= length <= MAX_LENGTH:
         raise ConfigError(f"--length {length:,} must be from 2 to {MAX_LENGTH:,}")
     if not 0 < width <= length:  # a wider blur is flat over every distance there is (and NaN fails both)
         raise ConfigError(f"--width {width:g} must be > 0 and at most --length {length:,}")
-    for name, value, least in (("batch", batch, 1), ("repeats", repeats, 1), ("warmup", warmup, 0),
-                               ("threads", threads, 1)):
-        if value < least:
-            raise ConfigError(f"--{name} {value} must be >= {least}")
+    check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))
     bench = ProbeBench(width, length, batch, repeats, warmup, threads)
     with console.status("benchmarking") as status:
         df = bench_probe(bench, progress=lambda impl: status.update(f"benchmarking {impl}"))

@@ -15,10 +15,11 @@ from rich.text import Text
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int
 from fibctl.config import DEFAULT_SEED, get_preset
-from fibctl.db.engine import connect, resolve_url, shown
+from fibctl.db.engine import connect, shown
 from fibctl.errors import FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
+from fibctl.db.whole import created_whole
 from fibctl.reports.render import printable
 from fibctl.reports.sql import MAX_ROWS, NAMED, TIMEOUT_S, open_for_reports, query_rows
 from fibctl.reports.sql import cell as sql_cell
@@ -262,19 +263,13 @@ def import_study(
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
     check_inputs(fib_db, lenextrap, posloss)  # as typed ('' is not the current folder), before `connect`
     fib_db, lenextrap, posloss = (None if p is None else Path(p) for p in (fib_db, lenextrap, posloss))
-    url = resolve_url(db)
-    made = url.get_backend_name() == "sqlite" and not Path(url.database).exists()
-    engine = connect(db)
-    try:
-        with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
-            s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
-    except BaseException:
-        # the import rolled back: a database this command made for it would be left empty
-        engine.dispose()
-        if made:
-            for path in (Path(url.database + suffix) for suffix in ("", "-wal", "-shm")):
-                path.unlink(missing_ok=True)
-        raise
+    with created_whole(db) as into:  # a new SQLite file appears only whole
+        engine = connect(into)
+        try:
+            with console.status(escape(f"Importing {fib_db} into {shown(db)}")):
+                s = run_import(engine, fib_db, lenextrap=lenextrap, posloss=posloss)
+        finally:
+            engine.dispose()
     # what this import wrote or changed: importing the same files again counts nothing
     counts = (s.runs, s.probe_runs, s.evaluations, s.aux_metrics, s.position_losses)
     if any(counts):

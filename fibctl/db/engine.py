@@ -136,7 +136,9 @@ def release() -> None:
     _opened.clear()
 
 
-def _check_sqlite_file(path: Path, *, must_exist: bool) -> None:
+def check_sqlite_file(path: Path, *, must_exist: bool) -> None:
+    """Refuse, in one line, a path SQLite cannot use: a folder, a file of another kind, a
+    missing database (`must_exist`), or a new one whose folder is not there."""
     if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
         raise FibctlError(f"{path} is a directory, not a database file")
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
@@ -301,7 +303,7 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
-        _check_sqlite_file(path, must_exist=False)
+        check_sqlite_file(path, must_exist=False)
     engine = _engine(url, option, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
@@ -353,11 +355,11 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None and must_exist:
-        _check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True)
     if create:
         upgrade(db, option=option)
     elif path is not None:
-        _check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True)
     engine = _engine(url, option)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
@@ -372,7 +374,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
-        _check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True)
         engine = _create_engine(make_url(_readonly_sqlite_url(path)), option)
 
         @event.listens_for(engine, "connect")

@@ -22,7 +22,7 @@ import torch
 
 from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.attention import skipped as attention_skipped
-from fibctl.config import ConfigError, get_preset
+from fibctl.config import INT32_MAX, ConfigError, get_preset
 from fibctl.device import (autocast, check_compile, check_threads, describe, out_of_memory, resolve_device,
                            setup_process, synchronize)
 from fibctl.errors import FibctlError
@@ -31,6 +31,26 @@ from fibctl.model import Attention, FibLM
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 
 PATHS = ("dense", "mask", "gather", "learned")
+
+
+def check_counts(**counts: tuple[int, int]) -> None:
+    """Refuse a count option (name: (value, least)) below its least or past INT32_MAX, the bound
+    fibctl's training counts take: a larger one overflows torch's shapes (a traceback), or
+    would never finish."""
+    for name, (value, least) in counts.items():
+        flag = "--" + name.replace("_", "-")
+        if value < least:
+            raise ConfigError(f"{flag} {value} must be >= {least}")
+        if value > INT32_MAX:
+            raise ConfigError(f"{flag} {value:,} is too large: at most {INT32_MAX:,}")
+
+
+def check_window(window: int, base: str, length: int) -> None:
+    """Refuse a sparse window queue add would refuse at `length` (ModelConfig.check_window):
+    one that reaches T - 1 times dense attention under a sparse name, and a huge one would
+    build its distances for ever."""
+    dataclasses.replace(get_preset("paper").model, schedule="fixed", window=window, base=base,
+                        seq_len=length).validate().check_window()
 
 
 def attention_paths(device_type: str = "cpu") -> tuple[str, ...]:
@@ -84,6 +104,8 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
     """Forward and forward+backward medians per length and path, in the dtype training gives
     the attention on `device` (attention_dtype)."""
     cfg = dataclasses.replace(get_preset("paper").model, window=window, base=base).validate()  # W >= 0, a known base
+    for T in lengths:  # every length before any is timed
+        check_window(window, base, T)
     device = torch.device(device)
     paths = attention_paths(device.type) if paths is None else paths
     no_flex_backward = flex_unavailable(device.type, backward=True) is not None
@@ -180,14 +202,11 @@ def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None 
     if batch_size is None:
         batch_size = max(1, p.train.batch_size * p.model.seq_len // T)
     grad_accum = p.train.grad_accum if grad_accum is None else grad_accum
-    for name, value, least in (("batch-size", batch_size, 1), ("grad-accum", grad_accum, 1), ("steps", steps, 1),
-                               ("warmup", warmup, 0), ("window", window, 0)):
-        if value < least:
-            raise ConfigError(f"--{name} {value} must be >= {least}")
+    check_counts(batch_size=(batch_size, 1), grad_accum=(grad_accum, 1), steps=(steps, 1), warmup=(warmup, 0))
     if threads is not None:
         check_threads(threads)
     resolved = resolve_device(device)
-    dataclasses.replace(p.model, base=base, window=window).validate()  # an unknown base, here
+    dataclasses.replace(p.model, base=base, window=window).validate()  # W >= 0, a known base
     if compile:
         check_compile(resolved)
     return TrainBench(preset, T, batch_size, grad_accum, steps, warmup, str(resolved),
@@ -199,8 +218,9 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
                 progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
     """Training tokens/s and peak memory of each schedule, dense first (measured in this same
     run whether asked for or not: the ratios are to it). One row per schedule."""
-    for schedule in schedules:
-        dataclasses.replace(get_preset(bench.preset).model, schedule=schedule).validate()
+    for schedule in schedules:  # a sparse one takes queue add's windows at the length trained
+        dataclasses.replace(get_preset(bench.preset).model, schedule=schedule, window=bench.window, base=bench.base,
+                            seq_len=bench.seq_len).validate().check_window()
     order = ["dense", *dict.fromkeys(s for s in schedules if s != "dense")]
     rows = []
     for schedule in order:

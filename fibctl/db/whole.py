@@ -1,0 +1,99 @@
+"""A new SQLite database that comes into being only whole: `import-study` and `db copy` into
+a file that did not exist build it under a hidden temporary name in its folder and rename it
+into place after their commit, so that a kill (SIGKILL: no cleanup runs) leaves no empty
+fibctl database behind, only a temporary, which the next such command there removes.
+
+PostgreSQL and an existing SQLite file take the writes directly, in the commands' one
+transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from fibctl.db.engine import check_sqlite_file, resolve_url, shown
+from fibctl.durable import fsync
+from fibctl.errors import FibctlError
+
+# beside a database, what SQLite may write next to it
+SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def _temporaries(path: Path) -> list[Path]:
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.partial-\d+")
+    return sorted(p for p in path.parent.glob(f".{path.name}.partial-*") if pattern.fullmatch(p.name))
+
+
+def _remove(path: Path) -> None:
+    for p in (path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
+        p.unlink(missing_ok=True)
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the temporaries of processes that died building `path`: a live builder holds a
+    lock on its own, which a dead one's lock went with."""
+    for tmp in _temporaries(path):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except FileNotFoundError:  # its builder finished or removed it meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live builder's
+            continue
+        else:
+            _remove(tmp)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def created_whole(db: str, option: str = "--db") -> Iterator[str]:
+    """The database to write `db` through. For a SQLite file that does not exist yet: a
+    temporary one beside it, moved to `db` when the block ends normally (every engine on it
+    disposed by then) and removed when it raises. Otherwise `db` itself."""
+    url = resolve_url(db, option)
+    # a link, even one to nothing, is written through as before
+    if url.get_backend_name() != "sqlite" or os.path.lexists(url.database):
+        yield db
+        return
+    path = Path(url.database)
+    check_sqlite_file(path, must_exist=False)  # its folder is one: refused as connect refuses it
+    _remove_stale(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # SQLite takes an empty file
+    except OSError as e:  # a folder this process cannot write, say
+        raise FibctlError(f"cannot create database {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # ours while we live (flock: apart from SQLite's own locks)
+        try:
+            yield url.set(database=str(tmp)).render_as_string(hide_password=False)
+            last = sqlite3.connect(tmp)  # the last connection: WAL checkpointed into the file, -wal gone
+            try:
+                last.execute("PRAGMA schema_version")  # a read: closing checkpoints only a WAL it opened
+            finally:
+                last.close()
+            if any(tmp.with_name(tmp.name + s).exists() for s in SIDE_FILES):
+                raise FibctlError(f"{path}: another process has the new database open; nothing was written")
+            fsync(tmp)
+            raced = FibctlError(f"{shown(db)} was created by another process meanwhile; nothing was "
+                                "written to it: run this again to write into it")
+            try:
+                os.link(tmp, path)  # unlike a rename, never replaces a database made meanwhile
+            except FileExistsError:
+                raise raced from None
+            except OSError:  # a file system without hard links: a rename, checked just before
+                if os.path.lexists(path):
+                    raise raced from None
+                os.rename(tmp, path)
+            fsync(path.absolute().parent)
+        finally:
+            _remove(tmp)
+    finally:
+        os.close(fd)

@@ -293,7 +293,8 @@ def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_pa
     (out / "table4.tex").write_text("mine")  # a user's file named like a report's: never removed
     (out / "table1.txt").write_text("mine too")  # nor replaced (it was, table1 having data)
     fails_in_one_line(["report", "all", "--db", db, "--out", str(out)], tmp_path,
-                      "holds table1.txt, table4.tex, not written by a fibctl report", monkeypatch, capsys)
+                      "holds table1.txt, table4.tex, not written by a fibctl report (it has no .fibctl-report)",
+                      monkeypatch, capsys)
     assert {p.name: p.read_text() for p in out.iterdir()} == {"table4.tex": "mine", "table1.txt": "mine too"}
     (out / "table4.tex").unlink()
     (out / "table1.txt").unlink()
@@ -308,6 +309,10 @@ def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_pa
     assert r.exit_code == 0, r.output
     names = {p.name for p in out.iterdir()}
     assert "table1.csv" in names and not {"table4.csv", "table4.sql", "posloss.png"} & names  # seed 43's
+    (out / "table4.csv").write_text("mine")  # beside a report whose list does not name it
+    fails_in_one_line(["report", "all", "--db", db, "--out", str(out)], tmp_path,
+                      "holds table4.csv, not written by a fibctl report (its .fibctl-report does not list them)",
+                      monkeypatch, capsys)
     assert (out / "notes.txt").read_text() == "mine"  # not a report's: left alone
 
 

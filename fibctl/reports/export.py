@@ -82,8 +82,9 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     # replaced by it (report files are renamed onto their paths), and it is not the report's to replace
     theirs = [p.name for p in outputs(out) if (p.is_symlink() or p.exists()) and p.name not in listed]
     if theirs:
+        why = f"its {MANIFEST} does not list them" if (out / MANIFEST).is_file() else f"it has no {MANIFEST}"
         raise FibctlError(f"{out} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, not written by "
-                          f"a fibctl report (its {MANIFEST} does not list them), which the report would replace: "
+                          f"a fibctl report ({why}), which the report would replace: "
                           "move them or choose another --out; nothing was written")
     built, before = Built(), listed
     written, skipped = [], []

@@ -91,7 +91,8 @@ def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
 
 def progress(engine: Engine) -> list[dict]:
     """Each running run with where it runs, its last logged step, training loss, throughput,
-    ETA and heartbeat (from its newest `train_steps` row)."""
+    ETA and heartbeat (from its newest `train_steps` row); `steps` and `eta_s` are None for
+    a run whose stored config is damaged."""
     last = (select(TrainStep.run_id, func.max(TrainStep.step).label("step"))
             .group_by(TrainStep.run_id).subquery())
     q = (select(Run.name, Run.host, Run.device, Run.worker, Run.heartbeat_at, Run.config_json,
@@ -102,13 +103,18 @@ def progress(engine: Engine) -> list[dict]:
     out = []
     with engine.connect() as conn:
         for r in conn.execute(q):
-            config = stored_config(r.name, r.config_json)
-            tc = config.train
-            per_step = tc.batch_size * tc.grad_accum * config.model.seq_len
-            step = r.step or 0
-            eta = (tc.steps - step) * per_step / r.tokens_per_s if r.tokens_per_s else None
+            step, steps, eta = r.step or 0, None, None
+            try:  # a config damaged after its worker read it: the run is still listed, its length unknown
+                config = stored_config(r.name, r.config_json)
+            except FibctlError:
+                config = None
+            if config is not None:
+                tc = config.train
+                steps = tc.steps
+                per_step = tc.batch_size * tc.grad_accum * config.model.seq_len
+                eta = (tc.steps - step) * per_step / r.tokens_per_s if r.tokens_per_s else None
             out.append(dict(name=r.name, host=r.host, device=r.device, worker=r.worker, step=step,
-                            steps=tc.steps, loss=r.loss, tokens_per_s=r.tokens_per_s, eta_s=eta,
+                            steps=steps, loss=r.loss, tokens_per_s=r.tokens_per_s, eta_s=eta,
                             heartbeat_at=r.heartbeat_at))
     return out
 
@@ -152,21 +158,24 @@ def retry(engine: Engine, name: str) -> None:
 
 @dataclass
 class Restart:
-    """What `retry_from_start` discarded: the run's rows past step 0, by table."""
+    """What `retry_from_start` discarded: the run's rows past step 0 and its auxiliary metrics,
+    by table."""
     name: str
     discarded: dict[str, int]  # table -> rows deleted
 
 
 def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str | None], None]) -> Restart:
     """Queue a failed or cancelled run again from step 0 (as `retry` does), deleting its rows
-    past step 0 (train steps, evaluations, position losses, alphas): a run none of whose
-    checkpoints loads. Rows at step 0 (its initial alphas), auxiliary metrics and events stay.
+    past step 0 (train steps, evaluations, position losses, alphas) and its auxiliary metrics
+    (a probe's scores, an evaluation's speed: measured of the weights it discards, and Table 2
+    would pair them with its step-0 alphas): a run none of whose checkpoints loads. Rows at
+    step 0 (its initial alphas) and events stay.
     `check(runs_dir, checkpoint_path)` (where it last trained, what it recorded) runs in the
     transaction before the delete: what it raises (a checkpoint in the run's folder that a
     retry would resume from) keeps everything as it was."""
     from sqlalchemy import delete
 
-    from fibctl.db.schema import Alpha, Evaluation, PositionLoss
+    from fibctl.db.schema import Alpha, AuxMetric, Evaluation, PositionLoss
 
     with engine.begin() as conn:
         row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
@@ -177,8 +186,9 @@ def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str
         check(row.runs_dir, row.checkpoint_path)
         discarded = {t.__tablename__: conn.execute(delete(t).where(t.run_id == run_id, t.step > 0)).rowcount
                      for t in (TrainStep, Evaluation, PositionLoss, Alpha)}
+        discarded[AuxMetric.__tablename__] = conn.execute(delete(AuxMetric).where(AuxMetric.run_id == run_id)).rowcount
         gone = ", ".join(f"{n} {t}" for t, n in discarded.items() if n) or "none"
-        add_event(conn, run_id, "retried", f"queued again from step 0 by the user; rows past step 0 deleted: {gone}",
+        add_event(conn, run_id, "retried", f"queued again from step 0 by the user; what it recorded past step 0 deleted: {gone}",
                   {"from_step": 0, "deleted": discarded})
     return Restart(name, discarded)
 

@@ -193,7 +193,7 @@ def status_cmd(
 
     def view():
         now = utcnow()
-        rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/{r['steps']:,}",
+        rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/" + (f"{r['steps']:,}" if r["steps"] is not None else "?"),
                  f"{r['loss']:.3f}" if r["loss"] is not None else "-",
                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                  duration(r["eta_s"]) if r["eta_s"] is not None else "-",
@@ -241,8 +241,8 @@ def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
 def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
                 all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed run.")] = False,
                 from_start: Annotated[bool, typer.Option(
-                    "--from-start", help="Train it from step 0, deleting its rows past step 0: a run none of "
-                                         "whose checkpoints loads.")] = False,
+                    "--from-start", help="Train it from step 0, deleting its rows past step 0 and its auxiliary "
+                                         "metrics: a run none of whose checkpoints loads.")] = False,
                 runs_dir: Annotated[Optional[Path], typer.Option(
                     "--runs-dir", envvar="FIBCTL_RUNS_DIR",
                     help="With --from-start: the runs folder (default: the one the run last trained in, "
@@ -275,7 +275,7 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
 
         restart = queue.retry_from_start(engine, name, check)
         gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
-        console.print(plain(f"queued {name} again from step 0; deleted its rows past step 0: {gone or 'none'}"),
+        console.print(plain(f"queued {name} again from step 0; deleted what it recorded past step 0: {gone or 'none'}"),
                       highlight=False)
     elif all_failed:
         names = queue.retry_failed(engine)

@@ -79,7 +79,7 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
         rows = []
         for job in found:
             runs = job["runs"]
-            running = [f"{r['name']}@{r['host']}" + (f" {r['step'][0]}/{r['step'][1]}" if r["step"] else "")
+            running = [f"{r['name']}@{r['host']}" + _at_step(r["step"])
                        for r in runs if r["status"] == RunStatus.RUNNING]
             others = {}
             for r in runs:
@@ -94,3 +94,11 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
         console.print(plain("no fibctl SLURM jobs known to squeue or sacct"))
     console.print(plain(", ".join(f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed",
                                                                       "cancelled"))))
+
+
+def _at_step(step: tuple[int, int | None] | None) -> str:
+    """' step/steps' of a running run ('?' for the steps of one whose config is damaged)."""
+    if step is None:
+        return ""
+    done, total = step
+    return f" {done}/{total if total is not None else '?'}"

@@ -1,18 +1,71 @@
 """The `fibctl` program (pyproject's script) and `python -m fibctl`.
 
-The command-line modules take about a second to import; a Ctrl-C in that second exits 130
-quietly, as one during a command does, instead of a traceback of whichever import it hit.
+The command line takes about a second to import and build, and commands import torch (two
+more) when they first need it. A Ctrl-C in either is held until it is over, and then ends
+the command as one a moment later would: exit 130. Raised where it landed, a
+KeyboardInterrupt could abort the process from torch's C++ (exit 134, a stack dump), leave
+torch half-loaded, be lost in the import machinery's own callbacks (the command ran on), or
+pass through an annotation typer evaluates (Python then exits by SIGINT, whatever exit code
+the handler gave). A second Ctrl-C while one is held is not held.
 """
 
+import os
+import signal
 import sys
+import threading
+import time
 
 
 def main() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+        signal.signal(signal.SIGINT, _interrupt)
+    _starting.set()
     try:
-        from fibctl.cli import main as run
-    except KeyboardInterrupt:  # nothing has started yet: nothing to stop or record
+        from fibctl.cli import build, main as run
+
+        command = build()
+    except KeyboardInterrupt:  # a second Ctrl-C: nothing has started yet, nothing to stop or record
         sys.exit(130)
-    run()
+    finally:
+        _starting.clear()
+    run(command)
+
+
+def importing(frame=None) -> bool:
+    """Whether torch, or one of its modules, is being imported in this process; or `frame`
+    (where a signal landed) is the import machinery's, which may be running its callbacks
+    after a module is done."""
+    if frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+        return True
+    return any(_initializing(module) for name, module in list(sys.modules.items())
+               if name == "torch" or name.startswith("torch."))
+
+
+def _initializing(module) -> bool:
+    try:
+        return module.__spec__._initializing is True  # set by importlib while the module runs
+    except Exception:  # noqa: BLE001 (no spec, or not a module: sys.modules holds what it is given)
+        return False
+
+
+_starting = threading.Event()  # the command line is being imported and built
+_held = threading.Event()  # a Ctrl-C is waiting for the start or torch's import to end
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGINT's handler until a command sets its own: Python's KeyboardInterrupt, held while
+    the command line starts or torch is being imported."""
+    if _held.is_set() or not (_starting.is_set() or importing(frame)):
+        raise KeyboardInterrupt
+    _held.set()
+    threading.Thread(target=_send_when_imported, daemon=True).start()
+
+
+def _send_when_imported() -> None:
+    while _starting.is_set() or importing():
+        time.sleep(0.02)
+    _held.clear()
+    os.kill(os.getpid(), signal.SIGINT)  # to whichever handler is SIGINT's by now
 
 
 if __name__ == "__main__":

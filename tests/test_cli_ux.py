@@ -311,6 +311,79 @@ def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
     assert scripts["fibctl"] == "fibctl.__main__:main"  # the program starts there too, not in fibctl.cli
 
 
+def test_ctrl_c_while_torch_imports_is_held_until_the_import_is_over():
+    """A Ctrl-C that lands inside torch's import (commands import it when they first need it)
+    aborted `fibctl worker --ddp` once: exit 134 and a stack dump from torch's C++. fibctl's
+    handler holds it until torch has loaded, then ends the command as a Ctrl-C a moment later
+    would: torch here is whole, and the KeyboardInterrupt comes after the import."""
+    script = ("import os, signal, sys, threading, time\n"
+              "from fibctl.__main__ import _interrupt\n"
+              "signal.signal(signal.SIGINT, _interrupt)  # as main() does\n"
+              "def press():\n"
+              "    while 'torch' not in sys.modules:\n"
+              "        time.sleep(0.001)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "threading.Thread(target=press, daemon=True).start()\n"
+              "try:\n"
+              "    import torch\n"
+              "    print('imported', flush=True)\n"
+              "    time.sleep(60)\n"
+              "except KeyboardInterrupt:\n"
+              "    print('interrupted', tuple(torch.nn.Linear(2, 3)(torch.ones(2)).shape), flush=True)\n"
+              "    sys.exit(130)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (130, "imported\ninterrupted (3,)\n"), done.stderr[-2000:]
+
+
+def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
+    """Typer evaluates each option's annotation as it builds the command line; a
+    KeyboardInterrupt passing through one ends Python by SIGINT (exit -2 to Popen) whatever
+    exit code its handler gives, so a Ctrl-C is held until the build is over."""
+    script = ("import os, signal, sys, time\n"
+              "import fibctl.__main__ as entry\n"
+              "signal.signal(signal.SIGINT, entry._interrupt)\n"
+              "entry._starting.set()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "time.sleep(0.5)\n"
+              "print('held', flush=True)\n"
+              "entry._starting.clear()\n"
+              "try:\n"
+              "    time.sleep(30)\n"
+              "except KeyboardInterrupt:\n"
+              "    print('raised', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "held\nraised\n", "")
+
+
+def test_a_ctrl_c_in_the_import_machinery_is_held_too():
+    """Raised in importlib's own callbacks (a module lock's, after the module has run), a
+    KeyboardInterrupt is printed as 'Exception ignored' and lost: `fibctl worker` trained on."""
+    from types import SimpleNamespace
+
+    from fibctl.__main__ import importing
+
+    def landed_in(file):
+        return SimpleNamespace(f_code=SimpleNamespace(co_filename=file))
+
+    assert importing(landed_in("<frozen importlib._bootstrap>"))
+    assert not importing(landed_in(__file__)) and not importing()  # this test imports nothing
+
+
+def test_ctrl_c_while_typer_builds_the_command_exits_130_without_a_traceback(monkeypatch, capsys):
+    """Between the imports and the command typer builds every command's options, outside the
+    try that makes a Ctrl-C in a command exit 130: one there printed a traceback, exit -2.
+    (`fibctl.__main__` holds a Ctrl-C then; `fibctl.cli.main` alone gets it.)"""
+    import fibctl.cli as cli
+
+    def building():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build", building)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 130 and capsys.readouterr() == ("", "")
+
+
 # names, workers and errors as a hand-edited database may hold them: markup that rich would
 # obey ([red]), and ESC [2J, which clears a terminal
 MARKUP, ESC = "[red]a[/red]", "b\x1b[2J"

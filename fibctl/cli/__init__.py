@@ -131,13 +131,22 @@ def _terminated(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-def main() -> None:
+def build():
+    """The command line as click runs it: typer builds every command's options, reading their
+    annotations (`fibctl.__main__` holds a Ctrl-C until this is done)."""
+    return typer.main.get_command(app)
+
+
+def main(command=None) -> None:
+    """Run the command line (`command`: `build()`'s, else built here)."""
     # SIGTERM ends the command through Python, so that the `finally` below still runs (a read-only
     # command killed outright left SQLite's -wal and -shm files); train and worker set their own
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)
     try:
-        app()
+        (command or build())()  # what app() does, pretty exceptions being off
+    except KeyboardInterrupt:  # typer building the options: 130, as one in a command is
+        sys.exit(130)
     except FibctlError as e:
         _fail(str(e))
     except Exception as e:

@@ -336,7 +336,7 @@ def test_a_job_given_a_password_keeps_its_files_to_this_user(data, tmp_path):
     assert {p.name: oct(p.stat().st_mode & 0o077) for p in files} == {p.name: "0o0" for p in files}
 
 
-LONG = dict(steps=400, eval_interval=1000, checkpoint_interval=1000)
+LONG = dict(steps=200, eval_interval=1000, checkpoint_interval=1000)
 
 
 @needs_cluster

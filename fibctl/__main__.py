@@ -17,18 +17,23 @@ import time
 
 
 def main() -> None:
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.default_int_handler:  # not where Ctrl-C is ignored
         signal.signal(signal.SIGINT, _interrupt)
-    _starting.set()
     try:
-        from fibctl.cli import build, main as run
+        _starting.set()
+        try:
+            from fibctl.cli import build, main as run
 
-        command = build()
-    except KeyboardInterrupt:  # a second Ctrl-C: nothing has started yet, nothing to stop or record
-        sys.exit(130)
-    finally:
-        _starting.clear()
-    run(command)
+            command = build()
+        except KeyboardInterrupt:  # a second Ctrl-C: nothing has started yet, nothing to stop or record
+            sys.exit(130)
+        finally:
+            _starting.clear()
+        run(command)
+    finally:  # as it was, for a caller in the same process (the tests)
+        if signal.getsignal(signal.SIGINT) is _interrupt:
+            signal.signal(signal.SIGINT, previous)
 
 
 def importing(frame=None) -> bool:

@@ -355,6 +355,19 @@ def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
     assert (done.returncode, done.stdout, done.stderr) == (0, "held\nraised\n", "")
 
 
+def test_the_program_leaves_sigint_s_handler_as_it_found_it(monkeypatch):
+    """Run in the same process (the tests), it left its own handler behind for the caller."""
+    import signal
+
+    from fibctl.__main__ import main
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(sys, "argv", ["fibctl", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_ctrl_c_in_the_import_machinery_is_held_too():
     """Raised in importlib's own callbacks (a module lock's, after the module has run), a
     KeyboardInterrupt is printed as 'Exception ignored' and lost: `fibctl worker` trained on."""

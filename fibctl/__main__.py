@@ -1,7 +1,7 @@
 """The `fibctl` program (pyproject's script) and `python -m fibctl`.
 
-The command line takes about a second to import and build, and commands import torch (two
-more) when they first need it. A Ctrl-C in either is held until it is over, and then ends
+The command line takes about a second to import and build, and commands import torch (two seconds
+more) when they first need it. A Ctrl-C in either is held until it is over, then ends
 the command as one a moment later would: exit 130. Raised where it landed, a
 KeyboardInterrupt could abort the process from torch's C++ (exit 134, a stack dump), leave
 torch half-loaded, be lost in the import machinery's own callbacks (the command ran on), or

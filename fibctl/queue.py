@@ -188,7 +188,8 @@ def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str
                      for t in (TrainStep, Evaluation, PositionLoss, Alpha)}
         discarded[AuxMetric.__tablename__] = conn.execute(delete(AuxMetric).where(AuxMetric.run_id == run_id)).rowcount
         gone = ", ".join(f"{n} {t}" for t, n in discarded.items() if n) or "none"
-        add_event(conn, run_id, "retried", f"queued again from step 0 by the user; what it recorded past step 0 deleted: {gone}",
+        add_event(conn, run_id, "retried",
+                  f"queued again from step 0 by the user; what it recorded past step 0 deleted: {gone}",
                   {"from_step": 0, "deleted": discarded})
     return Restart(name, discarded)
 

@@ -525,9 +525,9 @@ def test_a_run_whose_stored_config_is_damaged_is_one_line_and_no_worker_crashes_
     assert exit_.value.code in (0, None) and err == "", err
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
     assert [(c[0], c[3]) for c in cells] == [("r000", "0/?"), ("r001", "0/30")], out
-    from fibctl.cli.slurm import _at_step  # `fibctl slurm status` reads the same progress
+    from fibctl.cli.common import step_of  # `fibctl slurm status` shows the same progress
 
-    assert [_at_step(s) for s in (None, (0, None), (3, 30))] == ["", " 0/?", " 3/30"]
+    assert [step_of(*s) for s in ((0, None), (3, 30), (1200, 5000))] == ["0/?", "3/30", "1,200/5,000"]
 
 
 def test_a_worker_names_the_run_it_failed_for_a_damaged_stored_config(tmp_path, monkeypatch, capsys):

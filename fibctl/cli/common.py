@@ -36,6 +36,11 @@ def plain(value, style: str = "") -> Text:
     return Text("" if value is None else printable(str(value)), style=style)
 
 
+def step_of(step: int, steps: int | None) -> str:
+    """A running run's `step/steps` (`?` for the steps of one whose stored config is damaged)."""
+    return f"{step:,}/" + (f"{steps:,}" if steps is not None else "?")
+
+
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
     """Option callback: an integer that goes into SQL must fit a 64-bit column."""
     if value is not None and not -2**63 <= value < 2**63:

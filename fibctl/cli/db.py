@@ -13,7 +13,7 @@ import typer
 from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain, step_of
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -193,7 +193,7 @@ def status_cmd(
 
     def view():
         now = utcnow()
-        rows = [[r["name"], r["host"] or "", r["device"] or "", f"{r['step']:,}/" + (f"{r['steps']:,}" if r["steps"] is not None else "?"),
+        rows = [[r["name"], r["host"] or "", r["device"] or "", step_of(r["step"], r["steps"]),
                  f"{r['loss']:.3f}" if r["loss"] is not None else "-",
                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                  duration(r["eta_s"]) if r["eta_s"] is not None else "-",

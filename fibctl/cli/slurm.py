@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain, step_of
 from fibctl.cli.train import (DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption,
                               check_worker_limits)
 from fibctl.db.schema import RunStatus
@@ -79,7 +79,7 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
         rows = []
         for job in found:
             runs = job["runs"]
-            running = [f"{r['name']}@{r['host']}" + _at_step(r["step"])
+            running = [f"{r['name']}@{r['host']}" + (f" {step_of(*r['step'])}" if r["step"] else "")
                        for r in runs if r["status"] == RunStatus.RUNNING]
             others = {}
             for r in runs:
@@ -95,10 +95,3 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
     console.print(plain(", ".join(f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed",
                                                                       "cancelled"))))
 
-
-def _at_step(step: tuple[int, int | None] | None) -> str:
-    """' step/steps' of a running run ('?' for the steps of one whose config is damaged)."""
-    if step is None:
-        return ""
-    done, total = step
-    return f" {done}/{total if total is not None else '?'}"

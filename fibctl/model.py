@@ -243,6 +243,16 @@ class FibLM(nn.Module):
         for block in self.blocks:
             block.attn.blur_width = width
 
+    def attended(self, T: int) -> list[list[int]]:
+        """The distances each layer scores at length T, at its alpha now (a learned layer: its
+        window and the lower row of each kept rung, the row its interpolated copy stands for)."""
+        cfg = self.cfg
+        if cfg.schedule == "dense":
+            return attended_distances(cfg.base, "dense", cfg.window, cfg.n_layers, T)
+        if cfg.schedule == "learned":
+            return [window_distances(cfg.window, T) + [lo for _, lo in b.attn._rungs(T)[1]] for b in self.blocks]
+        return [b.attn.columns(T).dist for b in self.blocks]
+
     def alphas(self) -> list[float]:
         return [float(b.attn.alpha.detach()) if torch.is_tensor(b.attn.alpha) else b.attn.alpha
                 for b in self.blocks]

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from fibctl.cli import app
-from fibctl.cli.common import console
+from fibctl.cli.common import console, fitted_table, left_out
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
@@ -206,7 +206,9 @@ def bench_train_cmd(
     Each schedule trains in a fresh process on random tokens, with the preset's grad_accum
     micro-batches per step, its precision (bf16 autocast on CUDA, fp32 on the CPU) and the
     attention path training uses there (auto on CUDA, gather on the CPU). Peak memory is
-    CUDA's peak allocation on a GPU, else the process's peak RSS (torch included).
+    CUDA's peak allocation on a GPU, else the process's peak RSS (torch included). TFLOP/s
+    counts model FLOPs; MFU divides them by the GPU's peak (FIBCTL_PEAK_TFLOPS for a GPU fibctl
+    does not know, or the CPU).
     """
     import datetime
     import json
@@ -224,16 +226,21 @@ def bench_train_cmd(
                   "results": df.drop(columns=["device", "torch_version"]).to_dict(orient="records")}
         print(json.dumps(record, indent=2))
         return
-    t = Table(title=f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
-                    f"({bench.tokens_per_step:,} tokens) per step, {first.device}"
-                    f"{', compiled' if compile else ''}, median of {steps}")
-    for col in ("schedule", "ms / step", "tokens/s", "vs dense", "peak MB", "above start MB", "peak / dense"):
-        t.add_column(col, justify="right")
-    for r in df.itertuples():
-        t.add_row(r.schedule, f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.speed_vs_dense:.3f}",
-                  f"{r.peak_memory_mb:,.0f}", f"{r.peak_memory_mb - r.base_memory_mb:,.0f}",
-                  f"{r.memory_vs_dense:.3f}")
+    # MFU where the device's peak is known (a GPU of fibctl.flops's list, or FIBCTL_PEAK_TFLOPS)
+    with_mfu = first.mfu is not None
+    headers = ["schedule", "ms / step", "tokens/s", "vs dense", "TFLOP/s", *(["MFU"] if with_mfu else []),
+               "peak MB", "above start MB", "peak / dense"]
+    rows = [[r.schedule, f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.speed_vs_dense:.3f}", f"{r.tflops:.3g}",
+             *([f"{r.mfu:.1%}"] if with_mfu else []), f"{r.peak_memory_mb:,.0f}",
+             f"{r.peak_memory_mb - r.base_memory_mb:,.0f}", f"{r.memory_vs_dense:.3f}"] for r in df.itertuples()]
+    title = (f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
+             f"({bench.tokens_per_step:,} tokens) per step, {first.device}{', compiled' if compile else ''}, "
+             f"median of {steps}")
+    t, dropped = fitted_table(headers, rows, width=console.width, optional=("above start MB", "peak / dense"),
+                              right=headers[1:], title=title)
     console.print(t)
+    if dropped:
+        console.print(left_out(headers, dropped, rows), highlight=False)
     if bench.device.startswith("cuda"):  # auto chose per layer setting: say what it chose
         console.print("attention paths: " + "; ".join(f"{r.schedule} {r.attention}" for r in df.itertuples()),
                       highlight=False)

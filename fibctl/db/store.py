@@ -127,7 +127,9 @@ class RunRecorder:
         write_retrying(self.engine, write)
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float | None = None,
-                 tokens_per_s: float | None = None, elapsed_s: float | None = None) -> None:
+                 tokens_per_s: float | None = None, elapsed_s: float | None = None,
+                 mfu: float | None = None) -> None:
+        # mfu is not stored: the run's config, its device and tokens_per_s give it (fibctl.flops)
         self._replace((TrainStep.__table__, {"step": step},
                        [dict(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
                              elapsed_s=elapsed_s)]))

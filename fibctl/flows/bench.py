@@ -26,6 +26,7 @@ from fibctl.config import INT32_MAX, ConfigError, get_preset
 from fibctl.device import (autocast, check_compile, check_threads, describe, out_of_memory, resolve_device,
                            setup_process, synchronize)
 from fibctl.errors import FibctlError
+from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
@@ -209,6 +210,7 @@ def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None 
     dataclasses.replace(p.model, base=base, window=window).validate()  # W >= 0, a known base
     if compile:
         check_compile(resolved)
+    peak_flops(resolved)  # FIBCTL_PEAK_TFLOPS, if set, is a number
     return TrainBench(preset, T, batch_size, grad_accum, steps, warmup, str(resolved),
                       threads if threads is not None else (1 if resolved.type == "cpu" else torch.get_num_threads()),
                       window, base, compile)
@@ -297,7 +299,10 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
         if step > bench.warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    return {"schedule": schedule, "step_ms": 1e3 * step_s, "tokens_per_s": bench.tokens_per_step / step_s,
+    tokens_per_s = bench.tokens_per_step / step_s
+    per_token = training_flops_per_token(model, bench.seq_len)
+    return {"schedule": schedule, "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
+            "tflops": per_token * tokens_per_s / 1e12, "mfu": mfu(per_token, tokens_per_s, peak_flops(device)),
             "peak_memory_mb": _peak_memory_mb(device), "base_memory_mb": base_mb, "loss": loss,
             "optimizer": built.name, "device": describe(device), "torch_version": torch.__version__,
             "params": model.param_counts()["total"], "attention": _paths_used(model)}

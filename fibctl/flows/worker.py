@@ -49,6 +49,7 @@ from fibctl import queue
 from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
+from fibctl.flops import peak_flops
 from fibctl.names import check_name
 from fibctl.provenance import provenance
 from fibctl.config import RunConfig
@@ -101,10 +102,12 @@ def worker_name(device: torch.device) -> str:
 def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest | None:
     """Refuse, before claiming anything, a data folder whose manifest or streams are unusable
     or a runs folder that cannot be written, a --log-to back-end that is not installed, or
-    --compile where torch.compile cannot run: such a worker would fail every run it claims.
+    --compile where torch.compile cannot run, or a FIBCTL_PEAK_TFLOPS that is not a number: such
+    a worker would fail every run it claims.
     A data folder that does not exist is no data: the worker trains probe runs (they make
     their own) and puts back, with one line, the first run that needs text."""
     loggers.check_loggers(opts.log_to)
+    peak_flops(device)  # FIBCTL_PEAK_TFLOPS, if set, is a number
     if opts.compile:
         try:
             check_compile(device)

@@ -105,10 +105,10 @@ class Tee:
         for sink in self.sinks:
             sink.log(step, finite)
 
-    def log_step(self, step, loss, lr, grad_norm, tokens_per_s, elapsed_s) -> None:
-        self.reporter.log_step(step, loss, lr, grad_norm, tokens_per_s, elapsed_s)
+    def log_step(self, step, loss, lr, grad_norm, tokens_per_s, elapsed_s, mfu=None) -> None:
+        self.reporter.log_step(step, loss, lr, grad_norm, tokens_per_s, elapsed_s, mfu)
         self._copy(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                          "train/tokens_per_s": tokens_per_s})
+                          "train/tokens_per_s": tokens_per_s, "train/mfu": mfu})
 
     def log_eval(self, step, dataset, eval_length, tokens, loss, positions=None, windows=None) -> None:
         # positions: the database only, in the perplexity's transaction

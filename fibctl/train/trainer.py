@@ -41,6 +41,7 @@ from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
 from fibctl.errors import FibctlError, WorkerError, first_line
+from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM
 from fibctl.schedules import deviations, rungs_always_kept
@@ -53,8 +54,9 @@ from fibctl.train.sampler import WindowSampler
 class Reporter(Protocol):
     """Where the loop's measurements go (implemented by `fibctl.db.store.RunRecorder`)."""
 
+    # `mfu`: for the dashboards (`--log-to`); the database keeps tokens_per_s, which gives it
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                 elapsed_s: float) -> None: ...
+                 elapsed_s: float, mfu: float | None = None) -> None: ...
 
     # `positions`: the mean loss at each position over `windows` windows, written with it
     def log_eval(self, step: int, dataset: str, eval_length: int, tokens: int, loss: float,
@@ -148,6 +150,7 @@ class Trainer:
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
+        self.peak = peak_flops(device)  # None on the CPU: no MFU
         self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
 
     def _build(self, compile: bool) -> None:
@@ -182,6 +185,14 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.tc.batch_size * self.tc.grad_accum * self.config.model.seq_len
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """The MFU of `tokens_per_s` (global, over every rank's device), None without a peak;
+        counted at the alphas of the step just taken."""
+        if self.peak is None:
+            return None
+        per_token = training_flops_per_token(self.model, self.config.model.seq_len)
+        return mfu(per_token, tokens_per_s, self.peak, self.group.world if self.group is not None else 1)
 
     # ------------------------------------------------------------------ the loop
 
@@ -220,7 +231,7 @@ class Trainer:
             self._tick()
             if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                 self.reporter.log_step(self.step, loss, lr_at(self.step, self.tc), grad_norm,
-                                       tokens_per_s, self.elapsed_s)
+                                       tokens_per_s, self.elapsed_s, self._mfu(tokens_per_s))
                 self._heartbeat()
                 step_time, steps_timed = 0.0, 0
             unscored = None  # a held-out loss that is not finite: weights this step made NaN or infinite

@@ -36,8 +36,13 @@ def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated, in float32 whatever x's dtype: the study's float32 tables promoted its bf16
+    queries and keys, so under autocast they are rounded once, where they are scored (or,
+    in a learned layer, never: Attention.forward)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)  # a float64 model (gradient checks) stays float64
+    x, cos, sin = x.to(dtype), cos.to(dtype), sin.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class Attention(nn.Module):
@@ -110,22 +115,28 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, cfg.n_heads, D).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, cfg.n_kv_heads, D).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.wv(x).view(B, T, cfg.n_kv_heads, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cfg.schedule == "dense":
-            y = dense_attention(q, k, v, self.impl)
-        elif self.blur_width is not None:
-            c, centres = self.blur_columns(T)
-            y = blur_attention(q, k, v, window_distances(cfg.window, T), c, centres, self.blur_width,
-                               "reference" if self.impl == "reference" else "fast")
-        elif cfg.schedule == "learned":
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # float32
+        if cfg.schedule == "learned":
             y = self._learned_attention(q, k, v)
-        else:
-            y = sparse_attention(q, k, v, self.columns(T), self.impl)
+        else:  # rounded to the values' dtype (bf16 under autocast) as the study's autocast did
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            y = dense_attention(q, k, v, self.impl) if cfg.schedule == "dense" else \
+                sparse_attention(q, k, v, self.columns(T), self.impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * D))
 
     # Kept out of torch.compile's trace (FibLM.prepare): see there.
     def _learned_attention(self, q, k, v) -> torch.Tensor:
-        return sparse_attention(q, k, v, self.columns(q.shape[2]), self.impl)
+        """A learned layer attends in float32, autocast or not, as the study's did: its keys
+        (float32 from RoPE) interpolated and every score computed in float32. The values are
+        read in float32 too (docs/method.md, "Where fibctl differs")."""
+        T = q.shape[2]
+        with torch.autocast(q.device.type, enabled=False):
+            v = v.to(q.dtype)
+            if self.blur_width is not None:  # the probe's blur rungs
+                c, centres = self.blur_columns(T)
+                return blur_attention(q, k, v, window_distances(self.cfg.window, T), c, centres, self.blur_width,
+                                      "reference" if self.impl == "reference" else "fast")
+            return sparse_attention(q, k, v, self.columns(T), self.impl)
 
 
 class SwiGLU(nn.Module):

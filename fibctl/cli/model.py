@@ -160,7 +160,8 @@ def bench_attention_cmd(
         df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,
                              device=resolved, progress=lambda msg: status.update(f"benchmarking {msg}"))
     first = df.iloc[0]
-    t = Table(title=f"attention core, {first['dtype']}, batch {batch}, {first['device']}, median of {repeats}")
+    dtypes = f"{first['dtype']}" + ("" if df.dtype.nunique() == 1 else ", learned in float32")
+    t = Table(title=f"attention core, {dtypes}, batch {batch}, {first['device']}, median of {repeats}")
     for col in ("length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"):
         t.add_column(col, justify="right")
     for r in df.itertuples():

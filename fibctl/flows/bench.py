@@ -62,10 +62,10 @@ def attention_paths(device_type: str = "cpu") -> tuple[str, ...]:
     return PATHS + (("flex",) if flex else ()) + (("learned-flex",) if flex and device_type == "cuda" else ())
 
 
-def attention_dtype(device: torch.device) -> torch.dtype:
-    """What the attention core computes in when a model trains on `device`: bf16 under CUDA's
-    autocast, fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def attention_dtype(device: torch.device, path: str = "dense") -> torch.dtype:
+    """What a path's attention core computes in when a model trains on `device`: bf16 under
+    CUDA's autocast, fp32 on the CPU; learned layers in fp32 everywhere (Attention.forward)."""
+    return torch.bfloat16 if device.type == "cuda" and not path.startswith("learned") else torch.float32
 
 
 def _time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> float:
@@ -131,16 +131,16 @@ def _attention_rows(T: int, cfg, paths: tuple[str, ...], batch: int, repeats: in
                     base: str, device: torch.device, no_flex_backward: bool,
                     progress: Callable[[str], None] | None) -> list[dict]:
     """One length's rows of bench_attention, one per path."""
-    dtype = attention_dtype(device)
     rows = []
     g = torch.Generator().manual_seed(T)
     shape = lambda h: (batch, h, T, cfg.head_dim)
     made = [torch.randn(shape(h), generator=g) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads,
                                                           cfg.n_heads)]
-    q0, k0, v0, grad_out = (t.to(device, dtype) for t in made)
     for path in paths:
         if progress:
             progress(f"T={T} {path}")
+        dtype = attention_dtype(device, path)
+        q0, k0, v0, grad_out = (t.to(device, dtype) for t in made)
         run, attn = _core(path, T, window, base, device)
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
 

@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from contextlib import suppress
 from pathlib import Path, PurePath
 
@@ -119,7 +120,10 @@ def load_checkpoint(path: Path) -> dict:
     """The checkpoint's dict, loaded weights-only; DamagedCheckpoint for a file that does not
     read back as one, FibctlError for anything else."""
     try:
-        with torch.serialization.safe_globals(_LEGACY_NUMPY):
+        with torch.serialization.safe_globals(_LEGACY_NUMPY), warnings.catch_warnings():
+            # a plain pickle (not torch.save's) gets a warning about its protocol before the refusal:
+            # the refusal below is the one line to show
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FibctlError(f"checkpoint {path} does not exist") from None

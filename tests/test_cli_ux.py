@@ -538,3 +538,12 @@ def test_a_run_s_progress_shows_its_name_and_sets_as_written(bar, monkeypatch):
         display.finish(Outcome(name, "done", 10))
     text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # rich's own colours, when a terminal
     assert MARKUP in text and "eval b\\x1b[2J loss" in text and "\x1b[2J" not in text, repr(text)
+
+
+@pytest.mark.parametrize("columns,widest", [("0", 80), ("1", 20), ("99999999999", 1000)])
+def test_a_columns_of_no_width_or_any_width_still_draws_the_help(columns, widest):
+    # COLUMNS=0 printed one blank line, COLUMNS=1 borders alone, a huge one a MemoryError
+    done = fibctl("--help", env={**ENV80, "COLUMNS": columns})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert "Usage:" in done.stdout and "queue" in done.stdout and max(len(line) for line in lines) <= widest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -14,6 +15,24 @@ from rich.text import Text
 from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
+MIN_COLUMNS, MAX_COLUMNS = 20, 1000  # the widths output is drawn at, whatever COLUMNS says
+
+
+def _sane_columns() -> None:
+    """Bring COLUMNS, which rich and typer's help read, within what can be drawn: 0 means no
+    width (dropped: the terminal's, or 80), a narrower one is raised to MIN_COLUMNS (at 0 or 1
+    every table drew blank), a huge one lowered to MAX_COLUMNS (rich ran out of memory)."""
+    value = os.environ.get("COLUMNS", "").strip()
+    if not value.isdigit():
+        return  # rich ignores what is not a number
+    n = int(value)
+    if n == 0:
+        del os.environ["COLUMNS"]
+    elif not MIN_COLUMNS <= n <= MAX_COLUMNS:
+        os.environ["COLUMNS"] = str(min(MAX_COLUMNS, max(MIN_COLUMNS, n)))
+
+
+_sane_columns()  # before the consoles read it
 console = Console()
 err_console = Console(stderr=True)
 

@@ -23,6 +23,9 @@ SEED_MAX = 2**32 - 1  # numpy's global generator, seeded with every run's seeds,
 DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
 # the database stores step and token counts in Integer columns: 32-bit on PostgreSQL
 INT32_MAX = 2**31 - 1
+# `model`, `coverage` and the coverage figure list every layer's attended distances (a dense
+# layer's, and a window's, reach T): bounded so that a mistyped length is one line, not gigabytes
+MAX_LENGTH = 2**20
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the model's parameters are float32: a larger lr overflows them
 FLOAT32_ZERO = 2**-150  # half the smallest positive float32: float32 rounds this and less to 0

@@ -262,6 +262,16 @@ CASES = [
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
     (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
+    # lengths `coverage` refuses, refused by its figure too (it drew a title of T=99999999999)
+    (["figure", "coverage", "--length", "99999999999", "--out", "{tmp}/cov.png"], "must be from 2 to 1,048,576"),
+    (["figure", "coverage", "--length", "2", "--out", "{tmp}/cov.png"], "window W=8 is too large"),
+    # options that would do nothing where they were typed
+    (["status", "--every", "3", "--db", "{good_db}"], "--every goes with --watch"),
+    (["queue", "retry", "run", "--runs-dir", "{tmp}", "--db", "{good_db}"], "--runs-dir goes with --from-start"),
+    (["queue", "rm", "run", "--runs-dir", "{tmp}", "--db", "{good_db}"], "--runs-dir goes with --checkpoints"),
+    (["figure", "extrapolation", "--layers", "5", "--db", "{results_db}", "--out", "{tmp}/e.png"],
+     "--layers does not apply to the extrapolation figure"),
+    (["figure", "coverage", "--run", "foo", "--out", "{tmp}/c.png"], "--run does not apply to the coverage figure"),
 ]
 
 

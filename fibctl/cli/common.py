@@ -55,6 +55,20 @@ def plain(value, style: str = "") -> Text:
     return Text("" if value is None else printable(str(value)), style=style)
 
 
+def typed(ctx: typer.Context, param: str) -> bool:
+    """Whether the option `param` (its parameter name) was given on the command line, not left
+    at its default or taken from the environment (FIBCTL_RUNS_DIR serves many commands)."""
+    source = ctx.get_parameter_source(param)  # typer's own click or click's: compared by name
+    return getattr(source, "name", None) == "COMMANDLINE"
+
+
+def goes_with(ctx: typer.Context, param: str, option: str, needs: str, given: bool) -> None:
+    """Refuse `option` typed without `needs` (`given`: whether it was): it would do nothing,
+    and a user who typed it expects it to."""
+    if not given and typed(ctx, param):
+        raise FibctlError(f"{option} goes with {needs}; without it, {option} does nothing")
+
+
 def step_of(step: int, steps: int | None) -> str:
     """A running run's `step/steps` (`?` for the steps of one whose stored config is damaged)."""
     return f"{step:,}/" + (f"{steps:,}" if steps is not None else "?")

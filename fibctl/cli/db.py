@@ -13,7 +13,8 @@ import typer
 from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, left_out, plain, step_of
+from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, goes_with, left_out, plain,
+                               step_of)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -174,6 +175,7 @@ def queue_ls(db: DbOption = DEFAULT_DB,
 
 @app.command("status")
 def status_cmd(
+    ctx: typer.Context,
     db: DbOption = DEFAULT_DB,
     watch: Annotated[bool, typer.Option(
         "--watch", help="Redraw every --every seconds until Ctrl-C (output that is not a terminal, a log "
@@ -187,6 +189,7 @@ def status_cmd(
     from rich.console import Group
     from rich.live import Live
 
+    goes_with(ctx, "every", "--every", "--watch", watch)
     if not 0 < every <= 86_400:  # nan and inf too: time.sleep takes neither
         raise FibctlError(f"--every must be above 0 and at most a day (86400), got {every:g}")
     engine = db_engine.connect_readonly(db)
@@ -238,7 +241,8 @@ def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
 
 
 @queue_app.command("retry")
-def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
+def queue_retry(ctx: typer.Context,
+                name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
                 all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed run.")] = False,
                 from_start: Annotated[bool, typer.Option(
                     "--from-start", help="Train it from step 0, deleting its rows past step 0 and its auxiliary "
@@ -254,6 +258,7 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
         raise FibctlError("name a run, or pass --all-failed (not both)")
     if from_start and all_failed:
         raise FibctlError("--from-start takes one run by name, not --all-failed")
+    goes_with(ctx, "runs_dir", "--runs-dir", "--from-start", from_start)
     if from_start and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoint there: the rows would go, and a worker
         # given the real folder would resume from its checkpoint without them
@@ -287,7 +292,7 @@ def queue_retry(name: Annotated[Optional[str], typer.Argument(help="Run name, as
 
 
 @queue_app.command("rm")
-def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
+def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
              checkpoints: Annotated[bool, typer.Option(
                  "--checkpoints", help="Also delete the run's checkpoint folder (RUNS_DIR/NAME).")] = False,
              runs_dir: Annotated[Optional[Path], typer.Option(
@@ -296,6 +301,7 @@ def queue_rm(name: NameArg, db: DbOption = DEFAULT_DB,
              = None) -> None:
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
     its checkpoint folder inside the runs folder). A running run is refused."""
+    goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
     engine = db_engine.connect(db, must_exist=True)
     folder: list[Path] = []
     aside: list[Path] = []

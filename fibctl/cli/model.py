@@ -11,14 +11,11 @@ from rich.table import Table
 
 from fibctl.cli import app
 from fibctl.cli.common import console, fitted_table, left_out
-from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, get_preset
+from fibctl.config import BASES, MAX_LENGTH, PRESETS, SCHEDULES, ConfigError, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
 COVERAGE_MAX_LAYERS = 1024
-# `model` and `coverage` list every layer's attended distances (a dense layer's, and a window's,
-# reach T): bounded so that a mistyped length is one line, not gigabytes
-MAX_LENGTH = 2**20
 MAX_LISTED = 2**24  # layers x length
 
 Preset = Annotated[str, typer.Option(help=f"Model preset: {', '.join(PRESETS)}.")]

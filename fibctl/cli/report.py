@@ -13,7 +13,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int, typed
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
 from fibctl.errors import FibctlError
@@ -145,6 +145,7 @@ def report_all(
 
 @app.command("figure")
 def figure(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(
         help=f"One of {', '.join(figures.FIGURES)}.", show_default=False)],
     out: Annotated[str | None, typer.Option(
@@ -164,6 +165,7 @@ def figure(
     """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
+    _check_figure_options(ctx, name)
     path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:
         if name == "coverage":
@@ -182,6 +184,21 @@ def figure(
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)
+
+
+COVERAGE_OPTIONS = ("window", "schedule", "base", "preset", "layers", "length")  # the schedule's, no database
+
+
+def _check_figure_options(ctx: typer.Context, name: str) -> None:
+    """Refuse an option typed for a figure that does not take it: it would be ignored."""
+    if name == "coverage":
+        taken = COVERAGE_OPTIONS
+    else:
+        taken = ("db", *inspect.signature(figures.FIGURES[name]).parameters)
+    for param in ctx.command.params:
+        if param.name not in ("name", "out") and param.name not in taken and typed(ctx, param.name):
+            flag = max(param.opts, key=len)
+            raise FibctlError(f"{flag} does not apply to the {name} figure")
 
 
 SQL_FORMATS = ("table", "csv", "json")

@@ -22,7 +22,7 @@ from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES
+from fibctl.config import DEFAULT_SEED, MAX_LENGTH, PRESETS, SCHEDULES, ModelConfig
 from fibctl.errors import FibctlError
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
@@ -410,6 +410,12 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     """The distances each layer attends to, one panel per schedule: the picture of staggering.
     Grey: the local window; rungs coloured by the layer's alpha."""
     check_path(path)
+    # the lengths and windows `fibctl coverage` takes: a model of that length could train so
+    if not 2 <= seq_len <= MAX_LENGTH:
+        raise FibctlError(f"--length {seq_len:,} must be from 2 to {MAX_LENGTH:,}")
+    for schedule in schedules:
+        ModelConfig(schedule=schedule, base=base, window=window, n_layers=n_layers, n_rungs=n_rungs,
+                    seq_len=seq_len).validate().check_window()
     # a row per layer and a dot per distance: past these the figure is unreadable (and slow to draw)
     if n_layers > COVERAGE_FIGURE_MAX_LAYERS or window > COVERAGE_FIGURE_MAX_WINDOW:
         raise FibctlError(f"the coverage figure draws at most {COVERAGE_FIGURE_MAX_LAYERS} layers and a window of "

@@ -252,6 +252,8 @@ CASES = [
     (["bench", "attention", "--length", "8", "--device", "mps"], "unknown device 'mps'"),
     (["worker", "--gpus", "", "--db", "{good_db}", "--data", "{data}", "--runs-dir", "{tmp}/runs"],
      "--gpus is empty"),
+    (["worker", "--gpus", "all", "--device", "cpu", "--db", "{good_db}", "--data", "{data}", "--runs-dir",
+      "{tmp}/runs"], "--gpus and --device: choose one"),
     (["bench", "attention", "--length", "8", "--threads", "999"], "--threads must be from 1 to this machine's"),
     (["probe", "--db", "{tmp}/p.db", "--depth", "100000"], "--depth 100000 must be from 1 to 1024"),
     (["probe", "--db", "{tmp}/p.db", "--eval-sequences", "1000000000000"], "--eval-sequences 1000000000000 must"),

@@ -117,6 +117,7 @@ def cli_done(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
 
 # what a worker on a node would refuse, and what sbatch would: {root} is the `inputs` folder
 BAD_OPTIONS = [
+    (["--folder", "{root}/r.db/jobs"], ["--folder", "r.db is a file, not a folder"]),
     (["--threads", "0"], ["--threads", "got 0"]),
     (["--threads", "999999"], ["--threads", "got 999999"]),
     (["--cpus-per-task", "2", "--threads", "4"], ["--threads 4", "--cpus-per-task 2"]),

@@ -229,6 +229,9 @@ def worker_cmd(
     shared = ["--data", str(data), "--runs-dir", str(runs_dir), "--max-attempts", str(max_attempts),
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
     shared += [arg for name in log_to for arg in ("--log-to", name)] + (["--compile"] if compile else [])
+    if gpus is not None and device is not None:  # each per-GPU worker is given its device
+        raise FibctlError(f"--gpus and --device: choose one (--gpus starts a worker on each GPU listed; "
+                          f"--device picks this worker's device, --device cpu a CPU worker)")
     gpu_list = parse_gpus(gpus) if gpus is not None else []  # "" is refused there, not a CPU worker
     if gpu_list:
         code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),

@@ -247,11 +247,14 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     settings = WorkerSettings(db, worker.data_dir.expanduser().resolve(), worker.runs_dir.expanduser().resolve(),
                               worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
     check_worker(settings, spec, configs)
+    folder = folder.expanduser().resolve()
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # a dry run too: its script names job folders that could never be made
+        raise FibctlError(f"--folder {folder}: {blocked} is a file, not a folder")
     submitit = require_submitit()
     if not dry_run:
         require_slurm("sbatch")
         require_slurm("srun")
-    folder = folder.expanduser().resolve()
     # the paths travel as variables: a node whose filesystem differs sets its own in its TaskProlog
     setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
              f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]

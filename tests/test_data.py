@@ -168,6 +168,9 @@ def test_missing_manifest_names_the_folder(tmp_path):
 @pytest.mark.parametrize("change, words", [
     ({"tokenizer_vocab": "big"}, "tokenizer_vocab 'big' is not a count"),
     ({"eos_id": -1}, "eos_id -1 is not a count"),
+    ({"eos_id": 9999}, "eos_id 9999 is beyond the tokenizer's vocabulary of 512"),
+    ({"tokenizer_vocab": 513}, "tokenizer_vocab 513 is beyond vocab_size 512"),
+    ({"dtype": "bogus"}, "dtype 'bogus' is not uint16"),
     ({"recipe": 5}, "recipe 5 is not text"),
     ({"heldout": ["train"]}, "repeat a name"),
     ({"sources": {"s": {"kind": "local", "target_tokens": "x", "train_tokens": 1, "train_documents": 1,
@@ -195,6 +198,7 @@ def test_data_show_prints_a_recipe_name_s_control_codes_escaped(tmp_path, capsys
     from train_helpers import write_data
 
     data = write_data(tmp_path / "data", train_tokens=1_000, heldout_tokens=100)
+    (data / "tokenizer.json").write_text("{}")  # `data show` refuses a folder without one
     manifest = json.loads((data / "manifest.json").read_text())
     (data / "manifest.json").write_text(json.dumps({**manifest, "recipe": "\u001b[2Jmine"}))
     show_cmd(data)

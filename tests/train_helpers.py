@@ -28,6 +28,7 @@ def write_data(data_dir: Path, vocab: int = 512, train_tokens: int = 40_000, hel
             x[i] = (5 * x[i - 1] + 3 + noise[i]) % vocab
         x.astype(np.uint16).tofile(data_dir / f"{split}.bin")
         tokens[split] = n
+    (data_dir / "tokenizer.json").write_text("{}")  # a stand-in: training reads only the streams
     DataManifest(data_dir=data_dir, recipe="test", recipe_hash="0" * 16, inputs_hash="0" * 16,
                  vocab_size=vocab, tokenizer_vocab=vocab, tokenizer_hash="0" * 16, eos_id=0,
                  heldout=list(HELDOUT), tokens=tokens).write()

@@ -16,6 +16,7 @@ from fibctl.cli import app
 from fibctl.cli.common import console, err_console, fitted_table, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
+from fibctl.reports.render import printable
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
                        no_args_is_help=True)
@@ -60,7 +61,9 @@ def prepare_cmd(
     start = time.perf_counter()
     try:
         with token_progress(plain) as progress:
-            result = prepare(r, out, progress)
+            # why a folder of this recipe is built again, said before the build (hours, for paper)
+            result = prepare(r, out, progress, note=lambda line: progress.console.print(
+                f"[yellow]note:[/] {escape(printable(line))}", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
         err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,
                           highlight=False)
@@ -82,9 +85,11 @@ def prepare_cmd(
 def show_cmd(
     data_dir: Annotated[Path, typer.Argument(help="A folder written by `fibctl data prepare`.")],
 ) -> None:
-    """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; a
-    split file missing, cut short or holding ids past the vocabulary is an error (exit 2)."""
+    """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
+    tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,
+    is an error (exit 2)."""
     manifest = load_manifest(data_dir)
+    manifest.check_tokenizer()
     for split in manifest.splits:  # as a worker checks them before it trains on them
         manifest.stream(split)
     _print_manifest(manifest)

@@ -2,7 +2,8 @@
 
 Everything is built in a hidden sibling folder and renamed into place only when complete, so an
 interrupted or failed run (an unreachable hub, say) leaves nothing a later run could mistake for
-finished data. Same recipe and inputs -> same bytes; an up-to-date folder is reused as is.
+finished data. Same recipe and inputs -> same bytes; an up-to-date folder is reused as is,
+once its files check against its manifest (sizes and hashes): one changed since is rebuilt.
 A rebuild holds a lock beside the folder, so a second prepare into it refuses rather than
 deleting the first one's work. Putting a build in place takes two renames (the old folder
 away, the new one in): a prepare killed between them (or just before them) leaves its build
@@ -28,7 +29,7 @@ import secrets
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +61,10 @@ class PrepareResult:
     finished: bool = False  # the complete build of a prepare killed while putting it in place was put there
 
 
-def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -> PrepareResult:
-    """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`."""
+def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
+            note: Callable[[str], None] = lambda line: None) -> PrepareResult:
+    """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`;
+    `note` gets a line saying why a folder of this recipe is rebuilt rather than reused."""
     out = Path(out)
     if out.name in ("", ".."):  # '.', '/', '..': its lock and work folder go beside it, under its own name
         raise FibctlError(f"--data {out}: name the data folder itself (e.g. --data data), not {out}")
@@ -69,10 +72,18 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None) -
     _check_documents_alike(recipe)
     inputs_hash = _inputs_hash(recipe)
     existing = _existing(out)
-    if existing and existing.inputs_hash == inputs_hash and _complete(existing):
-        _tidy(out)
-        return PrepareResult(existing, True, {})
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if existing and existing.inputs_hash == inputs_hash:
+        # a stream changed since (a byte edited, a file copied over it) would be trained and
+        # scored on: reuse only what still checks, as a leftover build must (_finished_build)
+        mismatch = _mismatch(existing)
+        if mismatch is None:
+            _tidy(out)
+            return PrepareResult(existing, True, {})
+        note(f"{out}: {mismatch}; rebuilding it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FibctlError(f"--data {out}: cannot create its parent folder {out.parent}: {e.strerror or e}") from None
     with _building(out):
         if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
             refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: "
@@ -448,10 +459,28 @@ def _existing(out: Path) -> DataManifest | None:
         return None  # an older or damaged manifest: rebuild
 
 
-def _complete(manifest: DataManifest) -> bool:
-    return manifest.tokenizer_path.is_file() and all(
-        manifest.split_path(s).is_file() and manifest.split_path(s).stat().st_size == 2 * manifest.tokens[s]
-        for s in manifest.splits)
+def _mismatch(manifest: DataManifest) -> str | None:
+    """How the folder's files differ from what its manifest records (the tokenizer and each
+    stream there, with its size and hash), in words; None when they match. Hashing reads each
+    file once: under a second for the paper's streams, against hours to build them again
+    (docs/benchmarks.md)."""
+    if not manifest.tokenizer_path.is_file():
+        return f"{TOKENIZER} is missing"
+    for split in manifest.splits:
+        path = manifest.split_path(split)
+        if not path.is_file():
+            return f"{path.name} is missing"
+        size, recorded = path.stat().st_size, 2 * manifest.tokens[split]
+        if size != recorded:
+            return f"{path.name} holds {size:,} bytes where its manifest records {recorded:,}"
+    if set(manifest.stream_hashes) != set(manifest.splits):  # a manifest from before they were recorded
+        return "its manifest records no stream hashes to check its files against (an older fibctl wrote it)"
+    if short_hash(manifest.tokenizer_path.read_bytes()) != manifest.tokenizer_hash:
+        return f"{TOKENIZER} no longer matches the hash its manifest records"
+    for split in manifest.splits:
+        if file_hash(manifest.split_path(split)) != manifest.stream_hashes[split]:
+            return f"{manifest.split_path(split).name} no longer matches the hash its manifest records"
+    return None
 
 
 def lock_path(out: Path) -> Path:
@@ -466,7 +495,11 @@ def _building(out: Path) -> Iterator[None]:
     """Hold `out`'s lock while rebuilding it; refuse at once if another prepare holds it."""
     path = lock_path(out)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # /proc, a read-only disk, another's folder: the lock is ours, the folder theirs
+            raise FibctlError(f"--data {out}: cannot create files in {out.parent}, where it is built: "
+                              f"{e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -512,8 +545,8 @@ def _finished_build(out: Path, inputs_hash: str) -> Path | None:
     """A complete build for `inputs_hash` that a killed prepare left beside `out`: its own (killed
     between its two renames, or just before them) or the folder it had moved away (the same
     recipe asked for again). Complete means its manifest loads, it holds exactly the files
-    the manifest names, and each has the size and hash recorded: a half build has no manifest
-    (that is written last), and a file that never reached the disk fails its hash."""
+    the manifest names, and each has the size and hash recorded (_mismatch): a half build has
+    no manifest (that is written last), and a file that never reached the disk fails its hash."""
     for path in _leftovers(out):
         try:
             manifest = load_manifest(path)
@@ -521,9 +554,7 @@ def _finished_build(out: Path, inputs_hash: str) -> Path | None:
             continue
         files = {MANIFEST, TOKENIZER, *(manifest.split_path(s).name for s in manifest.splits)}
         if manifest.inputs_hash == inputs_hash and {p.name for p in path.iterdir()} == files \
-                and _complete(manifest) and set(manifest.stream_hashes) == set(manifest.splits) \
-                and short_hash(manifest.tokenizer_path.read_bytes()) == manifest.tokenizer_hash \
-                and all(file_hash(manifest.split_path(s)) == manifest.stream_hashes[s] for s in manifest.splits):
+                and _mismatch(manifest) is None:
             return path
     return None
 

@@ -21,6 +21,7 @@ from fibctl.names import check_name
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 1
+DTYPE = "uint16"  # of every stream: the only one fibctl writes, and the one it reads them as
 TRAIN_SPLIT = "train"
 EOS = "<|endoftext|>"
 
@@ -70,7 +71,7 @@ class DataManifest:
             raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
         if self.tokens[split] == 0:
             raise FibctlError(f"{path} holds no tokens; prepare the data again")
-        stream = np.memmap(path, dtype=np.uint16, mode="r")
+        stream = np.memmap(path, dtype=DTYPE, mode="r")
         # an id past the vocabulary would index outside the embedding table mid-run
         top = int(stream.max())
         if top >= self.vocab_size:
@@ -78,12 +79,18 @@ class DataManifest:
                               "prepare the data again")
         return stream
 
+    def check_tokenizer(self) -> None:
+        """Refuse a folder without its tokenizer: training reads only the streams, but the ids
+        mean nothing without it (decoding a sample, tokenizing new text)."""
+        if not self.tokenizer_path.is_file():
+            raise FibctlError(f"{self.data_dir}: its tokenizer {TOKENIZER} is missing; prepare the data again")
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT_VERSION, "recipe": self.recipe, "recipe_hash": self.recipe_hash,
             "inputs_hash": self.inputs_hash, "vocab_size": self.vocab_size,
             "tokenizer": TOKENIZER, "tokenizer_vocab": self.tokenizer_vocab,
-            "tokenizer_hash": self.tokenizer_hash, "eos_id": self.eos_id, "dtype": "uint16",
+            "tokenizer_hash": self.tokenizer_hash, "eos_id": self.eos_id, "dtype": DTYPE,
             "train_split": self.train_split, "heldout": self.heldout, "tokens": self.tokens,
             "sources": self.sources, "stream_hashes": self.stream_hashes,
         }
@@ -116,6 +123,8 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
             tokens=dict(d["tokens"]), sources=dict(d["sources"]), train_split=d["train_split"],
             stream_hashes=dict(d.get("stream_hashes", {})),
         )
+        if d.get("dtype") != DTYPE:  # the streams are read as uint16 whatever it says: refuse, not misread
+            raise ValueError(f"dtype {d.get('dtype')!r} is not {DTYPE}, the only type of stream fibctl reads")
         _check(manifest)
         return manifest
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
@@ -140,6 +149,11 @@ def _check(m: DataManifest) -> None:
     for key in ("tokenizer_vocab", "eos_id"):
         if not _count(getattr(m, key)):
             raise ValueError(f"{key} {getattr(m, key)!r} is not a count")
+    # the streams' ids are the tokenizer's, and the model embeds vocab_size of them
+    if m.tokenizer_vocab > m.vocab_size:
+        raise ValueError(f"tokenizer_vocab {m.tokenizer_vocab:,} is beyond vocab_size {m.vocab_size:,}")
+    if m.eos_id >= m.tokenizer_vocab:
+        raise ValueError(f"eos_id {m.eos_id} is beyond the tokenizer's vocabulary of {m.tokenizer_vocab:,}")
     for key in ("recipe", "recipe_hash", "inputs_hash", "tokenizer_hash"):
         if not isinstance(getattr(m, key), str):
             raise TypeError(f"{key} {getattr(m, key)!r} is not text")

@@ -212,7 +212,8 @@ def sql(
     db: DbOption = DEFAULT_DB,
     fmt: Annotated[str | None, typer.Option(
         "--format", "-f", help="table (default; control characters shown escaped, e.g. \\x1b), csv (NULL as an "
-        "empty field) or json (NULL as null): these two keep every value exact.", show_default=False)] = None,
+        "empty field) or json (NULL as null): these two keep numbers and text exact (a blob is written as "
+        "x'HEX', a float json cannot hold as its name, e.g. \"inf\").", show_default=False)] = None,
     csv: Annotated[bool, typer.Option("--csv", help="The same as --format csv.")] = False,
     json: Annotated[bool, typer.Option("--json", help="The same as --format json.")] = False,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Print at most this many rows.")] = MAX_ROWS,

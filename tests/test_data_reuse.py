@@ -16,27 +16,11 @@ from fibctl.cli import app
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe
 from fibctl.data.streams import load_manifest
-
-GENERATED = """
-name = "gen"
-vocab_size = 300
-train_tokens = 3000
-heldout_tokens = 2000
-tokenizer_sample_chars = 20000
-
-[[sources]]
-name = "stories"
-kind = "generated"
-documents = 600
-share = 1
-heldout = "stories_val"
-heldout_fraction = 0.1
-"""
+from train_helpers import generated_recipe
 
 
 def _recipe(root: Path) -> Path:
-    (root / "gen.toml").write_text(GENERATED)
-    return root / "gen.toml"
+    return generated_recipe(root / "gen.toml")
 
 
 def _files(folder: Path) -> dict[str, bytes]:

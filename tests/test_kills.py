@@ -29,23 +29,7 @@ from fibctl.queue import add_runs
 from conftest import fresh_database
 from test_db import _insert_rev1_run
 from test_import import make_study
-from train_helpers import micro_run
-
-GENERATED = """
-name = "gen"
-vocab_size = 300
-train_tokens = {train_tokens}
-heldout_tokens = 2000
-tokenizer_sample_chars = 20000
-
-[[sources]]
-name = "stories"
-kind = "generated"
-documents = 600
-share = 1
-heldout = "stories_val"
-heldout_fraction = 0.1
-"""
+from train_helpers import generated_recipe, micro_run
 
 # Run in the child: `fibctl ARGS` with one function wrapped so that the Nth call whose
 # arguments' repr holds MATCH writes MARK and waits there (before the call, or after it
@@ -121,9 +105,7 @@ def beside(folder: Path) -> list[str]:
 
 
 def _recipe(root: Path, train_tokens: int) -> Path:
-    path = root / f"gen{train_tokens}.toml"
-    path.write_text(GENERATED.format(train_tokens=train_tokens))
-    return path
+    return generated_recipe(root / f"gen{train_tokens}.toml", train_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,26 @@ class NullReporter:
 
     def __getattr__(self, name):
         return lambda *a, **k: True
+
+
+GENERATED_RECIPE = """
+name = "gen"
+vocab_size = 300
+train_tokens = {train_tokens}
+heldout_tokens = 2000
+tokenizer_sample_chars = 20000
+
+[[sources]]
+name = "stories"
+kind = "generated"
+documents = 600
+share = 1
+heldout = "stories_val"
+heldout_fraction = 0.1
+"""
+
+
+def generated_recipe(path: Path, train_tokens: int = 3000) -> Path:
+    """A small offline recipe (the `generated` source, one held-out set), written to `path`."""
+    path.write_text(GENERATED_RECIPE.format(train_tokens=train_tokens))
+    return path

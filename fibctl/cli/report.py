@@ -190,13 +190,14 @@ COVERAGE_OPTIONS = ("window", "schedule", "base", "preset", "layers", "length") 
 
 
 def _check_figure_options(ctx: typer.Context, name: str) -> None:
-    """Refuse an option typed for a figure that does not take it: it would be ignored."""
+    """Refuse an option typed for a figure that does not take it: it would be ignored. --db,
+    which every command takes, is let through (a script may pass it to every figure)."""
     if name == "coverage":
         taken = COVERAGE_OPTIONS
     else:
-        taken = ("db", *inspect.signature(figures.FIGURES[name]).parameters)
+        taken = tuple(inspect.signature(figures.FIGURES[name]).parameters)
     for param in ctx.command.params:
-        if param.name not in ("name", "out") and param.name not in taken and typed(ctx, param.name):
+        if param.name not in ("name", "out", "db") and param.name not in taken and typed(ctx, param.name):
             flag = max(param.opts, key=len)
             raise FibctlError(f"{flag} does not apply to the {name} figure")
 

@@ -35,6 +35,13 @@ class ConfigError(FibctlError, ValueError):
     """A configuration value is out of range; the message names the value and the allowed ones."""
 
 
+def check_length(length: int, flag: str = "--length") -> int:
+    """A length that lists every layer's distances, within MAX_LENGTH."""
+    if not 2 <= length <= MAX_LENGTH:
+        raise ConfigError(f"{flag} {length:,} must be from 2 to {MAX_LENGTH:,}")
+    return length
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder-only transformer (docs/method.md, "The model") and its attention settings."""

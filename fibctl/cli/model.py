@@ -11,7 +11,7 @@ from rich.table import Table
 
 from fibctl.cli import app
 from fibctl.cli.common import console, fitted_table, left_out
-from fibctl.config import BASES, MAX_LENGTH, PRESETS, SCHEDULES, ConfigError, get_preset
+from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
@@ -25,17 +25,11 @@ Window = Annotated[int, typer.Option(help="Local window W: distances 0..W are al
 Length = Annotated[int | None, typer.Option(help="Sequence length to build at (default: the preset's).")]
 
 
-def _check_length(length: int) -> int:
-    if not 2 <= length <= MAX_LENGTH:
-        raise ConfigError(f"length {length:,} must be from 2 to {MAX_LENGTH:,}")
-    return length
-
-
 def _model_config(preset: str, schedule: str, base: str, window: int, length: int | None):
     # the window queue add accepts at the preset's training length; --length then caps it
     cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
     cfg = cfg.validate().check_window()
-    return cfg if length is None else cfg.with_length(_check_length(length)).validate()
+    return cfg if length is None else cfg.with_length(check_length(length)).validate()
 
 
 def _attention(schedule: str, base: str, window: int) -> str:
@@ -100,7 +94,7 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
                           f"at most {MAX_LISTED:,} in all")
     # the paper model, trained at --length: its window bound is queue add's at that length
     cfg = dataclasses.replace(get_preset("paper").model, schedule=schedule, base=base, window=window,
-                              n_layers=layers, seq_len=_check_length(length)).validate().check_window()
+                              n_layers=layers, seq_len=check_length(length)).validate().check_window()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
     t = Table(title=f"coverage: {_attention(schedule, base, window)}, L={layers} T={length}")
     t.add_column("layer")
@@ -148,8 +142,7 @@ def bench_attention_cmd(
     from fibctl.flows.bench import bench_attention, check_counts
 
     for T in length:
-        if not 2 <= T <= MAX_LENGTH:
-            raise ConfigError(f"--length {T:,} must be from 2 to {MAX_LENGTH:,}")
+        check_length(T)
     check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))
     resolved = resolve_device(device)
     torch.set_num_threads(check_threads(threads))  # more than the CPUs would only contend
@@ -261,8 +254,7 @@ def bench_probe_cmd(
     process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference."""
     from fibctl.flows.bench import ProbeBench, bench_probe, check_counts
 
-    if not 2 <= length <= MAX_LENGTH:
-        raise ConfigError(f"--length {length:,} must be from 2 to {MAX_LENGTH:,}")
+    check_length(length)
     if not 0 < width <= length:  # a wider blur is flat over every distance there is (and NaN fails both)
         raise ConfigError(f"--width {width:g} must be > 0 and at most --length {length:,}")
     check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))

@@ -22,7 +22,7 @@ from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import DEFAULT_SEED, MAX_LENGTH, PRESETS, SCHEDULES, ModelConfig
+from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_length
 from fibctl.errors import FibctlError
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
@@ -411,8 +411,7 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     Grey: the local window; rungs coloured by the layer's alpha."""
     check_path(path)
     # the lengths and windows `fibctl coverage` takes: a model of that length could train so
-    if not 2 <= seq_len <= MAX_LENGTH:
-        raise FibctlError(f"--length {seq_len:,} must be from 2 to {MAX_LENGTH:,}")
+    check_length(seq_len)
     for schedule in schedules:
         ModelConfig(schedule=schedule, base=base, window=window, n_layers=n_layers, n_rungs=n_rungs,
                     seq_len=seq_len).validate().check_window()

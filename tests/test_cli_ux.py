@@ -477,7 +477,7 @@ def test_a_worker_shows_the_names_and_errors_of_the_runs_it_failed_as_written(tm
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"))
     assert code == 1, out + err  # neither name is one a run folder may have
-    assert out.count("failed at step 0") == 2, out
+    assert out.count("failed while starting") == 2, out
     _shown_not_obeyed(out)
 
 

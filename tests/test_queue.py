@@ -547,7 +547,7 @@ def test_a_worker_names_the_run_it_failed_for_a_damaged_stored_config(tmp_path, 
     out = capsys.readouterr().out
     assert exit_.value.code == 1, out  # a run failed
     lines = out.strip().splitlines()
-    assert lines[0].startswith("r000: failed at step 0: run 'r000': its stored config is not a fibctl config"), out
+    assert lines[0].startswith("r000: failed while starting: run 'r000': its stored config is not a fibctl config"), out
     assert lines[-1] == "worker: 1 run(s): r000 failed", out
     assert [r["name"] for r in queue.list_runs(engine, "failed")] == ["r000"]
 

@@ -107,7 +107,7 @@ class RunDisplay:
                 f"{dataset} {_ppl(loss)}" for dataset, loss in last.evals.items()) if last.evals else "")
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
         # folded at a terminal's width; one line in a file, for grep
-        line = as_written(f"{outcome.name}: {outcome.status} at step {outcome.step}{detail}", style)
+        line = as_written(f"{outcome.name}: {outcome.status} {outcome.at}{detail}", style)
         console.print(line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
 
 

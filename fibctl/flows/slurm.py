@@ -346,7 +346,7 @@ class JobDisplay:
 
     def finish(self, outcome) -> None:
         detail = f": {outcome.error}" if outcome.error else ""
-        self._say(f"{outcome.name}: {outcome.status} at step {outcome.step}{detail}")
+        self._say(f"{outcome.name}: {outcome.status} {outcome.at}{detail}")
 
     def _say(self, text: str) -> None:
         # names and errors come from the database: a log read in a terminal shows their

@@ -66,9 +66,13 @@ from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data, no_
 class Outcome:
     name: str
     status: str  # done | failed | released | lost (cancelled, taken over or removed meanwhile)
-    step: int
+    step: int | None  # None: it failed while starting (building the model, resuming), before any step
     error: str | None = None
     checkpoint: Path | None = None
+
+    @property
+    def at(self) -> str:
+        return "while starting" if self.step is None else f"at step {self.step}"
 
 
 class Display(Protocol):
@@ -195,7 +199,7 @@ def _failed_at_claim(display: Display, outcomes: list[Outcome]) -> Callable[[str
     """claim_next's `on_failed`: a run failed as it was claimed (its stored config damaged) is
     one of the worker's outcomes, shown and summed up like a run that failed in training."""
     def failed(name: str, error: str) -> None:
-        outcome = Outcome(name, "failed", 0, error)
+        outcome = Outcome(name, "failed", None, error)
         display.finish(outcome)
         outcomes.append(outcome)
     return failed
@@ -346,6 +350,7 @@ def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: to
     if task == END:
         return None
     config = RunConfig.from_dict(task["config"])
+    trainer = None
     try:
         trainer = Trainer(config, load_manifest(opts.data_dir), Path(task["run_dir"]), Silent(),
                           device=device, stop=stop, compile=opts.compile, group=group)
@@ -354,7 +359,7 @@ def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: to
         if peer_failure(e) or isinstance(e, WorkerError):  # as rank 0 does (train_claimed)
             raise
         # the run's own error: rank 0 meets it too, marks the run failed and claims the next
-        return Outcome(config.name, "failed", 0, f"{type(e).__name__}: {e}")
+        return Outcome(config.name, "failed", trainer.step if trainer else None, f"{type(e).__name__}: {e}")
     status = {"stopped": "released", "diverged": "failed"}.get(result.status, result.status)
     return Outcome(config.name, status, result.step, result.error, result.checkpoint)
 
@@ -462,9 +467,10 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
-        step = trainer.step if trainer else 0
+        step = trainer.step if trainer else None
+        at = "while starting" if step is None else f"at step {step}"
         try:  # back to the queue now, rather than running until its heartbeat is stale
-            queue.release(engine, claimed.id, f"aborted at step {step} by a second signal; it resumes from its "
+            queue.release(engine, claimed.id, f"aborted {at} by a second signal; it resumes from its "
                           "last checkpoint", worker)
             display.finish(Outcome(claimed.name, "released", step, "aborted; it resumes from its last checkpoint"))
         except Exception:  # noqa: BLE001 (the database may be why the user pressed it twice: the heartbeat hands it on)
@@ -473,21 +479,22 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     except DatabaseUnavailable as e:
         error = _requeue_after_database_failure(engine, claimed, trainer, e, worker)
         # the progress display ends here; the error the worker stops with says why
-        display.finish(Outcome(claimed.name, "released", trainer.step if trainer else 0))
+        display.finish(Outcome(claimed.name, "released", trainer.step if trainer else None))
         raise error from None
     except WorkerError as e:
         queue.unclaim(engine, claimed.id, str(e), worker)
         raise
     except Exception as e:  # a run that raises must not take the worker down with it
-        step = trainer.step if trainer else 0
+        step = trainer.step if trainer else None  # None: resuming or building it failed
+        at = "while starting" if step is None else f"at step {step}"
         if group is not None and peer_failure(e):  # not the run's fault: back to the queue
             lost = as_peer_lost(e)
-            queue.release(engine, claimed.id, f"released at step {step}: {lost}", worker)
+            queue.release(engine, claimed.id, f"released {at}: {lost}", worker)
             display.finish(Outcome(claimed.name, "released", step))
             raise FibctlError(f"run {claimed.name!r}: {lost}; it is queued again") from None
         if isinstance(e, IntegrityError) and queue.removed(engine, claimed.id):  # nothing left to record
             outcome = Outcome(claimed.name, "lost", step, "the run was removed from the database")
-        elif queue.fail(engine, claimed.id, f"at step {step}: {_error_text(e)}", worker):
+        elif queue.fail(engine, claimed.id, f"{at}: {_error_text(e)}", worker):
             outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
         else:  # cancelled or taken over meanwhile: the row is no longer ours to fail
             outcome = Outcome(claimed.name, "lost", step, f"{type(e).__name__}: {e}")

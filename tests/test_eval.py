@@ -91,12 +91,13 @@ def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained
     shown = [[cell.strip() for cell in line.split("│")[1:-1]] for line in result.output.splitlines()]
     assert len(recorded) == 4 and "tokens/s" in result.output
     for run, metric, value in recorded:
-        assert [run, "10", metric.removeprefix("speed@"), f"{value:,.0f}"] in shown, result.output
+        assert [run, "10", metric.removeprefix("speed@"), "8", f"{value:,.0f}"] in shown, result.output
     assert CliRunner().invoke(app, args).exit_code == 0
     assert rows(db, counts) == first
     speed = rows(db, "select a.name, metric, value from aux_metrics a join runs r on r.id = a.run_id "
                      "where r.name = 'dense' order by a.name, metric")
-    assert [(n, m) for n, m, _ in speed] == [("speed@128", "latency_s"), ("speed@128", "tokens_per_s"),
+    assert [(n, m) for n, m, _ in speed] == [("speed@128", "batch"), ("speed@128", "latency_s"),
+                                            ("speed@128", "tokens_per_s"), ("speed@64", "batch"),
                                             ("speed@64", "latency_s"), ("speed@64", "tokens_per_s")]
     assert all(v > 0 for _, _, v in speed)
     assert rows(db, "select count(*) from position_losses p join runs r on r.id = p.run_id "

@@ -9,6 +9,7 @@ import math
 import re
 import sqlite3
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from typer.testing import CliRunner
 from fibctl.cli import app
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, RunConfig, get_preset
 from fibctl.errors import FibctlError
-from fibctl.metrics import stream_loss
+from fibctl.metrics import inference_speed, stream_loss
 from fibctl.matrix import load_matrix
 from fibctl.model import Attention, FibLM
 from fibctl.schedules import attended_distances, base_sequence, layer_alphas
@@ -160,6 +161,38 @@ def test_evaluation_halves_its_batch_until_it_fits_and_says_when_nothing_does():
     assert model.batches[:3] == [16, 8, 4] and set(model.batches[3:]) <= {1, 2}
     with pytest.raises(FibctlError, match="^length 4 is out of reach on cpu: out of memory with a single window$"):
         stream_loss(Cramped(fits=0), stream, 4, 80, cpu)
+
+
+class Timed(torch.nn.Module):
+    """A 'model' that counts its forward passes and the batches they saw, and runs out of
+    memory above `fits` sequences."""
+
+    def __init__(self, fits: int = 1_000, vocab_size: int = 50):
+        super().__init__()
+        self.cfg = SimpleNamespace(vocab_size=vocab_size)
+        self.fits, self.shapes, self.grad = fits, [], []
+
+    def forward(self, idx):
+        self.shapes.append(tuple(idx.shape))
+        self.grad.append(torch.is_grad_enabled())
+        if len(idx) > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        assert idx.dtype == torch.int64 and 0 <= int(idx.min()) and int(idx.max()) < self.cfg.vocab_size
+        return idx
+
+
+@pytest.mark.parametrize("fits,batch", [(1_000, 8), (5, 4), (1, 1)])
+def test_inference_speed_is_timed_as_the_study_timed_it(fits, batch):
+    """Batch 8 of random tokens at the length, 2 untimed forward passes then 5 timed, without
+    gradients, in eval mode (restored after); a batch out of memory is halved, and said."""
+    model = Timed(fits).train()
+    measured = inference_speed(model, 16, torch.device("cpu"))
+    fitted = [s for s in model.shapes if s[0] <= fits]
+    assert fitted == [(batch, 16)] * 7 and not any(model.grad) and model.training
+    assert measured["batch"] == batch
+    assert measured["tokens_per_s"] == pytest.approx(batch * 16 / measured["latency_s"])
+    with pytest.raises(FibctlError, match="^length 16 is out of reach on cpu: out of memory with a single sequence$"):
+        inference_speed(Timed(fits=0), 16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("length,tokens,problem", [

@@ -123,7 +123,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
                               data=(data_dir, manifest.inputs_hash))
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
-                                       "tokens_per_s"])
+                                       "tokens_per_s", "speed_batch"])
 
 
 def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_given: bool) -> None:
@@ -207,16 +207,16 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             recorder.log_eval(step, dataset, length, res.tokens, res.loss,
                               *((res.position_losses.tolist(), res.position_windows) if positions else ()))
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
-                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan}
+                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan,
+                   "speed_batch": None}
             rows.append(row)
             if on_result:
                 on_result(row)
         if speed:
-            first = next(iter(streams.values()))
-            measured = inference_speed(model, eval_windows(first, length, length)[0], device)
+            measured = inference_speed(model, length, device)
             for metric, value in measured.items():
                 recorder.log_metric(f"speed@{length}", metric, value)
             for row in rows[-len(streams):]:  # this length's rows: the speed is the model's, not a set's
-                row["tokens_per_s"] = measured["tokens_per_s"]
+                row["tokens_per_s"], row["speed_batch"] = measured["tokens_per_s"], int(measured["batch"])
         del model
     return rows

@@ -150,12 +150,20 @@ def test_a_checkpoint_of_another_optimizer_is_not_resumed(data, tmp_path):
         trainer.resume()
 
 
-def test_a_training_stream_shorter_than_a_window_is_one_error():
-    with pytest.raises(FibctlError, match="training stream has 16 tokens; a window needs 17"):
-        WindowSampler(np.arange(16, dtype=np.uint16), 16, 4, seed=1)
-    # one window exactly: its one start, every time
-    x, y = WindowSampler(np.arange(17, dtype=np.uint16), 16, 4, seed=1).next_batch()
+def test_a_training_stream_shorter_than_two_windows_starts_is_one_error():
+    with pytest.raises(FibctlError, match="training stream has 17 tokens; training at length 16 needs 18"):
+        WindowSampler(np.arange(17, dtype=np.uint16), 16, 4, seed=1)
+    # the study's one start on 18 tokens: 0 (numpy's randint(0, 18 - 16 - 1)), every time
+    x, y = WindowSampler(np.arange(18, dtype=np.uint16), 16, 4, seed=1).next_batch()
     assert x.tolist() == [list(range(16))] * 4 and y.tolist() == [list(range(1, 17))] * 4
+
+
+def test_windows_start_where_the_study_drew_them_never_at_the_last_window():
+    """Starts run 0 .. n - T - 2 (the study's numpy randint(0, n - T - 1)): on 20 tokens at
+    T = 16, starts 0, 1 and 2, never 3 (the stream's last window)."""
+    sampler = WindowSampler(np.arange(20, dtype=np.uint16), 16, 64, seed=3)
+    starts = {int(row[0]) for _ in range(20) for row in sampler.next_batch()[0]}
+    assert starts == {0, 1, 2}
 
 
 def test_weights_a_step_made_nan_before_its_loss_shows_it_end_the_run_as_diverged(data, tmp_path, monkeypatch):

@@ -114,13 +114,15 @@ def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest
     if not manifest.heldout:
         raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but {manifest.data_dir} "
                           f"has none (its manifest lists only {manifest.train_split!r}): prepare the data again")
-    # a training batch and an evaluation each read windows of seq_len inputs and the next token
+    # a training batch and an evaluation each read windows of seq_len inputs and the next token;
+    # training, as the study drew it, never starts at the stream's last window (WindowSampler)
     window = config.model.seq_len + 1
     for split in manifest.splits:
-        if manifest.tokens[split] < window:
+        need = window + (split == manifest.train_split)
+        if manifest.tokens[split] < need:
             raise WorkerError(f"run {config.name!r}: the {split} stream of {manifest.data_dir} holds "
-                              f"{manifest.tokens[split]:,} tokens, fewer than one window of {window:,} "
-                              f"(seq_len {config.model.seq_len:,} + 1): prepare more data")
+                              f"{manifest.tokens[split]:,} tokens; seq_len {config.model.seq_len:,} needs at least "
+                              f"{need:,}: prepare more data")
     return manifest
 
 

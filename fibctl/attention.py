@@ -80,9 +80,10 @@ def dense_attention(q, k, v, impl: str = "gather") -> torch.Tensor:
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     T = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, NEG).softmax(-1) @ v
+    with torch.autocast(q.device.type, enabled=False):  # the yardstick: float32 throughout
+        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, T)
+        return (scores.masked_fill(future, NEG).softmax(-1) @ v.float()).to(v.dtype)
 
 
 # ----------------------------------------------------------------------------- sparse
@@ -124,11 +125,12 @@ def attend_columns(q, columns: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     and a value (B, H, T, D) per query and which queries may use it (T,)."""
     D = q.shape[-1]
     logits = []
-    for key, _, valid in columns:
-        s = (q * key).sum(-1) * D**-0.5  # (B, H, T)
+    for key, _, valid in columns:  # the yardstick: float32 throughout, whatever q's dtype
+        s = (q.float() * key.float()).sum(-1) * D**-0.5  # (B, H, T)
         logits.append(torch.where(valid, s, torch.full_like(s, NEG)))
     p = torch.stack(logits, -1).softmax(-1)  # (B, H, T, C)
-    return (p.unsqueeze(-1) * torch.stack([value for _, value, _ in columns], -2)).sum(-2)
+    values = torch.stack([value for _, value, _ in columns], -2)
+    return (p.unsqueeze(-1) * values.float()).sum(-2).to(values.dtype)
 
 
 def _gather(q, k, v, cols: Columns) -> torch.Tensor:
@@ -157,7 +159,10 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
     Tk = k.shape[2]
     k, v = k.contiguous().view(-1, D), v.contiguous().view(-1, D)
     plane = torch.arange(B * Hkv, device=dev)[:, None] * Tk  # first row of each (b, h) plane
-    qg = q.view(B, Hkv, G, T, D) * D**-0.5
+    # Scores in float32, as the study's fused kernel kept them: under bf16 autocast an einsum
+    # of bf16 rows would round each score to bf16 (0.06 apart near a score of 10). q and k
+    # hold bf16 values already (Attention rounds them once), so widening them loses nothing.
+    qg = q.view(B, Hkv, G, T, D).float() * D**-0.5
     out = []
     for start in range(0, T, GATHER_CHUNK):
         pos = torch.arange(start, min(T, start + GATHER_CHUNK), device=dev)
@@ -168,9 +173,10 @@ def _gather(q, k, v, cols: Columns) -> torch.Tensor:
         rows = (plane + index.flatten()[None, :]).flatten()
         shape = (B, Hkv, n, index.shape[1], D)
         kr, vr = k.index_select(0, rows).view(shape), v.index_select(0, rows).view(shape)
-        s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr)  # (B, Hkv, G, n, C)
+        with torch.autocast(dev.type, enabled=False):
+            s = torch.einsum("bhgtd,bhtcd->bhgtc", qg[:, :, :, start:start + n], kr.float())  # (B, Hkv, G, n, C)
         valid = pos[:, None] >= valid_from[None, :]  # (n, C)
-        p = s.masked_fill(~valid, NEG).softmax(-1)
+        p = s.masked_fill(~valid, NEG).softmax(-1).to(vr.dtype)  # bf16 weights on bf16 values, as fused kernels
         out.append(torch.einsum("bhgtc,bhtcd->bhgtd", p, vr))
     return torch.cat(out, 3).reshape(B, H, T, D)
 

@@ -29,10 +29,13 @@ LOSS_TOKENS = 8192  # tokens per chunk when computing per-token losses: logits n
 
 
 def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, D/2)
+    """cos and sin (T, D), float32, computed on the CPU and then moved, as the study built
+    them: a GPU's cos and sin may differ in the last bit, and the tables are then the same
+    on every device."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)  # (T, D/2)
     angles = torch.cat([angles, angles], -1)  # rotate-half convention: (T, D)
-    return angles.cos(), angles.sin()
+    return angles.cos().to(device), angles.sin().to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fibctl.config import get_preset
-from fibctl.model import FibLM
+from fibctl.model import FibLM, rope_tables
 from fibctl.schedules import base_sequence, fractional_rungs
 from fibctl.train import optim as optim_module
 from fibctl.train.optim import adamw_kwargs, build_optimizer
@@ -156,3 +156,12 @@ def test_a_training_micro_batch_on_cuda_never_waits_for_the_gpu(schedule, impl):
         model(x[:, :-1], x[:, 1:]).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+def test_rope_tables_on_cuda_are_the_cpu_s_bit_for_bit():
+    """The study built its RoPE tables on the CPU and moved them; a GPU's own cos and sin
+    may differ in the last bit at long lengths."""
+    cpu = rope_tables(16_384, 64, 10_000.0, "cpu")
+    cuda = rope_tables(16_384, 64, 10_000.0, "cuda")
+    assert all(c.device.type == "cuda" and torch.equal(c.cpu(), t) for c, t in zip(cuda, cpu))

@@ -82,6 +82,29 @@ def test_an_integer_layer_under_autocast_scores_the_study_s_bf16_queries_and_key
         assert torch.allclose(ours.float(), study.float(), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["mask", "gather", "reference"])
+def test_no_path_rounds_an_integer_layer_s_scores_to_bf16(impl):
+    """Activations large enough that scores reach tens, where bf16 holds a score to within
+    0.06 to 0.25: against the float32 attention of the same bf16 queries, keys and values,
+    each path stays within twice the study's own error (its fused kernel keeps scores in
+    float32 and rounds the output to bf16). A path scoring in bf16 misses by about 7 times."""
+    attn = layer("fixed", impl)
+    x = 6 * torch.randn(2, T, attn.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    i = torch.arange(T)
+    allowed = torch.isin(i[:, None] - i[None, :], torch.tensor(attn.columns(T).dist))
+    with torch.no_grad():
+        with bf16():
+            q, k, v = study_qkv(attn, x)
+            study = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        exact = F.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float(), v.float(),
+                                               attn_mask=allowed)
+    B, H, _, D = study.shape
+    study, exact = (y.transpose(1, 2).reshape(B, T, H * D).float() for y in (study, exact))
+    ours = core_output(attn, x).float()
+    assert (study - exact).abs().max() > 0.01  # bf16's rounding of the output shows at this scale
+    assert (ours - exact).abs().max() <= 2 * (study - exact).abs().max()
+
+
 def study_learned(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     """The study's learned layer, materialised: keys interpolated in float32 from float32 rows,
     scores summed elementwise in float32 (autocast leaves elementwise work alone). The values

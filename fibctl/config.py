@@ -298,7 +298,8 @@ class RunConfig:
     Two seeds, as the study separated them: `init_seed` draws the initial weights and
     `data_seed` (the run's seed as the study names its replicates, 42/43/44) everything after,
     the training batches included. The study built its model before seeding the run, so its
-    replicates share their initial weights; the `paper` matrix keeps `init_seed` fixed to match.
+    initial weights came from the generator's earlier state (docs/method.md, "Training"); the
+    `paper` matrix keeps `init_seed` fixed, so its replicates differ in their data order alone.
     """
 
     name: str

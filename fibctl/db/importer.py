@@ -312,7 +312,7 @@ def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
             run.name, STUDY_MATRIX, "paper", schedule=run.schedule, base=run.base or "fib",
             window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
-    # init seed was never recorded (NULL), though replicates shared their initial weights.
+    # initial weights came from whatever state the generator had: no init seed (NULL).
     return run_row(config, init_seed=None, status=schema.RunStatus.DONE,
                    final_step=final_step, source=source, **details)
 

@@ -367,7 +367,7 @@ def test_bad_sources_are_named():
     # at 12 tokens none, a ZeroDivisionError
     ([{"share": 0.15}] * 6 + [{"share": 0.1}], "source 's6': share 0.1 of train_tokens=10 is -2 tokens once the "
                                                "shares are rounded; raise train_tokens"),
-    ([{"share": 1, "text": []}], r"source 's0': text \[\] must name one field or more"),
+    ([{"share": 1, "kind": "hub", "dataset": "o/d", "text": []}], r"source 's0': text \[\] must name one field or more"),
     ([{"share": 1, "heldout": "TRAIN"}], "a held-out set may not be named 'TRAIN': its file would be the training"),
     ([{"share": 0.5, "heldout": "val"}, {"share": 0.5, "heldout": "Val"}], "may not differ only by case: val, Val"),
 ])

@@ -14,6 +14,7 @@ from fibctl.data import prepare as prep
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import parse_recipe
 from fibctl.data.streams import load_manifest
+from fibctl.errors import FibctlError
 
 # whitespace of every kind between words of every kind: the places a piece may end, and not
 WORDS = ["word", "it's", "we'll", "漢字。漢字", "😀", "👨‍👩‍👧", "e\u0301", "123", "4.5", "<|endoftext|>",
@@ -180,3 +181,46 @@ def test_an_error_logged_from_prepare_is_one_line_alone(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: out exists and is not a fibctl data folder")
     assert done.stderr.count("\n") == 1 and done.stdout == ""
+
+
+@pytest.mark.parametrize("shares, train_tokens, source, tokens", [
+    ({"a": 1.0}, 1, "a", "1 token"),  # said as "the sources gave no training documents"
+    ({"a": 0.999, "b": 0.001}, 1000, "b", "1 token"),  # silently no token
+    ({"a": 0.9996, "b": 0.0004}, 1000, "b", "no token"),
+])
+def test_a_source_whose_target_has_no_room_for_text_is_refused(tmp_path, shares, train_tokens, source, tokens):
+    """A one-token target can hold only the end-of-text: the source gave nothing."""
+    recipe = {"vocab_size": 300, "train_tokens": train_tokens, "sources": [
+        {"name": name, "kind": "generated", "share": share} for name, share in shares.items()]}
+    with pytest.raises(FibctlError, match=rf"^source '{source}': share .* of train_tokens={train_tokens} is {tokens} "
+                                          r"once the shares are rounded; raise train_tokens or its share"):
+        parse_recipe(recipe)
+
+
+def test_a_two_token_target_holds_a_token_of_text(tmp_path):
+    recipe = _local_recipe(tmp_path, {"a": ["river stone lantern"] * 3}, 2)
+    manifest = prepare(recipe, tmp_path / "out").manifest
+    ids = np.asarray(manifest.stream("train"))
+    assert len(ids) == 2 and ids[0] != manifest.eos_id and ids[1] == manifest.eos_id
+
+
+def test_sources_that_run_out_in_proportion_are_noted_on_one_line_each(tmp_path):
+    """The note said "its share of the training stream is 50.0%, not 50.0%", and notes and the
+    summary wrapped at 80 columns in a log file."""
+    import subprocess
+    import sys
+
+    recipe = _local_recipe(tmp_path, {"a": ["a few words only"] * 3, "b": ["a few other words"] * 3}, 4000)
+    (tmp_path / "r.toml").write_text(
+        "vocab_size = 300\ntrain_tokens = 4000\n" + "".join(
+            f'[[sources]]\nname = "{s.name}"\nkind = "local"\nformat = "json"\nfiles = ["{s.files[0]}"]\n'
+            f"share = {s.share}\n" for s in recipe.sources))
+    out = tmp_path / ("a_long_data_folder_name_" * 3)
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", str(out), "--plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    taken = {name: s["train_tokens"] for name, s in load_manifest(out).sources.items()}
+    assert done.stderr.splitlines() == [f"note: source {name!r} ran out at {tokens:,} of its 2,000 training tokens"
+                                        for name, tokens in taken.items()]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(f"{out}: prepared recipe 'r' in ") and first.endswith(" s)")

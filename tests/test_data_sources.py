@@ -426,3 +426,126 @@ def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
             _docs(recipe, source, tmp_path)
     else:
         assert _docs(recipe, source, tmp_path) == ["first"]
+
+
+@pytest.mark.parametrize("column, held", [
+    (pa.array([0.5, 1.5]), "float"),
+    (pa.array([1, 2]), "int"),
+    (pa.array([True, False]), "bool"),
+    (pa.array([0, 1], pa.timestamp("s")), "datetime"),
+    (pa.array([["a", "b"], ["c"]]), "list"),
+])
+def test_a_later_parquet_file_whose_text_is_not_text_is_named(tmp_path, column, held):
+    """The datasets builder types the columns by the first file and cast a later file's numbers
+    to text (`0.5` trained on as a document), or failed on a list with a raw TypeError."""
+    pq.write_table(pa.table({"text": ["first doc", "second doc"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": column}), tmp_path / "b.parquet")
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet")
+    with pytest.raises(FibctlError, match=rf"source 'notes': field 'text' holds {held} values, not text, in "
+                                          rf"{tmp_path}/b\.parquet; text = \[\.\.\.\] must name string fields$"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_later_parquet_files_nested_field_is_checked(tmp_path):
+    pq.write_table(pa.table({"meta": [{"title": "first", "n": "1"}]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"meta": [{"title": "second", "n": 2}]}), tmp_path / "b.parquet")
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet", text=["meta.title"])
+    assert _docs(recipe, source, tmp_path) == ["first", "second"]
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet", text=["meta.n"])
+    with pytest.raises(FibctlError, match=r"field 'meta\.n' holds int values, not text, in .*b\.parquet"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("column", [
+    pa.array(["dict doc", "dict doc"]).dictionary_encode(),
+    pa.array([b"bytes doc"], pa.binary()),
+    pa.array(["large doc"], pa.large_string()),
+    pa.array([None], pa.null()),
+])
+def test_parquet_files_may_hold_text_in_any_text_type(tmp_path, column):
+    """Strings, bytes, categoricals and nulls are text, in any file; a first file of nulls
+    alone types the column null, which the builder could not cast the next file's text to."""
+    pq.write_table(pa.table({"text": column}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["plain doc"]}), tmp_path / "b.parquet")
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet")
+    expected = [str(v.as_py() if not isinstance(v.as_py(), bytes) else v.as_py().decode()) for v in column
+                if v.as_py() is not None]
+    assert _docs(recipe, source, tmp_path) == [*expected, "plain doc"]
+    (tmp_path / "a.parquet").rename(tmp_path / "c.parquet")  # as the later file
+    assert _docs(recipe, source, tmp_path) == ["plain doc", *expected]
+
+
+def test_each_glob_must_match_a_file(tmp_path):
+    """A typo beside a glob that matched was ignored: its files left out without a word."""
+    notes = _notes(tmp_path)
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": "text", "share": 1,
+         "files": [str(notes / "0.txt"), str(notes / "nots*.txt")]}]})
+    with pytest.raises(FibctlError, match=rf"^source 'notes': no files match {notes}/nots\*\.txt$"):
+        recipe.local_files(recipe.sources[0])
+    (notes / "sub").mkdir()
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": "text", "share": 1,
+         "files": [str(notes / "*.txt"), str(notes / "sub")]}]})
+    with pytest.raises(FibctlError, match=rf"source 'notes': {notes}/sub is a folder; name its files"):
+        recipe.local_files(recipe.sources[0])
+
+
+def test_a_file_name_with_a_line_break_is_shown_on_one_line(tmp_path):
+    (tmp_path / "new\nline.jsonl").write_text("not json\n")
+    recipe, source = _local(str(tmp_path / "new*.jsonl"), "json")
+    with pytest.raises(FibctlError) as e:
+        _docs(recipe, source, tmp_path)
+    assert "\n" not in str(e.value) and r"new\nline.jsonl: line 1 is not JSON" in str(e.value)
+    recipe, source = _local(str(tmp_path / "gone\x1b[2J*.jsonl"), "json")
+    with pytest.raises(FibctlError, match=r"no files match .*gone\\x1b\[2J\*\.jsonl$"):
+        recipe.local_files(source)
+    (tmp_path / "new\nline.jsonl").unlink()
+    (tmp_path / "tab\tname.parquet").write_text("not parquet")
+    recipe, source = _local(str(tmp_path / "tab*.parquet"), "parquet")
+    with pytest.raises(FibctlError, match=r"cannot read parquet file .*tab\\tname\.parquet: "):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"kind": "local", "format": "json", "dataset": "o/d"}, "dataset applies to kind \"hub\" only, not 'local'"),
+    ({"kind": "local", "format": "json", "revision": "main"}, "revision applies to kind \"hub\" only, not 'local'"),
+    ({"kind": "local", "format": "json", "configs": ["a"]}, "configs applies to kind \"hub\" only"),
+    ({"kind": "local", "format": "json", "seed": 3}, "seed applies to kind \"generated\" only, not 'local'"),
+    ({"kind": "local", "format": "json", "packages": ["stdlib"]}, "packages applies to kind \"installed-docs\" only"),
+    ({"kind": "local", "format": "json", "sample_by": "line"}, "sample_by applies to format \"text\" only, not 'json'"),
+    ({"kind": "local", "format": "csv", "sample_by": "document"}, "sample_by applies to format \"text\" only"),
+    ({"kind": "local", "format": "json", "delimiter": ","}, "delimiter applies to format \"csv\" only, not 'json'"),
+    ({"kind": "hub", "dataset": "o/d", "files": ["x"]}, "files applies to kind \"local\" only, not 'hub'"),
+    ({"kind": "hub", "dataset": "o/d", "format": "json"}, "format applies to kind \"local\" only, not 'hub'"),
+    ({"kind": "installed-docs", "sample_by": "line"}, "sample_by applies to kind \"local\" only, not 'installed-docs'"),
+    ({"kind": "installed-docs", "text": ["body"]}, "text applies to kind \"hub\" or \"local\" only"),
+    ({"kind": "generated", "dataset": "o/d"}, "dataset applies to kind \"hub\" only, not 'generated'"),
+    ({"kind": "generated", "heldout_fraction": 0.1}, "heldout_fraction applies to a source with a held-out set "
+                                                     "only; set heldout = \"NAME\" too"),
+    ({"kind": "local", "format": "json", "text": ["text", "text"]}, "text names 'text' twice; name each field once"),
+])
+def test_a_key_that_does_not_apply_is_refused(tmp_path, source, message):
+    """Such keys were accepted and ignored: the source read otherwise than the recipe says."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "first"}\n')
+    with pytest.raises(FibctlError, match=f"^source 'notes': {re.escape(message)}"):
+        parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+            {"name": "notes", "share": 1, "files": [str(tmp_path / "rows.jsonl")], **source}
+            if source["kind"] == "local" else {"name": "notes", "share": 1, **source}]})
+
+
+def test_the_keys_that_apply_are_accepted(tmp_path):
+    for source in ({"kind": "local", "format": "text", "files": ["x.txt"], "sample_by": "line"},
+                   {"kind": "local", "format": "csv", "files": ["x.csv"], "delimiter": ";", "text": ["body"]},
+                   {"kind": "hub", "dataset": "o/d", "configs": ["c"], "split": "test", "revision": "main"},
+                   {"kind": "installed-docs", "packages": ["stdlib"], "heldout": "v", "heldout_fraction": 0.1},
+                   {"kind": "generated", "seed": 1, "documents": 10}):
+        parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [{"name": "s", "share": 1, **source}]})
+
+
+@pytest.mark.parametrize("key, value", [("name", 3), ("description", [1]), ("name", True)])
+def test_a_recipe_name_or_description_that_is_not_a_string_is_refused(key, value):
+    """They were str()-converted: a recipe named '3' or described as '[1]'."""
+    with pytest.raises(FibctlError, match=rf"^recipe: {key}={re.escape(repr(value))} must be a string$"):
+        parse_recipe({key: value, "vocab_size": 512, "train_tokens": 1000,
+                      "sources": [{"name": "g", "kind": "generated", "share": 1}]})

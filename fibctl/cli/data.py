@@ -71,13 +71,14 @@ def prepare_cmd(
     _warn_short(result.manifest)
     if result.finished:  # killed while putting its build in place: that build, checked, is in place now
         console.print(f"{out}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
-                      "its complete build is in place", markup=False)
+                      "its complete build is in place", markup=False, highlight=False, soft_wrap=True)
     elif result.reused:
-        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False)
-    else:
+        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False,
+                      highlight=False, soft_wrap=True)
+    else:  # one line, also in a log file (soft_wrap): a terminal folds it at its own width
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
         console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})",
-                      markup=False)
+                      markup=False, highlight=False, soft_wrap=True)
     _print_manifest(result.manifest)
 
 
@@ -130,9 +131,11 @@ def _warn_short(m: DataManifest) -> None:
     targets = sum(s["target_tokens"] for s in m.sources.values())
     for name, s in m.sources.items():
         if s["exhausted"]:
-            # the other sources keep their targets: the mixture is not the recipe's
-            share = "" if len(m.sources) == 1 or not m.tokens["train"] else (
-                f"; its share of the training stream is {s['train_tokens'] / m.tokens['train']:.1%}, "
-                f"not {s['target_tokens'] / targets:.1%}")
+            # the other sources keep their targets: the mixture is not the recipe's (said only
+            # where the shares, as shown, differ: sources that all ran out in proportion keep it)
+            actual = f"{s['train_tokens'] / m.tokens['train']:.1%}" if m.tokens["train"] else ""
+            target = f"{s['target_tokens'] / targets:.1%}"
+            share = "" if len(m.sources) == 1 or not actual or actual == target else (
+                f"; its share of the training stream is {actual}, not {target}")
             err_console.print(f"[yellow]note:[/] source {escape(repr(name))} ran out at {s['train_tokens']:,} of its "
-                              f"{s['target_tokens']:,} training tokens{share}")
+                              f"{s['target_tokens']:,} training tokens{share}", highlight=False, soft_wrap=True)

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterator
 from typing import IO
 
+from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may stand for half a character
@@ -47,19 +48,20 @@ def records(path: str) -> Iterator[dict]:
     """Each record of one JSON file, in order. A line that is not JSON, or a record that is
     not an object, names the file and the line."""
     with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+        name = shown_path(path)  # in messages: one line, whatever the file is called
         start, skipped = _first_char(f)
         if not start:
             return
         if start == "[":
-            yield from _array(path, f)
+            yield from _array(name, f)
             return
         first = start + f.readline()
         if start == "{" and not _an_object(first):  # one object spread over lines
-            yield from _whole(path, first + f.read())
+            yield from _whole(name, first + f.read())
             return
         for n, line in enumerate(itertools.chain([first], f), skipped + 1):
             if line.strip():
-                yield _record(path, f"line {n}", _loads(path, f"line {n}", line))
+                yield _record(name, f"line {n}", _loads(name, f"line {n}", line))
 
 
 def _first_char(f: IO[str]) -> tuple[str, int]:

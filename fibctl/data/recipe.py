@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import glob
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,22 @@ KINDS = ("hub", "local", "installed-docs", "generated")
 LOCAL_FORMATS = ("json", "parquet", "csv", "text")
 MAX_VOCAB = 65536  # token ids are stored as uint16
 MIN_VOCAB = 258  # the 256 byte tokens, the end-of-text token and one merge
+MIN_TARGET = 2  # a source's training tokens: one of its text and the end-of-text that ends it
+# the keys of one kind of source (the others apply to every kind): set on another kind, or
+# another local format, they would be ignored without a word
+KIND_KEYS = {"hub": ("text", "dataset", "configs", "split", "revision"),
+             "local": ("text", "format", "files", "sample_by", "delimiter"),
+             "installed-docs": ("packages",), "generated": ("seed", "documents")}
+FORMAT_KEYS = {"sample_by": "text", "delimiter": "csv"}
+# what would break a message's line or be obeyed by a terminal: control characters (the line
+# break too), line and paragraph separators, and an undecodable byte of a file name (a surrogate)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path as messages show it: on one line, its control characters escaped (\\n, \\x1b)
+    and an undecodable byte of its name as Python escapes it (\\udcff)."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], os.fspath(path))
 
 
 @dataclass(frozen=True)
@@ -94,40 +111,48 @@ class Recipe:
         return short_hash(d)
 
     def local_files(self, source: Source) -> list[str]:
-        """The files a local source's globs match, sorted, each file once; error if none do.
+        """The files a local source's globs match, sorted, each file once; error if a glob
+        matches none (a typo beside a glob that matches would leave its files out unsaid).
 
         Folders are skipped (a `**` glob matches them). Paths reaching one file (a symlink,
         a symlink loop under `**`) keep the first in sorted order, so no file is read twice.
         """
         where = f"source {source.name!r}"
+        files = set()
+        for pattern in source.files:
+            matched, folders, looped = [], [], False
+            for path in sorted(glob.glob(pattern, recursive=True)):
+                try:
+                    mode = os.stat(path).st_mode
+                except FileNotFoundError:
+                    if os.path.islink(path):
+                        raise FibctlError(f"{where}: {shown_path(path)} is a broken link "
+                                          f"(to {shown_path(os.readlink(path))})") from None
+                    raise FibctlError(f"{where}: {shown_path(path)} is gone (deleted while reading?)") from None
+                except OSError as e:
+                    if e.errno != errno.ELOOP:
+                        raise FibctlError(f"{where}: cannot read {shown_path(path)}: {e.strerror}") from None
+                    try:  # a path too deep inside a loop of folder links: a shorter one reaches its file
+                        os.stat(os.path.realpath(path))
+                    except OSError:
+                        raise FibctlError(f"{where}: {shown_path(path)} is a symlink loop") from None
+                    looped = True
+                    continue
+                if stat.S_ISDIR(mode):
+                    folders.append(path)
+                    continue
+                if not stat.S_ISREG(mode):
+                    raise FibctlError(f"{where}: {shown_path(path)} is not a regular file (a pipe, socket or device)")
+                matched.append(path)
+            if not matched and not looped:
+                if folders:
+                    raise FibctlError(f"{where}: {shown_path(folders[0])} is a folder; name its files, e.g. "
+                                      f"\"{shown_path(os.path.join(folders[0], '*'))}\"")
+                raise FibctlError(f"{where}: no files match {shown_path(pattern)}")
+            files.update(matched)
         found: dict[str, str] = {}  # real path -> first path that matched it
-        folders = []
-        for path in sorted({p for pattern in source.files for p in glob.glob(pattern, recursive=True)}):
-            try:
-                mode = os.stat(path).st_mode
-            except FileNotFoundError:
-                if os.path.islink(path):
-                    raise FibctlError(f"{where}: {path} is a broken link (to {os.readlink(path)})") from None
-                raise FibctlError(f"{where}: {path} is gone (deleted while reading?)") from None
-            except OSError as e:
-                if e.errno != errno.ELOOP:
-                    raise FibctlError(f"{where}: cannot read {path}: {e.strerror}") from None
-                try:  # a path too deep inside a loop of folder links: a shorter one reaches its file
-                    os.stat(os.path.realpath(path))
-                except OSError:
-                    raise FibctlError(f"{where}: {path} is a symlink loop") from None
-                continue
-            if stat.S_ISDIR(mode):
-                folders.append(path)
-                continue
-            if not stat.S_ISREG(mode):
-                raise FibctlError(f"{where}: {path} is not a regular file (a pipe, socket or device)")
+        for path in sorted(files):
             found.setdefault(os.path.realpath(path), path)
-        if not found and folders:
-            raise FibctlError(f"{where}: {folders[0]} is a folder; name its files, e.g. "
-                              f"\"{os.path.join(folders[0], '*')}\"")
-        if not found:
-            raise FibctlError(f"{where}: no files match {', '.join(source.files)}")
         return sorted(found.values())
 
 
@@ -146,12 +171,12 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     try:  # utf-8-sig: editors that save a byte-order mark
         data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as e:
-        raise FibctlError(f"cannot read recipe {path}: byte {e.object[e.start]:#04x} at offset "
+        raise FibctlError(f"cannot read recipe {shown_path(path)}: byte {e.object[e.start]:#04x} at offset "
                           f"{e.start} is not UTF-8; save the recipe as UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise FibctlError(f"cannot read recipe {path}: {e}") from None
+        raise FibctlError(f"cannot read recipe {shown_path(path)}: {e}") from None
     except RecursionError:  # the TOML parser recurses once per level of nesting
-        raise FibctlError(f"cannot read recipe {path}: it nests its values too deeply") from None
+        raise FibctlError(f"cannot read recipe {shown_path(path)}: it nests its values too deeply") from None
     return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
 
 
@@ -164,9 +189,12 @@ def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path
     if not isinstance(raw_sources, list) or not all(isinstance(s, dict) for s in raw_sources):
         raise FibctlError("recipe `sources` must be [[sources]] tables, one per source")
     _check_keys("recipe", data, {f.name for f in dataclasses.fields(Recipe)} - {"sources"})
+    for key in ("name", "description"):  # str() made a list or a number into a name without a word
+        if key in data and not isinstance(data[key], str):
+            raise FibctlError(f"recipe: {key}={data[key]!r} must be a string")
     recipe = Recipe(
-        name=str(data.get("name", default_name)),
-        description=str(data.get("description", "")),
+        name=data.get("name", default_name),
+        description=data.get("description", ""),
         vocab_size=_int(data, "vocab_size", "recipe", 32768),
         train_tokens=_int(data, "train_tokens", "recipe"),
         heldout_tokens=_int(data, "heldout_tokens", "recipe", 1_000_000),
@@ -203,6 +231,7 @@ def _parse_source(raw: dict, base_dir: Path) -> Source:
             if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool):
                 raise FibctlError(f"{where}: {key}={fields[key]!r} must be a number")
             fields[key] = float(fields[key])
+    _check_applies(where, raw)
     if "files" in fields:  # relative to the recipe, stored absolute so the hash sees where they are
         fields["files"] = tuple(str((base_dir / f).resolve()) if not Path(f).is_absolute() else f
                                 for f in fields["files"])
@@ -210,6 +239,23 @@ def _parse_source(raw: dict, base_dir: Path) -> Source:
         return Source(**fields)
     except TypeError as e:
         raise FibctlError(f"{where}: {e}") from None
+
+
+def _check_applies(where: str, raw: dict) -> None:
+    """Refuse a key of another kind of source (`dataset` on a local one), or of another local
+    format (`sample_by` on a JSON one): it would be ignored, and the recipe read as it does not say."""
+    kind = raw["kind"]
+    for key in raw:
+        kinds = [k for k, keys in KIND_KEYS.items() if key in keys]
+        if kinds and kind not in kinds:
+            quoted = " or ".join(f'"{k}"' for k in kinds)
+            raise FibctlError(f"{where}: {key} applies to kind {quoted} only, not {kind!r}")
+        fmt = raw.get("format")
+        if key in FORMAT_KEYS and fmt in LOCAL_FORMATS and fmt != FORMAT_KEYS[key]:
+            raise FibctlError(f"{where}: {key} applies to format \"{FORMAT_KEYS[key]}\" only, not {fmt!r}")
+    if "heldout_fraction" in raw and raw.get("heldout") is None:
+        raise FibctlError(f"{where}: heldout_fraction applies to a source with a held-out set only; "
+                          "set heldout = \"NAME\" too, or leave heldout_fraction out")
 
 
 def _validate(r: Recipe) -> None:
@@ -239,10 +285,13 @@ def _validate(r: Recipe) -> None:
     for s in r.sources:
         _validate_source(s)
     for s, target in zip(r.sources, r.train_targets()):
-        if target < 1:
-            raise FibctlError(f"source {s.name!r}: share {s.share} of train_tokens={r.train_tokens} is "
-                              f"{'no token' if target == 0 else f'{target} tokens'} once the shares are rounded; "
-                              "raise train_tokens")
+        # a one-token target has no room for any text beside the end-of-text: the source would
+        # give no token at all (and a lone source, "no training documents")
+        if target < MIN_TARGET:
+            tokens = "no token" if target == 0 else "1 token" if target == 1 else f"{target} tokens"
+            raise FibctlError(f"source {s.name!r}: share {s.share} of train_tokens={r.train_tokens} is {tokens} "
+                              f"once the shares are rounded; raise train_tokens or its share (a source needs "
+                              f"{MIN_TARGET} or more: its text and the end-of-text)")
 
 
 def _validate_source(s: Source) -> None:
@@ -251,6 +300,9 @@ def _validate_source(s: Source) -> None:
         raise FibctlError(f"{where}: share {s.share} must be > 0")
     if not s.text or not all(s.text):
         raise FibctlError(f"{where}: text {list(s.text)!r} must name one field or more, none empty")
+    twice = [f for f in dict.fromkeys(s.text) if s.text.count(f) > 1]
+    if twice:  # its text would be in each document twice
+        raise FibctlError(f"{where}: text names {twice[0]!r} twice; name each field once")
     if s.heldout and not 0 < s.heldout_fraction < 1:
         raise FibctlError(f"{where}: heldout_fraction {s.heldout_fraction} must be between 0 and 1")
     if s.kind == "hub" and not s.dataset:
@@ -262,8 +314,6 @@ def _validate_source(s: Source) -> None:
             raise FibctlError(f"{where}: a local source needs files = [\"path/*.jsonl\", ...]")
         if s.sample_by not in ("line", "paragraph", "document"):
             raise FibctlError(f"{where}: sample_by {s.sample_by!r} is not line, paragraph or document")
-        if s.delimiter != Source.delimiter and s.format != "csv":
-            raise FibctlError(f"{where}: delimiter applies to format \"csv\" only, not {s.format!r}")
         if len(s.delimiter) != 1:
             raise FibctlError(f"{where}: delimiter {s.delimiter!r} must be one character, e.g. \"\\t\" or \";\"")
     if s.kind == "generated" and s.documents < 1:

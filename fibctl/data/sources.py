@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from fibctl.data import generated, installed_docs, json_files
-from fibctl.data.recipe import Recipe, Source
+from fibctl.data.recipe import Recipe, Source, shown_path
 from fibctl.errors import FibctlError
 
 
@@ -55,9 +55,9 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     import datasets
 
     files = recipe.local_files(source)
-    columns = None
+    columns = features = None
     if source.format == "parquet":
-        files, columns = _check_columns(source, files)
+        files, columns, features = _check_columns(source, files)
     # an empty file holds no document, but the csv and parquet readers fail on one without
     # naming it (EmptyDataError; ArrowInvalid: BatchSize must be greater than 0)
     files = [f for f in files if os.path.getsize(f) > 0]
@@ -69,7 +69,7 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
     _quiet(datasets)
     try:
         ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
-                                   **_builder_options(source, columns))
+                                   **_builder_options(source, columns, features))
         yield from _texts(source, ds)
     except FibctlError:
         raise
@@ -78,10 +78,10 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
             raise FibctlError(f"source {source.name!r}: {json_files.NEEDS_ZSTANDARD}") from None
         bad = _first_not_utf8(files) if isinstance(e, UnicodeDecodeError) else None
         if bad:
-            raise FibctlError(f"source {source.name!r}: {bad} is not UTF-8 text; convert it to UTF-8 "
+            raise FibctlError(f"source {source.name!r}: {shown_path(bad)} is not UTF-8 text; convert it to UTF-8 "
                               f"(e.g. iconv -f latin1 -t utf-8)") from None
         raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
-                          f"{', '.join(source.files)}: {_one_line(e)}") from None
+                          f"{', '.join(map(shown_path, source.files))}: {_one_line(e)}") from None
 
 
 def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
@@ -92,15 +92,15 @@ def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
         except FibctlError as e:
             raise FibctlError(f"source {source.name!r}: {e}") from None
         except UnicodeDecodeError:
-            raise FibctlError(f"source {source.name!r}: {path} is not UTF-8 text; convert it to UTF-8 "
+            raise FibctlError(f"source {source.name!r}: {shown_path(path)} is not UTF-8 text; convert it to UTF-8 "
                               f"(e.g. iconv -f latin1 -t utf-8)") from None
         except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # a damaged or mislabelled compressed file
-            raise FibctlError(f"source {source.name!r}: cannot read {path}: {_one_line(e)}") from None
+            raise FibctlError(f"source {source.name!r}: cannot read {shown_path(path)}: {_one_line(e)}") from None
 
 
-def _builder_options(source: Source, columns: list[str] | None) -> dict:
+def _builder_options(source: Source, columns: list[str] | None, features=None) -> dict:
     """What the datasets builder needs beyond the files, per format (`columns`: the parquet
-    columns to read)."""
+    columns to read; `features`: their types, where the first file's would not do)."""
     if source.format == "text":
         return {"sample_by": source.sample_by}
     if source.format == "csv":  # every cell is text: a title "1984", a document "NA" or "null" stay as written
@@ -110,32 +110,95 @@ def _builder_options(source: Source, columns: list[str] | None) -> dict:
         return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False,
                 **quoting}
     if source.format == "parquet":  # the text columns only: shards may differ in the others
-        return {"columns": columns}
+        return {"columns": columns, **({"features": features} if features is not None else {})}
     return {}
 
 
-def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str]]:
-    """Each parquet file has the columns the text fields are read from (read from its footer),
-    else name the file; the files that hold rows, and those columns: a field's own, or the
-    nested record (struct column) its dotted name starts with, as the first file has them."""
+def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str], object]:
+    """Each parquet file has the columns the text fields are read from, holding text (read
+    from its footer), else name the file; the files that hold rows, and those columns: a
+    field's own, or the nested record (struct column) its dotted name starts with, as the
+    first file has them; and their types (datasets.Features) where the first file's would not
+    do. Every file's types are checked: the datasets builder takes them from the first file
+    and casts the others' to them, a later file's numbers into text."""
+    import datasets
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    holding, read = [], None
+    holding, read, first, types = [], None, {}, {}
     for path in files:
         try:
             footer = pq.read_metadata(path)
         except Exception as e:
-            raise FibctlError(f"source {source.name!r}: cannot read parquet file {path}: {_one_line(e)}") from None
-        columns = footer.schema.to_arrow_schema().names
+            raise FibctlError(f"source {source.name!r}: cannot read parquet file {shown_path(path)}: "
+                              f"{_one_line(e)}") from None
+        schema = footer.schema.to_arrow_schema()
+        columns = schema.names
         if read is None:
             read = {f: f if f in columns or "." not in f else f.split(".")[0] for f in source.text}
         missing = [f for f, c in read.items() if c not in columns]
         if missing:
-            raise FibctlError(f"source {source.name!r}: {path} has no column {', '.join(missing)}; columns: "
-                              f"{', '.join(columns)}; set text = [...] in the recipe")
-        if footer.num_rows:
-            holding.append(path)
-    return holding, list(dict.fromkeys((read or {}).values())) or list(source.text)
+            raise FibctlError(f"source {source.name!r}: {shown_path(path)} has no column {', '.join(missing)}; "
+                              f"columns: {', '.join(columns)}; set text = [...] in the recipe")
+        if not footer.num_rows:  # not read: its types do not matter
+            continue
+        for field, column in read.items():
+            arrow_type = _field_type(schema.field(columns.index(column)).type, field[len(column) + 1:])
+            held = _not_text(arrow_type)
+            if held:
+                inside = (f" (or fields inside it: {field}.{arrow_type[0].name})"
+                          if held == "dict" and arrow_type.num_fields else "")
+                raise FibctlError(f"source {source.name!r}: field {field!r} holds {held} values, not text, in "
+                                  f"{shown_path(path)}; text = [...] must name string fields{inside}")
+        for column in dict.fromkeys(read.values()):
+            column_type = schema.field(columns.index(column)).type
+            first.setdefault(column, column_type)
+            if str(types.get(column, "null")) == "null":
+                types[column] = column_type
+        holding.append(path)
+    # a first file whose column holds only nulls types it null, and the builder cannot cast a
+    # later file's text to that: read the columns as the first file to hold text types them
+    features = None
+    if any(str(first[c]) == "null" != str(types[c]) for c in first):
+        features = datasets.Features.from_arrow_schema(pa.schema([(c, types[c]) for c in first]))
+    return holding, list(dict.fromkeys((read or {}).values())) or list(source.text), features
+
+
+def _field_type(arrow_type, inner: str):
+    """The arrow type of the field `inner` (dotted) inside a column of `arrow_type`; None where
+    a record on the way lacks it (a null field, as _lookup reads it)."""
+    import pyarrow.types as types
+
+    for part in inner.split(".") if inner else ():
+        if not types.is_struct(arrow_type) or arrow_type.get_field_index(part) < 0:
+            return None
+        arrow_type = arrow_type[arrow_type.get_field_index(part)].type
+    return arrow_type
+
+
+# arrow types whose values are text: strings, bytes (decoded as UTF-8) and nulls (by name:
+# the view types are newer than some pyarrow versions datasets allows)
+_TEXT_TYPES = {"string", "large_string", "string_view", "binary", "large_binary", "binary_view", "null"}
+
+
+def _not_text(arrow_type) -> str | None:
+    """None if a parquet field of `arrow_type` holds text; else what its values are, named as
+    _field_text names a row's value (int, float, list...)."""
+    import pyarrow.types as types
+
+    if arrow_type is None:
+        return None
+    if types.is_dictionary(arrow_type):  # a categorical column: its values' type
+        arrow_type = arrow_type.value_type
+    if str(arrow_type) in _TEXT_TYPES:
+        return None
+    for test, name in ((types.is_boolean, "bool"), (types.is_integer, "int"), (types.is_floating, "float"),
+                       (types.is_decimal, "Decimal"), (types.is_timestamp, "datetime"), (types.is_date, "date"),
+                       (types.is_time, "time"), (types.is_duration, "timedelta"), (types.is_struct, "dict"),
+                       (types.is_map, "list"), (types.is_nested, "list")):
+        if test(arrow_type):
+            return name
+    return str(arrow_type)
 
 
 def _first_not_utf8(files: list[str]) -> str | None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from fibctl.attention import Columns, check_impl, dense_attention, sparse_attention
 from fibctl.config import ModelConfig
 from fibctl.device import autocast, constant
+from fibctl.errors import FibctlError
 from fibctl.probe.blur import blur_attention
 from fibctl.schedules import (
     ALPHA_MIN, ALPHA_RANGE, attended_distances, blur_rungs, built_base, fractional_rungs, layer_alphas,
@@ -46,6 +47,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x, cos, sin = x.to(dtype), cos.to(dtype), sin.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class NonFiniteAlpha(FibctlError):
+    """A learned layer whose alpha is not finite (an update made its theta NaN): it has no rungs
+    to place, floor(nan) no row. The trainers end the run as diverged, as for a loss of NaN."""
+
+    def __init__(self, layer: int, alpha: float):
+        self.layer, self.alpha = layer, alpha
+        super().__init__(f"layer {layer}'s learned alpha is {alpha}: its rungs cannot be placed")
+
+    @property
+    def reading(self) -> str:
+        """What the step read, completing "step N gave ..." (fibctl.train.trainer)."""
+        return f"an alpha of {self.alpha} in layer {self.layer}"
 
 
 class Attention(nn.Module):
@@ -108,6 +123,8 @@ class Attention(nn.Module):
         key = (T, blur, theta._version, theta.data_ptr(), theta.dtype, theta.device)
         if self._rungs_read is None or self._rungs_read[0] != key:
             read = products.detach().tolist()
+            if not all(map(math.isfinite, read)):  # theta is NaN: no row to floor or round to
+                raise NonFiniteAlpha(self.layer, float(alpha.detach()))
             kept = blur_rungs(base, read, cfg.window, T) if blur else fractional_rungs(read, cfg.window, T)
             self._rungs_read = (key, kept)
         return products, self._rungs_read[1]
@@ -270,6 +287,15 @@ class FibLM(nn.Module):
     def alphas(self) -> list[float]:
         return [float(b.attn.alpha.detach()) if torch.is_tensor(b.attn.alpha) else b.attn.alpha
                 for b in self.blocks]
+
+    def finite_alphas(self) -> list[float]:
+        """alphas(), or NonFiniteAlpha naming the first layer whose alpha is not finite (a value
+        nothing can record: the database refuses NaN)."""
+        alphas = self.alphas()
+        for layer, alpha in enumerate(alphas):
+            if not math.isfinite(alpha):
+                raise NonFiniteAlpha(layer, alpha)
+        return alphas
 
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())

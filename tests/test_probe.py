@@ -309,6 +309,25 @@ def test_blur_centres_follow_the_trained_alphas(tmp_path):
     assert moved  # the run trained some alpha far enough to move a centre
 
 
+@pytest.mark.parametrize("interval,failed", [
+    (10, 2),  # step 2's update made theta NaN: step 3's blur rungs read it (a ValueError traceback)
+    (1, 1),  # logged and checkpointed at every step: step 2's NaN alphas failed the insert (NOT NULL)
+])
+def test_a_probe_run_whose_alpha_goes_nan_fails_as_diverged(tmp_path, interval, failed):
+    [run] = small_runs(steps=12, lr=1e30, eval_interval=interval, checkpoint_interval=interval)[:1]
+    engine = connect(str(tmp_path / "r.db"))
+    add_runs(engine, [run])
+    opts = WorkerOptions(data_dir=tmp_path / "no-data", runs_dir=tmp_path / "runs")
+    outcome = train_named(engine, run.name, opts, Quiet())
+    said = f"step {failed + 1} gave an alpha of nan in layer 0"
+    assert (outcome.status, outcome.step, outcome.error) == ("failed", failed, said)
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select error from runs").fetchall() == [(said,)]
+    assert db.execute("select max(step) from alphas").fetchone() == (failed if interval == 1 else 0,)
+    saved = sorted(p.name for p in (tmp_path / "runs" / run.name).glob("step_*"))
+    assert saved == ([f"step_{failed:08d}.pt"] if interval == 1 else [])  # none of NaN weights
+
+
 def _worker(tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "fibctl", "worker", "--db", str(tmp_path / "r.db"),

@@ -166,17 +166,23 @@ def test_windows_start_where_the_study_drew_them_never_at_the_last_window():
     assert starts == {0, 1, 2}
 
 
-def test_weights_a_step_made_nan_before_its_loss_shows_it_end_the_run_as_diverged(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule,poison,said", [
+    ("fixed", lambda m: next(m.parameters()), r"step 20 gave a held-out loss of nan on \w+"),
+    # a NaN theta: the evaluation's rungs would floor NaN (a ValueError traceback in the error column)
+    ("learned", lambda m: m.blocks[1].attn.theta, r"step 20 gave an alpha of nan in layer 1"),
+])
+def test_weights_a_step_made_nan_before_its_loss_shows_it_end_the_run_as_diverged(data, tmp_path, monkeypatch,
+                                                                                   schedule, poison, said):
     """Step 20's update leaves NaN weights while its own loss was finite: the evaluation after
     it scores NaN. It fails the run as diverged, records no NaN (SQLite would refuse it, as a
     NOT NULL failure) and writes no checkpoint of those weights."""
-    engine = queued_db(tmp_path / "r.db", micro_run("run"))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", schedule))
 
     def poisoned(self):
         loss = original(self)
         if self.step == 20:
             with torch.no_grad():
-                next(self.model.parameters()).fill_(float("nan"))
+                poison(self.model).fill_(float("nan"))
         return loss
     original = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", poisoned)
@@ -184,9 +190,60 @@ def test_weights_a_step_made_nan_before_its_loss_shows_it_end_the_run_as_diverge
     assert (outcome.status, outcome.step) == ("failed", 19)
     db = sqlite3.connect(tmp_path / "r.db")
     (error,) = db.execute("select error from runs").fetchone()
-    assert re.fullmatch(r"step 20 gave a held-out loss of nan on \w+", error), error
+    assert re.fullmatch(said, error), error
     assert db.execute("select max(step) from evaluations").fetchone() == (10,)
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step_00000010.pt"]
+
+
+def test_a_learned_run_that_diverges_fails_as_a_fixed_one_does(data, tmp_path):
+    """At lr 1e30 step 2's update makes every weight NaN, theta included: the fixed run said
+    `step 3 gave a loss of nan`, the learned one failed at step 3 with `ValueError: cannot
+    convert float NaN to integer` and a traceback in the error column (its rungs floor NaN)."""
+    engine = queued_db(tmp_path / "r.db", micro_run("lnan", "learned", lr=1e30, warmup_steps=0),
+                       micro_run("fnan", lr=1e30, warmup_steps=0))
+    outcomes = work(engine, opts(data, tmp_path), Quiet())
+    assert [(o.name, o.status, o.step, o.error) for o in outcomes] == [
+        ("lnan", "failed", 2, "step 3 gave an alpha of nan in layer 0"),
+        ("fnan", "failed", 2, "step 3 gave a loss of nan")]
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select name, error from runs order by id").fetchall() == [
+        ("lnan", "step 3 gave an alpha of nan in layer 0"), ("fnan", "step 3 gave a loss of nan")]
+    assert db.execute("select r.name, e.message from events e join runs r on r.id = e.run_id "
+                      "where e.kind = 'diverged' order by r.id").fetchall() == [
+        ("lnan", "step 3 gave an alpha of nan in layer 0"), ("fnan", "step 3 gave a loss of nan")]
+
+
+def _poison_theta_at(monkeypatch, step):
+    def poisoned(self):
+        loss = original(self)
+        if self.step == step:
+            with torch.no_grad():
+                self.model.blocks[0].attn.theta.fill_(float("nan"))
+        return loss
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+
+
+def test_a_nan_alpha_is_never_checkpointed_without_an_evaluation(data, tmp_path, monkeypatch):
+    """Checkpoints every 10 steps, evaluations every 25: step 20 saved theta NaN unscored, and
+    every resume from it failed with the ValueError of its rungs."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", "learned", eval_interval=25, full_eval_interval=25))
+    _poison_theta_at(monkeypatch, 20)
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert (outcome.status, outcome.step, outcome.error) == ("failed", 19, "step 20 gave an alpha of nan in layer 0")
+    assert [p.name for p in list_checkpoints(tmp_path / "runs" / "run")] == ["step_00000010.pt"]
+
+
+def test_a_nan_alpha_leaves_no_mfu_to_count_and_the_next_step_ends_the_run(data, tmp_path, monkeypatch):
+    """With a peak to measure MFU against, the count of attended pairs after the step that made
+    theta NaN read its rungs: the run failed with that error instead of as diverged."""
+    monkeypatch.setenv("FIBCTL_PEAK_TFLOPS", "1")
+    engine = queued_db(tmp_path / "r.db", micro_run("run", "learned"))
+    _poison_theta_at(monkeypatch, 5)  # a logged step (log_interval 5), not an evaluated one
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert (outcome.status, outcome.step, outcome.error) == ("failed", 5, "step 6 gave an alpha of nan in layer 0")
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select step from train_steps").fetchall() == [(5,)]  # logged, its MFU left out
 
 
 # ----------------------------------------------------------------------------- the worker

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fibctl.device import autocast
+from fibctl.model import NonFiniteAlpha
 from fibctl.probe.cells import PROBE_METRICS
 from fibctl.probe.task import IGNORE, MarkedBatches, MarkedCopy, heldout_generator
 from fibctl.schedules import ALPHA_MIN, ALPHA_RANGE, probe_alphas
@@ -60,16 +61,24 @@ class ProbeTrainer(Trainer):
         self.model.set_blur_width(self.probe.width_at(self.step - 1, self.tc.steps))  # self.step: this one
         return super().train_step()
 
-    def _evaluate_and_checkpoint(self) -> tuple[Path | None, None]:
-        """(the checkpoint written at this step, if one is due; None: the probe scores no
-        held-out loss during training, so none can fail to be finite)."""
+    def _evaluate_and_checkpoint(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint written at this step, if one is due; the probe scores no held-out loss
+        during training, but an alpha this step made NaN, which nothing can record, score or
+        resume from, is said as a divergence: nothing logged or written)."""
         final = self.step == self.tc.steps
-        if final or self.step % self.tc.eval_interval == 0:
-            self.reporter.log_alphas(self.step, self.model.alphas())
+        log = final or self.step % self.tc.eval_interval == 0
+        save = final or self.step % self.tc.checkpoint_interval == 0
+        if log or save:
+            try:
+                alphas = self.model.finite_alphas()
+            except NonFiniteAlpha as e:
+                return None, e.reading
+        if log:
+            self.reporter.log_alphas(self.step, alphas)
             self._heartbeat()
         if final:
             self.score()
-        return (self.save() if final or self.step % self.tc.checkpoint_interval == 0 else None), None
+        return (self.save() if save else None), None
 
     def score(self) -> dict[str, float]:
         """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,

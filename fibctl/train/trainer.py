@@ -14,8 +14,9 @@ rank computes its block of a step's micro-batches, DistributedDataParallel avera
 gradients and the loss is scaled so that the step equals one process's; rank 0 alone
 evaluates and writes checkpoints, and stops and losses are decided by all ranks together.
 A stop request (SIGTERM, Ctrl-C) ends the step in progress, writes a
-checkpoint and returns; a NaN or infinite loss ends the run as diverged; a heartbeat that
-finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
+checkpoint and returns; a NaN or infinite loss, or a learned alpha that is NaN (the model
+raises NonFiniteAlpha where it would place the rungs), ends the run as diverged; a heartbeat
+that finds the run cancelled or taken over ends it as lost, without touching its checkpoints.
 
 Seeds follow the study: the initial weights are drawn after seeding with `init_seed`, then
 everything else (the batch sampler included) is seeded with `data_seed`.
@@ -43,7 +44,7 @@ from fibctl.device import autocast
 from fibctl.errors import FibctlError, WorkerError, first_line
 from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.metrics import stream_loss
-from fibctl.model import FibLM
+from fibctl.model import FibLM, NonFiniteAlpha
 from fibctl.schedules import deviations, rungs_always_kept
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
@@ -193,7 +194,10 @@ class Trainer:
         counted at the alphas of the step just taken."""
         if self.peak is None:
             return None
-        per_token = training_flops_per_token(self.model, self.config.model.seq_len)
+        try:
+            per_token = training_flops_per_token(self.model, self.config.model.seq_len)
+        except NonFiniteAlpha:  # the step made an alpha NaN: no rungs to count; the next forward ends the run
+            return None
         return mfu(per_token, tokens_per_s, self.peak, self.group.world if self.group is not None else 1)
 
     # ------------------------------------------------------------------ the loop
@@ -222,6 +226,8 @@ class Trainer:
             self.step += 1
             try:
                 loss, grad_norm = self.train_step()
+            except NonFiniteAlpha as e:  # the step before made theta NaN: as a loss of NaN would show it
+                return self._diverged(e.reading)
             except RuntimeError as e:  # DDP's gradient exchange failing: another rank died or hangs
                 if self.group is not None and peer_failure(e):
                     raise as_peer_lost(e) from None
@@ -308,16 +314,25 @@ class Trainer:
             unscored = self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
             if unscored is not None:
                 return None, unscored
+        if save and self.config.model.schedule == "learned":
+            try:  # a checkpoint without an evaluation before it: no NaN alpha is saved to resume from
+                self.model.finite_alphas()
+            except NonFiniteAlpha as e:
+                return None, e.reading
         return (self.save() if save else None), None
 
     def evaluate(self, tokens: int, positions: bool) -> str | None:
         """Score every held-out set at the training length into the database; None, or (a loss
         that is not finite: the step's update diverged where its training loss did not yet
-        show it) what it scored, the sets after it not scored and no alpha recorded."""
+        show it) what it scored (or the learned alpha it found NaN), the sets after it not
+        scored and no alpha recorded."""
         T = self.config.model.seq_len
         for name, stream in self.heldout.items():
-            res = stream_loss(self.model, stream, T, tokens, self.device,
-                              position_tokens=self.tc.position_tokens if positions else None)
+            try:
+                res = stream_loss(self.model, stream, T, tokens, self.device,
+                                  position_tokens=self.tc.position_tokens if positions else None)
+            except NonFiniteAlpha as e:  # the step made theta NaN: no loss to score, as a NaN one
+                return e.reading
             if not math.isfinite(res.loss):
                 return f"a held-out loss of {res.loss} on {name}"
             self.reporter.log_eval(self.step, name, T, res.tokens, res.loss,

@@ -120,12 +120,35 @@ def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
     (lambda p: p.mkdir(), "is a directory"),
     (lambda p: torch.save({"weights": {}}, p), "is not a fibctl checkpoint (no model weights and step)"),
     (lambda p: torch.save([1, 2], p), "is not a fibctl checkpoint"),
+    # each reader (a resume, fibctl eval) met these as a TypeError of its own, eval's a traceback
+    (lambda p: torch.save({"model": 5, "step": 1}, p),
+     "is damaged or not a checkpoint (its model weights are an int, not a dict of named tensors)"),
+    (lambda p: torch.save({"model": {"w": [1.0]}, "step": 1}, p),
+     "is damaged or not a checkpoint (its model weights hold a list under 'w', not a tensor)"),
+    (lambda p: torch.save({"model": {}, "step": "10"}, p),
+     "is damaged or not a checkpoint (its step is a str, not a count of steps)"),
+    (lambda p: torch.save({"model": {}, "step": -1}, p),
+     "is damaged or not a checkpoint (its step is -1, not a count of steps)"),
 ])
 def test_a_checkpoint_that_is_not_one_is_named_in_one_error(tmp_path, make, problem):
     path = tmp_path / "step_00000010.pt"
     make(path)
     with pytest.raises(FibctlError, match=f"checkpoint {re.escape(str(path))} {re.escape(problem)}"):
         load_checkpoint(path)
+
+
+def test_a_checkpoint_whose_weights_are_not_a_dict_is_set_aside_and_the_run_resumes_before_it(data, tmp_path):
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path), Quiet(lambda p: p.step == 13 and stop.set()), stop=stop)
+    newest = tmp_path / "runs" / "run" / "step_00000013.pt"
+    torch.save({**load_checkpoint(newest), "model": 5}, newest)
+    [outcome] = work(engine, opts(data, tmp_path), Quiet())
+    assert outcome.status == "done" and newest.with_name("step_00000013.pt.damaged").is_file()
+    [(damaged,)] = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'damaged'")
+    assert damaged.startswith(f"checkpoint {newest} is damaged or not a checkpoint (its model weights are an int"), \
+        damaged
+    assert "resuming from step 10" in damaged
 
 
 def test_a_checkpoint_without_a_config_has_no_hash_and_is_refused(data, tmp_path):

@@ -139,7 +139,33 @@ def load_checkpoint(path: Path) -> dict:
                                 f"({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise DamagedCheckpoint(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
+    # checked here, for every reader (a resume, fibctl eval): load_state_dict and the step's
+    # arithmetic would otherwise raise a TypeError, a traceback, wherever they read it
+    weights, step = state["model"], state["step"]
+    problem = _weights_problem(weights)
+    if problem:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its model weights {problem})")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        what = step if isinstance(step, int) and not isinstance(step, bool) else _a(step)
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its step is {what}, not a "
+                                "count of steps)")
     return state
+
+
+def _weights_problem(weights) -> str | None:
+    """What makes a checkpoint's `model` entry other than a dict of named tensors, or None."""
+    if not isinstance(weights, dict):
+        return f"are {_a(weights)}, not a dict of named tensors"
+    for name, value in weights.items():
+        if not isinstance(name, str) or not torch.is_tensor(value):
+            return f"hold {_a(value)} under {name!r}, not a tensor"
+    return None
+
+
+def _a(value) -> str:
+    """A value's type with its article: "an int", "a list"."""
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def set_aside(path: Path) -> Path:

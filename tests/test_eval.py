@@ -169,13 +169,25 @@ def test_eval_refuses_data_other_than_the_runs_own(trained, tmp_path):
     assert rows(db, "select step, dataset, eval_length, loss from evaluations order by 1, 2, 3") == before
 
 
-@pytest.mark.parametrize("tamper,problem", [
-    (lambda w: {**w, "embed.weight": w["embed.weight"][:-1]},
+NAN = lambda w: {k: torch.full_like(v, float("nan")) for k, v in w.items()}  # noqa: E731
+
+
+@pytest.mark.parametrize("run,tamper,problem", [
+    ("fixed", lambda w: {**w, "embed.weight": w["embed.weight"][:-1]},
      r"does not fit run 'fixed''s model \(size mismatch for embed.weight"),
-    (lambda w: {k: torch.full_like(v, float("nan")) for k, v in w.items()},
-     r"run 'fixed' scores a loss of nan on .* holds weights that are not finite"),
+    ("fixed", NAN, r"run 'fixed' has no loss to score: its checkpoint .* holds weights that are not finite "
+                   r"\(embed.weight among them\)$"),
+    # its rungs floored the NaN alpha: a ValueError traceback
+    ("learned", NAN, r"run 'learned' has no loss to score: its checkpoint .* holds weights that are not finite"),
+    ("learned", lambda w: {**w, "blocks.1.attn.theta": torch.tensor(float("nan"))},
+     r"holds weights that are not finite \(blocks.1.attn.theta among them\)$"),
+    # torch's TypeError from load_state_dict, a traceback
+    ("fixed", lambda w: 5, r"checkpoint .* is damaged or not a checkpoint \(its model weights are an int, "
+                           r"not a dict of named tensors\)$"),
+    ("fixed", lambda w: {**w, "norm.weight": [1.0]}, r"is damaged or not a checkpoint \(its model weights hold a "
+                                                     r"list under 'norm.weight', not a tensor\)$"),
 ])
-def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tmp_path, tamper, problem):
+def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tmp_path, run, tamper, problem):
     import shutil
 
     from fibctl.errors import FibctlError
@@ -184,13 +196,36 @@ def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tm
     engine, data, db = trained
     runs = tmp_path / "runs"
     shutil.copytree(db.parent / "runs", runs)
-    path = list_checkpoints(runs / "fixed")[-1]
+    path = list_checkpoints(runs / run)[-1]
     state = load_checkpoint(path)
     torch.save({**state, "model": tamper(state["model"])}, path)
     before = rows(db, "select * from evaluations order by id")
     with pytest.raises(FibctlError, match=problem):
-        evaluate(engine, ["fixed"], [64], data_dir=data, runs_dir=runs)
+        evaluate(engine, [run], [64], data_dir=data, runs_dir=runs)
     assert rows(db, "select * from evaluations order by id") == before
+
+
+@pytest.mark.parametrize("run,tamper,said", [
+    ("learned", NAN, "run 'learned' has no loss to score: its checkpoint"),
+    ("learned", lambda w: 5, "is damaged or not a checkpoint (its model weights are an int"),
+])
+def test_fibctl_eval_says_a_damaged_checkpoint_in_one_line(trained, tmp_path, monkeypatch, capsys, run, tamper, said):
+    """`fibctl eval learned --length 64` printed floor(nan)'s ValueError, and load_state_dict's
+    TypeError for weights that are not a dict, each as a traceback."""
+    import shutil
+
+    from cli_helpers import refused
+    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
+
+    engine, data, db = trained
+    runs = tmp_path / "runs"
+    shutil.copytree(db.parent / "runs", runs)
+    path = list_checkpoints(runs / run)[-1]
+    state = load_checkpoint(path)
+    torch.save({**state, "model": tamper(state["model"])}, path)
+    line = refused(monkeypatch, capsys, "eval", run, "--length", "64", "--db", str(db), "--data", str(data),
+                   "--runs-dir", str(runs))
+    assert line.startswith("error: ") and said in line, line
 
 
 def test_eval_refuses_a_file_that_is_not_the_final_checkpoint_and_records_nothing(trained, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
@@ -155,6 +156,12 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
         raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data_dir} has data "
                           f"{data_hash}: its results would replace the recorded ones; give the --data it was "
                           "trained on")
+    # before any is measured, for every schedule: a learned layer cannot even place its rungs
+    # at a NaN alpha (floor(nan) raised a ValueError traceback), where the others score NaN
+    bad = next((name for name, w in ckpt["model"].items() if not bool(torch.isfinite(w).all())), None)
+    if bad is not None:
+        raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {t.checkpoint} holds weights "
+                          f"that are not finite ({bad} among them)")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
                                     for length in lengths for d, s in streams.items()})
@@ -200,9 +207,10 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
         for dataset, stream in streams.items():
             res = stream_loss(model, stream, length, budget, device,
                               position_tokens=t.config.train.position_tokens if positions else None)
-            if not math.isfinite(res.loss):  # weights that are not finite: there is no number to record
+            if not math.isfinite(res.loss):  # finite weights (_evaluate_run) that overflow: no number to record
                 raise FibctlError(f"run {t.run.name!r} scores a loss of {res.loss} on {dataset} at length "
-                                  f"{length}: its checkpoint {t.checkpoint} holds weights that are not finite")
+                                  f"{length}: there is no number to record (its checkpoint {t.checkpoint} "
+                                  "holds finite weights)")
             # the perplexity and its positions: one transaction, never a new one beside old positions
             recorder.log_eval(step, dataset, length, res.tokens, res.loss,
                               *((res.position_losses.tolist(), res.position_windows) if positions else ()))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import and_, bindparam, case, func, insert, or_, select, text, update
+from sqlalchemy import and_, bindparam, case, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
@@ -44,17 +44,65 @@ def add_runs(engine: Engine, configs: Sequence[RunConfig]) -> tuple[list[str], l
     """
     names = [c.name for c in configs]
     with engine.begin() as conn:
-        existing = {r.name: r for r in conn.execute(
-            select(Run.name, Run.config_json, Run.source).where(Run.name.in_(names)))}
-        conflicts = [_conflict(c, existing[c.name]) for c in configs if c.name in existing]
-        conflicts = [c for c in conflicts if c]
-        if conflicts:
-            more = f" (and {len(conflicts) - 1} more run(s))" if len(conflicts) > 1 else ""
-            raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}")
+        existing = _refuse_conflicts(conn, configs)
         new = [c for c in configs if c.name not in existing]
         if new:
             conn.execute(insert(Run), [run_row(c) for c in new])
     return [c.name for c in new], [n for n in names if n in existing]
+
+
+def _refuse_conflicts(conn: Connection, configs: Sequence[RunConfig]) -> dict:
+    """The runs of `configs` the database has, by name; refused if any has another config.
+    Reads runs.name, config_json and source only: every schema revision has them."""
+    existing = {r.name: r for r in conn.execute(
+        select(Run.name, Run.config_json, Run.source).where(Run.name.in_([c.name for c in configs])))}
+    conflicts = [_conflict(c, existing[c.name]) for c in configs if c.name in existing]
+    conflicts = [c for c in conflicts if c]
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more run(s))" if len(conflicts) > 1 else ""
+        raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}")
+    return existing
+
+
+# --- checks before a write command changes the database (`fibctl.db.engine.connect`'s `check`):
+# they refuse what the command's own transaction would, on the database as it is, so that a
+# refused command neither upgrades it nor switches it to WAL mode. They read only what every
+# schema revision has, and find no runs in a database fibctl has not written yet.
+
+def _has_runs(conn: Connection) -> bool:
+    return inspect(conn).has_table(Run.__tablename__)
+
+
+def check_add(configs: Sequence[RunConfig]) -> Callable[[Engine], None]:
+    def check(engine: Engine) -> None:
+        with engine.connect() as conn:
+            if _has_runs(conn):
+                _refuse_conflicts(conn, configs)
+    return check
+
+
+def _check_status(name: str, refusal: Callable[[str], str | None]) -> Callable[[Engine], None]:
+    def check(engine: Engine) -> None:
+        with engine.connect() as conn:
+            status = conn.execute(select(Run.status).where(Run.name == name)).scalar() if _has_runs(conn) else None
+        if status is None:
+            raise FibctlError(f"no run named {name!r}")
+        message = refusal(str(status))
+        if message:
+            raise FibctlError(message)
+    return check
+
+
+def check_cancel(name: str) -> Callable[[Engine], None]:
+    return _check_status(name, lambda status: _not_from(name, status, CANCEL_FROM, "cancel"))
+
+
+def check_retry(name: str) -> Callable[[Engine], None]:
+    return _check_status(name, lambda status: _not_from(name, status, RETRY_FROM, "retry"))
+
+
+def check_remove(name: str) -> Callable[[Engine], None]:
+    return _check_status(name, lambda status: _not_removable(name) if status == RunStatus.RUNNING else None)
 
 
 def stored_config(name: str, config_json: str | None) -> RunConfig:
@@ -134,15 +182,29 @@ def _transition(conn: Connection, name: str, allowed_from: tuple[str, ...], valu
         status = conn.execute(select(Run.status).where(Run.name == name)).scalar()
         if status is None:
             raise FibctlError(f"no run named {name!r}")
-        raise FibctlError(f"cannot {verb} run {name!r}: it is {status} "
-                          f"(only {' or '.join(allowed_from)} runs can be)")
+        raise FibctlError(_not_from(name, status, allowed_from, verb))
     return row.id
+
+
+def _not_from(name: str, status: str, allowed_from: tuple[str, ...], verb: str) -> str | None:
+    if status in allowed_from:
+        return None
+    return f"cannot {verb} run {name!r}: it is {status} (only {' or '.join(allowed_from)} runs can be)"
+
+
+def _not_removable(name: str) -> str:
+    return (f"cannot remove run {name!r}: it is running; stop its worker or "
+            f"`fibctl queue cancel {name}` first")
+
+
+CANCEL_FROM = (RunStatus.QUEUED, RunStatus.RUNNING)
+RETRY_FROM = (RunStatus.FAILED, RunStatus.CANCELLED)
 
 
 def cancel(engine: Engine, name: str) -> None:
     """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
     with engine.begin() as conn:
-        run_id = _transition(conn, name, (RunStatus.QUEUED, RunStatus.RUNNING),
+        run_id = _transition(conn, name, CANCEL_FROM,
                              dict(status=RunStatus.CANCELLED, finished_at=utcnow()), "cancel")
         add_event(conn, run_id, "cancelled", "cancelled by the user")
 
@@ -150,7 +212,7 @@ def cancel(engine: Engine, name: str) -> None:
 def retry(engine: Engine, name: str) -> None:
     """Put a failed or cancelled run back in the queue with its attempts reset."""
     with engine.begin() as conn:
-        run_id = _transition(conn, name, (RunStatus.FAILED, RunStatus.CANCELLED), dict(
+        run_id = _transition(conn, name, RETRY_FROM, dict(
             status=RunStatus.QUEUED, attempts=0, error=None, worker=None, host=None, device=None,
             heartbeat_at=None, started_at=None, finished_at=None), "retry")
         add_event(conn, run_id, "retried", "queued again by the user")
@@ -179,7 +241,7 @@ def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str
 
     with engine.begin() as conn:
         row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
-        run_id = _transition(conn, name, (RunStatus.FAILED, RunStatus.CANCELLED), dict(
+        run_id = _transition(conn, name, RETRY_FROM, dict(
             status=RunStatus.QUEUED, attempts=0, error=None, worker=None, host=None, device=None,
             heartbeat_at=None, started_at=None, finished_at=None, checkpoint_path=None, tokens_trained=None,
             wall_seconds=None, final_step=None), "retry")
@@ -467,8 +529,7 @@ def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None
         if row is None:
             raise FibctlError(f"no run named {name!r}")
         if row.status == "running":
-            raise FibctlError(f"cannot remove run {name!r}: it is running; stop its worker or "
-                              f"`fibctl queue cancel {name}` first")
+            raise FibctlError(_not_removable(name))
         if check:
             check(row.runs_dir)
         rows = sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == row.id)).scalar()

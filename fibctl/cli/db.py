@@ -62,7 +62,7 @@ def db_copy(
     metrics it lacks are added; nothing in the target is deleted. The summary says how
     many runs were kept so, and why.
     """
-    from fibctl.db.copy import copy_database, counts
+    from fibctl.db.copy import check_copy, copy_database, counts
     from fibctl.db.whole import created_whole
 
     for db, option in ((source, "--from"), (target, "--to")):  # a refusal names the option given
@@ -71,7 +71,7 @@ def db_copy(
         raise FibctlError(f"--from and --to are the same database ({db_engine.shown(source)}); nothing to copy")
     src = db_engine.connect_readonly(source, option="--from")
     with created_whole(target, option="--to") as into:  # a new SQLite file appears only whole
-        dst = db_engine.connect(into, option="--to")
+        dst = db_engine.connect(into, option="--to", check=check_copy(src))
         try:
             summary = copy_database(src, dst)
             theirs = counts(dst)
@@ -144,7 +144,7 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
               ) -> None:
     """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped."""
     configs = load_matrix(matrix).resolve(preset, only)
-    engine = db_engine.connect(db)
+    engine = db_engine.connect(db, check=queue.check_add(configs))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs)
     console.print(f"queued {len(added)} run(s); {len(present)} already present")
 
@@ -236,7 +236,7 @@ def status_cmd(
 @queue_app.command("cancel")
 def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
     """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
-    queue.cancel(db_engine.connect(db, must_exist=True), name)
+    queue.cancel(db_engine.connect(db, must_exist=True, check=queue.check_cancel(name)), name)
     console.print(plain(f"cancelled {name}"))
 
 
@@ -263,7 +263,7 @@ def queue_retry(ctx: typer.Context,
         # a mistyped folder would find no checkpoint there: the rows would go, and a worker
         # given the real folder would resume from its checkpoint without them
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was changed")
-    engine = db_engine.connect(db, must_exist=True)
+    engine = db_engine.connect(db, must_exist=True, check=None if all_failed else queue.check_retry(name))
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
@@ -302,14 +302,14 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
     its checkpoint folder inside the runs folder). A running run is refused."""
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
-    engine = db_engine.connect(db, must_exist=True)
+    if checkpoints and runs_dir is not None and not runs_dir.is_dir():
+        # a mistyped folder would find no checkpoints there, and leave them behind the rows
+        raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
+    engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name))
     folder: list[Path] = []
     aside: list[Path] = []
 
     def check(recorded: str | None) -> None:  # before any row is deleted
-        if checkpoints and runs_dir is not None and not runs_dir.is_dir():
-            # a mistyped folder would find no checkpoints there, and leave them behind the rows
-            raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
         if checkpoints:
             folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.db import schema
@@ -67,11 +67,7 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
     with target.begin() as dst:
         theirs = {r.name: {c: r._mapping[c] for c in RUN_COLUMNS}
                   for r in dst.execute(select(runs).with_for_update())}
-        clashes = [r["name"] for r in rows
-                   if r["name"] in theirs and theirs[r["name"]]["config_hash"] != r["config_hash"]]
-        if clashes:
-            raise FibctlError(f"the target already has run(s) {', '.join(map(repr, clashes[:5]))} with another "
-                              "config; nothing was copied")
+        _refuse_clashes(rows, {name: r["config_hash"] for name, r in theirs.items()})
         for r in rows:
             if r["name"] in theirs and (why := _kept_because(theirs[r["name"]], r)):
                 summary.kept[r["name"]] = why
@@ -97,6 +93,31 @@ def copy_database(source: Engine, target: Engine, *, batch: int = 5000) -> CopyS
                 summary.rows[table.name] = written
             summary.rows["events"], summary.events_left = _copy_events(src, dst, id_map)
     return summary
+
+
+def _refuse_clashes(rows: list[dict], hashes: dict[str, str]) -> None:
+    """Refuse a copy of a run the target has with another config (`hashes`: the target's
+    config hash by run name)."""
+    clashes = [r["name"] for r in rows if r["name"] in hashes and hashes[r["name"]] != r["config_hash"]]
+    if clashes:
+        raise FibctlError(f"the target already has run(s) {', '.join(map(repr, clashes[:5]))} with another "
+                          "config; nothing was copied")
+
+
+def check_copy(source: Engine):
+    """For `connect(check=)` on the target: its clashes refused before it is upgraded or
+    switched to WAL mode, on the target as it is (runs.name and config_hash: every schema
+    revision has them; a database fibctl has not written yet has no runs)."""
+    def check(target: Engine) -> None:
+        runs = schema.Run.__table__
+        with target.connect() as conn:
+            if not inspect(conn).has_table(runs.name):
+                return
+            hashes = dict(conn.execute(select(runs.c.name, runs.c.config_hash)).all())
+        with source.connect() as src:
+            rows = [dict(r._mapping) for r in src.execute(select(runs.c.name, runs.c.config_hash))]
+        _refuse_clashes(rows, hashes)
+    return check
 
 
 def _storable(dst: Connection, table: str, rows: list[dict], run_name) -> None:

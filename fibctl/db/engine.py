@@ -17,6 +17,7 @@ import os
 import sqlite3
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -158,6 +159,19 @@ def check_sqlite_file(path: Path, *, must_exist: bool) -> None:
         raise FibctlError(f"{path} is not a SQLite database")
 
 
+def check_writable(path: Path) -> None:
+    """Refuse, before SQLite opens it, a database this process cannot write: a file it may not
+    write (SQLite would open it read-only, failing only at the first write, after making a
+    WAL database's -wal and -shm files beside it), or one in a folder it may not write (a
+    write needs a -journal, or a -wal and -shm, file there). chattr +i refuses root as well."""
+    folder = path.absolute().parent
+    if path.exists() and not os.access(path, os.W_OK):
+        raise FibctlError(f"cannot write to database {path}: the file is not writable")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        doing = "write to" if path.exists() else "create"
+        raise FibctlError(f"cannot {doing} database {path}: directory {folder} is not writable")
+
+
 def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> None:
     """WAL, busy timeout, foreign keys; every transaction starts with BEGIN IMMEDIATE.
 
@@ -179,14 +193,17 @@ def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> No
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _create_engine(url: URL, option: str = "--db", **kwargs) -> Engine:
-    """`create_engine`, with a missing driver or an unknown dialect as one line."""
+def _create_engine(url: URL, option: str = "--db", name: str | None = None, **kwargs) -> Engine:
+    """`create_engine`, with a missing driver or an unknown dialect as one line; a damaged
+    SQLite file (`name`: the database as the user gave it) found by any query is one too."""
     if _connect_timeout(url) is None and url.get_backend_name() == "postgresql" \
             and url.get_driver_name() in LIBPQ_DRIVERS:
         kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S, **kwargs.get("connect_args", {})}
     try:
         engine = create_engine(url, **kwargs)
         _engines.add(engine)
+        if engine.dialect.name == "sqlite":
+            _refuse_damaged(engine, name if name is not None else url)
         return engine
     except NoSuchModuleError:
         raise FibctlError(f"{option} {shown(url)}: unknown database kind {url.drivername!r}; "
@@ -199,13 +216,31 @@ def _create_engine(url: URL, option: str = "--db", **kwargs) -> Engine:
         raise FibctlError(f"{option} {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None
 
 
+# SQLite's result codes for a file that is damaged (a bad page, a truncated file) or is no database
+SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
+
+
+def _refuse_damaged(engine: Engine, db: str | URL) -> None:
+    """A damaged page may be met by any query, long after the checks on opening (a `db copy`
+    reading its last table, a report's one query): one line naming the database, wherever."""
+
+    @event.listens_for(engine, "handle_error")
+    def _damaged(context):
+        e = context.original_exception
+        if isinstance(e, sqlite3.DatabaseError) and (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (
+                SQLITE_CORRUPT, SQLITE_NOTADB):
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise FibctlError(f"{shown(db)} is not a usable database: {reason}")
+
+
 def _connect_timeout(url: URL) -> str | None:
     """The connect timeout the user set (the URL's, else PGCONNECT_TIMEOUT's), in seconds."""
     return url.query.get("connect_timeout") or os.environ.get("PGCONNECT_TIMEOUT") or None
 
 
-def _engine(url: URL, option: str = "--db", *, foreign_keys: bool = True, **kwargs) -> Engine:
-    engine = _create_engine(url, option, **kwargs)
+def _engine(url: URL, option: str = "--db", name: str | None = None, *, foreign_keys: bool = True,
+            **kwargs) -> Engine:
+    engine = _create_engine(url, option, name, **kwargs)
     if engine.dialect.name == "sqlite":
         _install_sqlite_settings(engine, foreign_keys=foreign_keys)
     return engine
@@ -304,7 +339,8 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     path = _sqlite_path(url)
     if path is not None:
         check_sqlite_file(path, must_exist=False)
-    engine = _engine(url, option, foreign_keys=False, poolclass=NullPool)
+        check_writable(path)
+    engine = _engine(url, option, db, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
         if path is not None:  # a fibctl database (or a new one): now it may change mode
@@ -340,6 +376,9 @@ def _set_wal(engine: Engine) -> None:
             raw.driver_connection.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as e:
+            if "readonly" in str(e) or "unable to open" in str(e):  # a read-only mount, say
+                path = Path(engine.url.database)
+                raise FibctlError(f"cannot write to database {path}: {e}") from None
             if "locked" not in str(e) or time.monotonic() > deadline:
                 raise
         finally:
@@ -347,20 +386,36 @@ def _set_wal(engine: Engine) -> None:
         time.sleep(0.05)
 
 
-def connect(db: str, *, create: bool = True, must_exist: bool = False, option: str = "--db") -> Engine:
+def connect(db: str, *, create: bool = True, must_exist: bool = False, option: str = "--db",
+            check: Callable[[Engine], None] | None = None) -> Engine:
     """An engine on `db`. With `create`, a missing database is created and an older schema
     upgraded to the latest revision; without it, the database must exist and be current.
     `must_exist` still upgrades but creates nothing: for commands that only make sense on a
-    database with runs in it, where a mistyped path would otherwise be a new empty one."""
+    database with runs in it, where a mistyped path would otherwise be a new empty one.
+
+    `check(engine)`: the command's own checks (the run it names exists, say), on a read-only
+    engine on the database as it is, before it is upgraded or switched to WAL mode: what it
+    raises leaves the database as it was. It may be of any schema revision, or none yet (a new
+    or empty database): `check` reads only what every revision has."""
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None and must_exist:
         check_sqlite_file(path, must_exist=True)
+    # a new file has nothing to check yet; another dialect is refused below as it always was
+    if check is not None and url.get_backend_name() in ("sqlite", "postgresql") and (path is None or path.exists()):
+        if path is not None:
+            check_sqlite_file(path, must_exist=True)
+            check_writable(path)  # refused for what it is before a check that reads it
+        reader = connect_readonly(db, current=False, option=option)
+        try:
+            check(reader)
+        finally:
+            reader.dispose()
     if create:
         upgrade(db, option=option)
     elif path is not None:
         check_sqlite_file(path, must_exist=True)
-    engine = _engine(url, option)
+    engine = _engine(url, option, db)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
         raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db {shown(db)}`")
@@ -375,14 +430,14 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
     path = _sqlite_path(url)
     if path is not None:
         check_sqlite_file(path, must_exist=True)
-        engine = _create_engine(make_url(_readonly_sqlite_url(path)), option)
+        engine = _create_engine(make_url(_readonly_sqlite_url(path)), option, db)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
             dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             dbapi_conn.execute("PRAGMA query_only=ON")
     elif url.get_backend_name() == "postgresql":
-        engine = _create_engine(url, option, execution_options={"postgresql_readonly": True})
+        engine = _create_engine(url, option, db, execution_options={"postgresql_readonly": True})
     else:
         raise FibctlError(f"{option} {shown(url)}: read-only access supports SQLite and PostgreSQL "
                           "databases only")

@@ -1,0 +1,244 @@
+"""Write commands that fail leave the database as it was: an unwritable file or folder is one
+line, before SQLite opens it; a refused command neither upgrades a database nor switches it to
+WAL mode; a damaged file is one line wherever a query meets its bad page."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import refused
+from fibctl.db.engine import current_revision, head_revision, upgrade
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "results.db.example"  # rollback-journal mode
+MATRIX = """[matrix]
+preset = "micro"
+
+[[runs]]
+name = "r1"
+schedule = "stagger"
+window = 8
+"""
+
+
+@contextlib.contextmanager
+def immutable(path: Path):
+    """chattr +i on `path` for the block (it refuses root too); skipped where chattr cannot."""
+    if shutil.which("chattr") is None:
+        pytest.skip("no chattr here to make a file immutable")
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"chattr +i is refused here (not root, or a file system without it): {done.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def _state(folder: Path) -> dict:
+    """Every file in `folder` with a hash of its bytes."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _journal_mode(db: Path) -> str:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("PRAGMA journal_mode").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _rollback_db(tmp_path: Path, name: str = "t.db") -> Path:
+    """A current fibctl database in rollback-journal mode, with run r1 queued."""
+    db = tmp_path / name
+    (tmp_path / "m.toml").write_text(MATRIX)
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect, release
+    from fibctl.queue import add_runs
+
+    add_runs(connect(str(db)), [RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8)])
+    release()
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.close()
+    assert _journal_mode(db) == "delete"
+    return db
+
+
+WRITES = [["queue", "add", "m.toml"], ["queue", "cancel", "r1"], ["queue", "retry", "r1"], ["queue", "rm", "r1"],
+          ["db", "upgrade"]]
+
+
+@pytest.mark.parametrize("args", WRITES, ids=lambda a: " ".join(a[:2]))
+def test_a_write_to_an_immutable_rollback_journal_database_is_one_line(args, tmp_path, monkeypatch, capsys):
+    """It was a traceback (attempt to write a readonly database) from the WAL switch."""
+    db = _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    with immutable(db):
+        err = refused(monkeypatch, capsys, *args, "--db", "t.db")
+    assert "cannot write to database t.db: the file is not writable" in err
+    assert _state(tmp_path) == before
+
+
+def test_a_copy_into_an_immutable_database_is_one_line(tmp_path, monkeypatch, capsys):
+    _rollback_db(tmp_path, "src.db")
+    db = _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    with immutable(db):
+        err = refused(monkeypatch, capsys, "db", "copy", "--from", "src.db", "--to", "t.db")
+    assert "cannot write to database t.db: the file is not writable" in err
+    assert _state(tmp_path) == before
+
+
+@pytest.mark.parametrize("args", WRITES, ids=lambda a: " ".join(a[:2]))
+def test_a_write_to_a_rollback_journal_database_in_an_immutable_folder_is_one_line(args, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """It was a traceback (unable to open database file): SQLite needs a -journal file there."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    _rollback_db(folder)
+    monkeypatch.chdir(folder)
+    before = _state(folder)
+    with immutable(folder):
+        err = refused(monkeypatch, capsys, *args, "--db", "t.db")
+    assert f"cannot write to database t.db: directory {folder} is not writable" in err
+    assert _state(folder) == before
+
+
+def test_a_write_to_an_immutable_wal_database_leaves_no_files_beside_it(tmp_path, monkeypatch, capsys):
+    """`queue add` with nothing new to add succeeded, leaving -wal and -shm files that nothing
+    removed (SQLite opened the file read-only and made them in the folder)."""
+    db = _rollback_db(tmp_path)
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.close()
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    with immutable(db):
+        err = refused(monkeypatch, capsys, "queue", "add", "m.toml", "--db", "t.db")
+    assert "cannot write to database t.db: the file is not writable" in err
+    assert _state(tmp_path) == before
+
+
+REFUSED = [["queue", "cancel", "nosuch"], ["queue", "retry", "nosuch"], ["queue", "rm", "nosuch"],
+           ["queue", "retry", "r1"],  # queued, not failed
+           ["queue", "rm", "r1", "--checkpoints", "--runs-dir", "nowhere"]]
+
+
+@pytest.mark.parametrize("args", REFUSED, ids=" ".join)
+def test_a_refused_command_leaves_a_rollback_journal_database_as_it_was(args, tmp_path, monkeypatch, capsys):
+    """`queue cancel nosuch` failed, having switched the database to WAL mode."""
+    db = _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    refused(monkeypatch, capsys, *args, "--db", "t.db")
+    assert _state(tmp_path) == before and _journal_mode(db) == "delete"
+
+
+def _old_db(tmp_path: Path) -> Path:
+    """A WAL database at revision 0004 with run r1 queued under another config than m.toml's."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from fibctl.config import RunConfig
+
+    db = tmp_path / "o.db"
+    upgrade(str(db), "0004")
+    other = RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=16)
+    engine = create_engine(f"sqlite:///{db}", poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text(
+            'INSERT INTO runs (name, matrix, preset, base, schedule, "window", seed, train_length, config_json,'
+            " config_hash, status, attempts, created_at, source) VALUES ('r1', 'm', 'micro', 'fib', 'stagger',"
+            " 16, 42, 64, :c, :h, 'queued', 0, '2026-01-01 00:00:00', 'fibctl')"), {"c": other.to_json(), "h": other.config_hash})
+    engine.dispose()
+    (tmp_path / "m.toml").write_text(MATRIX)
+    return db
+
+
+@pytest.mark.parametrize("args", [*REFUSED, ["queue", "add", "m.toml"]], ids=" ".join)
+def test_a_refused_command_does_not_upgrade_an_older_database(args, tmp_path, monkeypatch, capsys):
+    """`queue cancel nosuch` on a database of an older revision migrated it to the newest, then
+    failed."""
+    from sqlalchemy import create_engine
+
+    db = _old_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    err = refused(monkeypatch, capsys, *args, "--db", "o.db")
+    assert "differs in" in err if args[1] == "add" else True
+    assert _state(tmp_path) == before
+    engine = create_engine(f"sqlite:///{db}")
+    assert current_revision(engine) == "0004"
+    engine.dispose()
+
+
+def test_a_copy_refused_for_a_clash_does_not_upgrade_the_target(tmp_path, monkeypatch, capsys):
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect, release
+    from fibctl.queue import add_runs
+
+    _old_db(tmp_path)
+    add_runs(connect(str(tmp_path / "src.db")), [RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8)])
+    release()
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    err = refused(monkeypatch, capsys, "db", "copy", "--from", "src.db", "--to", "o.db")
+    assert "the target already has run(s) 'r1' with another config" in err
+    assert _state(tmp_path) == before
+
+
+def test_a_command_that_succeeds_still_upgrades(tmp_path, monkeypatch, capsys):
+    """The control: the checks before an upgrade refuse only what the command would."""
+    from fibctl.cli import main
+    import sys
+
+    db = _old_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "cancel", "r1", "--db", "o.db"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    assert "cancelled r1" in capsys.readouterr().out
+    from sqlalchemy import create_engine
+
+    engine = create_engine(f"sqlite:///{db}")
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+
+
+def _damaged(tmp_path: Path) -> Path:
+    """The example database with a page of its aux_metrics overwritten: it opens, and its
+    first queries work; reading that table finds the damage."""
+    db = tmp_path / "corrupt.db"
+    shutil.copyfile(EXAMPLE, db)
+    with db.open("r+b") as f:
+        f.seek(50_000)
+        f.write(b"\xde\xad" * 2000)
+    with pytest.raises(sqlite3.DatabaseError, match="malformed"):
+        sqlite3.connect(db).execute("SELECT * FROM aux_metrics").fetchall()
+    return db
+
+
+@pytest.mark.parametrize("args", [["db", "copy", "--from", "corrupt.db", "--to", "out.db"],
+                                  ["sql", "SELECT * FROM aux_metrics", "--db", "corrupt.db"],
+                                  ["report", "table2", "--db", "corrupt.db"]], ids=lambda a: " ".join(a[:2]))
+def test_a_damaged_database_is_one_line_wherever_a_query_meets_it(args, tmp_path, monkeypatch, capsys):
+    """`db copy --from` a database with a damaged page was a traceback (database disk image is
+    malformed), and so was `report table2`."""
+    if not EXAMPLE.exists():
+        pytest.skip("results.db.example is not in this checkout")
+    _damaged(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    err = refused(monkeypatch, capsys, *args)
+    assert "corrupt.db is not a usable database: database disk image is malformed" in err
+    assert _state(tmp_path) == before  # no out.db either

@@ -59,15 +59,20 @@ def prepare_cmd(
     r = load_recipe(recipe)
     out = out or Path("data")
     start = time.perf_counter()
+    made = _missing_parents(out)
     try:
         with token_progress(plain) as progress:
             # why a folder of this recipe is built again, said before the build (hours, for paper)
             result = prepare(r, out, progress, note=lambda line: progress.console.print(
                 f"[yellow]note:[/] {escape(printable(line))}", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
+        _remove_empty(made)
         err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+    except BaseException:
+        _remove_empty(made)
+        raise
     _warn_short(result.manifest)
     if result.finished:  # killed while putting its build in place: that build, checked, is in place now
         console.print(f"{out}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
@@ -80,6 +85,26 @@ def prepare_cmd(
         console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})",
                       markup=False, highlight=False, soft_wrap=True)
     _print_manifest(result.manifest)
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """The folders above `out` that do not exist yet (prepare creates them), deepest first."""
+    missing = []
+    for parent in out.absolute().parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this prepare created above `out`, deepest first, while they are empty:
+    one stopped before anything was in place left `a/b/c/` behind for nothing."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something is in it (not ours to remove), or it is gone already
+            return
 
 
 @data_app.command("show")

@@ -356,7 +356,7 @@ def eval_cmd(
                           runs_dir=runs_dir, on_result=advance, log_to=log_to)
     except KeyboardInterrupt:  # each result is committed as it is measured
         err_console.print("interrupted; the results measured before it are recorded: run the same command "
-                          "again to finish", markup=False, highlight=False)
+                          "again to finish", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():

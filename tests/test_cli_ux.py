@@ -166,6 +166,16 @@ def test_sql_select_star_at_80_columns_shows_every_value():
     assert re.search(r"│ fib_fixed_w8 +│ fixed +│", narrow.stdout), narrow.stdout  # side by side where they fit
 
 
+def test_sql_never_splits_a_value_mid_word_to_fit():
+    """9 columns fit 3 characters each at 80 columns, so they were drawn side by side, folding
+    `docs_val` into `docs_va` over `l`: a result whose words do not fit whole goes a field a line."""
+    done = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT * FROM evaluations ORDER BY id LIMIT 2")
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    for field, value in (("dataset", "docs_val"), ("eval_length", "128"), ("ppl", "271.7305445228495")):
+        assert re.search(rf"│ {field} +│ {value} +│", done.stdout), done.stdout
+
+
 def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
     """The tables `fibctl demo` prints, from the database a full demo produced: columns that
     do not fit go to a second table, each value whole."""

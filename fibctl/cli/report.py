@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
+from rich.cells import cell_len
 from rich.progress import track
 from rich.table import Table as RichTable
 from rich.text import Text
@@ -241,7 +242,6 @@ def _check_figure_options(ctx: typer.Context, name: str) -> None:
 
 
 SQL_FORMATS = ("table", "csv", "json")
-MIN_CELL = 3  # the narrowest column `fibctl sql` draws side by side
 
 
 @app.command("sql")
@@ -286,13 +286,18 @@ def sql(
             return Text("NULL" if v is None else printable(str(sql_cell(v))))
 
         # rich narrows columns that do not fit to nothing (`SELECT * FROM runs` at 80 columns drew
-        # empty cells): a result too wide for MIN_CELL characters a column shows a field a line
-        if len(result.columns) * (MIN_CELL + 3) + 1 <= console.width:
+        # empty cells), or folds a value mid-word (`docs_va` over `l`): side by side only where
+        # each column holds its longest word (header or value) whole, else a field a line
+        headers = [Text(printable(column)) for column in result.columns]
+        cells = [[text(v) for v in row] for row in result.rows]
+        least = [max([1, *(cell_len(w) for t in (h, *(row[i] for row in cells)) for w in t.plain.split())])
+                 for i, h in enumerate(headers)]
+        if sum(least) + 3 * len(least) + 1 <= console.width:
             table = RichTable()
-            for column in result.columns:
-                table.add_column(Text(printable(column)), overflow="fold")
-            for row in result.rows:
-                table.add_row(*map(text, row))
+            for header, width in zip(headers, least):
+                table.add_column(header, overflow="fold", min_width=width)
+            for row in cells:
+                table.add_row(*row)
         else:
             table = RichTable("column", "value")
             for i, row in enumerate(result.rows):

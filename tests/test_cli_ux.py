@@ -642,3 +642,16 @@ def test_report_all_says_each_skipped_table_on_one_line(tmp_path, monkeypatch, c
                                  str(tmp_path / "rep"))
     assert code == 0 and "skipped table2: no probe results" in err
     assert all(line.startswith("skipped ") for line in err.splitlines()), err
+
+
+@pytest.mark.parametrize("args", [["queue", "ls", "--db", REPO_EXAMPLE], ["queue", "show", "dense", "--db", REPO_EXAMPLE],
+                                  ["report", "table3", "--db", REPO_EXAMPLE], ["matrix", "list"], ["--help"],
+                                  ["sql", "SELECT * FROM runs", "--db", REPO_EXAMPLE, "--csv"]])
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly_with_0(args):
+    """`fibctl queue ls | head -1`: rich and click exited 1 on the closed pipe, silently (a
+    failure to `set -o pipefail`); only output that fit the pipe's buffer exited 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=ENV80)
+    proc.stdout.close()  # before it writes: it takes a second to start
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (0, b"")

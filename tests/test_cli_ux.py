@@ -655,3 +655,16 @@ def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly_with_0(arg
     proc.stdout.close()  # before it writes: it takes a second to start
     err = proc.stderr.read()
     assert (proc.wait(timeout=120), err) == (0, b"")
+
+
+def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
+    """It suggested `fibctl data prepare RECIPE --data r.toml`, which is then refused."""
+    (tmp_path / "r.toml").write_text('vocab_size = 512\n')
+    (tmp_path / "notes.txt").write_text("x\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "r.toml"))
+    assert code == 2 and err == (f"error: {tmp_path}/r.toml is a file, not a data folder (one `fibctl data prepare` "
+                                 f"wrote); a recipe is prepared with `fibctl data prepare {tmp_path}/r.toml --data "
+                                 "FOLDER`\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "notes.txt"))
+    assert code == 2 and err == f"error: {tmp_path}/notes.txt is a file, not a data folder (one `fibctl data " \
+                                "prepare` wrote)\n"

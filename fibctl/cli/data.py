@@ -16,6 +16,7 @@ from fibctl.cli import app
 from fibctl.cli.common import console, err_console, fitted_table, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
+from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
@@ -114,6 +115,10 @@ def show_cmd(
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
     tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,
     is an error (exit 2)."""
+    if data_dir.is_file():  # load_manifest's hint, `--data` this file, would be refused in turn
+        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
+            if data_dir.suffix == ".toml" else ""
+        raise FibctlError(f"{data_dir} is a file, not a data folder (one `fibctl data prepare` wrote){recipe}")
     manifest = load_manifest(data_dir)
     manifest.check_tokenizer()
     for split in manifest.splits:  # as a worker checks them before it trains on them

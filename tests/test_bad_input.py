@@ -262,6 +262,11 @@ CASES = [
      "name runs or pass --all, not both (got --all and 'runn')"),
     (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
+    # Path('') is the current folder: a worker trained into it
+    (["worker", "--runs-dir", "", "--db", "{good_db}", "--data", "{data}"], "--runs-dir is empty; name the folder"),
+    (["train", "run", "--runs-dir", " ", "--db", "{good_db}", "--data", "{data}"], "--runs-dir is empty"),
+    (["eval", "run", "--length", "64", "--runs-dir", "", "--db", "{good_db}", "--data", "{data}"],
+     "--runs-dir is empty"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
     (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
     # lengths `coverage` refuses, refused by its figure too (it drew a title of T=99999999999)

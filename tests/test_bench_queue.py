@@ -51,3 +51,12 @@ def test_bad_input_is_one_line():
     done = subprocess.run([sys.executable, "-m", "fibctl", "bench", "queue", "--db", "mysql://x@h/db"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "SQLite or PostgreSQL" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("db", ["adir", "sqlite:///x.db"])
+def test_a_sqlite_db_which_would_be_ignored_is_refused(db, tmp_path, monkeypatch):
+    """SQLite is benchmarked in a temporary file: `--db adir` was silently ignored."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FibctlError, match=r"bench queue takes --db for a PostgreSQL server only"):
+        bench_queue(db, processes=2, runs=20)
+    assert list(tmp_path.iterdir()) == []

@@ -155,7 +155,9 @@ def test_a_measurement_whose_process_dies_is_one_error():
 @pytest.mark.parametrize("args,needle", [
     (["bench", "train", "--steps", "0"], "--steps 0 must be >= 1"),
     (["bench", "train", "--warmup", "-1"], "--warmup -1 must be >= 0"),
-    (["bench", "train", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
+    (["bench", "train", "--seq-len", "1"], "--seq-len 1 must be from 2 to 1,048,576"),
+    # bench attention's bound (an unbounded one grew the measuring child to gigabytes)
+    (["bench", "train", "--preset", "micro", "--seq-len", "99999999"], "--seq-len 99,999,999 must be from 2 to"),
     (["bench", "train", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["bench", "train", "--grad-accum", "0"], "--grad-accum 0 must be >= 1"),
     (["bench", "attention", "--device", "tpu"], "unknown device 'tpu'"),

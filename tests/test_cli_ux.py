@@ -166,6 +166,16 @@ def test_sql_select_star_at_80_columns_shows_every_value():
     assert re.search(r"│ fib_fixed_w8 +│ fixed +│", narrow.stdout), narrow.stdout  # side by side where they fit
 
 
+def test_sql_never_splits_a_value_mid_word_to_fit():
+    """9 columns fit 3 characters each at 80 columns, so they were drawn side by side, folding
+    `docs_val` into `docs_va` over `l`: a result whose words do not fit whole goes a field a line."""
+    done = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT * FROM evaluations ORDER BY id LIMIT 2")
+    assert done.returncode == 0, done.stderr
+    assert_fits(done.stdout)
+    for field, value in (("dataset", "docs_val"), ("eval_length", "128"), ("ppl", "271.7305445228495")):
+        assert re.search(rf"│ {field} +│ {value} +│", done.stdout), done.stdout
+
+
 def test_the_demo_headline_tables_at_80_columns_cut_no_cell():
     """The tables `fibctl demo` prints, from the database a full demo produced: columns that
     do not fit go to a second table, each value whole."""
@@ -272,6 +282,14 @@ def test_a_usage_error_is_one_line_and_exit_2(args, line, monkeypatch, capsys):
      "interrupted; run the same command again to prepare {tmp}/d"),
     (["eval", "dense", "--length", "64", "--db", "{tmp}/r.db"], "fibctl.flows.evaluation.evaluate",
      "interrupted; the results measured before it are recorded: run the same command again to finish"),
+    # these ended with exit 130 and nothing on stderr
+    (["bench", "attention", "--length", "8"], "fibctl.flows.bench.bench_attention",
+     "interrupted; a benchmark writes nothing: nothing is kept"),
+    (["bench", "train", "--preset", "micro"], "fibctl.flows.bench.bench_train",
+     "interrupted; a benchmark writes nothing: nothing is kept"),
+    (["bench", "probe"], "fibctl.flows.bench.bench_probe", "interrupted; a benchmark writes nothing: nothing is kept"),
+    (["report", "all", "--db", "{tmp}/r.db", "--out", "{tmp}/rep"], "fibctl.reports.export.write_all",
+     "interrupted; nothing was written"),
 ])
 def test_ctrl_c_in_a_long_command_is_one_line_and_exit_130(command, patched, line, tmp_path, monkeypatch, capsys):
     """typer ends a command a Ctrl-C stops with exit 130 and not a word (older typers: 'Aborted!'
@@ -290,7 +308,76 @@ def test_ctrl_c_in_a_long_command_is_one_line_and_exit_130(command, patched, lin
         main()
     out = capsys.readouterr()
     assert exit_.value.code == 130 and out.out == ""
-    assert " ".join(out.err.split()) == line.format(tmp=tmp_path)
+    assert out.err == line.format(tmp=tmp_path) + "\n"  # one line, also past 80 columns (a log file)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, ValueError])
+def test_a_data_prepare_stopped_early_removes_the_folders_it_made_and_only_those(stop, tmp_path, monkeypatch, capsys):
+    """`--data some/deeper/d` stopped before anything was in place left some/deeper/ behind."""
+    from fibctl.cli import main
+
+    def stopped(recipe, out, *args, **kwargs):
+        out.parent.mkdir(parents=True, exist_ok=True)  # as prepare does first
+        raise stop
+
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setattr("fibctl.data.prepare.prepare", stopped)
+    for data in ("some/deeper/d", "mine/a/b/d"):
+        monkeypatch.setattr(sys, "argv", ["fibctl", "data", "prepare", "quick", "--data", str(tmp_path / data)])
+        with pytest.raises((SystemExit, ValueError)):
+            main()
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_report_all_interrupted_keeps_what_it_wrote_and_says_so(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from fibctl.cli import main
+    from fibctl.reports import export
+
+    write = export.write_text
+
+    def interrupted(path, text):
+        if path.name.startswith("table3"):
+            raise KeyboardInterrupt
+        return write(path, text)
+
+    shutil.copy(REPO_EXAMPLE, tmp_path / "r.db")
+    monkeypatch.setattr(export, "write_text", interrupted)
+    rep = tmp_path / "rep"
+    monkeypatch.setattr(sys, "argv", ["fibctl", "report", "all", "--db", str(tmp_path / "r.db"), "--out", str(rep)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    kept = sorted(p.name for p in rep.glob("table1.*"))
+    assert exit_.value.code == 130 and len(kept) == 6
+    assert out.err.splitlines()[-1] == (f"interrupted; the 6 files written before it are in {rep}/ (no index.html): "
+                                        "run the same command again for the whole report")
+    assert not (rep / "index.html").exists()
+
+
+def _damaged_copy(tmp_path) -> Path:
+    """The example database with a page overwritten: some tables read, others fail midway."""
+    import shutil
+
+    db = tmp_path / "corrupt.db"
+    shutil.copy(REPO_EXAMPLE, db)
+    with open(db, "r+b") as f:
+        f.seek(50000)
+        f.write(b"\xde\xad" * 2000)
+    return db
+
+
+@pytest.mark.parametrize("command", [["report", "all", "--out", "{tmp}/rep/a"], ["report", "table2"]])
+def test_a_damaged_database_is_named_in_one_line_and_no_report_is_left(command, tmp_path, monkeypatch, capsys):
+    """It blamed the output folder ("cannot write the report into rep: Execution failed on sql
+    ..." over 81 lines) and left rep/ with table1 in it; table2 was a traceback."""
+    db = _damaged_copy(tmp_path)
+    code, out, err = _in_process(capsys, monkeypatch, *(a.format(tmp=tmp_path) for a in command), "--db", str(db))
+    assert code == 2 and err == f"error: {db} is not a usable database: database disk image is malformed\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.db"]
 
 
 def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
@@ -547,3 +634,37 @@ def test_a_columns_of_no_width_or_any_width_still_draws_the_help(columns, widest
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     lines = done.stdout.splitlines()
     assert "Usage:" in done.stdout and "queue" in done.stdout and max(len(line) for line in lines) <= widest
+
+
+def test_report_all_says_each_skipped_table_on_one_line(tmp_path, monkeypatch, capsys):
+    """`skipped table2: ...` wrapped over 3 lines at 80 columns (and in a log file)."""
+    code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--db", REPO_EXAMPLE, "--out",
+                                 str(tmp_path / "rep"))
+    assert code == 0 and "skipped table2: no probe results" in err
+    assert all(line.startswith("skipped ") for line in err.splitlines()), err
+
+
+@pytest.mark.parametrize("args", [["queue", "ls", "--db", REPO_EXAMPLE], ["queue", "show", "dense", "--db", REPO_EXAMPLE],
+                                  ["report", "table3", "--db", REPO_EXAMPLE], ["matrix", "list"], ["--help"],
+                                  ["sql", "SELECT * FROM runs", "--db", REPO_EXAMPLE, "--csv"]])
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly_with_0(args):
+    """`fibctl queue ls | head -1`: rich and click exited 1 on the closed pipe, silently (a
+    failure to `set -o pipefail`); only output that fit the pipe's buffer exited 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=ENV80)
+    proc.stdout.close()  # before it writes: it takes a second to start
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (0, b"")
+
+
+def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
+    """It suggested `fibctl data prepare RECIPE --data r.toml`, which is then refused."""
+    (tmp_path / "r.toml").write_text('vocab_size = 512\n')
+    (tmp_path / "notes.txt").write_text("x\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "r.toml"))
+    assert code == 2 and err == (f"error: {tmp_path}/r.toml is a file, not a data folder (one `fibctl data prepare` "
+                                 f"wrote); a recipe is prepared with `fibctl data prepare {tmp_path}/r.toml --data "
+                                 "FOLDER`\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "notes.txt"))
+    assert code == 2 and err == f"error: {tmp_path}/notes.txt is a file, not a data folder (one `fibctl data " \
+                                "prepare` wrote)\n"

@@ -549,3 +549,14 @@ def test_a_recipe_name_or_description_that_is_not_a_string_is_refused(key, value
     with pytest.raises(FibctlError, match=rf"^recipe: {key}={re.escape(repr(value))} must be a string$"):
         parse_recipe({key: value, "vocab_size": 512, "train_tokens": 1000,
                       "sources": [{"name": "g", "kind": "generated", "share": 1}]})
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "2.5"])
+def test_a_bad_hf_hub_etag_timeout_is_one_line_naming_it(value, monkeypatch):
+    """'abc' was huggingface_hub's ValueError traceback; -1 was taken and said as 'waited at most -1 s'."""
+    from fibctl.data.sources import check_hub
+    from fibctl.errors import FibctlError
+
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", value)
+    with pytest.raises(FibctlError, match=rf"^HF_HUB_ETAG_TIMEOUT='{re.escape(value)}' must be a positive whole"):
+        check_hub("some/dataset")

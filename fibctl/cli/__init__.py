@@ -7,11 +7,14 @@ the user fixes by waiting or freeing space, not by reading a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import sys
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from fibctl.cli.common import err_console
@@ -90,6 +93,39 @@ ORDER = [name for names in PANELS.values() for name in names]
 class _InOrder(typer.core.TyperGroup):
     def list_commands(self, ctx) -> list[str]:
         return sorted(self.commands, key=lambda name: ORDER.index(name) if name in ORDER else len(ORDER))
+
+    # the top command's own help is printed while its context is made; every other command's
+    # output (subcommands' help too) while it is invoked
+    def make_context(self, *args, **kwargs):
+        with _closed_pipe_ends_quietly():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _closed_pipe_ends_quietly():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _closed_pipe_ends_quietly():
+    """The reader closing our output (`fibctl queue ls | head -1`) has what it wanted: exit 0,
+    silently, whatever the command (click and rich exited 1, which `set -o pipefail` took for
+    a failure, and only output that fit the pipe's buffer exited 0)."""
+    try:
+        yield
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):  # Python's last flush at exit would fail on the closed pipe again
+            os.dup2(devnull, fd)
+        raise typer.Exit(0) from None
+
+
+def _raise_broken_pipe(self) -> None:
+    self.quiet = True
+    raise BrokenPipeError
+
+
+# rich's consoles (fibctl's and typer's help) exit 1 on a closed pipe: raised instead, for the above
+Console.on_broken_pipe = _raise_broken_pipe
 
 
 app = typer.Typer(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -67,6 +68,16 @@ def goes_with(ctx: typer.Context, param: str, option: str, needs: str, given: bo
     and a user who typed it expects it to."""
     if not given and typed(ctx, param):
         raise FibctlError(f"{option} goes with {needs}; without it, {option} does nothing")
+
+
+@contextmanager
+def on_interrupt(kept: str) -> Iterator[None]:
+    """Ctrl-C inside: exit 130 with one line, `interrupted; KEPT` (typer's own 130 said nothing)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted; {kept}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
 
 
 def step_of(step: int, steps: int | None) -> str:

@@ -16,6 +16,7 @@ from fibctl.cli import app
 from fibctl.cli.common import console, err_console, fitted_table, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
+from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
@@ -59,15 +60,20 @@ def prepare_cmd(
     r = load_recipe(recipe)
     out = out or Path("data")
     start = time.perf_counter()
+    made = _missing_parents(out)
     try:
         with token_progress(plain) as progress:
             # why a folder of this recipe is built again, said before the build (hours, for paper)
             result = prepare(r, out, progress, note=lambda line: progress.console.print(
                 f"[yellow]note:[/] {escape(printable(line))}", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
+        _remove_empty(made)
         err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+    except BaseException:
+        _remove_empty(made)
+        raise
     _warn_short(result.manifest)
     if result.finished:  # killed while putting its build in place: that build, checked, is in place now
         console.print(f"{out}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
@@ -82,6 +88,26 @@ def prepare_cmd(
     _print_manifest(result.manifest)
 
 
+def _missing_parents(out: Path) -> list[Path]:
+    """The folders above `out` that do not exist yet (prepare creates them), deepest first."""
+    missing = []
+    for parent in out.absolute().parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this prepare created above `out`, deepest first, while they are empty:
+    one stopped before anything was in place left `a/b/c/` behind for nothing."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something is in it (not ours to remove), or it is gone already
+            return
+
+
 @data_app.command("show")
 def show_cmd(
     data_dir: Annotated[Path, typer.Argument(help="A folder written by `fibctl data prepare`.")],
@@ -89,6 +115,10 @@ def show_cmd(
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
     tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,
     is an error (exit 2)."""
+    if data_dir.is_file():  # load_manifest's hint, `--data` this file, would be refused in turn
+        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
+            if data_dir.suffix == ".toml" else ""
+        raise FibctlError(f"{data_dir} is a file, not a data folder (one `fibctl data prepare` wrote){recipe}")
     manifest = load_manifest(data_dir)
     manifest.check_tokenizer()
     for split in manifest.splits:  # as a worker checks them before it trains on them

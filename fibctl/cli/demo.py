@@ -29,6 +29,9 @@ class RichView:
     def line(self, text: str) -> None:
         console.print(text, highlight=False, markup=False)
 
+    def warn(self, text: str) -> None:  # one line, also in a log file
+        err_console.print(text, highlight=False, markup=False, soft_wrap=True)
+
     def table(self, table) -> None:
         from fibctl.reports import render
 

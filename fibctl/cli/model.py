@@ -10,12 +10,13 @@ import typer
 from rich.table import Table
 
 from fibctl.cli import app
-from fibctl.cli.common import console, fitted_table, left_out
+from fibctl.cli.common import console, fitted_table, left_out, on_interrupt
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
 COVERAGE_MAX_LAYERS = 1024
+NOTHING_KEPT = "a benchmark writes nothing: nothing is kept"
 MAX_LISTED = 2**24  # layers x length
 
 Preset = Annotated[str, typer.Option(help=f"Model preset: {', '.join(PRESETS)}.")]
@@ -146,7 +147,7 @@ def bench_attention_cmd(
     check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))
     resolved = resolve_device(device)
     torch.set_num_threads(check_threads(threads))  # more than the CPUs would only contend
-    with console.status("benchmarking") as status:
+    with on_interrupt(NOTHING_KEPT), console.status("benchmarking") as status:
         df = bench_attention(length, batch=batch, repeats=repeats, warmup=warmup, window=window, base=base,
                              device=resolved, progress=lambda msg: status.update(f"benchmarking {msg}"))
     first = df.iloc[0]
@@ -207,7 +208,7 @@ def bench_train_cmd(
     from fibctl.flows.bench import bench_train, train_bench
 
     bench = train_bench(preset, seq_len, batch_size, steps, warmup, device, threads, window, base, grad_accum, compile)
-    with console.status("benchmarking") as status:
+    with on_interrupt(NOTHING_KEPT), console.status("benchmarking") as status:
         df = bench_train(bench, tuple(schedule), progress=lambda s: status.update(f"benchmarking {s}"))
     first = df.iloc[0]
     if as_json:
@@ -259,7 +260,7 @@ def bench_probe_cmd(
         raise ConfigError(f"--width {width:g} must be > 0 and at most --length {length:,}")
     check_counts(batch=(batch, 1), repeats=(repeats, 1), warmup=(warmup, 0), threads=(threads, 1))
     bench = ProbeBench(width, length, batch, repeats, warmup, threads)
-    with console.status("benchmarking") as status:
+    with on_interrupt(NOTHING_KEPT), console.status("benchmarking") as status:
         df = bench_probe(bench, progress=lambda impl: status.update(f"benchmarking {impl}"))
     t = Table(title=f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, "
                     f"{threads} thread(s), median of {repeats}")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
+from rich.cells import cell_len
 from rich.progress import track
 from rich.table import Table as RichTable
 from rich.text import Text
@@ -56,6 +59,31 @@ def _output(value: str, *, folder: bool) -> Path:
     return path
 
 
+def _unreadable(e: BaseException) -> str | None:
+    """The driver's first line where a read failed in the database itself (a damaged page:
+    "database disk image is malformed"), else None. pandas wraps it in an OSError, which read
+    as the output folder's fault; a lock or a full disk (OperationalError) is main()'s."""
+    from sqlalchemy.exc import DatabaseError, OperationalError
+
+    for x in (e, e.__cause__, e.__context__):
+        if isinstance(x, DatabaseError) and not isinstance(x, OperationalError):
+            return (str(x.orig).strip().splitlines() or [type(x.orig).__name__])[0]
+    return None
+
+
+@contextmanager
+def _reading(*dbs: str | None) -> Iterator[None]:
+    """A database that fails a read midway: one line naming it, not the statement and a traceback."""
+    try:
+        yield
+    except Exception as e:
+        reason = _unreadable(e)
+        if reason is None:
+            raise
+        named = " or ".join(shown(db) for db in dbs if db is not None)
+        raise FibctlError(f"{named} is not a usable database: {reason}") from None
+
+
 def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
     text = render.render(table, fmt)  # checks the format before anything is printed
     if show_sql:
@@ -89,10 +117,12 @@ def _table_command(name: str, build):
 
     def command(db: str, fmt: str, show_sql: bool, **options) -> None:
         engine = open_for_reports(db, **{k: options[k] for k in NAMED if k in options})
-        if options.get("compare") is not None:
-            path = options["compare"]
+        path = options.get("compare")
+        if path is not None:
             options.update(compare=open_for_reports(path, "--compare"), compare_label=Path(path).stem)
-        _show(build(engine, **options), fmt, show_sql)
+        with _reading(db, path):
+            table = build(engine, **options)
+        _show(table, fmt, show_sql)
 
     fixed = [("db", DbOption, DEFAULT_DB), ("fmt", FormatOption, "rich"), ("show_sql", ShowSqlOption, False)]
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a) for n, a, d in fixed]
@@ -129,15 +159,22 @@ def report_all(
     engine = open_for_reports(db, matrix=matrix, dataset=dataset)
     chosen = {**({"window": window} if window is not None else {}), **({"all_runs": True} if all_runs else {})}
     try:
-        written, skipped = export.write_all(
-            engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
-            track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
-                                      transient=True, disable=not err_console.is_terminal))  # errors stand alone
+        with _reading(db):
+            written, skipped = export.write_all(
+                engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
+                track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
+                                          transient=True, disable=not err_console.is_terminal))  # errors stand alone
+    except KeyboardInterrupt as e:
+        kept = getattr(e, "written", [])  # write_all's: the files in place when it stopped
+        err_console.print(f"interrupted; the {len(kept)} files written before it are in {out}/ (no index.html): "
+                          "run the same command again for the whole report" if kept else
+                          "interrupted; nothing was written", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     for name, why in skipped:
         why = why.removeprefix(f"{name}: ")  # a table's own errors start with its name
-        err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False)
+        err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False, soft_wrap=True)
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
     console.print(f"wrote {len(written)} files to {out}/", highlight=False, markup=False)
@@ -179,8 +216,10 @@ def figure(
                              n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
         else:
             draw = figures.FIGURES[name]
-            draw(open_for_reports(db, matrix=matrix, dataset=dataset, run=run), path, **export.options_for(
-                draw, dataset=dataset, seed=seed, matrix=matrix, window=window, run=run))
+            engine = open_for_reports(db, matrix=matrix, dataset=dataset, run=run)
+            with _reading(db):
+                draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix,
+                                                        window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)
@@ -203,7 +242,6 @@ def _check_figure_options(ctx: typer.Context, name: str) -> None:
 
 
 SQL_FORMATS = ("table", "csv", "json")
-MIN_CELL = 3  # the narrowest column `fibctl sql` draws side by side
 
 
 @app.command("sql")
@@ -248,13 +286,18 @@ def sql(
             return Text("NULL" if v is None else printable(str(sql_cell(v))))
 
         # rich narrows columns that do not fit to nothing (`SELECT * FROM runs` at 80 columns drew
-        # empty cells): a result too wide for MIN_CELL characters a column shows a field a line
-        if len(result.columns) * (MIN_CELL + 3) + 1 <= console.width:
+        # empty cells), or folds a value mid-word (`docs_va` over `l`): side by side only where
+        # each column holds its longest word (header or value) whole, else a field a line
+        headers = [Text(printable(column)) for column in result.columns]
+        cells = [[text(v) for v in row] for row in result.rows]
+        least = [max([1, *(cell_len(w) for t in (h, *(row[i] for row in cells)) for w in t.plain.split())])
+                 for i, h in enumerate(headers)]
+        if sum(least) + 3 * len(least) + 1 <= console.width:
             table = RichTable()
-            for column in result.columns:
-                table.add_column(Text(printable(column)), overflow="fold")
-            for row in result.rows:
-                table.add_row(*map(text, row))
+            for header, width in zip(headers, least):
+                table.add_column(header, overflow="fold", min_width=width)
+            for row in cells:
+                table.add_row(*row)
         else:
             table = RichTable("column", "value")
             for i, row in enumerate(result.rows):

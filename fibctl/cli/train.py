@@ -27,7 +27,18 @@ if TYPE_CHECKING:  # torch loads when a command trains or evaluates, not when th
 
 DataOption = Annotated[Path, typer.Option("--data", envvar="FIBCTL_DATA", show_default=True,
                                           help="Prepared data directory (fibctl data prepare).")]
+
+
+def runs_dir_value(value) -> Path:
+    """Option parser: a typed `--runs-dir ''` is refused, as `--db ''` is (Path('') is the current
+    folder: a worker trained into it). An empty FIBCTL_RUNS_DIR is unset, as an empty FIBCTL_DB."""
+    if isinstance(value, str) and not value.strip():
+        raise FibctlError("--runs-dir is empty; name the folder of the checkpoints (default: runs)")
+    return Path(value)
+
+
 RunsDirOption = Annotated[Path, typer.Option("--runs-dir", envvar="FIBCTL_RUNS_DIR", show_default=True,
+                                             parser=runs_dir_value, metavar="<path>",
                                              help="Where checkpoints go: one folder per run.")]
 DeviceOption = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda, cuda:N; default: the first GPU if there is one, else the CPU.")]
@@ -327,7 +338,7 @@ def eval_cmd(
     db: DbOption = DEFAULT_DB,
     data: DataOption = DEFAULT_DATA,
     runs_dir: Annotated[Optional[Path], typer.Option(
-        "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+        "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
         help="Where the checkpoints are (default: the folder each run trained in).")] = None,
     device: DeviceOption = None,
     threads: ThreadsOption = None,
@@ -356,7 +367,7 @@ def eval_cmd(
                           runs_dir=runs_dir, on_result=advance, log_to=log_to)
     except KeyboardInterrupt:  # each result is committed as it is measured
         err_console.print("interrupted; the results measured before it are recorded: run the same command "
-                          "again to finish", markup=False, highlight=False)
+                          "again to finish", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():

@@ -232,6 +232,24 @@ HUB_PROBE_TIMEOUT_S = 5.0  # one request before any hub download; HF_HUB_ETAG_TI
 _hub_reached: dict[str, str | None] = {}  # endpoint -> None when reachable, else why not
 
 
+ETAG_ENV = "HF_HUB_ETAG_TIMEOUT"
+
+
+def _probe_timeout() -> float:
+    """HF_HUB_ETAG_TIMEOUT, checked as huggingface_hub reads it (a whole number, with int()) and
+    positive: -1 was taken, then said as "waited at most -1 s"."""
+    given = os.environ.get(ETAG_ENV)
+    if not given:  # unset or empty: huggingface_hub's default, and the probe's own
+        return HUB_PROBE_TIMEOUT_S
+    try:
+        value = int(given)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise FibctlError(f"{ETAG_ENV}={given!r} must be a positive whole number of seconds")
+    return float(value)
+
+
 def check_hub(dataset: str) -> None:
     """One request to the Hugging Face hub, with a short timeout, before any download: an
     unreachable hub is one line at once, not minutes of retries and a page of warnings.
@@ -241,16 +259,13 @@ def check_hub(dataset: str) -> None:
     import urllib.error
     import urllib.request
 
+    timeout = _probe_timeout()  # before huggingface_hub reads it: 'abc' was its traceback
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return
     endpoint = constants.ENDPOINT.rstrip("/")
     if endpoint not in _hub_reached:
-        try:
-            timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT_S)
-        except ValueError:
-            timeout = HUB_PROBE_TIMEOUT_S
         try:
             urllib.request.urlopen(urllib.request.Request(endpoint + "/api/datasets", method="HEAD"),
                                    timeout=timeout).close()

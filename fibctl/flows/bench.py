@@ -22,7 +22,7 @@ import torch
 
 from fibctl.attention import chosen_impls, default_impl, dense_attention, flex_unavailable, sparse_attention
 from fibctl.attention import skipped as attention_skipped
-from fibctl.config import INT32_MAX, ConfigError, get_preset
+from fibctl.config import INT32_MAX, ConfigError, check_length, get_preset
 from fibctl.device import (autocast, check_compile, check_threads, describe, out_of_memory, resolve_device,
                            setup_process, synchronize)
 from fibctl.errors import FibctlError
@@ -197,9 +197,8 @@ def train_bench(preset: str, seq_len: int | None = None, batch_size: int | None 
     preset's (its batch_size x its seq_len), so that every length does the same work per step;
     without `grad_accum`, the preset's."""
     p = get_preset(preset)
-    T = p.model.seq_len if seq_len is None else seq_len
-    if T < 2:
-        raise ConfigError(f"--seq-len {T} must be >= 2")
+    # bounded as bench attention's --length: a huge one grew the child to gigabytes until killed
+    T = p.model.seq_len if seq_len is None else check_length(seq_len, "--seq-len")
     if batch_size is None:
         batch_size = max(1, p.train.batch_size * p.model.seq_len // T)
     grad_accum = p.train.grad_accum if grad_accum is None else grad_accum

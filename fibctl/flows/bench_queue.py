@@ -62,14 +62,18 @@ class QueueBench:
 
 @contextmanager
 def scratch_database(db: str | None):
-    """A fresh database URL beside `db` (a temporary SQLite file when `db` is None or SQLite)."""
-    url = resolve_url(db) if db else None
-    if url is None or url.get_backend_name() == "sqlite":
+    """A fresh database URL on `db`'s PostgreSQL server (a temporary SQLite file when `db` is None)."""
+    url = resolve_url(db) if db is not None else None
+    if url is not None and url.get_backend_name() not in ("sqlite", "postgresql"):
+        raise FibctlError(f"bench queue runs on SQLite or PostgreSQL, not {shown(db)}")
+    if url is not None and url.get_backend_name() == "sqlite":
+        # SQLite is benchmarked in a temporary file: a path given would be ignored
+        raise FibctlError(f"--db {shown(db)}: bench queue takes --db for a PostgreSQL server only; on SQLite "
+                          "it benchmarks a temporary file (leave --db out)")
+    if url is None:
         with tempfile.TemporaryDirectory() as folder:
             yield str(Path(folder) / "bench.db")
         return
-    if url.get_backend_name() != "postgresql":
-        raise FibctlError(f"bench queue runs on SQLite or PostgreSQL, not {shown(db)}")
     name = f"fibctl_bench_{uuid.uuid4().hex[:12]}"
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     try:

@@ -199,6 +199,8 @@ class DemoView(Protocol):
 
     def line(self, text: str) -> None: ...
 
+    def warn(self, text: str) -> None: ...  # a line on why the demo stopped (stderr, beside errors)
+
     def table(self, table) -> None: ...  # a fibctl.reports.tables.Table
 
     def data_progress(self) -> AbstractContextManager: ...  # a progress for data.prepare.prepare
@@ -279,7 +281,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     stop = StopRequest()  # the worker's own: a signal checkpoints the run in training and stops
     outcomes = work(engine, opts, view.run_display(), stop=stop)
     if stop.signal is not None or any(o.status != "done" for o in outcomes):
-        view.line("training stopped before every run finished; run the same command again to resume "
+        view.warn("training stopped before every run finished; run the same command again to resume "
                   "from the checkpoints")
         return 128 + stop.signal if stop.signal is not None else 1
     _stop_if_noted(noted)

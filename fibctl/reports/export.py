@@ -89,16 +89,33 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     built, before = Built(), listed
     written, skipped = [], []
     remove_leftovers([*outputs(out), out / MANIFEST])  # of an earlier report killed mid-write
-    for name, job in track(jobs(engine, out, built=built, **kwargs)):
-        if name == "coverage" and not written:  # the last job; alone it reports nothing
-            break
-        # listed before they are written: a report killed midway leaves its files claimed, and
-        # the next one replaces them rather than refusing them as the user's
-        listed = _claim(out, listed, [p.name for p in outputs(out) if p.stem == name])
-        try:
-            written += job()
-        except FibctlError as e:
-            skipped.append((name, str(e)))
+    try:
+        for name, job in track(jobs(engine, out, built=built, **kwargs)):
+            if name == "coverage" and not written:  # the last job; alone it reports nothing
+                break
+            # listed before they are written: a report killed midway leaves its files claimed, and
+            # the next one replaces them rather than refusing them as the user's
+            listed = _claim(out, listed, [p.name for p in outputs(out) if p.stem == name])
+            try:
+                written += job()
+            except FibctlError as e:
+                skipped.append((name, str(e)))
+    except KeyboardInterrupt as e:  # what is written stays (listed: the next report replaces it)
+        if not written:
+            _unclaim(out, before, made)
+        e.written = list(written)  # for the caller's line on what is kept
+        raise
+    except BaseException:
+        # a database failing midway (a damaged page): a folder this call made would hold part of a
+        # report, which nobody asked for; one that was there keeps its claimed files for the next
+        if made is not None:
+            for path in outputs(out):
+                if path.name in listed:
+                    path.unlink(missing_ok=True)
+            _unclaim(out, [], made)
+        elif not written:
+            _unclaim(out, before, made)
+        raise
     if written:
         index = out / "index.html"
         listed = _claim(out, listed, [index.name])

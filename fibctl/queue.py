@@ -81,6 +81,19 @@ def check_add(configs: Sequence[RunConfig]) -> Callable[[Engine], None]:
     return check
 
 
+def check_named(names: Sequence[str], hint: str = "") -> Callable[[Engine], None]:
+    """Every name is a run's (train and eval name theirs): the wording claim_named and
+    evaluation's find_runs use, before either may upgrade the database."""
+    def check(engine: Engine) -> None:
+        with engine.connect() as conn:
+            found = set(conn.execute(select(Run.name).where(Run.name.in_(list(names)))).scalars()) \
+                if _has_runs(conn) else set()
+        missing = sorted(set(names) - found)
+        if missing:
+            raise FibctlError(f"no run named {', '.join(map(repr, missing))} in the database{hint}")
+    return check
+
+
 def _check_status(name: str, refusal: Callable[[str], str | None]) -> Callable[[Engine], None]:
     def check(engine: Engine) -> None:
         with engine.connect() as conn:

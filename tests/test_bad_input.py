@@ -267,6 +267,8 @@ CASES = [
     (["train", "run", "--runs-dir", " ", "--db", "{good_db}", "--data", "{data}"], "--runs-dir is empty"),
     (["eval", "run", "--length", "64", "--runs-dir", "", "--db", "{good_db}", "--data", "{data}"],
      "--runs-dir is empty"),
+    (["queue", "retry", "run", "--from-start", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
+    (["queue", "rm", "run", "--checkpoints", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
     (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
     # lengths `coverage` refuses, refused by its figure too (it drew a title of T=99999999999)

@@ -130,7 +130,8 @@ def test_a_write_to_an_immutable_wal_database_leaves_no_files_beside_it(tmp_path
 
 REFUSED = [["queue", "cancel", "nosuch"], ["queue", "retry", "nosuch"], ["queue", "rm", "nosuch"],
            ["queue", "retry", "r1"],  # queued, not failed
-           ["queue", "rm", "r1", "--checkpoints", "--runs-dir", "nowhere"]]
+           ["queue", "rm", "r1", "--checkpoints", "--runs-dir", "nowhere"],
+           ["train", "nosuch"], ["eval", "nosuch", "--length", "64"]]
 
 
 @pytest.mark.parametrize("args", REFUSED, ids=" ".join)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -169,3 +170,11 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
                      + " (a wider terminal shows them)")
     return "; ".join(parts)
+
+
+def runs_dir_value(value) -> Path:
+    """Option parser: a typed `--runs-dir ''` is refused, as `--db ''` is (Path('') is the current
+    folder: a worker trained into it). An empty FIBCTL_RUNS_DIR is unset, as an empty FIBCTL_DB."""
+    if isinstance(value, str) and not value.strip():
+        raise FibctlError("--runs-dir is empty; name the folder of the checkpoints (default: runs)")
+    return Path(value)

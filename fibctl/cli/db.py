@@ -14,7 +14,7 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, goes_with, left_out, plain,
-                               step_of)
+                               runs_dir_value, step_of)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -248,7 +248,7 @@ def queue_retry(ctx: typer.Context,
                     "--from-start", help="Train it from step 0, deleting its rows past step 0 and its auxiliary "
                                          "metrics: a run none of whose checkpoints loads.")] = False,
                 runs_dir: Annotated[Optional[Path], typer.Option(
-                    "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+                    "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
                     help="With --from-start: the runs folder (default: the one the run last trained in, "
                          "else runs).")] = None,
                 db: DbOption = DEFAULT_DB) -> None:
@@ -296,7 +296,7 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
              checkpoints: Annotated[bool, typer.Option(
                  "--checkpoints", help="Also delete the run's checkpoint folder (RUNS_DIR/NAME).")] = False,
              runs_dir: Annotated[Optional[Path], typer.Option(
-                 "--runs-dir", envvar="FIBCTL_RUNS_DIR",
+                 "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
                  help="With --checkpoints: the runs folder (default: the one the run last trained in, else runs).")]
              = None) -> None:
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,

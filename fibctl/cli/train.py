@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_dir_value
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
@@ -27,16 +27,6 @@ if TYPE_CHECKING:  # torch loads when a command trains or evaluates, not when th
 
 DataOption = Annotated[Path, typer.Option("--data", envvar="FIBCTL_DATA", show_default=True,
                                           help="Prepared data directory (fibctl data prepare).")]
-
-
-def runs_dir_value(value) -> Path:
-    """Option parser: a typed `--runs-dir ''` is refused, as `--db ''` is (Path('') is the current
-    folder: a worker trained into it). An empty FIBCTL_RUNS_DIR is unset, as an empty FIBCTL_DB."""
-    if isinstance(value, str) and not value.strip():
-        raise FibctlError("--runs-dir is empty; name the folder of the checkpoints (default: runs)")
-    return Path(value)
-
-
 RunsDirOption = Annotated[Path, typer.Option("--runs-dir", envvar="FIBCTL_RUNS_DIR", show_default=True,
                                              parser=runs_dir_value, metavar="<path>",
                                              help="Where checkpoints go: one folder per run.")]
@@ -174,17 +164,20 @@ def train_cmd(
     Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
     signal); a failed run exits 1, and bad input (its data included) 2, the run left queued."""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
+    from fibctl.queue import check_named
     from fibctl.train.distributed import launched
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
                          log_to=check_loggers(log_to or ()), compile=compile)
+    # an unknown name is refused before the database is upgraded or switched to WAL mode
+    known = check_named([name], "; queue it first (fibctl queue add MATRIX)")
     if nproc is not None:
         from fibctl.flows.worker import check_ddp, launch_ddp
 
         if launched():
             raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
-        check_ddp(connect(db, must_exist=True), name, nproc, opts)
+        check_ddp(connect(db, must_exist=True, check=known), name, nproc, opts)
         args = ["train", name, "--data", str(data), "--runs-dir", str(runs_dir), "--heartbeat-timeout", str(heartbeat_timeout)]
         args += [a for n in opts.log_to for a in ("--log-to", n)] + (["--compile"] if compile else [])
         args += (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
@@ -194,9 +187,10 @@ def train_cmd(
     if launched():
         from fibctl.flows.worker import train_distributed
 
-        outcome = train_distributed(lambda: connect(db, must_exist=True), name, opts, RunDisplay(plain), stop)
+        outcome = train_distributed(lambda: connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain),
+                                    stop)
     else:
-        outcome = train_named(connect(db, must_exist=True), name, opts, RunDisplay(plain), stop)
+        outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain), stop)
     _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -348,6 +342,7 @@ def eval_cmd(
     log_to = check_loggers(log_to or ())
     from fibctl.device import setup_process
     from fibctl.flows.evaluation import evaluate
+    from fibctl.queue import check_named
 
     setup_process(device, threads)
     try:
@@ -362,7 +357,9 @@ def eval_cmd(
                     console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: "
                                         f"ppl {row['ppl']:.3f}"), highlight=False, soft_wrap=True)
 
-            df = evaluate(connect(db, must_exist=True), names or [], length, data_dir=data, all_runs=all_runs,
+            # names no run has are refused before the database is upgraded or switched to WAL
+            known = check_named(names) if names and not all_runs else None
+            df = evaluate(connect(db, must_exist=True, check=known), names or [], length, data_dir=data, all_runs=all_runs,
                           datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
                           runs_dir=runs_dir, on_result=advance, log_to=log_to)
     except KeyboardInterrupt:  # each result is committed as it is measured

@@ -135,17 +135,29 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
     most = [widest(i) for i in shown]
     # where the least widths do not fit (a very narrow terminal), names and free text fold
     # further, then every column
-    for floors in ([least(i) for i in shown], [1 if headers[i] in (*fold, *names) else least(i) for i in shown],
-                   [1] * len(shown)):
+    for tier, floors in enumerate(([least(i) for i in shown],
+                                   [1 if headers[i] in (*fold, *names) else least(i) for i in shown],
+                                   [1] * len(shown))):
         widths = _narrowed(floors, most, room)
         if sum(widths) <= room:
             break
     table = Table(title=title)
+    table.cells_whole = tier < 2  # else numbers fold too (a very narrow terminal): see `records`
     for i, w in zip(shown, widths):
         table.add_column(headers[i], width=w, overflow="fold", justify="right" if headers[i] in right else "left")
     for row in texts:
         table.add_row(*(row[i] for i in shown))
     return table, dropped
+
+
+def records(headers: Sequence[str], rows: Sequence[Sequence]) -> Text:
+    """The rows of a table too wide to show whole, a field a line: each row's first cell (its
+    name), then `  header: value` for the others, so no number is folded across lines."""
+    lines = []
+    for row in rows:
+        lines.append(plain(str(row[0])))
+        lines += [plain(f"  {h}: {v}") for h, v in zip(headers[1:], row[1:])]
+    return Text("\n").join(lines)
 
 
 def _narrowed(least: Sequence[int], most: Sequence[int], room: int) -> list[int]:

@@ -14,7 +14,7 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, goes_with, left_out, plain,
-                               runs_dir_value, step_of)
+                               records, runs_dir_value, step_of)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -208,7 +208,10 @@ def status_cmd(
             table, dropped = fitted_table(headers, rows, width=console.width, fold=("device", "host"),
                                           names=("run",), optional=("device", "host"),
                                           right=("step", "loss", "tok/s", "ETA"))
-            parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
+            if table.cells_whole:
+                parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
+            else:  # too narrow for the columns without folding numbers: a field a line
+                parts.append(records(headers, rows))
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(
             f"{counts.get(s, 0)} {s}" for s in ("queued", "done", "failed", "cancelled"))))

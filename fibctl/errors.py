@@ -7,6 +7,11 @@ class FibctlError(Exception):
     """Bad input: the message names the problem (and, where it helps, the fix)."""
 
 
+class DamagedDatabase(FibctlError):
+    """A query met a damaged page of the database (or a file that is no database): no part of
+    the work can go on, so nothing catches it to carry on without one table, say."""
+
+
 class WorkerError(FibctlError):
     """The worker's setup (its data, runs folder or database) is at fault, not the run it
     claimed: the run goes back to the queue as it was and the worker stops."""

@@ -31,7 +31,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, Oper
 from sqlalchemy.pool import NullPool
 
 import fibctl
-from fibctl.errors import FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
@@ -230,7 +230,7 @@ def _refuse_damaged(engine: Engine, db: str | URL) -> None:
         if isinstance(e, sqlite3.DatabaseError) and (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (
                 SQLITE_CORRUPT, SQLITE_NOTADB):
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise FibctlError(f"{shown(db)} is not a usable database: {reason}")
+            raise DamagedDatabase(f"{shown(db)} is not a usable database: {reason}")
 
 
 def _connect_timeout(url: URL) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, get_preset
-from fibctl.errors import FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError
 from fibctl.reports import figures, html, render, tables
 from fibctl.reports.output import remove_leftovers, write_text
 
@@ -98,6 +98,8 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
             listed = _claim(out, listed, [p.name for p in outputs(out) if p.stem == name])
             try:
                 written += job()
+            except DamagedDatabase:  # no table can be read: the whole report stops
+                raise
             except FibctlError as e:
                 skipped.append((name, str(e)))
     except KeyboardInterrupt as e:  # what is written stays (listed: the next report replaces it)

@@ -668,3 +668,35 @@ def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
     code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "notes.txt"))
     assert code == 2 and err == f"error: {tmp_path}/notes.txt is a file, not a data folder (one `fibctl data " \
                                 "prepare` wrote)\n"
+
+
+def test_a_worker_whose_output_pipe_closes_mid_run_does_not_fail_the_run(tmp_path, monkeypatch, capsys):
+    """`fibctl worker | head` closed mid-training: rich's closed pipe, raised as an ordinary
+    exception, would end in the worker's `except Exception` and mark the run failed for it. It
+    ends the command quietly (0) and the run keeps its fate as if the process were killed."""
+    import sqlite3
+
+    from fibctl.cli import common
+    from fibctl.cli.train import RunDisplay
+    from train_helpers import micro_run, queued_db, write_data
+
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run", steps=6)).dispose()
+    shown = RunDisplay.start
+
+    def start(self, name, steps):
+        progress = shown(self, name, steps)
+
+        def closing(p):
+            if p.step == 2:  # the reader has gone: the next write finds the pipe closed
+                common.console.on_broken_pipe()
+            return progress(p)
+        return closing
+
+    monkeypatch.setattr(RunDisplay, "start", start)
+    closed = []
+    monkeypatch.setattr(os, "dup2", lambda fd, to: closed.append(to))  # not this process's own output
+    code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
+                                 str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"), "--plain")
+    assert code == 0 and err == "" and closed == [1, 2], (closed, err)
+    assert sqlite3.connect(db).execute("select status from runs").fetchone() != ("failed",)

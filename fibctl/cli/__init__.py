@@ -112,16 +112,22 @@ def _closed_pipe_ends_quietly():
     a failure, and only output that fit the pipe's buffer exited 0)."""
     try:
         yield
-    except BrokenPipeError:
+    except (BrokenPipeError, _PipeClosed):
         devnull = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):  # Python's last flush at exit would fail on the closed pipe again
             os.dup2(devnull, fd)
         raise typer.Exit(0) from None
 
 
+class _PipeClosed(BaseException):
+    """rich's closed pipe, past every `except Exception`: a worker printing progress into a
+    closed pipe must not fail the run it trains for it (the run keeps its heartbeat's fate,
+    as when the process is killed: claimed again once stale)."""
+
+
 def _raise_broken_pipe(self) -> None:
     self.quiet = True
-    raise BrokenPipeError
+    raise _PipeClosed
 
 
 # rich's consoles (fibctl's and typer's help) exit 1 on a closed pipe: raised instead, for the above

@@ -19,7 +19,7 @@ from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int, typed
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
-from fibctl.errors import FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
@@ -59,29 +59,18 @@ def _output(value: str, *, folder: bool) -> Path:
     return path
 
 
-def _unreadable(e: BaseException) -> str | None:
-    """The driver's first line where a read failed in the database itself (a damaged page:
-    "database disk image is malformed"), else None. pandas wraps it in an OSError, which read
-    as the output folder's fault; a lock or a full disk (OperationalError) is main()'s."""
-    from sqlalchemy.exc import DatabaseError, OperationalError
-
-    for x in (e, e.__cause__, e.__context__):
-        if isinstance(x, DatabaseError) and not isinstance(x, OperationalError):
-            return (str(x.orig).strip().splitlines() or [type(x.orig).__name__])[0]
-    return None
-
-
 @contextmanager
-def _reading(*dbs: str | None) -> Iterator[None]:
-    """A database that fails a read midway: one line naming it, not the statement and a traceback."""
+def _reading() -> Iterator[None]:
+    """A database that fails a read midway (a damaged page, which the engine names in one
+    line): that line, also where pandas wrapped it in an OSError that read as the output
+    folder's fault."""
     try:
         yield
     except Exception as e:
-        reason = _unreadable(e)
-        if reason is None:
-            raise
-        named = " or ".join(shown(db) for db in dbs if db is not None)
-        raise FibctlError(f"{named} is not a usable database: {reason}") from None
+        for x in (e, e.__cause__, e.__context__):
+            if isinstance(x, DamagedDatabase):
+                raise x from None
+        raise
 
 
 def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
@@ -120,7 +109,7 @@ def _table_command(name: str, build):
         path = options.get("compare")
         if path is not None:
             options.update(compare=open_for_reports(path, "--compare"), compare_label=Path(path).stem)
-        with _reading(db, path):
+        with _reading():
             table = build(engine, **options)
         _show(table, fmt, show_sql)
 
@@ -159,7 +148,7 @@ def report_all(
     engine = open_for_reports(db, matrix=matrix, dataset=dataset)
     chosen = {**({"window": window} if window is not None else {}), **({"all_runs": True} if all_runs else {})}
     try:
-        with _reading(db):
+        with _reading():
             written, skipped = export.write_all(
                 engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
                 track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
@@ -217,7 +206,7 @@ def figure(
         else:
             draw = figures.FIGURES[name]
             engine = open_for_reports(db, matrix=matrix, dataset=dataset, run=run)
-            with _reading(db):
+            with _reading():
                 draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix,
                                                         window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk

@@ -20,7 +20,9 @@ runner that reads runs and writes results is `fibctl.flows.evaluation`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from fibctl.model import FibLM
 BATCH_TOKENS = 65_536  # tokens per forward pass at any length
 # inference speed as the study timed it: batch 8, two untimed passes, the mean of five
 SPEED_BATCH, SPEED_WARMUP, SPEED_TIMED = 8, 2, 5
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,22 +66,13 @@ def stream_loss(model: FibLM, stream: np.ndarray, length: int, tokens: int, devi
     loss over the first `position_tokens // length` of them (at least one), or all."""
     windows = eval_windows(stream, length, tokens)
     head = len(windows) if position_tokens is None else min(len(windows), max(1, position_tokens // length))
-    batch = max(1, batch_tokens // length)
-    while True:
-        try:
-            # the first `head` windows summed apart, for the per-position loss
-            head_sums = _position_sums(model, windows[:head], batch, device)
-            sums = head_sums + _position_sums(model, windows[head:], batch, device)
-            break
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not out_of_memory(e):
-                raise
-            if batch == 1:
-                raise FibctlError(f"length {length:,} is out of reach on {device}: out of memory "
-                                  "with a single window") from None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            batch //= 2
+
+    def measure(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the first `head` windows summed apart, for the per-position loss
+        head_sums = _position_sums(model, windows[:head], batch, device)
+        return head_sums, head_sums + _position_sums(model, windows[head:], batch, device)
+
+    _, (head_sums, sums) = _halved_until_it_fits(max(1, batch_tokens // length), measure, length, device, "window")
     loss = float((sums / len(windows)).mean())
     return StreamLoss(loss, len(windows) * length, len(windows), (head_sums / head)[:-1].numpy(), head)
 
@@ -101,38 +95,47 @@ def inference_speed(model: FibLM, length: int, device: torch.device) -> dict[str
     SPEED_BATCH sequences of random tokens, SPEED_WARMUP untimed, then the mean of
     SPEED_TIMED; tokens/s is batch * length over that mean. A batch out of memory is halved
     (the batch measured is recorded beside the speed)."""
-    batch = SPEED_BATCH
     was_training = model.training
     model.eval()
+
+    def measure(batch: int) -> float:
+        # the values do not matter to the time; a seeded draw keeps the inputs the same
+        x = torch.randint(0, model.cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+        x = x.to(device)
+        with torch.no_grad(), autocast(device):
+            for _ in range(SPEED_WARMUP):
+                model(x)
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(SPEED_TIMED):
+                model(x)
+            synchronize(device)
+        return (time.perf_counter() - t0) / SPEED_TIMED
+
     try:
-        while True:
-            # the values do not matter to the time; a seeded draw keeps the inputs the same
-            x = torch.randint(0, model.cfg.vocab_size, (batch, length),
-                              generator=torch.Generator().manual_seed(0)).to(device)
-            try:
-                with torch.no_grad(), autocast(device):
-                    for _ in range(SPEED_WARMUP):
-                        model(x)
-                    synchronize(device)
-                    t0 = time.perf_counter()
-                    for _ in range(SPEED_TIMED):
-                        model(x)
-                    synchronize(device)
-                break
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not out_of_memory(e):
-                    raise
-                if batch == 1:
-                    raise FibctlError(f"length {length:,} is out of reach on {device}: out of memory "
-                                      "with a single sequence") from None
-                del x
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                batch //= 2
+        batch, latency = _halved_until_it_fits(SPEED_BATCH, measure, length, device, "sequence")
     finally:
         model.train(was_training)
-    latency = (time.perf_counter() - t0) / SPEED_TIMED
     return {"latency_s": latency, "tokens_per_s": batch * length / latency, "batch": float(batch)}
+
+
+def _halved_until_it_fits(batch: int, measure: Callable[[int], T], length: int, device: torch.device,
+                          unit: str) -> tuple[int, T]:
+    """`measure(batch)`, the batch halved each time the device runs out of memory: the batch
+    that fitted and what it measured; one line where a single `unit` does not fit."""
+    while True:
+        try:
+            return batch, measure(batch)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            if batch == 1:
+                raise FibctlError(f"length {length:,} is out of reach on {device}: out of memory "
+                                  f"with a single {unit}") from None
+        # past the except block, whose traceback held the failed attempt's tensors: freed now
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        batch //= 2
 
 
 def load_model(config: RunConfig, state: dict, length: int, device: torch.device) -> FibLM:

@@ -188,21 +188,29 @@ NAN = lambda w: {k: torch.full_like(v, float("nan")) for k, v in w.items()}  # n
                                                      r"list under 'norm.weight', not a tensor\)$"),
 ])
 def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tmp_path, run, tamper, problem):
-    import shutil
-
     from fibctl.errors import FibctlError
-    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
 
     engine, data, db = trained
-    runs = tmp_path / "runs"
-    shutil.copytree(db.parent / "runs", runs)
-    path = list_checkpoints(runs / run)[-1]
-    state = load_checkpoint(path)
-    torch.save({**state, "model": tamper(state["model"])}, path)
+    runs = _tampered_copy(trained, tmp_path, run, tamper)
     before = rows(db, "select * from evaluations order by id")
     with pytest.raises(FibctlError, match=problem):
         evaluate(engine, [run], [64], data_dir=data, runs_dir=runs)
     assert rows(db, "select * from evaluations order by id") == before
+
+
+def _tampered_copy(trained, tmp_path, run: str, tamper):
+    """A copy of the trained runs' folder whose `run` has its last checkpoint's weights
+    replaced by `tamper(weights)`."""
+    import shutil
+
+    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained[2].parent / "runs", runs)
+    path = list_checkpoints(runs / run)[-1]
+    state = load_checkpoint(path)
+    torch.save({**state, "model": tamper(state["model"])}, path)
+    return runs
 
 
 @pytest.mark.parametrize("run,tamper,said", [
@@ -212,17 +220,10 @@ def test_eval_names_a_checkpoint_changed_by_hand_and_records_nothing(trained, tm
 def test_fibctl_eval_says_a_damaged_checkpoint_in_one_line(trained, tmp_path, monkeypatch, capsys, run, tamper, said):
     """`fibctl eval learned --length 64` printed floor(nan)'s ValueError, and load_state_dict's
     TypeError for weights that are not a dict, each as a traceback."""
-    import shutil
-
     from cli_helpers import refused
-    from fibctl.train.checkpoint import list_checkpoints, load_checkpoint
 
     engine, data, db = trained
-    runs = tmp_path / "runs"
-    shutil.copytree(db.parent / "runs", runs)
-    path = list_checkpoints(runs / run)[-1]
-    state = load_checkpoint(path)
-    torch.save({**state, "model": tamper(state["model"])}, path)
+    runs = _tampered_copy(trained, tmp_path, run, tamper)
     line = refused(monkeypatch, capsys, "eval", run, "--length", "64", "--db", str(db), "--data", str(data),
                    "--runs-dir", str(runs))
     assert line.startswith("error: ") and said in line, line

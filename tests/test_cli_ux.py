@@ -694,6 +694,8 @@ def test_a_worker_whose_output_pipe_closes_mid_run_does_not_fail_the_run(tmp_pat
         return closing
 
     monkeypatch.setattr(RunDisplay, "start", start)
+    # a closed pipe silences the console for good: for the tests after this one, it speaks again
+    monkeypatch.setattr(common.console, "quiet", common.console.quiet)
     closed = []
     monkeypatch.setattr(os, "dup2", lambda fd, to: closed.append(to))  # not this process's own output
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",

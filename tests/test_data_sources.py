@@ -306,6 +306,21 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     assert isinstance(opened[0], io.BufferedReader)
 
 
+def test_an_integer_longer_than_python_converts_is_read_as_a_number(tmp_path):
+    """Python refuses to convert an integer of more than 4,300 digits: a record holding one in
+    a field beside its text was refused as "not JSON" (on line 1, blaming the whole file)."""
+    big = "9" * 5000
+    for content in (f'{{"text": "a", "id": {big}}}\n{{"text": "b"}}\n',  # lines
+                    f'[{{"text": "a", "id": {big}}}, {{"text": "b"}}]',  # one array
+                    f'{{\n  "text": "a",\n  "id": -{big}\n}}\n'):  # one object over lines
+        (tmp_path / "rows.json").write_text(content)
+        recipe, source = _local(str(tmp_path / "rows.json"), "json")
+        assert _docs(recipe, source, tmp_path) == ["a", "b"][:content.count('"text"')], content
+    (tmp_path / "rows.json").write_text(f'{{"text": {big}}}\n')  # a number is still not text
+    with pytest.raises(FibctlError, match="text"):
+        _docs(recipe, source, tmp_path)
+
+
 @pytest.mark.parametrize("content, words", [
     ('{"text": "a"}\n{"text": "b"\n', "rows.json: line 2 is not JSON"),
     ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is a JSON list, not an object of fields"),

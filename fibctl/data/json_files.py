@@ -29,6 +29,15 @@ _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may stand for ha
 _LONE = re.compile("[\ud800-\udfff]")
 
 
+def _int(digits: str) -> int | float:
+    # Python refuses to convert integers of more than 4,300 digits (a guard against slow
+    # parsing). Such a value is never text, so it is kept as its float and the record reads on.
+    return int(digits) if len(digits) <= 4300 else float(digits)
+
+
+_DECODER = json.JSONDecoder(parse_int=_int)
+
+
 NEEDS_ZSTANDARD = "reading .zst files needs the zstandard package: pip install zstandard (or decompress them: zstd -d)"
 
 
@@ -75,7 +84,7 @@ def _first_char(f: IO[str]) -> tuple[str, int]:
 
 def _an_object(line: str) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
+        return isinstance(_DECODER.decode(line), dict)
     except ValueError:
         return False
     except RecursionError:  # a whole line, too deep to read: said as the line's own error
@@ -93,7 +102,6 @@ _SPACE = re.compile(r"[ \t\n\r]*")
 def _array(path: str, f: IO[str]) -> Iterator[dict]:
     """The items of the JSON array whose "[" was just read, parsed one at a time from chunks
     of the file: a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
-    decoder = json.JSONDecoder()
     buf, pos, eof, i = "", 0, False, 0
 
     def fill() -> bool:  # read more (as much again as is held, at least a chunk); False at the end
@@ -114,7 +122,7 @@ def _array(path: str, f: IO[str]) -> Iterator[dict]:
     else:
         while True:
             try:
-                item, end = decoder.raw_decode(buf, pos)
+                item, end = _DECODER.raw_decode(buf, pos)
             except ValueError as e:
                 if fill():  # cut by the chunk's end, or not JSON
                     continue
@@ -142,7 +150,7 @@ def _array(path: str, f: IO[str]) -> Iterator[dict]:
 
 def _loads(path: str, where: str, text: str):
     try:
-        value = json.loads(text)
+        value = _DECODER.decode(text)
     except ValueError as e:
         raise FibctlError(f"{path}: {where} is not JSON ({getattr(e, 'msg', e)})") from None
     except RecursionError:  # the parser recurses once per level

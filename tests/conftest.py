@@ -22,32 +22,57 @@ import pytest
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Output width is each test's own choice (COLUMNS in the environment it gives a command), not
+# the shell's: fibctl's consoles fix their width when COLUMNS is set as they are made, and a
+# pytest-xdist worker starts with COLUMNS=80 from its launcher.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 PG_SERVER = os.environ.get("FIBCTL_TEST_PG")
 NO_PG = "FIBCTL_TEST_PG names no PostgreSQL server"
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(not PG_SERVER, reason=NO_PG))]
 
 
 @contextlib.contextmanager
-def pg_database(prefix: str = "fibctl_test"):
+def pg_server(exclusive: bool = False):
+    """Hold the FIBCTL_TEST_PG server: shared by every test that uses it, alone for the one
+    that restarts it (tests/test_postgres.py). Test processes run side by side (pytest-xdist),
+    and a restart would break another process's connections mid-test."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(PG_SERVER.encode()).hexdigest()[:16]
+    with open(os.path.join(tempfile.gettempdir(), f"fibctl-test-pg-{key}.lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def pg_database(prefix: str = "fibctl_test", exclusive: bool = False):
     """A new database on the FIBCTL_TEST_PG server, dropped afterwards; its URL.
 
     Its own name prefix: tests/test_bench_queue.py checks that no `fibctl_bench_*` database
-    is left over. The admin engine pings before use, so the drop works after a server restart
+    is left over. `exclusive`: no other test uses the server meanwhile. The admin engine pings before use, so the drop works after a server restart
     (tests/test_postgres.py restarts it), and WITH (FORCE) closes connections a test's
     engines still hold."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-        yield make_url(PG_SERVER).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with pg_server(exclusive):
+        admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+            yield make_url(PG_SERVER).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            admin.dispose()
 
 
 @contextlib.contextmanager

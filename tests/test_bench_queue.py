@@ -39,10 +39,13 @@ def test_cli_prints_one_process_and_several_within_80_columns():
 def test_on_postgresql_the_scratch_database_is_dropped_afterwards():
     from sqlalchemy import create_engine, text
 
-    b = bench_queue(os.environ["FIBCTL_TEST_PG"], processes=2, runs=20)
-    assert b.backend == "postgresql"
-    with create_engine(os.environ["FIBCTL_TEST_PG"]).connect() as conn:
-        assert not conn.execute(text("SELECT datname FROM pg_database WHERE datname LIKE 'fibctl_bench_%'")).all()
+    from conftest import pg_server
+
+    with pg_server():
+        b = bench_queue(os.environ["FIBCTL_TEST_PG"], processes=2, runs=20)
+        assert b.backend == "postgresql"
+        with create_engine(os.environ["FIBCTL_TEST_PG"]).connect() as conn:
+            assert not conn.execute(text("SELECT datname FROM pg_database WHERE datname LIKE 'fibctl_bench_%'")).all()
 
 
 def test_bad_input_is_one_line():

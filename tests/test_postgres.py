@@ -74,8 +74,17 @@ def _restart_server() -> None:
                    stderr=subprocess.DEVNULL, timeout=120)
 
 
-def test_a_server_restart_mid_run_loses_no_metric_row(pg, data, tmp_path):
+@pytest.fixture
+def pg_alone() -> str:
+    """A fresh database on a server no other test uses meanwhile (this one restarts it)."""
+    with pg_database(exclusive=True) as url:
+        yield url
+
+
+def test_a_server_restart_mid_run_loses_no_metric_row(pg_alone, data, tmp_path):
     import time
+
+    pg = pg_alone
 
     env = {**os.environ, "FIBCTL_DB": pg}
     (tmp_path / "m.toml").write_text(

@@ -118,6 +118,17 @@ def check_remove(name: str) -> Callable[[Engine], None]:
     return _check_status(name, lambda status: _not_removable(name) if status == RunStatus.RUNNING else None)
 
 
+def recorded_files(engine: Engine, name: str) -> tuple[str | None, str | None] | None:
+    """The run's (runs_dir, checkpoint_path) as recorded, for a command's checks before it
+    upgrades the database; None where its schema predates `runs_dir` (revision 0005, whose
+    upgrade rewrites the recorded paths) or has no such run."""
+    with engine.connect() as conn:
+        if not _has_runs(conn) or "runs_dir" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+            return None
+        row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
+    return None if row is None else (row.runs_dir, row.checkpoint_path)
+
+
 def stored_config(name: str, config_json: str | None) -> RunConfig:
     """A run's config as the database holds it; one line naming the run where that is not a
     fibctl config (a row edited by hand or written by another tool: damaged, or nested too

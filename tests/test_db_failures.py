@@ -144,6 +144,32 @@ def test_a_refused_command_leaves_a_rollback_journal_database_as_it_was(args, tm
     assert _state(tmp_path) == before and _journal_mode(db) == "delete"
 
 
+@pytest.mark.parametrize("args", [["queue", "retry", "r1", "--from-start"], ["queue", "rm", "r1", "--checkpoints"]],
+                         ids=" ".join)
+def test_a_refusal_about_the_run_s_folder_leaves_a_rollback_journal_database_as_it_was(args, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """retry --from-start with a checkpoint still there, and rm --checkpoints on a folder that
+    is a link, were refused inside the command's transaction: after the WAL switch."""
+    (tmp_path / "db").mkdir()
+    db = _rollback_db(tmp_path / "db")
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("UPDATE runs SET status = 'failed', runs_dir = ?", (str(tmp_path / "runs"),))
+    conn.close()
+    (tmp_path / "runs").mkdir()
+    if "--from-start" in args:
+        (tmp_path / "runs" / "r1").mkdir()
+        (tmp_path / "runs" / "r1" / "step_00000010.pt").write_bytes(b"weights")
+        words = "step_00000010.pt is still there"
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "runs" / "r1").symlink_to(tmp_path / "elsewhere")
+        words = "is not a checkpoint folder (a link or a file)"
+    before = _state(tmp_path / "db")
+    assert words in refused(monkeypatch, capsys, *args, "--db", str(db))
+    assert _state(tmp_path / "db") == before and _journal_mode(db) == "delete"
+
+
 def _old_db(tmp_path: Path) -> Path:
     """A WAL database at revision 0004 with run r1 queued under another config than m.toml's."""
     from sqlalchemy import create_engine, text

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from sqlalchemy.engine import Engine
 
 from fibctl import queue
 from fibctl.cli import app
@@ -266,7 +267,6 @@ def queue_retry(ctx: typer.Context,
         # a mistyped folder would find no checkpoint there: the rows would go, and a worker
         # given the real folder would resume from its checkpoint without them
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was changed")
-    engine = db_engine.connect(db, must_exist=True, check=None if all_failed else queue.check_retry(name))
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
@@ -281,7 +281,14 @@ def queue_retry(ctx: typer.Context,
                                   f"the newest that loads); to train from step 0 anyway, move {folder} away "
                                   "first. Nothing was changed")
 
-        restart = queue.retry_from_start(engine, name, check)
+    def checks(reader: Engine) -> None:  # on the database as it is: a refusal leaves it as it was
+        queue.check_retry(name)(reader)
+        if from_start and (recorded := queue.recorded_files(reader, name)) is not None:
+            check(*recorded)
+
+    engine = db_engine.connect(db, must_exist=True, check=None if all_failed else checks)
+    if from_start:
+        restart = queue.retry_from_start(engine, name, check)  # checked again: a worker may have moved on
         gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
         console.print(plain(f"queued {name} again from step 0; deleted what it recorded past step 0: {gone or 'none'}"),
                       highlight=False)
@@ -308,11 +315,16 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     if checkpoints and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
-    engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name))
+    def checks(reader: Engine) -> None:  # on the database as it is: a refusal leaves it as it was
+        queue.check_remove(name)(reader)
+        if checkpoints and (recorded := queue.recorded_files(reader, name)) is not None:
+            _checkpoint_folder(name, runs_dir or Path(recorded[0] or "runs"))
+
+    engine = db_engine.connect(db, must_exist=True, check=checks)
     folder: list[Path] = []
     aside: list[Path] = []
 
-    def check(recorded: str | None) -> None:  # before any row is deleted
+    def check(recorded: str | None) -> None:  # before any row is deleted (checked again: it may have changed)
         if checkpoints:
             folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
 

@@ -315,6 +315,7 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     if checkpoints and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
+
     def checks(reader: Engine) -> None:  # on the database as it is: a refusal leaves it as it was
         queue.check_remove(name)(reader)
         if checkpoints and (recorded := queue.recorded_files(reader, name)) is not None:

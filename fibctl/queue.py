@@ -110,20 +110,33 @@ def check_cancel(name: str) -> Callable[[Engine], None]:
     return _check_status(name, lambda status: _not_from(name, status, CANCEL_FROM, "cancel"))
 
 
-def check_retry(name: str) -> Callable[[Engine], None]:
-    return _check_status(name, lambda status: _not_from(name, status, RETRY_FROM, "retry"))
+def check_retry(name: str, files: Callable[[str | None, str | None], None] | None = None
+                ) -> Callable[[Engine], None]:
+    """`files(runs_dir, checkpoint_path)`, as recorded: retry_from_start's own check of the
+    run's folder, run here too so that its refusal comes before any upgrade."""
+    return _then_files(_check_status(name, lambda status: _not_from(name, status, RETRY_FROM, "retry")), name, files)
 
 
-def check_remove(name: str) -> Callable[[Engine], None]:
-    return _check_status(name, lambda status: _not_removable(name) if status == RunStatus.RUNNING else None)
+def check_remove(name: str, files: Callable[[str | None, str | None], None] | None = None
+                 ) -> Callable[[Engine], None]:
+    return _then_files(_check_status(name, lambda status: _not_removable(name) if status == RunStatus.RUNNING
+                                     else None), name, files)
 
 
-def recorded_files(engine: Engine, name: str) -> tuple[str | None, str | None] | None:
-    """The run's (runs_dir, checkpoint_path) as recorded, for a command's checks before it
-    upgrades the database; None where its schema predates `runs_dir` (revision 0005, whose
-    upgrade rewrites the recorded paths) or has no such run."""
+def _then_files(status: Callable[[Engine], None], name: str,
+                files: Callable[[str | None, str | None], None] | None) -> Callable[[Engine], None]:
+    def check(engine: Engine) -> None:
+        status(engine)
+        if files is not None and (recorded := _recorded_files(engine, name)) is not None:
+            files(*recorded)
+    return check
+
+
+def _recorded_files(engine: Engine, name: str) -> tuple[str | None, str | None] | None:
+    """The run's (runs_dir, checkpoint_path) as recorded; None where the schema predates
+    `runs_dir` (revision 0005, whose upgrade rewrites the recorded paths)."""
     with engine.connect() as conn:
-        if not _has_runs(conn) or "runs_dir" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+        if "runs_dir" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
             return None
         row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
     return None if row is None else (row.runs_dir, row.checkpoint_path)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from sqlalchemy.engine import Engine
 
 from fibctl import queue
 from fibctl.cli import app
@@ -281,12 +280,9 @@ def queue_retry(ctx: typer.Context,
                                   f"the newest that loads); to train from step 0 anyway, move {folder} away "
                                   "first. Nothing was changed")
 
-    def checks(reader: Engine) -> None:  # on the database as it is: a refusal leaves it as it was
-        queue.check_retry(name)(reader)
-        if from_start and (recorded := queue.recorded_files(reader, name)) is not None:
-            check(*recorded)
-
-    engine = db_engine.connect(db, must_exist=True, check=None if all_failed else checks)
+    # on the database as it is, before any upgrade: a refusal leaves it as it was
+    checks = None if all_failed else queue.check_retry(name, check if from_start else None)
+    engine = db_engine.connect(db, must_exist=True, check=checks)
     if from_start:
         restart = queue.retry_from_start(engine, name, check)  # checked again: a worker may have moved on
         gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
@@ -316,12 +312,12 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
 
-    def checks(reader: Engine) -> None:  # on the database as it is: a refusal leaves it as it was
-        queue.check_remove(name)(reader)
-        if checkpoints and (recorded := queue.recorded_files(reader, name)) is not None:
-            _checkpoint_folder(name, runs_dir or Path(recorded[0] or "runs"))
+    def folder_check(recorded: str | None, _checkpoint: str | None) -> None:
+        _checkpoint_folder(name, runs_dir or Path(recorded or "runs"))
 
-    engine = db_engine.connect(db, must_exist=True, check=checks)
+    # on the database as it is, before any upgrade: a refusal leaves it as it was
+    engine = db_engine.connect(db, must_exist=True,
+                               check=queue.check_remove(name, folder_check if checkpoints else None))
     folder: list[Path] = []
     aside: list[Path] = []
 

@@ -204,3 +204,33 @@ def test_a_nan_the_sqlite_target_cannot_hold_is_refused_and_nothing_copied(tmp_p
             copy_database(source, target)
         source.dispose()
     assert snapshot(target) == before
+
+
+@pytest.mark.skipif(not PG_SERVER, reason=NO_PG)
+def test_db_copy_refuses_the_nan_before_it_touches_an_existing_sqlite_target(tmp_path, monkeypatch, capsys):
+    """`db copy` made that refusal inside its transaction, after it had switched the target
+    to WAL mode (and would have upgraded an older one): a refused copy leaves it as it was."""
+    import hashlib
+    import sqlite3
+
+    from cli_helpers import refused
+    from fibctl.db.engine import release
+
+    db = tmp_path / "target.db"
+    add_runs(connect(str(db)), [micro_run("other")])
+    release()
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.close()
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    with pg_database() as url:
+        source = connect(url)
+        add_runs(source, [micro_run("a"), micro_run("b")])
+        recorder(source, "b").log_step(5, 2.0, 1e-3, float("nan"))  # train_steps: met first
+        recorder(source, "a").log_eval(30, "math_val", 64, 4096, float("nan"))
+        source.dispose()
+        line = refused(monkeypatch, capsys, "db", "copy", "--from", url, "--to", str(db))
+    assert line.startswith("error: train_steps.grad_norm of run 'b' is NaN, which SQLite cannot hold"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target.db"]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "delete"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, inspect, select
+from sqlalchemy import func, inspect, or_, select
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.db import schema
@@ -111,20 +111,44 @@ def check_copy(source: Engine):
     def check(target: Engine) -> None:
         runs = schema.Run.__table__
         with target.connect() as conn:
-            if not inspect(conn).has_table(runs.name):
-                return
-            hashes = dict(conn.execute(select(runs.c.name, runs.c.config_hash)).all())
+            hashes = dict(conn.execute(select(runs.c.name, runs.c.config_hash)).all()) \
+                if inspect(conn).has_table(runs.name) else {}
         with source.connect() as src:
             rows = [dict(r._mapping) for r in src.execute(select(runs.c.name, runs.c.config_hash))]
-        _refuse_clashes(rows, hashes)
+            _refuse_clashes(rows, hashes)
+            if target.dialect.name == "sqlite":
+                _metrics_storable(src)
     return check
+
+
+def _metrics_storable(src: Connection) -> None:
+    """The refusal `_storable` makes of the metric tables (every row of them is copied),
+    found by a query on the source before the target is touched: the first NaN the copy
+    would meet."""
+    if src.dialect.name == "sqlite":  # SQLite stores a NaN as NULL: it has none to copy
+        return
+    runs = schema.Run.__table__
+    for model in METRIC_TABLES:
+        table = model.__table__
+        floats = [c for c in table.columns if c.type.python_type is float]
+        if not floats:
+            continue
+        nan = float("nan")  # PostgreSQL's NaN equals NaN
+        hit = src.execute(select(table, runs.c.name.label("_run")).join(runs, runs.c.id == table.c.run_id)
+                          .where(or_(*(c == nan for c in floats))).order_by(table.c.id).limit(1)).first()
+        if hit is not None:
+            row = {c.name: hit._mapping[c] for c in table.columns if c.name != "id"}
+            _storable_to_sqlite(table.name, [row], lambda r: hit._mapping["_run"])
 
 
 def _storable(dst: Connection, table: str, rows: list[dict], run_name) -> None:
     """Refuse a NaN (PostgreSQL holds it) bound for SQLite, which stores NULL instead: the copy
     would fail on a column that must have a value, and silently lose it in any other."""
-    if dst.dialect.name != "sqlite":
-        return
+    if dst.dialect.name == "sqlite":
+        _storable_to_sqlite(table, rows, run_name)
+
+
+def _storable_to_sqlite(table: str, rows: list[dict], run_name) -> None:
     for r in rows:
         for column, value in r.items():
             if isinstance(value, float) and math.isnan(value):

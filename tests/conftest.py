@@ -56,7 +56,8 @@ def pg_database(prefix: str = "fibctl_test", exclusive: bool = False):
     """A new database on the FIBCTL_TEST_PG server, dropped afterwards; its URL.
 
     Its own name prefix: tests/test_bench_queue.py checks that no `fibctl_bench_*` database
-    is left over. `exclusive`: no other test uses the server meanwhile. The admin engine pings before use, so the drop works after a server restart
+    is left over. `exclusive`: no other test uses the server meanwhile (`pg_server`). The
+    admin engine pings before use, so the drop works after a server restart
     (tests/test_postgres.py restarts it), and WITH (FORCE) closes connections a test's
     engines still hold."""
     from sqlalchemy import create_engine, text

@@ -312,18 +312,17 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
 
-    def folder_check(recorded: str | None, _checkpoint: str | None) -> None:
-        _checkpoint_folder(name, runs_dir or Path(recorded or "runs"))
+    def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
+        return _checkpoint_folder(name, runs_dir or Path(recorded_dir or "runs"))
 
     # on the database as it is, before any upgrade: a refusal leaves it as it was
-    engine = db_engine.connect(db, must_exist=True,
-                               check=queue.check_remove(name, folder_check if checkpoints else None))
+    engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
     folder: list[Path] = []
     aside: list[Path] = []
 
     def check(recorded: str | None) -> None:  # before any row is deleted (checked again: it may have changed)
         if checkpoints:
-            folder.append(_checkpoint_folder(name, runs_dir or Path(recorded or "runs")))
+            folder.append(folder_of(recorded))
 
     def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
         if folder and folder[0].exists():

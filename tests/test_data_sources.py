@@ -168,7 +168,7 @@ def test_csv_cells_are_text_as_written(tmp_path):
 def test_csv_with_another_delimiter(tmp_path):
     (tmp_path / "rows.csv").write_text("id;text\n1;first; with a semicolon\n2;second\n")
     recipe, source = _local(str(tmp_path / "rows.csv"), "csv")
-    with pytest.raises(FibctlError, match=r"fields: id;text; .* or delimiter = \";\" \(the header is one column"):
+    with pytest.raises(FibctlError, match=r"rows.csv has no column text; columns: id;text; .* or delimiter = \";\" \(the header is one column"):
         _docs(recipe, source, tmp_path)
     (tmp_path / "rows.csv").write_text('id;text\n1;"first; with a semicolon"\n2;second\n')
     recipe, source = _local(str(tmp_path / "rows.csv"), "csv", delimiter=";")
@@ -204,10 +204,10 @@ def test_a_json_field_first_seen_after_the_lookahead_is_read(tmp_path, monkeypat
     recipe, source = _local(str(tmp_path / "*.json*"), "json", text=["titel", "body"])
     with pytest.raises(FibctlError, match="source 'notes': no row has field titel; fields: body; set text"):
         _docs(recipe, source, tmp_path)
-    # a table's rows all have its columns: the first rows decide
+    # a table's rows all have its columns: its header decides
     (tmp_path / "t.csv").write_text("body\n" + "".join(f"row {i}\n" for i in range(60)))
     recipe, source = _local(str(tmp_path / "t.csv"), "csv", text=["title", "body"])
-    with pytest.raises(FibctlError, match="source 'notes': none of the first 50 rows has field title"):
+    with pytest.raises(FibctlError, match="source 'notes': .*t.csv has no column title; columns: body; set text"):
         _docs(recipe, source, tmp_path)
 
 
@@ -575,3 +575,121 @@ def test_a_bad_hf_hub_etag_timeout_is_one_line_naming_it(value, monkeypatch):
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", value)
     with pytest.raises(FibctlError, match=rf"^HF_HUB_ETAG_TIMEOUT='{re.escape(value)}' must be a positive whole"):
         check_hub("some/dataset")
+
+
+@pytest.mark.parametrize("content, line", [
+    ("id,text,lang\n0,first row,en,\n", 2),               # a trailing delimiter: every column moved
+    ("id,text\n1,Hello, world.\n2,second\n", 2),           # an unquoted comma in a cell
+    ("id,title,text\n1,T,body\n\n5,only two\n", 4),        # a cell lost (the blank line is skipped)
+])
+def test_a_csv_row_of_other_cells_than_its_header_is_refused_naming_its_line(tmp_path, content, line):
+    """pandas read a row of more cells than the header with its first cells as an index:
+    every column shifted, `lang` trained on as the text; a row of fewer cells moved its text to
+    another column. Either is refused, naming the file and the row's line."""
+    (tmp_path / "rows.csv").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv", text=["text"])
+    with pytest.raises(FibctlError, match=rf"source 'notes': .*rows.csv: line {line} has \d cells, the header"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_csv_file_without_the_text_column_is_refused_naming_it(tmp_path):
+    """A shard whose header lacks the column was skipped in silence; now as a parquet one."""
+    (tmp_path / "a.csv").write_text("id,text\n1,kept\n")
+    (tmp_path / "b.csv").write_text("id,body\n1,lost\n")
+    recipe, source = _local(str(tmp_path / "*.csv"), "csv")
+    with pytest.raises(FibctlError, match=r"source 'notes': .*b\.csv has no column text; columns: id, body"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "b.csv").write_text("text,id,text\nx,1,y\n")
+    with pytest.raises(FibctlError, match=r"b\.csv: its header names column text more than once"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_csv_cells_longer_than_the_csv_modules_cap_and_files_without_a_header(tmp_path):
+    """A document of 200,000 characters is one cell; a file of whitespace, of a byte-order mark
+    alone or empty once decompressed holds no rows (it failed the source with EmptyDataError)."""
+    import gzip
+
+    long = "word " * 40_000
+    (tmp_path / "a.csv").write_text(f'text\n"{long}"\nshort\n')
+    (tmp_path / "b.csv").write_text("  \n\n")
+    (tmp_path / "c.csv").write_bytes(b"\xef\xbb\xbf")
+    (tmp_path / "d.csv.gz").write_bytes(gzip.compress(b""))
+    recipe, source = _local(str(tmp_path / "*.csv*"), "csv")
+    assert _docs(recipe, source, tmp_path) == [long.strip(), "short"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "csv", "parquet"])
+def test_a_file_named_with_glob_characters_is_read_as_itself(tmp_path, fmt):
+    """The datasets builders took each matched path for a glob again: `part[1].txt` read
+    `part1.txt` in its place (twice over), `a*b.txt` also read `axxb.txt`, and `a::b.txt` was
+    not found."""
+    names = ["part[1]", "part1", "a*b", "axxb", "a::b"]
+    for name in names:
+        path = tmp_path / f"{name}.{'txt' if fmt == 'text' else fmt}"
+        if fmt == "parquet":
+            pq.write_table(pa.table({"text": [name]}), path)
+        elif fmt == "csv":
+            path.write_text(f"text\n{name}\n")
+        else:
+            path.write_text(name)
+    recipe, source = _local(str(tmp_path / "*"), fmt)
+    assert sorted(_docs(recipe, source, tmp_path)) == sorted(names)
+
+
+def test_parquet_shards_may_differ_inside_a_struct_beside_the_field_read(tmp_path):
+    """Shards whose `meta` gained a field (or held one of another type) beside the `meta.title`
+    read failed the source: the builder cast every file to the first one's struct."""
+    pq.write_table(pa.Table.from_pylist([{"meta": {"title": "one"}}]), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"meta": {"title": "two", "url": "u", "n": 1}}]), tmp_path / "b.parquet")
+    pq.write_table(pa.Table.from_pylist([{"meta": {"title": "three", "url": 7}}]), tmp_path / "c.parquet")
+    recipe, source = _local(str(tmp_path / "*.parquet"), "parquet", text=["meta.title"])
+    assert _docs(recipe, source, tmp_path) == ["one", "two", "three"]
+
+
+def test_paragraphs_end_at_a_line_of_whitespace_too(tmp_path):
+    """A line holding a space or a tab between paragraphs did not part them: a whole file was
+    one document. A blank line is one with nothing but whitespace; line breaks are universal."""
+    (tmp_path / "a.txt").write_text("first\nstill first\n \nsecond\r\n\t\r\n\r\nthird\rthird's end\n\n")
+    recipe, source = _local(str(tmp_path / "a.txt"), "text", sample_by="paragraph")
+    assert _docs(recipe, source, tmp_path) == ["first\nstill first", "second", "third\nthird's end"]
+    recipe, source = _local(str(tmp_path / "a.txt"), "text", sample_by="line")
+    assert _docs(recipe, source, tmp_path) == ["first", "still first", "second", "third", "third's end"]
+
+
+def test_a_utf16_file_is_named_as_utf16(tmp_path):
+    """The hint was `iconv -f latin1`, which turns UTF-16 into valid-looking nonsense."""
+    (tmp_path / "a.txt").write_bytes("some text\n".encode("utf-16"))
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=r"a\.txt is UTF-16 text, not UTF-8; .*iconv -f utf-16 -t utf-8"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
+    """Two sources reading one file through a hard link each were taken for other inputs: one
+    held its lines out, the other trained on them inside its whole-file document."""
+    from fibctl.data.prepare import _check_documents_alike
+
+    (tmp_path / "f.txt").write_text("a line\nanother\n")
+    os.link(tmp_path / "f.txt", tmp_path / "hard.txt")
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "a", "kind": "local", "format": "text", "files": [str(tmp_path / "f.txt")], "share": 0.5,
+         "sample_by": "line", "heldout": "a_val"},
+        {"name": "b", "kind": "local", "format": "text", "files": [str(tmp_path / "hard.txt")], "share": 0.5}]})
+    with pytest.raises(FibctlError, match="sources 'a' and 'b' read the same inputs"):
+        _check_documents_alike(recipe)
+    recipe, source = _local(str(tmp_path / "*.txt"), "text")
+    assert _docs(recipe, source, tmp_path) == ["a line\nanother"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "a"},\n{"text": "b"},\n', r"line 1 is not JSON \(text after a whole record, at column 14"),
+    ('{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n', r"line 4 is not JSON \(text after a whole record.*jq -c"),
+    ('{"text": "cut\n{"text": "b"}\n', r"line 1 is not JSON \(Invalid control character"),
+])
+def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, message):
+    """A JSON Lines file whose first line is broken was read as one object over lines, and
+    refused as "the file is not JSON" with no line to look at."""
+    (tmp_path / "rows.jsonl").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    with pytest.raises(FibctlError, match=r"rows\.jsonl: " + message):
+        _docs(recipe, source, tmp_path)

@@ -107,7 +107,20 @@ def _an_object(line: str) -> bool:
 
 
 def _whole(path: str, text: str) -> Iterator[dict]:
-    yield _record(path, "the file", _loads(path, "the file", text))
+    """The one object of a file whose first line is not one; an error names its line (a
+    JSON Lines file whose first line is broken ends up here too)."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # records one after another, pretty-printed or with commas
+            raise FibctlError(f"{path}: line {e.lineno} is not JSON (text after a whole record, at column "
+                              f"{e.colno}; a file is JSON Lines, one array or one object: `jq -c .` writes "
+                              "records one per line)") from None
+        raise FibctlError(f"{path}: line {e.lineno} is not JSON ({e.msg})") from None
+    except RecursionError:
+        raise FibctlError(f"{path}: the file nests its values too deeply to read") from None
+    _check_surrogates(path, "the file", text, value)
+    yield _record(path, "the file", value)
 
 
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a file of one array

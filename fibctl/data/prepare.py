@@ -38,7 +38,7 @@ from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fibctl.data import installed_docs, sources
-from fibctl.data.recipe import Recipe, Source
+from fibctl.data.recipe import file_identity, Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError
 from fibctl.durable import fsync
@@ -224,7 +224,7 @@ def _document_rule(source: Source) -> dict:
 def _inputs(recipe: Recipe, source: Source) -> set:
     """What a source reads documents from, so that two sources reading the same can be told."""
     if source.kind == "local":
-        return {("local", os.path.realpath(p)) for p in recipe.local_files(source)}
+        return {("local", file_identity(p)) for p in recipe.local_files(source)}
     if source.kind == "hub":  # any split or revision: a dataset's splits may share documents
         return {("hub", source.dataset, config) for config in source.configs or (None,)}
     if source.kind == "installed-docs":

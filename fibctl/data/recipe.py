@@ -115,7 +115,8 @@ class Recipe:
         matches none (a typo beside a glob that matches would leave its files out unsaid).
 
         Folders are skipped (a `**` glob matches them). Paths reaching one file (a symlink,
-        a symlink loop under `**`) keep the first in sorted order, so no file is read twice.
+        a hard link, a symlink loop under `**`) keep the first in sorted order, so no file is
+        read twice.
         """
         where = f"source {source.name!r}"
         files = set()
@@ -150,10 +151,16 @@ class Recipe:
                                       f"\"{shown_path(os.path.join(folders[0], '*'))}\"")
                 raise FibctlError(f"{where}: no files match {shown_path(pattern)}")
             files.update(matched)
-        found: dict[str, str] = {}  # real path -> first path that matched it
+        found: dict[tuple[int, int], str] = {}  # the file -> the first path that matched it
         for path in sorted(files):
-            found.setdefault(os.path.realpath(path), path)
+            found.setdefault(file_identity(path), path)
         return sorted(found.values())
+
+
+def file_identity(path: str) -> tuple[int, int]:
+    """What tells one file from another whatever path reaches it (a symlink, a hard link)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def shipped() -> list[str]:

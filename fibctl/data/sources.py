@@ -1,16 +1,14 @@
 """Documents from each kind of source, as an iterator of strings that never holds a corpus.
 
-Hub and local sources stream through `datasets.load_dataset(..., streaming=True)` (local files
-with the `parquet`, `csv` or `text` builders; JSON files are read by fibctl.data.json_files, so
-that files may differ in their fields); `installed-docs` and `generated` need no download.
+Hub sources stream through `datasets.load_dataset(..., streaming=True)`; local files are read by
+fibctl itself (fibctl.data.json_files, fibctl.data.local_files), each as it is, so that files may
+differ in their fields; `installed-docs` and `generated` need no download.
 `fingerprint` says what else, besides the recipe, the documents depend on.
 """
 
 from __future__ import annotations
 
-import csv
 import itertools
-import json
 import lzma
 import os
 import zlib
@@ -19,7 +17,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from fibctl.data import generated, installed_docs, json_files
+from fibctl.data import generated, installed_docs, json_files, local_files
 from fibctl.data.recipe import Recipe, Source, shown_path
 from fibctl.errors import FibctlError
 
@@ -52,80 +50,54 @@ def _packages(source: Source) -> tuple[str, ...]:
 
 
 def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
-    import datasets
-
-    files = recipe.local_files(source)
-    columns = features = None
+    # an empty file holds no document (a 0-byte parquet file has no footer to read)
+    files = [f for f in recipe.local_files(source) if os.path.getsize(f) > 0]
     if source.format == "parquet":
-        files, columns, features = _check_columns(source, files)
-    # an empty file holds no document, but the csv and parquet readers fail on one without
-    # naming it (EmptyDataError; ArrowInvalid: BatchSize must be greater than 0)
-    files = [f for f in files if os.path.getsize(f) > 0]
-    if not files:
-        return
+        files, columns = _check_columns(source, files)
     if source.format == "json":
-        yield from _texts(source, _json_records(source, files), again=lambda: _json_records(source, files))
-        return
-    _quiet(datasets)
-    try:
-        ds = datasets.load_dataset(source.format, data_files=files, split="train", streaming=True,
-                                   **_builder_options(source, columns, features))
-        yield from _texts(source, ds)
-    except FibctlError:
-        raise
-    except Exception as e:
-        if "Compression type zstd not supported" in str(e):  # fsspec reads .zst with zstandard alone
-            raise FibctlError(f"source {source.name!r}: {json_files.NEEDS_ZSTANDARD}") from None
-        bad = _first_not_utf8(files) if isinstance(e, UnicodeDecodeError) else None
-        if bad:
-            raise FibctlError(f"source {source.name!r}: {shown_path(bad)} is not UTF-8 text; convert it to UTF-8 "
-                              f"(e.g. iconv -f latin1 -t utf-8)") from None
-        raise FibctlError(f"source {source.name!r}: cannot read {source.format} files "
-                          f"{', '.join(map(shown_path, source.files))}: {_one_line(e)}") from None
+        yield from _texts(source, _rows(source, files, json_files.records),
+                          again=lambda: _rows(source, files, json_files.records))
+    elif source.format == "csv":
+        yield from _texts(source, _rows(source, files, lambda p: local_files.csv_rows(p, source.delimiter,
+                                                                                       source.text)))
+    elif source.format == "text":
+        yield from _texts(source, _rows(source, files, lambda p: local_files.text_rows(p, source.sample_by)))
+    else:
+        yield from _texts(source, _rows(source, files, lambda p: local_files.parquet_rows(p, columns)))
 
 
-def _json_records(source: Source, files: list[str]) -> Iterator[dict]:
-    """The records of each JSON file in turn (fibctl.data.json_files), errors naming the source."""
+def _rows(source: Source, files: list[str], read: Callable[[str], Iterable[dict]]) -> Iterator[dict]:
+    """The rows of each file in turn, read by `read`; an error names the source and the file."""
     for path in files:
         try:
-            yield from json_files.records(path)
+            yield from read(path)
         except FibctlError as e:
             raise FibctlError(f"source {source.name!r}: {e}") from None
         except UnicodeDecodeError:
-            raise FibctlError(f"source {source.name!r}: {shown_path(path)} is not UTF-8 text; convert it to UTF-8 "
-                              f"(e.g. iconv -f latin1 -t utf-8)") from None
-        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # a damaged or mislabelled compressed file
+            raise FibctlError(f"source {source.name!r}: {_not_utf8(path)}") from None
+        except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:
+            # a damaged or mislabelled compressed file; a parquet file that is not one (ArrowInvalid)
             raise FibctlError(f"source {source.name!r}: cannot read {shown_path(path)}: {_one_line(e)}") from None
 
 
-def _builder_options(source: Source, columns: list[str] | None, features=None) -> dict:
-    """What the datasets builder needs beyond the files, per format (`columns`: the parquet
-    columns to read; `features`: their types, where the first file's would not do)."""
-    if source.format == "text":
-        return {"sample_by": source.sample_by}
-    if source.format == "csv":  # every cell is text: a title "1984", a document "NA" or "null" stay as written
-        # a TSV has no quoting: a cell's quote mark is text (read as CSV quoting, a cell opening
-        # with one swallowed the rows up to the next)
-        quoting = {"quoting": csv.QUOTE_NONE} if source.delimiter == "\t" else {}
-        return {"sep": source.delimiter, "converters": {f: str for f in source.text}, "keep_default_na": False,
-                **quoting}
-    if source.format == "parquet":  # the text columns only: shards may differ in the others
-        return {"columns": columns, **({"features": features} if features is not None else {})}
-    return {}
+def _not_utf8(path: str) -> str:
+    """Why a file that failed to decode as UTF-8 is refused, and how to convert it."""
+    with json_files.open_binary(path) as f:  # decompressed: a .gz file's own bytes are not text
+        start = f.read(2)
+    if start in (b"\xff\xfe", b"\xfe\xff"):
+        return f"{shown_path(path)} is UTF-16 text, not UTF-8; convert it (e.g. iconv -f utf-16 -t utf-8)"
+    return f"{shown_path(path)} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 
 
-def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str], object]:
+def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str]]:
     """Each parquet file has the columns the text fields are read from, holding text (read
     from its footer), else name the file; the files that hold rows, and those columns: a
     field's own, or the nested record (struct column) its dotted name starts with, as the
-    first file has them; and their types (datasets.Features) where the first file's would not
-    do. Every file's types are checked: the datasets builder takes them from the first file
-    and casts the others' to them, a later file's numbers into text."""
-    import datasets
-    import pyarrow as pa
+    first file has them. Each file is read with its own types, the text columns only, so
+    shards may differ in any other column, or inside a struct column, beside the fields read."""
     import pyarrow.parquet as pq
 
-    holding, read, first, types = [], None, {}, {}
+    holding, read = [], None
     for path in files:
         try:
             footer = pq.read_metadata(path)
@@ -150,18 +122,8 @@ def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[st
                           if held == "dict" and arrow_type.num_fields else "")
                 raise FibctlError(f"source {source.name!r}: field {field!r} holds {held} values, not text, in "
                                   f"{shown_path(path)}; text = [...] must name string fields{inside}")
-        for column in dict.fromkeys(read.values()):
-            column_type = schema.field(columns.index(column)).type
-            first.setdefault(column, column_type)
-            if str(types.get(column, "null")) == "null":
-                types[column] = column_type
         holding.append(path)
-    # a first file whose column holds only nulls types it null, and the builder cannot cast a
-    # later file's text to that: read the columns as the first file to hold text types them
-    features = None
-    if any(str(first[c]) == "null" != str(types[c]) for c in first):
-        features = datasets.Features.from_arrow_schema(pa.schema([(c, types[c]) for c in first]))
-    return holding, list(dict.fromkeys((read or {}).values())) or list(source.text), features
+    return holding, list(dict.fromkeys((read or {}).values())) or list(source.text)
 
 
 def _field_type(arrow_type, inner: str):
@@ -199,25 +161,6 @@ def _not_text(arrow_type) -> str | None:
         if test(arrow_type):
             return name
     return str(arrow_type)
-
-
-def _first_not_utf8(files: list[str]) -> str | None:
-    """The first of the files that is not UTF-8, read in chunks (decompressed, as the readers
-    read them: a .gz file's own bytes are not text); None if all are."""
-    import codecs
-
-    for path in files:
-        decoder = codecs.getincrementaldecoder("utf-8")()
-        try:
-            with json_files.open_binary(path) as f:
-                while chunk := f.read(1 << 20):
-                    decoder.decode(chunk)
-                decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            return path
-        except (OSError, EOFError, lzma.LZMAError, zlib.error, FibctlError):  # unreadable, or not what its name says
-            continue
-    return None
 
 
 def _quiet(datasets) -> None:
@@ -350,20 +293,12 @@ def _texts(source: Source, rows: Iterable[dict], again: Callable[[], Iterable[di
         missing = [f for f in source.text if f in unseen]
         which = "no row" if whole else f"none of the first {read:,} rows"
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
-                          f"{', '.join(first)}; set text = [...] in the recipe{_delimiter_hint(source, first)}")
+                          f"{', '.join(first)}; set text = [...] in the recipe")
     for row in itertools.chain(ahead, rows):
         values = ((f, _lookup(row, f)) for f in source.text)
         text = "\n\n".join(t for t in (_field_text(source, f, None if v is _ABSENT else v) for f, v in values) if t)
         if text:
             yield text
-
-
-def _delimiter_hint(source: Source, row: dict) -> str:
-    """For a CSV read as one column whose name holds another likely delimiter: which to set."""
-    if source.format != "csv" or len(row) != 1:
-        return ""
-    found = [d for d in ("\t", ";", "|") if d in next(iter(row))]
-    return f", or delimiter = {json.dumps(found[0])} (the header is one column)" if found else ""
 
 
 _ABSENT = object()  # a field a row lacks: null there

@@ -1,0 +1,105 @@
+"""Rows of local text, CSV and parquet files (`format = "text"`, `"csv"`, `"parquet"`), read
+by fibctl itself, file by file, from the paths the recipe's globs matched.
+
+The datasets library's builders, which read them before, matched each path as a glob once
+more (a file named `part[1].txt` was skipped and `part1.txt` read in its place, `a::b.txt`
+was not found), read a CSV row of more cells than its header with the first cells as an
+index (every column shifted, silently), skipped a CSV file without the text column, and
+failed a parquet source whose shards differed inside a struct column the recipe does not
+read. Here each file is read as it is and checked against its own header or schema.
+JSON files have their own reader, fibctl.data.json_files.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+
+from fibctl.data.json_files import open_binary
+from fibctl.data.recipe import shown_path
+from fibctl.errors import FibctlError
+
+# a document is one cell: the csv module's default cap (128 KiB) would refuse a long one
+csv.field_size_limit(sys.maxsize)
+
+
+def text_rows(path: str, sample_by: str) -> Iterator[dict]:
+    """A text file's documents as rows of one field, `text`: the whole file, each paragraph
+    (lines up to a blank one: empty, or only whitespace) or each line. Line breaks are
+    universal: \\r\\n and a lone \\r end a line as \\n does."""
+    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+        if sample_by == "document":
+            yield {"text": f.read()}
+        elif sample_by == "line":
+            for line in f:
+                yield {"text": line}
+        else:
+            paragraph: list[str] = []
+            for line in f:
+                if line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield {"text": "".join(paragraph)}
+                    paragraph = []
+            if paragraph:
+                yield {"text": "".join(paragraph)}
+
+
+def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dict]:
+    """A CSV (or TSV) file's rows as mappings from its header's names to cells, as written.
+
+    The header is the first line that is not blank; a file without one holds no rows. The
+    header must name each of `fields`, once. A row must have as many cells as the header: a
+    row of more or fewer is refused, naming its line (an unquoted delimiter inside a cell, or
+    a cell lost, would otherwise move text to another column). A TSV has no quoting: a quote
+    mark is part of its cell."""
+    name = shown_path(path)
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+        header = None
+        for header in reader:
+            if any(cell.strip() for cell in header):
+                break
+        else:
+            return
+        missing = [field for field in fields if field not in header]
+        if missing:
+            raise FibctlError(f"{name} has no column {', '.join(missing)}; columns: {', '.join(header)}; "
+                              f"set text = [...] in the recipe{delimiter_hint(header)}")
+        twice = [field for field in fields if header.count(field) > 1]
+        if twice:
+            raise FibctlError(f"{name}: its header names column {twice[0]} more than once")
+        end = reader.line_num
+        for row in reader:
+            start, end = end + 1, reader.line_num
+            if not any(cell.strip() for cell in row):  # a blank line
+                continue
+            if len(row) != len(header):
+                raise FibctlError(f"{name}: line {start} has {len(row)} cells, the header {len(header)} "
+                                  f"(is a {delimiter!r} inside a cell not quoted?)")
+            yield dict(zip(header, row))
+
+
+def delimiter_hint(header: list[str]) -> str:
+    """For a CSV header read as one column whose name holds another likely delimiter: which
+    to set."""
+    if len(header) != 1:
+        return ""
+    found = [d for d in ("\t", ";", "|") if d in header[0]]
+    return f", or delimiter = {json.dumps(found[0])} (the header is one column)" if found else ""
+
+
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a file's size is never held
+
+
+def parquet_rows(path: str, columns: list[str]) -> Iterator[dict]:
+    """A parquet file's rows, the named columns only (a struct column as a mapping)."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as f:
+        for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            yield from batch.to_pylist()

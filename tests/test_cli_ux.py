@@ -670,26 +670,33 @@ def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
                                 "prepare` wrote)\n"
 
 
-def test_a_worker_whose_output_pipe_closes_mid_run_does_not_fail_the_run(tmp_path, monkeypatch, capsys):
-    """`fibctl worker | head` closed mid-training: rich's closed pipe, raised as an ordinary
-    exception, would end in the worker's `except Exception` and mark the run failed for it. It
-    ends the command quietly (0) and the run keeps its fate as if the process were killed."""
+def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """`fibctl worker | head -1`: rich's closed pipe, past the worker's `except Exception`,
+    ended the command with 0 and left the run `running` until its heartbeat went stale, no
+    other worker able to take it meanwhile. It now stops as a first Ctrl-C does: the run
+    checkpoints at the step it is at and is queued again at once; the command exits 141
+    (128 + SIGPIPE), not 0, as the work is not done."""
+    import io
     import sqlite3
 
     from fibctl.cli import common
     from fibctl.cli.train import RunDisplay
     from train_helpers import micro_run, queued_db, write_data
 
+    class Gone(io.StringIO):  # the reader has gone: every write fails
+        def write(self, text):
+            raise BrokenPipeError
+
     db = tmp_path / "r.db"
-    queued_db(db, micro_run("run", steps=6)).dispose()
+    queued_db(db, micro_run("run", steps=30)).dispose()
     shown = RunDisplay.start
 
     def start(self, name, steps):
         progress = shown(self, name, steps)
 
         def closing(p):
-            if p.step == 2:  # the reader has gone: the next write finds the pipe closed
-                common.console.on_broken_pipe()
+            if p.step == 2:  # the next line printed (step 10's) finds the pipe closed
+                monkeypatch.setattr(common.console, "file", Gone())
             return progress(p)
         return closing
 
@@ -700,5 +707,8 @@ def test_a_worker_whose_output_pipe_closes_mid_run_does_not_fail_the_run(tmp_pat
     monkeypatch.setattr(os, "dup2", lambda fd, to: closed.append(to))  # not this process's own output
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"), "--plain")
-    assert code == 0 and err == "" and closed == [1, 2], (closed, err)
-    assert sqlite3.connect(db).execute("select status from runs").fetchone() != ("failed",)
+    assert code == 141 and closed == [1], (code, closed, err)
+    assert err == "warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
+    con = sqlite3.connect(db)
+    assert con.execute("select status, checkpoint_path like '%step_00000010.pt' from runs").fetchone() == ("queued", 1)
+    assert con.execute("select count(*) from events where kind = 'released' and message like 'stopped at step 10%'").fetchone() == (1,)

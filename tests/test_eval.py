@@ -275,3 +275,33 @@ def test_eval_refuses_to_replace_a_result_over_another_budget(trained):
     evaluate(engine, ["stagger"], [128], data_dir=data, tokens=1024)
     assert {t for (t,) in rows(db, "select tokens from evaluations where eval_length = 128 and run_id = "
                                    "(select id from runs where name = 'stagger')")} == {1024}
+
+
+def test_eval_whose_output_pipe_closes_stops_with_141_and_keeps_what_it_measured(trained, capsys, monkeypatch):
+    """`fibctl eval ... | head -1` ended with 0, quietly, though lengths were left unmeasured: a
+    script took it for done. It says it stopped, and exits 141 (128 + SIGPIPE); what it
+    measured before is recorded."""
+    import io
+    import os
+
+    from fibctl.cli import common, main
+
+    class Gone(io.StringIO):  # the reader has gone: every write fails
+        def write(self, text):
+            raise BrokenPipeError
+
+    _, data, db = trained
+    before = rows(db, "select count(*) from evaluations e join runs r on r.id = e.run_id "
+                      "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0]
+    monkeypatch.setattr(common.console, "file", Gone())
+    monkeypatch.setattr(common.console, "quiet", common.console.quiet)  # silenced for good: restored after
+    monkeypatch.setattr(os, "dup2", lambda fd, to: None)  # not this process's own output
+    monkeypatch.setattr(sys, "argv", ["fibctl", "eval", "stagger", "--length", "48", "--length", "96",
+                                      "--db", str(db), "--data", str(data)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 141 and err.startswith("the output's reader has gone: stopped; the results measured "
+                                                       "before it are recorded"), err
+    assert rows(db, "select count(*) from evaluations e join runs r on r.id = e.run_id "
+                    "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0] == before + 1

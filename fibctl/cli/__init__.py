@@ -112,22 +112,31 @@ def _closed_pipe_ends_quietly():
     a failure, and only output that fit the pipe's buffer exited 0)."""
     try:
         yield
-    except (BrokenPipeError, _PipeClosed):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for fd in (1, 2):  # Python's last flush at exit would fail on the closed pipe again
-            os.dup2(devnull, fd)
+    except OUTPUT_CLOSED:
+        silence_closed_output(1, 2)
         raise typer.Exit(0) from None
 
 
-class _PipeClosed(BaseException):
-    """rich's closed pipe, past every `except Exception`: a worker printing progress into a
-    closed pipe must not fail the run it trains for it (the run keeps its heartbeat's fate,
-    as when the process is killed: claimed again once stale)."""
+class PipeClosed(BaseException):
+    """rich's closed pipe, past every `except Exception`: a run must not be failed for its
+    progress line (train and worker stop it gracefully instead, fibctl.cli.train)."""
+
+
+OUTPUT_CLOSED = (BrokenPipeError, PipeClosed)
+
+
+def silence_closed_output(*fds: int) -> None:
+    """Point these of stdout (1) and stderr (2), whose reader has gone, at /dev/null: Python's
+    last flush at exit would fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _raise_broken_pipe(self) -> None:
     self.quiet = True
-    raise _PipeClosed
+    raise PipeClosed
 
 
 # rich's consoles (fibctl's and typer's help) exit 1 on a closed pipe: raised instead, for the above

@@ -42,8 +42,8 @@ class RichView:
     def data_progress(self):
         return token_progress(self.plain)
 
-    def run_display(self):
-        return RunDisplay(self.plain)
+    def run_display(self, stop):
+        return RunDisplay(self.plain, stop=stop)
 
     @contextmanager
     def eval_progress(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -13,7 +14,7 @@ from rich.cells import cell_len
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fibctl.cli import app
+from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_dir_value
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
@@ -53,11 +54,15 @@ class RunDisplay:
     terminal redrawn each step after a bar; otherwise printed at the first step of this
     attempt, every `every` steps and the last. Either way a line per held-out set when the
     run evaluates, and one at the end with the time taken and the final perplexities. Each
-    line is printed unwrapped (soft_wrap): in a log file, one event stays one line."""
+    line is printed unwrapped (soft_wrap): in a log file, one event stays one line.
 
-    def __init__(self, plain: bool, every: int = 10):
+    Output whose reader has gone (`fibctl worker | head -1`, a `tee` that died) stops the
+    work as a first Ctrl-C does: the run checkpoints and is queued again at once, rather than
+    left `running` until its heartbeat is stale, and the command exits 141 (128 + SIGPIPE)."""
+
+    def __init__(self, plain: bool, every: int = 10, stop=None):
         self.plain = plain or not console.is_terminal
-        self.every, self.progress = every, None
+        self.every, self.progress, self.stop = every, None, stop
         self.last: trainer.Progress | None = None
 
     def start(self, name: str, steps: int):
@@ -71,8 +76,8 @@ class RunDisplay:
             def line(p: trainer.Progress) -> None:
                 first, self.last = self.last is None, p  # a resumed run's first step says where it resumed
                 if first or p.step % self.every == 0 or p.step == p.steps:
-                    _log(progress_line(name, p))
-                evals(p, _log)
+                    self.log(progress_line(name, p))
+                evals(p, self.log)
             return line
         # the bar takes the room the line leaves at the terminal's width (none: no bar), so
         # that no number is cut
@@ -90,11 +95,11 @@ class RunDisplay:
         def draw(p: trainer.Progress) -> None:
             self.last = p
             self.progress.update(task, completed=p.step, line=progress_line(name, p)[len(name) + 1:])
-            evals(p, lambda text: self.progress.console.print(as_written(text), highlight=False))
+            evals(p, lambda text: self._print(self.progress.console, as_written(text), highlight=False))
         return draw
 
     def warn(self, message: str) -> None:  # on stderr, as warnings are: stdout is the run's log
-        err_console.print(as_written(f"warning: {message}", "yellow"), highlight=False, soft_wrap=True)
+        self._print(err_console, as_written(f"warning: {message}", "yellow"), highlight=False, soft_wrap=True)
 
     def finish(self, outcome: Outcome) -> None:
         if self.progress:
@@ -109,7 +114,23 @@ class RunDisplay:
         where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
         # folded at a terminal's width; one line in a file, for grep
         line = as_written(f"{outcome.name}: {outcome.status} {outcome.at}{detail}", style)
-        console.print(line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
+        self._print(console, line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
+
+    def log(self, text: str) -> None:
+        self._print(console, as_written(text), highlight=False, soft_wrap=True)
+
+    def _print(self, out, *args, **kwargs) -> None:
+        try:
+            out.print(*args, **kwargs)
+        except OUTPUT_CLOSED:
+            if self.stop is None:
+                raise
+            silence_closed_output(1 if out is console else 2)
+            if not self.stop.is_set():
+                self.stop.signal = signal.SIGPIPE
+                self.stop.set()
+                if out is console:
+                    self.warn("the output's reader has gone: stopping; the run checkpoints and is queued again")
 
 
 def progress_line(name: str, p: trainer.Progress) -> str:
@@ -134,10 +155,6 @@ def _si(value: float) -> str:
 
 def _ppl(loss: float) -> str:
     return f"{math.exp(loss):.2f}" if loss < 700 else "inf"
-
-
-def _log(text: str) -> None:
-    console.print(as_written(text), highlight=False, soft_wrap=True)
 
 
 @app.command("train")
@@ -187,10 +204,10 @@ def train_cmd(
     if launched():
         from fibctl.flows.worker import train_distributed
 
-        outcome = train_distributed(lambda: connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain),
+        outcome = train_distributed(lambda: connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop),
                                     stop)
     else:
-        outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain), stop)
+        outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop), stop)
     _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -257,11 +274,11 @@ def worker_cmd(
     if ddp:
         from fibctl.flows.worker import work_distributed
 
-        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain), stop)
+        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
         if int(os.environ["RANK"]) != 0:  # rank 0 reports the group's runs
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
-        outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain), stop)
+        outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
     console.print(as_written(f"worker: {len(outcomes)} run(s): "
                         + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued")),
                   highlight=False, soft_wrap=True)
@@ -366,6 +383,15 @@ def eval_cmd(
         err_console.print("interrupted; the results measured before it are recorded: run the same command "
                           "again to finish", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+    except OUTPUT_CLOSED:  # `fibctl eval ... | head -1`: stopped, not finished (128 + SIGPIPE)
+        silence_closed_output(1)
+        try:
+            err_console.print("the output's reader has gone: stopped; the results measured before it are "
+                              "recorded: run the same command again to finish", markup=False, highlight=False,
+                              soft_wrap=True)
+        except OUTPUT_CLOSED:
+            silence_closed_output(2)
+        raise typer.Exit(128 + signal.SIGPIPE) from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
         table.add_row(as_written(r.run), str(r.step), as_written(r.dataset), str(r.eval_length), f"{r.tokens:,}",

@@ -205,7 +205,7 @@ class DemoView(Protocol):
 
     def data_progress(self) -> AbstractContextManager: ...  # a progress for data.prepare.prepare
 
-    def run_display(self): ...  # a fibctl.flows.worker.Display
+    def run_display(self, stop): ...  # a fibctl.flows.worker.Display; it sets `stop` if its reader goes
 
     def eval_progress(self) -> AbstractContextManager[Callable[[dict, int], None]]: ...
 
@@ -279,7 +279,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     opts = WorkerOptions(data_dir=data_dir, runs_dir=out / "runs", threads=threads,
                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     stop = StopRequest()  # the worker's own: a signal checkpoints the run in training and stops
-    outcomes = work(engine, opts, view.run_display(), stop=stop)
+    outcomes = work(engine, opts, view.run_display(stop), stop=stop)
     if stop.signal is not None or any(o.status != "done" for o in outcomes):
         view.warn("training stopped before every run finished; run the same command again to resume "
                   "from the checkpoints")

@@ -140,8 +140,12 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes_the_same(
     _stop_at(engine, data, tmp_path, 23)  # checkpoints 20 and 23
     newest = tmp_path / "runs" / "run" / "step_00000023.pt"
     newest.write_bytes(newest.read_bytes()[:500])
-    [outcome] = work(engine, opts(data, tmp_path), Quiet())
-    assert outcome.status == "done"
+    recorded = []  # what the database records as the run's checkpoint once it resumed
+    record = lambda p: recorded or recorded.append(  # noqa: E731
+        sqlite3.connect(tmp_path / "r.db").execute("select checkpoint_path from runs").fetchone()[0])
+    [outcome] = work(engine, opts(data, tmp_path), Quiet(record))
+    assert outcome.status == "done", outcome.error
+    assert recorded == ["run/step_00000020.pt"]  # not the one moved aside: eval would look for it
     assert_same_run(tmp_path / "r.db", ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
     names = sorted(p.name for p in newest.parent.iterdir())
     # the two newest that load are kept; the damaged one, apart, is not counted among them
@@ -164,6 +168,13 @@ def test_a_run_whose_only_checkpoint_is_damaged_has_one_way_out(data, tmp_path, 
     assert failed.status == "failed"
     assert failed.error.endswith("no checkpoint of run 'run' loads (moved aside as step_N.pt.damaged): "
                                  "`fibctl queue retry run --from-start` trains it again from step 0"), failed.error
+    # eval names the way out; `eval --all` passes it by, as a run with no checkpoint
+    code, out, err = cli(["eval", "run", "--length", "64", "--db", str(db), "--data", str(data)], capsys, monkeypatch)
+    assert code == 2 and err == ("error: run 'run': its checkpoint step_00000013.pt was damaged (moved aside as "
+                                 "step_00000013.pt.damaged) and no other loads: `fibctl queue retry run "
+                                 "--from-start` trains it again\n"), err
+    code, out, err = cli(["eval", "--all", "--length", "64", "--db", str(db), "--data", str(data)], capsys, monkeypatch)
+    assert code == 2 and "no run in the database has a checkpoint to evaluate" in err, err
     # a plain retry fails it the same way, whichever worker claims it: the folder is not at fault
     code, out, err = cli(["queue", "retry", "run", "--db", str(db)], capsys, monkeypatch)
     assert code in (0, None)

@@ -28,7 +28,7 @@ from fibctl.errors import FibctlError
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.queue import stored_config
-from fibctl.train.checkpoint import load_checkpoint, resolve_path, stored_config_hash
+from fibctl.train.checkpoint import DAMAGED, load_checkpoint, resolve_path, stored_config_hash
 
 
 @dataclass
@@ -69,6 +69,12 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
         path = resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name)
         if path.exists() and not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} is not a file")
+        if not path.is_file() and path.with_name(path.name + DAMAGED).is_file():
+            if all_runs:  # no checkpoint left that loads: as a run without one, not among --all's
+                continue
+            raise FibctlError(f"run {r.name!r}: its checkpoint {path.name} was damaged (moved aside as "
+                              f"{path.name}{DAMAGED}) and no other loads: `fibctl queue retry {r.name} "
+                              "--from-start` trains it again")
         if not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
                               "was trained in")

@@ -386,11 +386,11 @@ class Trainer:
                 if not self.main and not path.exists():  # rank 0 moved it aside meanwhile: damaged
                     continue
                 raise
-            self._set_aside(damaged, f"resuming from step {self.step}")
+            self._set_aside(damaged, f"resuming from step {self.step}", path)
             self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
             return path
         if damaged:
-            self._set_aside(damaged, "and no checkpoint is left to resume from")
+            self._set_aside(damaged, "and no checkpoint is left to resume from", None)
             raise FibctlError(no_checkpoint_loads(self.config.name, damaged[0][1]))
         return None
 
@@ -414,15 +414,22 @@ class Trainer:
             raise ckpt.DamagedCheckpoint(f"checkpoint {path} is damaged ({type(e).__name__}: "
                                          f"{first_line(e)})") from None
 
-    def _set_aside(self, damaged: list[tuple[Path, str]], then: str) -> None:
-        """Move the damaged checkpoints out of the run's list, saying which and why."""
+    def _set_aside(self, damaged: list[tuple[Path, str]], then: str, left: Path | None) -> None:
+        """Move the damaged checkpoints out of the run's list, saying which and why. The run's
+        newest checkpoint is now `left`, as on_checkpoint is told: a record of one moved aside
+        would send `fibctl eval` to a file that is gone. With none left (None) the record
+        stays: it is how the worker tells this run's failure from a wrong --runs-dir."""
+        if not (damaged and self.main):
+            return
         for path, error in damaged:
-            if self.main:
-                aside = ckpt.set_aside(path)
-                message = f"{error}; moved aside as {aside.name}, {then}"
-                self.reporter.event("damaged", message, {"path": str(aside)})
-                if self.on_warning:
-                    self.on_warning(message)
+            aside = ckpt.set_aside(path)
+            message = f"{error}; moved aside as {aside.name}, {then}"
+            self.reporter.event("damaged", message, {"path": str(aside)})
+            if self.on_warning:
+                self.on_warning(message)
+        if self.on_checkpoint and left is not None:  # the loaded checkpoint's own step and time
+            self.on_checkpoint(TrainResult("running", self.step, left, self.step * self.tokens_per_step,
+                                           self.elapsed_s))
 
     def _check_same_start(self) -> None:
         """Every rank resumes from the step rank 0 resumed from. A node that does not see rank

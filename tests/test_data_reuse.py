@@ -138,3 +138,20 @@ def test_a_data_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch, ca
     assert refused(monkeypatch, capsys, "data", "prepare", str(_recipe(tmp_path)), "--data", data,
                    "--plain").strip() == line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "gen.toml"]
+
+
+def test_a_data_folder_given_as_a_link_is_built_where_the_link_points(tmp_path, whole):
+    """The build was renamed onto the link itself: a link to a folder became a folder (the
+    target kept the old data, a hidden `.link.old-*` link was left), and a link to nothing
+    failed with "Not a directory" once the whole build was done."""
+    recipe = load_recipe(_recipe(tmp_path))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    prepare(recipe, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and _files(tmp_path / "real") == whole
+    (tmp_path / "dangling").symlink_to(tmp_path / "made" / "here")
+    result = CliRunner().invoke(app, ["data", "prepare", str(_recipe(tmp_path)), "--data", str(tmp_path / "dangling"),
+                                      "--plain"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "dangling").is_symlink() and _files(tmp_path / "made" / "here") == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "gen.toml", "link", "made", "real"]

@@ -55,10 +55,10 @@ def prepare_cmd(
         "--plain", "--quiet", "-q", help="No progress bars: the summary only (--quiet, -q: older names).")] = False,
 ) -> None:
     """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date)."""
-    from fibctl.data.prepare import prepare  # tokenizers and datasets load when a recipe is prepared
+    from fibctl.data.prepare import data_folder, prepare  # tokenizers and datasets load when a recipe is prepared
 
     r = load_recipe(recipe)
-    out = out or Path("data")
+    out = data_folder(out or Path("data"))
     start = time.perf_counter()
     made = _missing_parents(out)
     try:

@@ -61,11 +61,19 @@ class PrepareResult:
     finished: bool = False  # the complete build of a prepare killed while putting it in place was put there
 
 
+def data_folder(out: str | Path) -> Path:
+    """The folder `--data` names: a link's target, followed to its end. The build goes beside
+    the folder and is renamed onto it: onto the link itself it replaced the link with a folder
+    (the target keeping the old data) or, a link to nothing, failed once the build was done."""
+    out = Path(out)
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
 def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
             note: Callable[[str], None] = lambda line: None) -> PrepareResult:
     """Build (or reuse) the data folder `out` for `recipe`. Progress bars go to `progress`;
     `note` gets a line saying why a folder of this recipe is rebuilt rather than reused."""
-    out = Path(out)
+    out = data_folder(out)
     if out.name in ("", ".."):  # '.', '/', '..': its lock and work folder go beside it, under its own name
         raise FibctlError(f"--data {out}: name the data folder itself (e.g. --data data), not {out}")
     progress = progress or Progress(disable=True)

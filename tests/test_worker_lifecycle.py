@@ -265,3 +265,23 @@ def test_the_bar_on_an_80_column_terminal_cuts_no_number(monkeypatch, name):
     assert any(line.startswith(name) and line.endswith(" 12000/13000 loss 3.457 lr 3.0e-4 100ms 512k tok/s "
                                                         "ETA 1h23m") for line in frames), frames
     assert f"{name} 6000/13000 eval fineweb_edu_val loss 3.300 ppl 27.11" in frames
+
+
+def test_the_worker_s_last_line_is_folded_on_a_terminal_and_whole_in_a_file(monkeypatch):
+    """It was printed unwrapped on a terminal too: 132 columns for two paper runs at 80."""
+    import io
+
+    from rich.console import Console
+
+    from fibctl.cli import train as cli_train
+    from fibctl.flows.worker import Outcome
+
+    outcomes = [Outcome(f"f{i:02d}__fib_stagger_w12", "done", 13_000) for i in range(4)]
+    for terminal in (True, False):
+        out = io.StringIO()
+        monkeypatch.setattr(cli_train, "console", Console(file=out, width=80, force_terminal=terminal,
+                                                          color_system=None))
+        cli_train._summary(outcomes)
+        lines = out.getvalue().splitlines()
+        assert (len(lines) > 1 and all(len(line) <= 80 for line in lines)) if terminal else len(lines) == 1, lines
+        assert " ".join(out.getvalue().split()).startswith("worker: 4 run(s): f00__fib_stagger_w12 done, f01__")

@@ -279,12 +279,18 @@ def worker_cmd(
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
-    console.print(as_written(f"worker: {len(outcomes)} run(s): "
-                        + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued")),
-                  highlight=False, soft_wrap=True)
+    _summary(outcomes)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
+
+
+def _summary(outcomes: list[Outcome]) -> None:
+    """The worker's last line: each run it took and how it ended; folded at a terminal's
+    width, one line in a file (for grep)."""
+    console.print(as_written(f"worker: {len(outcomes)} run(s): "
+                             + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued")),
+                  highlight=False, soft_wrap=not console.is_terminal)
 
 
 def _exit_after_signal(stop) -> None:

@@ -242,6 +242,8 @@ CASES = [
     (["queue", "rm", "x" * 100_000, "--db", "{good_db}"], "no run named '" + "x" * 59 + "... (100,002 characters)"),
     (["import-study", "{tmp}/nope.db", "--db", "{tmp}/pub.db"], "nope.db: no such file (expected the study's"),
     (["import-study", "{tmp}", "--db", "{tmp}/pub.db"], "is a folder, not a file (expected the study's SQLite"),
+    (["import-study", "{good_db}", "--lenextrap", "/dev/null", "--db", "{tmp}/pub.db"],
+     "/dev/null is not a regular file (expected the study's lenextrap.json)"),
     # devices torch names but fibctl does not run on, empty values that meant the default
     (["train", "run", "--device", "meta", "--db", "{good_db}", "--data", "{data}", "--runs-dir", "{tmp}/runs"],
      "unknown device 'meta'; use cpu, cuda, cuda:N or auto"),

@@ -160,6 +160,8 @@ def check_inputs(fib_db: str | Path, lenextrap: str | Path | None = None, poslos
             raise FibctlError(f"an empty path where {what} was expected")
         if Path(path).is_dir():
             raise FibctlError(f"{path} is a folder, not a file (expected {what})")
+        if Path(path).exists():  # /dev/null, a pipe: reading one would find nothing, or wait
+            raise FibctlError(f"{path} is not a regular file (expected {what})")
         raise FibctlError(f"{path}: no such file (expected {what})")
 
 

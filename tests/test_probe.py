@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fibctl.config import ConfigError, ProbeConfig, RunConfig, get_preset
 from fibctl.db.engine import connect
@@ -185,6 +186,69 @@ def test_fast_blur_in_float32_at_the_probe_shape():
         out, grad = _blur(512, width, "fast", dtype=torch.float32, D=64)
         assert (out - ref_out).abs().max() <= 1e-5
         assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad)))
+
+
+@pytest.mark.parametrize("alpha", [0.55, 1.13])
+def test_fast_blur_far_past_the_bands_reach_equals_the_reference(alpha):
+    """At T = 1,500 every band ends well before the last queries (0.55: the farthest offset
+    543 + R; 1.13: 1,115 + R), so most query blocks score only the key rows their offsets
+    reach, and the last block is a partial one."""
+    for width in (40, 2.5, 0.25):
+        ref_out, ref_grad = _blur(1500, width, "reference", alpha=alpha)
+        out, grad = _blur(1500, width, "fast", alpha=alpha)
+        assert (out - ref_out).abs().max() <= 1e-5, width
+        assert abs(float(grad - ref_grad)) <= 1e-5 * max(1.0, abs(float(ref_grad))), width
+
+
+class _Sizes(TorchDispatchMode):
+    """The most elements of any tensor an op makes while active, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def _blur_memory(T: int, width: float = 2.5) -> tuple[int, int]:
+    """(the largest tensor in elements, bytes kept for the backward) of a forward and backward
+    of the fast path at length T, rungs 13 to 89 at alpha 1.13: every band within offset 109."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, T, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, T, 8, generator=g, requires_grad=True) for _ in range(2))
+    theta = torch.tensor(math.log(0.63 / 0.37), requires_grad=True)
+    storages = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    sizes = _Sizes()
+    with sizes, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        centres = (0.5 + torch.sigmoid(theta)) * torch.tensor(FIB[:10])
+        kept = blur_rungs(FIB[:10], centres.detach().tolist(), 8, T)
+        idx = torch.tensor([i for i, _ in kept])
+        out = blur_attention(q, k, v, list(range(9)), [c for _, c in kept], centres[idx], width, "fast")
+        out.sum().backward()
+    assert theta.grad is not None and len(kept) == 5
+    return sizes.most, sum(storages.values())
+
+
+def test_fast_blur_memory_grows_linearly_with_the_length():
+    """`fibctl probe --length 65536` was queued, then its worker failed asking for 32 GiB: the
+    fast path built a T x T table of key rows by offset (int64), and kept every query block's
+    scores against all the key rows before it, O(T^2) for the backward. It scores each block
+    against only the rows its offsets reach: at 4x the length, 4x the memory, not 16x (6: a
+    generous margin), and no tensor of T x T elements."""
+    most, saved = _blur_memory(512)
+    most4, saved4 = _blur_memory(2048)
+    assert most4 < 2048 * 2048
+    assert most4 <= 6 * most and saved4 <= 6 * saved, (most, most4, saved, saved4)
 
 
 def test_the_model_attends_through_blur_rungs_only_when_asked():

@@ -284,7 +284,7 @@ def bench_queue_cmd(
     loop measured in the same run, and one claim against one `micro` training step."""
     from fibctl.flows.bench_queue import bench_queue
 
-    with console.status("benchmarking claims"):
+    with on_interrupt(NOTHING_KEPT), console.status("benchmarking claims"):
         b = bench_queue(db, processes=processes, runs=runs)
     t = Table(title=f"queue claims, {b.backend}, {b.runs} runs")
     for col in ("processes", "claims/s", "plain UPDATE/s", "ratio", "ms per claim", "of a step"):

@@ -15,8 +15,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -240,17 +238,58 @@ def in_fresh_process(measure: Callable[..., dict], *args, what: str) -> dict:
     """`measure(*args)` in a new interpreter (spawned: no state shared with this process, its
     threads or its allocator), so the process's peak memory is that measurement's alone.
     `what` names the measurement in the one-line error when it runs out of memory, or when
-    its process does not come back (killed, for memory say)."""
+    its process does not come back (killed, for memory say). The process ignores Ctrl-C
+    (it printed a traceback, torch's import interrupted in it): this one stops it and ends."""
+    from fibctl.flows.bench_queue import sigint_left_to_parent, stop_children
+
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+    received, sent = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_measured, args=(sent, measure, args), name="fibctl-bench")
+    try:
+        with sigint_left_to_parent():
+            process.start()
+        sent.close()  # the child's end only: a process that dies without sending is an EOFError
         try:
-            return pool.submit(measure, *args).result()
-        except BrokenProcessPool:
+            outcome, value, remote = received.recv()
+        except EOFError:
             raise FibctlError(f"{what}: its process died (out of memory?)") from None
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not out_of_memory(e):
-                raise
-            raise FibctlError(f"{what}: out of memory") from None
+        process.join(60)  # its exit (torch's teardown), else ended below
+    finally:
+        sent.close()
+        received.close()
+        stop_children([process])
+    if outcome == "result":
+        return value
+    if isinstance(value, (torch.OutOfMemoryError, RuntimeError)) and out_of_memory(value):
+        raise FibctlError(f"{what}: out of memory") from None
+    raise value from _RemoteTraceback(remote)
+
+
+class _RemoteTraceback(Exception):
+    """The measuring process's traceback, as the cause of its error raised here (as
+    concurrent.futures gives one)."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+def _measured(sent, measure: Callable[..., dict], args: tuple) -> None:
+    """The measuring process: `measure(*args)`'s result, or the error it raised, sent back."""
+    import pickle
+    import signal
+    import traceback
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as inherited: Ctrl-C is the parent's to act on
+    try:
+        outcome = ("result", measure(*args), "")
+    except BaseException as e:  # noqa: BLE001 (every error is the parent's to raise)
+        outcome = ("error", e, traceback.format_exc())
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 (an error that does not cross processes: its text does)
+            outcome = ("error", RuntimeError(f"{type(e).__name__}: {e}"), outcome[2])
+    sent.send(outcome)
+    sent.close()
 
 
 def _measure_train(bench: TrainBench, schedule: str) -> dict:

@@ -14,9 +14,12 @@ measured in the same run: a claim should never cost more than 1 % of it.
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +94,47 @@ def scratch_database(db: str | None):
         admin.dispose()
 
 
+@contextmanager
+def sigint_left_to_parent() -> Iterator[None]:
+    """Start child processes inside: each starts with SIGINT ignored (a disposition that fork
+    and exec both keep, and Python's start-up leaves as it is), so that a Ctrl-C, which the
+    terminal sends to every process of the command, cannot raise a KeyboardInterrupt in one
+    (its traceback printed by multiprocessing, or by the spawn bootstrap while it imports
+    torch) before the code it runs could catch it. The Ctrl-C is this process's: it stops the
+    children (stop_children). One that comes while a child is being started, a few
+    milliseconds, is lost. Shared with `bench train|probe` (bench.in_fresh_process); here
+    because this module imports no torch, which the claiming processes forked here do without."""
+    previous = signal.getsignal(signal.SIGINT)
+    # a handler only the main thread may set; None: one set outside Python, which could not be put back
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def stop_children(processes: Iterable[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
+    """End the started ones of `processes` still running (SIGTERM, then SIGKILL after
+    `grace_s`) and reap them all: a Ctrl-C or an error in this process leaves none behind."""
+    started = [p for p in processes if p.pid is not None]
+    for p in started:
+        if p.exitcode is None:
+            p.terminate()
+    for p in started:
+        p.join(grace_s)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
 def _claimer(db: str, plain: bool, barrier, results) -> None:
+    # forked: SIGINT ignored from the start (sigint_left_to_parent), and SIGTERM (stop_children) ends
+    # the process at once, not through the command's handler, which would wait out an SQLite busy wait
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     engine = connect(db)
     engine.connect().close()  # the pool keeps it: opening it is not part of a claim
     barrier.wait()
@@ -116,13 +159,17 @@ def _claim_all(db: str, processes: int, plain: bool) -> tuple[float, float]:
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     procs = [ctx.Process(target=_claimer, args=(db, plain, barrier, results)) for _ in range(processes)]
-    started = time.perf_counter()
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=600) for _ in procs]
-    wall = time.perf_counter() - started
-    for p in procs:
-        p.join(60)
+    try:
+        started = time.perf_counter()
+        with sigint_left_to_parent():
+            for p in procs:
+                p.start()
+        outcomes = [results.get(timeout=600) for _ in procs]
+        wall = time.perf_counter() - started
+        for p in procs:
+            p.join(60)
+    finally:  # after a Ctrl-C here (or a failure) the claiming processes, which ignore it, are ended
+        stop_children(procs)
     claims = sum(n for n, _ in outcomes)
     per_claim = max(s / n for n, s in outcomes if n) if claims else float("nan")
     return claims / wall, per_claim

@@ -696,7 +696,7 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
 
         def closing(p):
             if p.step == 2:  # the next line printed (step 10's) finds the pipe closed
-                monkeypatch.setattr(common.console, "file", Gone())
+                monkeypatch.setattr(common.console, "_file", Gone())  # its own: "file" reads back sys.stdout
             return progress(p)
         return closing
 
@@ -711,4 +711,5 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
     assert err == "warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
     con = sqlite3.connect(db)
     assert con.execute("select status, checkpoint_path like '%step_00000010.pt' from runs").fetchone() == ("queued", 1)
-    assert con.execute("select count(*) from events where kind = 'released' and message like 'stopped at step 10%'").fetchone() == (1,)
+    assert con.execute("select count(*) from events where kind = 'released' "
+                       "and message like 'stopped at step 10%'").fetchone() == (1,)

@@ -42,7 +42,9 @@ def importing(frame=None) -> bool:
     after a module is done."""
     if frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
         return True
-    return any(_initializing(module) for name, module in list(sys.modules.items())
+    # copied in one call: a list of its items, built while another thread imports, could
+    # raise "dictionary changed size during iteration" (and the Ctrl-C held for it was lost)
+    return any(_initializing(module) for name, module in sys.modules.copy().items()
                if name == "torch" or name.startswith("torch."))
 
 

@@ -469,6 +469,20 @@ def test_a_ctrl_c_in_the_import_machinery_is_held_too():
     assert not importing(landed_in(__file__)) and not importing()  # this test imports nothing
 
 
+def test_whether_torch_is_importing_is_told_while_another_thread_imports(monkeypatch):
+    """A list of sys.modules' items, built while another thread imported, raised "dictionary
+    changed size during iteration" in the thread that holds a Ctrl-C: the Ctrl-C was lost and
+    the command ran on to exit 0. Read as one copy, the modules cannot change midway."""
+    from fibctl.__main__ import importing
+
+    class Importing(dict):  # its items change as they are read, as another thread's import would
+        def items(self):
+            raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(sys, "modules", Importing(sys.modules))
+    assert importing() is False
+
+
 def test_ctrl_c_while_typer_builds_the_command_exits_130_without_a_traceback(monkeypatch, capsys):
     """Between the imports and the command typer builds every command's options, outside the
     try that makes a Ctrl-C in a command exit 130: one there printed a traceback, exit -2.

@@ -715,8 +715,10 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
         return closing
 
     monkeypatch.setattr(RunDisplay, "start", start)
-    # a closed pipe silences the console for good: for the tests after this one, it speaks again
+    # a closed pipe silences the console for good: for the tests after this one, it speaks again,
+    # and the text it refused stays in its buffer: printed by the next test's first line
     monkeypatch.setattr(common.console, "quiet", common.console.quiet)
+    monkeypatch.setattr(common.console._thread_locals, "buffer", [])
     closed = []
     monkeypatch.setattr(os, "dup2", lambda fd, to: closed.append(to))  # not this process's own output
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",

@@ -295,6 +295,8 @@ def test_eval_whose_output_pipe_closes_stops_with_141_and_keeps_what_it_measured
                       "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0]
     monkeypatch.setattr(common.console, "_file", Gone())  # its own: "file" reads back sys.stdout
     monkeypatch.setattr(common.console, "quiet", common.console.quiet)  # silenced for good: restored after
+    # and the text the closed pipe refused stays in its buffer: printed by the next test's first line
+    monkeypatch.setattr(common.console._thread_locals, "buffer", [])
     monkeypatch.setattr(os, "dup2", lambda fd, to: None)  # not this process's own output
     monkeypatch.setattr(sys, "argv", ["fibctl", "eval", "stagger", "--length", "48", "--length", "96",
                                       "--db", str(db), "--data", str(data)])

@@ -15,15 +15,15 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
 from collections.abc import Iterator
 
 from fibctl.data.json_files import open_binary
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
-# a document is one cell: the csv module's default cap (128 KiB) would refuse a long one
-csv.field_size_limit(sys.maxsize)
+# a document is one cell: the csv module's default cap (128 KiB) would refuse a long one (the
+# cap is a C long: 2**31 - 1 where that is 32 bits)
+csv.field_size_limit(2**31 - 1)
 
 
 def text_rows(path: str, sample_by: str) -> Iterator[dict]:

@@ -204,8 +204,8 @@ def train_cmd(
     if launched():
         from fibctl.flows.worker import train_distributed
 
-        outcome = train_distributed(lambda: connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop),
-                                    stop)
+        outcome = train_distributed(lambda: connect(db, must_exist=True, check=known), name, opts,
+                                    RunDisplay(plain, stop=stop), stop)
     else:
         outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop), stop)
     _exit_after_signal(stop)

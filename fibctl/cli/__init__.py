@@ -134,6 +134,18 @@ def silence_closed_output(*fds: int) -> None:
     os.close(devnull)
 
 
+def stopped_by_closed_output(line: str) -> typer.Exit:
+    """The end of work that stopped because its output's reader went (`fibctl eval ... | head
+    -1`): `line` on stderr if it is still read, and exit 141 (128 + SIGPIPE), not 0: the work
+    is not done, and a script must not take it for done."""
+    silence_closed_output(1)
+    try:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    except OUTPUT_CLOSED:
+        silence_closed_output(2)
+    return typer.Exit(128 + signal.SIGPIPE)
+
+
 def _raise_broken_pipe(self) -> None:
     self.quiet = True
     raise PipeClosed

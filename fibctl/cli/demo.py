@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fibctl.cli import app
+from fibctl.cli import OUTPUT_CLOSED, app, stopped_by_closed_output
 from fibctl.cli.common import console, err_console, plain
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import RunDisplay
@@ -83,5 +83,8 @@ def demo_cmd(
     except KeyboardInterrupt:
         err_console.print("interrupted; run the same command again to resume", markup=False, highlight=False)
         raise typer.Exit(130) from None
+    except OUTPUT_CLOSED:  # `fibctl demo | head`, outside training (there the run display stops it)
+        raise stopped_by_closed_output("the output's reader has gone: stopped; run the same command again "
+                                       "to resume") from None
     if code:
         raise typer.Exit(code)

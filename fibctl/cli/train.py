@@ -14,7 +14,7 @@ from rich.cells import cell_len
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output
+from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output, stopped_by_closed_output
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_dir_value
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
@@ -389,15 +389,9 @@ def eval_cmd(
         err_console.print("interrupted; the results measured before it are recorded: run the same command "
                           "again to finish", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
-    except OUTPUT_CLOSED:  # `fibctl eval ... | head -1`: stopped, not finished (128 + SIGPIPE)
-        silence_closed_output(1)
-        try:
-            err_console.print("the output's reader has gone: stopped; the results measured before it are "
-                              "recorded: run the same command again to finish", markup=False, highlight=False,
-                              soft_wrap=True)
-        except OUTPUT_CLOSED:
-            silence_closed_output(2)
-        raise typer.Exit(128 + signal.SIGPIPE) from None
+    except OUTPUT_CLOSED:  # `fibctl eval ... | head -1`
+        raise stopped_by_closed_output("the output's reader has gone: stopped; the results measured before it "
+                                       "are recorded: run the same command again to finish") from None
     table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
     for r in df.itertuples():
         table.add_row(as_written(r.run), str(r.step), as_written(r.dataset), str(r.eval_length), f"{r.tokens:,}",

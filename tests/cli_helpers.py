@@ -21,3 +21,24 @@ def refused(monkeypatch, capsys, *args: str) -> str:
     assert done.value.code == 2 and "Traceback" not in out.err + out.out, out
     assert len(out.err.strip().splitlines()) == 1, out.err
     return out.err
+
+
+def close_stdout(monkeypatch, dup2=None) -> None:
+    """fibctl's console as if its reader had gone (`fibctl ... | head -1`): every write fails
+    with BrokenPipeError. Restored after the test: the console's own file (its `file` reads
+    back sys.stdout), the quiet a closed pipe sets for good, and its buffer, which keeps the
+    text the pipe refused for the next test's first line; fds 1 and 2, which fibctl points at
+    /dev/null, are this process's own and left alone (`dup2` sees the calls instead)."""
+    import io
+    import os
+
+    from fibctl.cli import common
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+    monkeypatch.setattr(common.console, "_file", Gone())
+    monkeypatch.setattr(common.console, "quiet", common.console.quiet)
+    monkeypatch.setattr(common.console._thread_locals, "buffer", [])
+    monkeypatch.setattr(os, "dup2", dup2 or (lambda fd, to: None))

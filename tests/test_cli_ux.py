@@ -690,37 +690,26 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
     other worker able to take it meanwhile. It now stops as a first Ctrl-C does: the run
     checkpoints at the step it is at and is queued again at once; the command exits 141
     (128 + SIGPIPE), not 0, as the work is not done."""
-    import io
     import sqlite3
 
-    from fibctl.cli import common
+    from cli_helpers import close_stdout
     from fibctl.cli.train import RunDisplay
     from train_helpers import micro_run, queued_db, write_data
 
-    class Gone(io.StringIO):  # the reader has gone: every write fails
-        def write(self, text):
-            raise BrokenPipeError
-
     db = tmp_path / "r.db"
     queued_db(db, micro_run("run", steps=30)).dispose()
-    shown = RunDisplay.start
+    shown, closed = RunDisplay.start, []
 
     def start(self, name, steps):
         progress = shown(self, name, steps)
 
         def closing(p):
             if p.step == 2:  # the next line printed (step 10's) finds the pipe closed
-                monkeypatch.setattr(common.console, "_file", Gone())  # its own: "file" reads back sys.stdout
+                close_stdout(monkeypatch, dup2=lambda fd, to: closed.append(to))
             return progress(p)
         return closing
 
     monkeypatch.setattr(RunDisplay, "start", start)
-    # a closed pipe silences the console for good: for the tests after this one, it speaks again,
-    # and the text it refused stays in its buffer: printed by the next test's first line
-    monkeypatch.setattr(common.console, "quiet", common.console.quiet)
-    monkeypatch.setattr(common.console._thread_locals, "buffer", [])
-    closed = []
-    monkeypatch.setattr(os, "dup2", lambda fd, to: closed.append(to))  # not this process's own output
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"), "--plain")
     assert code == 141 and closed == [1], (code, closed, err)

@@ -170,9 +170,9 @@ def test_a_run_whose_only_checkpoint_is_damaged_has_one_way_out(data, tmp_path, 
                                  "`fibctl queue retry run --from-start` trains it again from step 0"), failed.error
     # eval names the way out; `eval --all` passes it by, as a run with no checkpoint
     code, out, err = cli(["eval", "run", "--length", "64", "--db", str(db), "--data", str(data)], capsys, monkeypatch)
-    assert code == 2 and err == ("error: run 'run': its checkpoint step_00000013.pt was damaged (moved aside as "
-                                 "step_00000013.pt.damaged) and no other loads: `fibctl queue retry run "
-                                 "--from-start` trains it again\n"), err
+    assert code == 2 and err == ("error: run 'run': its checkpoint step_00000013.pt was damaged; no checkpoint of "
+                                 "run 'run' loads (moved aside as step_N.pt.damaged): `fibctl queue retry run "
+                                 "--from-start` trains it again from step 0\n"), err
     code, out, err = cli(["eval", "--all", "--length", "64", "--db", str(db), "--data", str(data)], capsys, monkeypatch)
     assert code == 2 and "no run in the database has a checkpoint to evaluate" in err, err
     # a plain retry fails it the same way, whichever worker claims it: the folder is not at fault

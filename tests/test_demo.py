@@ -159,19 +159,10 @@ def test_a_signal_during_training_exits_128_plus_it_and_says_how_to_resume(tmp_p
 def test_a_demo_whose_output_pipe_closes_stops_with_141(tmp_path, monkeypatch, capsys):
     """`fibctl demo | head -1` ended with 0 at its next line, the demo unfinished: a script took
     it for done. It says it stopped, and exits 141 (128 + SIGPIPE)."""
-    import io
-    import os
+    from cli_helpers import close_stdout
+    from fibctl.cli import main
 
-    from fibctl.cli import common, main
-
-    class Gone(io.StringIO):  # the reader has gone: every write fails
-        def write(self, text):
-            raise BrokenPipeError
-
-    monkeypatch.setattr(common.console, "_file", Gone())  # its own: "file" reads back sys.stdout
-    monkeypatch.setattr(common.console, "quiet", common.console.quiet)  # silenced for good: restored after
-    monkeypatch.setattr(common.console._thread_locals, "buffer", [])  # the refused text stays in it
-    monkeypatch.setattr(os, "dup2", lambda fd, to: None)  # not this process's own output
+    close_stdout(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["fibctl", "demo", "--quick", "--plain", "--out", str(tmp_path / "d")])
     with pytest.raises(SystemExit) as exit_:
         main()

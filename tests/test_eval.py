@@ -281,23 +281,13 @@ def test_eval_whose_output_pipe_closes_stops_with_141_and_keeps_what_it_measured
     """`fibctl eval ... | head -1` ended with 0, quietly, though lengths were left unmeasured: a
     script took it for done. It says it stopped, and exits 141 (128 + SIGPIPE); what it
     measured before is recorded."""
-    import io
-    import os
-
-    from fibctl.cli import common, main
-
-    class Gone(io.StringIO):  # the reader has gone: every write fails
-        def write(self, text):
-            raise BrokenPipeError
+    from cli_helpers import close_stdout
+    from fibctl.cli import main
 
     _, data, db = trained
     before = rows(db, "select count(*) from evaluations e join runs r on r.id = e.run_id "
                       "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0]
-    monkeypatch.setattr(common.console, "_file", Gone())  # its own: "file" reads back sys.stdout
-    monkeypatch.setattr(common.console, "quiet", common.console.quiet)  # silenced for good: restored after
-    # and the text the closed pipe refused stays in its buffer: printed by the next test's first line
-    monkeypatch.setattr(common.console._thread_locals, "buffer", [])
-    monkeypatch.setattr(os, "dup2", lambda fd, to: None)  # not this process's own output
+    close_stdout(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["fibctl", "eval", "stagger", "--length", "48", "--length", "96",
                                       "--db", str(db), "--data", str(data)])
     with pytest.raises(SystemExit) as exit_:

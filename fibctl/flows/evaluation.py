@@ -29,6 +29,7 @@ from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.queue import stored_config
 from fibctl.train.checkpoint import DAMAGED, load_checkpoint, resolve_path, stored_config_hash
+from fibctl.train.trainer import no_checkpoint_loads
 
 
 @dataclass
@@ -72,9 +73,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
         if not path.is_file() and path.with_name(path.name + DAMAGED).is_file():
             if all_runs:  # no checkpoint left that loads: as a run without one, not among --all's
                 continue
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path.name} was damaged (moved aside as "
-                              f"{path.name}{DAMAGED}) and no other loads: `fibctl queue retry {r.name} "
-                              "--from-start` trains it again")
+            raise FibctlError(no_checkpoint_loads(r.name, f"run {r.name!r}: its checkpoint {path.name} was damaged"))
         if not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
                               "was trained in")

@@ -265,6 +265,8 @@ def test_report_tables_at_80_columns_cut_no_cell():
     (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),
     (["bogus"], r"error: No such command 'bogus'. \(see `.*fibctl --help`\)"),
     (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
+    # click raises this one without the command's context: it had no hint
+    (["queue", "ls", "--db"], r"error: Option '--db' requires an argument. \(see `.*fibctl queue ls --help`\)"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(args, line, monkeypatch, capsys):
     from fibctl.cli import main

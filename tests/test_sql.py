@@ -154,6 +154,26 @@ def test_rows_and_time_are_bounded(db):
     assert len(run_query(db, many.replace("70", "3")).iat[0, 0]) == 1_000_000
 
 
+def test_another_processs_lock_is_waited_out_within_the_timeout_only(sqlite_db):
+    """A writer in exclusive locking mode keeps readers out; --timeout bounds that wait too
+    (it was SQLite's 30 s busy timeout, whatever --timeout said)."""
+    holder = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import sqlite3, sys
+        c = sqlite3.connect({sqlite_db!r}, isolation_level=None)
+        c.execute("PRAGMA locking_mode=EXCLUSIVE")
+        c.execute("BEGIN EXCLUSIVE"); c.execute("UPDATE runs SET name = name")
+        print("locked", flush=True); sys.stdin.read()"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        started = time.monotonic()
+        with pytest.raises(FibctlError, match=r"locked by another process: waited 1 s"):
+            query_rows(sqlite_db, "SELECT count(*) FROM runs", timeout_s=1)
+        assert time.monotonic() - started < 15  # not the 30 s busy timeout
+    finally:
+        holder.communicate("", timeout=60)
+    assert query_rows(sqlite_db, "SELECT count(*) FROM runs", timeout_s=1).rows == [(2,)]
+
+
 def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(sqlite_db, monkeypatch):
     import os
     db = sqlite_db

@@ -77,6 +77,19 @@ def _one_line_usage_errors() -> None:
 
     rich_utils.rich_format_error = one_line
 
+    # click raises a missing option value (`--db` last on the line) without the command's
+    # context, so that error alone had no hint; give it the context it was parsed in
+    for kind in (typer.core.TyperCommand, typer.core.TyperGroup):
+        def parse_args_in_context(self, ctx, args, parse_args=kind.parse_args):
+            try:
+                return parse_args(self, ctx, args)
+            except Exception as e:
+                if getattr(e, "ctx", False) is None:
+                    e.ctx = ctx
+                raise
+
+        kind.parse_args = parse_args_in_context
+
 
 _one_line_usage_errors()
 

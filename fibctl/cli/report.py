@@ -245,8 +245,8 @@ def sql(
     csv: Annotated[bool, typer.Option("--csv", help="The same as --format csv.")] = False,
     json: Annotated[bool, typer.Option("--json", help="The same as --format json.")] = False,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Print at most this many rows.")] = MAX_ROWS,
-    timeout: Annotated[float, typer.Option("--timeout", help="Stop the statement after this many seconds.")]
-    = TIMEOUT_S,
+    timeout: Annotated[float, typer.Option("--timeout", help="Stop the statement, and any wait for another "
+                                           "process's lock, after this many seconds.")] = TIMEOUT_S,
 ) -> None:
     """Run a read-only SQL query on the results database.
 

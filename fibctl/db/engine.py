@@ -276,7 +276,8 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def _check_revision(engine: Engine, db: str, *, reading: bool = False) -> str | None:
+def _check_revision(engine: Engine, db: str, *, reading: bool = False,
+                    busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> str | None:
     """The current revision, after refusing foreign or newer databases (nothing written).
     `reading`: the engine only reads, so a lock it waits out is another process's exclusive
     one (a writer's engine begins by taking the write lock itself)."""
@@ -295,7 +296,7 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False) -> str | 
                               f"({shown(db)}); is it up, and is that its address?") from None
         if "locked" in str(e.orig):
             waited = "to read it" if reading else "for its write lock"
-            raise FibctlError(f"{shown(db)} is locked by another process: waited {BUSY_TIMEOUT_MS / 1000:g} s "
+            raise FibctlError(f"{shown(db)} is locked by another process: waited {busy_timeout_ms / 1000:g} s "
                               f"{waited}; try again when it is done") from None
         reason = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]  # the driver's first line
         path = _sqlite_path(resolve_url(db))
@@ -422,10 +423,12 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     return engine
 
 
-def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> Engine:
+def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
+                     busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
     transactions), for reports and SQL a user typed. With `current`, the database must be a
-    fibctl one at the latest revision (the reports' queries need its columns)."""
+    fibctl one at the latest revision (the reports' queries need its columns).
+    `busy_timeout_ms`: how long a SQLite read waits out another process's exclusive lock."""
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
@@ -434,14 +437,14 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db") -> 
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
-            dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            dbapi_conn.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
             dbapi_conn.execute("PRAGMA query_only=ON")
     elif url.get_backend_name() == "postgresql":
         engine = _create_engine(url, option, db, execution_options={"postgresql_readonly": True})
     else:
         raise FibctlError(f"{option} {shown(url)}: read-only access supports SQLite and PostgreSQL "
                           "databases only")
-    rev = _check_revision(engine, db, reading=True)
+    rev = _check_revision(engine, db, reading=True, busy_timeout_ms=busy_timeout_ms)
     if current and rev != head_revision():
         engine.dispose()
         now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"

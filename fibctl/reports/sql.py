@@ -11,6 +11,7 @@ reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetc
 
 from __future__ import annotations
 
+import math
 import signal
 import sqlite3
 import threading
@@ -23,7 +24,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
 from fibctl.db import schema
-from fibctl.db.engine import connect_readonly, shown
+from fibctl.db.engine import BUSY_TIMEOUT_MS, connect_readonly, shown
 from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
@@ -98,7 +99,8 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
         raise FibctlError(f"--timeout must be above 0 and at most {TIMEOUT_LIMIT_S:,} s (got {timeout_s:g})")
     if not sql.strip():
         raise FibctlError('the SQL statement is empty; give one, e.g. "SELECT name, status FROM runs"')
-    engine = connect_readonly(db, current=False)
+    # another process's lock is waited out within the deadline too, not for the usual 30 s
+    engine = connect_readonly(db, current=False, busy_timeout_ms=min(BUSY_TIMEOUT_MS, math.ceil(timeout_s * 1000)))
     try:
         with engine.connect() as conn:
             raw = conn.connection.driver_connection

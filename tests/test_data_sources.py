@@ -411,6 +411,53 @@ def test_the_delimiter_leaves_older_recipes_hashes_as_they_were():
     assert _local("x.csv", "csv")[0].recipe_hash != _local("x.csv", "csv", delimiter=";")[0].recipe_hash
 
 
+def test_heldout_by_leaves_older_recipes_hashes_as_they_were():
+    recipe = {"train_tokens": 1000, "vocab_size": 512, "sources": [
+        {"name": "a", "kind": "local", "format": "json", "files": ["/data/a.jsonl"], "text": ["problem", "solution"],
+         "share": 0.5, "heldout": "a_val", "heldout_fraction": 0.1},
+        {"name": "b", "kind": "hub", "dataset": "o/n", "text": ["problem", "solution"], "share": 0.5}]}
+    assert parse_recipe(recipe).recipe_hash == "fca33924a35b117d"  # as before heldout_by was a key
+    recipe["sources"][1]["heldout_by"] = "problem"
+    assert parse_recipe(recipe).recipe_hash != "fca33924a35b117d"
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"kind": "generated", "heldout_by": ["text"]}, "heldout_by applies to kind \"hub\" or \"local\" only, "
+                                                    "not 'generated'"),
+    ({"kind": "installed-docs", "heldout_by": "text"}, "heldout_by applies to kind \"hub\" or \"local\" only, "
+                                                       "not 'installed-docs'"),
+    ({"kind": "local", "format": "json", "heldout_by": ["problem"]},
+     "heldout_by names 'problem', which is not one of its text fields (text); heldout_by names text fields only"),
+    ({"kind": "hub", "dataset": "o/d", "text": ["problem", "solution"], "heldout_by": "answer"},
+     "heldout_by names 'answer', which is not one of its text fields (problem, solution); heldout_by names "
+     "text fields only"),
+    ({"kind": "local", "format": "json", "heldout_by": []}, "heldout_by [] must name one field or more, none empty"),
+    ({"kind": "local", "format": "json", "heldout_by": [""]}, "heldout_by [''] must name one field or more, none "
+                                                             "empty"),
+    ({"kind": "local", "format": "json", "heldout_by": ["text", "text"]},
+     "heldout_by names 'text' twice; name each field once"),
+    ({"kind": "local", "format": "json", "heldout_by": 3}, "heldout_by must be a string or a list of strings, not 3"),
+])
+def test_a_bad_heldout_by_is_one_line(source, message):
+    with pytest.raises(FibctlError, match=f"^source 'notes': {re.escape(message)}$"):
+        parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+            {"name": "notes", "share": 1, "files": ["rows.jsonl"], **source}
+            if source["kind"] == "local" else {"name": "notes", "share": 1, **source}]})
+
+
+def test_a_documents_key_is_its_heldout_by_text(tmp_path):
+    """Its whole text without heldout_by, or when its heldout_by fields are all empty."""
+    (tmp_path / "rows.jsonl").write_text('{"problem": " 1 + 1? ", "hint": "count", "solution": "2"}\n'
+                                         '{"problem": "", "solution": "3"}\n')
+    text = ["problem", "hint", "solution"]
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json", text=text, heldout_by=["hint", "problem"])
+    docs = _docs(recipe, source, tmp_path)
+    assert docs == ["1 + 1?\n\ncount\n\n2", "3"]
+    assert [d.key for d in docs] == ["count\n\n1 + 1?", "3"]
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json", text=text)
+    assert [d.key for d in _docs(recipe, source, tmp_path)] == docs
+
+
 def test_parquet_shards_may_differ_in_other_columns(tmp_path):
     pq.write_table(pa.table({"text": ["first"], "id": [1]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"url": ["u"], "text": pa.array(["second"], pa.large_string())}), tmp_path / "b.parquet")
@@ -553,6 +600,8 @@ def test_the_keys_that_apply_are_accepted(tmp_path):
     for source in ({"kind": "local", "format": "text", "files": ["x.txt"], "sample_by": "line"},
                    {"kind": "local", "format": "csv", "files": ["x.csv"], "delimiter": ";", "text": ["body"]},
                    {"kind": "hub", "dataset": "o/d", "configs": ["c"], "split": "test", "revision": "main"},
+                   {"kind": "hub", "dataset": "o/d", "text": ["problem", "solution"], "heldout_by": "problem"},
+                   {"kind": "local", "format": "json", "files": ["x.jsonl"], "heldout_by": ["text"], "heldout": "v"},
                    {"kind": "installed-docs", "packages": ["stdlib"], "heldout": "v", "heldout_fraction": 0.1},
                    {"kind": "generated", "seed": 1, "documents": 10}):
         parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [{"name": "s", "share": 1, **source}]})

@@ -3,6 +3,7 @@ of text without whitespace does not stall the tokenizer (corpora nobody tuned fo
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -75,6 +76,90 @@ def test_a_copy_of_a_held_out_document_in_another_corpus_is_not_trained_on(tmp_p
     assert held and not held & train
 
 
+SOLUTIONS = """
+name = "solutions"
+vocab_size = 512
+train_tokens = 200000
+heldout_tokens = 200000
+tokenizer_sample_chars = 100000
+
+[[sources]]
+name = "generated"
+kind = "local"
+format = "json"
+files = ["generated.jsonl"]
+text = ["problem", "solution"]
+{heldout_by}
+share = {share}
+heldout = "math_val"
+heldout_fraction = 0.3
+"""
+
+REFERENCE = """
+[[sources]]
+name = "reference"
+kind = "local"
+format = "json"
+files = ["reference.jsonl"]
+text = ["problem", "solution"]
+{heldout_by}
+share = 0.5
+"""
+
+
+def _problems(root) -> None:
+    """60 problems with 5 generated solutions each (OpenMathInstruct-2), and one reference
+    solution each (MATH)."""
+    with open(root / "generated.jsonl", "w") as f, open(root / "reference.jsonl", "w") as g:
+        for i in range(60):
+            problem = f"Problem {i}: what is {i} times seven?"
+            for j in range(5):
+                f.write(json.dumps({"problem": problem, "solution": f"Generated solution {j}: {7 * i}."}) + "\n")
+            g.write(json.dumps({"problem": problem, "solution": f"Reference solution: {i} times 7 is {7 * i}."})
+                    + "\n")
+
+
+def _problems_of(data_dir, split: str, marker: str) -> set[str]:
+    """The problems of a split's documents whose solution starts with `marker` (one source's)."""
+    documents = [t.split("\n\n") for t, _ in _documents(data_dir, split)]
+    return {problem for problem, solution in documents if solution.startswith(marker)}
+
+
+@pytest.mark.parametrize("heldout_by", ['heldout_by = ["problem"]', ""])
+def test_a_problems_solutions_are_held_out_together(tmp_path, heldout_by):
+    """Held out by the hash of each document's whole text, all 54 problems with a solution in
+    math_val had others in train.bin: math_val was not disjoint from training by problem."""
+    _problems(tmp_path)
+    (tmp_path / "r.toml").write_text(SOLUTIONS.format(heldout_by=heldout_by, share=1.0))
+    prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+    held, train = ([t.split("\n\n")[0] for t, _ in _documents(tmp_path / "out", split)]
+                   for split in ("math_val", "train"))
+    assert len(held) + len(train) == 300  # every document was read
+    if heldout_by:
+        assert held and not set(held) & set(train)
+        assert all(held.count(problem) == 5 for problem in held)  # each with all its solutions
+    else:
+        assert set(held) & set(train)
+
+
+@pytest.mark.parametrize("heldout_by", ['heldout_by = ["problem"]', ""])
+def test_a_held_out_problem_is_not_trained_on_through_another_source(tmp_path, heldout_by):
+    """A second source holds the same problems with other solutions (MATH beside
+    OpenMathInstruct-2) and no held-out set: keyed by problem it trains on none of math_val's
+    problems; keyed by its whole text it trained on 14 of the 21."""
+    _problems(tmp_path)
+    (tmp_path / "r.toml").write_text(SOLUTIONS.format(heldout_by='heldout_by = ["problem"]', share=0.5)
+                                     + REFERENCE.format(heldout_by=heldout_by))
+    prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+    held = _problems_of(tmp_path / "out", "math_val", "Generated")
+    reference = _problems_of(tmp_path / "out", "train", "Reference")
+    assert held and reference and not held & _problems_of(tmp_path / "out", "train", "Generated")
+    if heldout_by:
+        assert not held & reference and len(held | reference) == 60
+    else:
+        assert held & reference
+
+
 @pytest.mark.parametrize("recipe", ["demo", "quick"])
 def test_a_single_source_cuts_only_its_own_held_out_documents(recipe):
     """One source: the cut is its own fraction, so the demo's data (and their hash) are what they were."""
@@ -88,11 +173,14 @@ def test_a_single_source_cuts_only_its_own_held_out_documents(recipe):
      'format = "json"\nfiles = ["notes.jsonl"]\ntext = ["body"]', "text ['title', 'body'] against ['body']"),
     ('format = "text"\nfiles = ["docs/*.txt"]', 'format = "text"\nfiles = ["docs/0*.txt"]\nsample_by = "paragraph"',
      "sample_by 'document' against 'paragraph'"),
+    ('format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]\nheldout_by = ["title"]',
+     'format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]', "heldout_by ['title'] against None"),
 ])
 def test_sources_that_cut_the_same_files_otherwise_are_refused(a, b, words, tmp_path):
     """a holds out "title + body" documents, b trains on the bodies of the same rows (73 of a's
     91 held-out bodies were in train.bin), or b reads a's files by paragraph (170 of 228
-    paragraphs of held-out files were trained on). Refused in one line, nothing written."""
+    paragraphs of held-out files were trained on), or a holds out by title and b keys the
+    same documents by their whole text. Refused in one line, nothing written."""
     from fibctl.errors import FibctlError
 
     _corpus(tmp_path)

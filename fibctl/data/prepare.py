@@ -13,8 +13,9 @@ manifest and hashes check, instead of building it again (hours, for the paper re
 The training stream mixes the sources by tokens: the next document always comes from the source
 furthest below its share, and each source stops at exactly its share of `train_tokens` (its last
 document cut, the piece ending with end-of-text as every document does). Held-out documents are
-chosen by a hash of their text, so a document (and any copy of it, in any source) is either held
-out or trained on, never both; held-out documents are kept whole.
+chosen by a hash of their text (or of the fields a source's `heldout_by` names: a problem's
+solutions go together), so a document (and any copy of it, in any source) is either held out or
+trained on, never both; held-out documents are kept whole.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator
         for doc in sources.documents(recipe, source, scratch, progress):
             if taken >= quota:
                 break
-            if not _hashed_below(doc, cut):
+            if not _hashed_below(doc.key, cut):
                 taken += len(doc)
                 progress.advance(task, len(doc))
                 # in pieces, as the streams encode it: BPE training counts the same words in
@@ -184,25 +185,26 @@ def _pieces(doc: str) -> Iterator[str]:
 
 
 def _hashed_below(text: str, fraction: float) -> bool:
-    """Whether a document's hash falls below `fraction` of the range: every copy of a text
-    falls alike."""
+    """Whether a text's hash (a document's key) falls below `fraction` of the range: every
+    copy of a text falls alike."""
     h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return h < fraction * 2**64
 
 
 def _training_cut(recipe: Recipe) -> float:
-    """Documents hashed below it are trained on by no source: the largest held-out fraction.
-    A text one source holds out is then never trained on through another, whatever it reads
-    (the same files, or a copy of the page in another corpus); each source's own held-out set
-    is the part below its own fraction."""
+    """Documents whose key hashes below it are trained on by no source: the largest held-out
+    fraction. A text (or a problem, keyed by heldout_by) one source holds out is then never
+    trained on through another, whatever it reads (the same files, or a copy of the page in
+    another corpus); each source's own held-out set is the part below its own fraction."""
     return max((s.heldout_fraction for s in recipe.sources if s.heldout), default=0.0)
 
 
 def _check_documents_alike(recipe: Recipe) -> None:
     """Refuse two sources that read the same inputs, one of them holding documents out, yet cut
-    them into different documents (other fields, paragraphs of a whole file): held-out text is
-    kept out of training by the hash of a document's text, and a document built otherwise is
-    other text, so the held-out text would be trained on through the other source."""
+    them into different documents (other fields, paragraphs of a whole file) or key them
+    otherwise (heldout_by): held-out text is kept out of training by the hash of a document's
+    key, and a document built or keyed otherwise hashes other text, so the held-out text would
+    be trained on through the other source."""
     inputs = {s.name: _inputs(recipe, s) for s in recipe.sources}
     for a, b in itertools.combinations(recipe.sources, 2):
         if not ((a.heldout or b.heldout) and inputs[a.name] & inputs[b.name]):
@@ -217,9 +219,12 @@ def _check_documents_alike(recipe: Recipe) -> None:
 
 
 def _document_rule(source: Source) -> dict:
-    """What decides the documents a source makes of its inputs (installed-docs and generated
-    sources make theirs alone)."""
-    rule = {"text": list(source.text)} if source.kind in ("hub", "local") else {}
+    """What decides the documents a source makes of its inputs, and their keys (installed-docs
+    and generated sources make theirs alone)."""
+    rule = {}
+    if source.kind in ("hub", "local"):
+        rule["text"] = list(source.text)
+        rule["heldout_by"] = list(source.heldout_by) if source.heldout_by else None
     if source.kind == "local":
         rule["format"] = source.format
         if source.format == "text":
@@ -276,10 +281,10 @@ class _Writer:
 class _Feed:
     """One source while streams are written: its documents, routed and encoded a batch at a time."""
 
-    def __init__(self, source: Source, docs: Iterator[str], tokenizer: Tokenizer, target: int, eos: int,
+    def __init__(self, source: Source, docs: Iterator[sources.Document], tokenizer: Tokenizer, target: int, eos: int,
                  cut: float):
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
-        self.cut = cut  # documents hashed below it are not trained on (_training_cut)
+        self.cut = cut  # documents whose key hashes below it are not trained on (_training_cut)
         self.queue: deque[tuple[str, np.ndarray]] = deque()
         self.train = self.train_documents = self.read = 0
         self.exhausted = False  # ran out of documents before its share was full
@@ -296,10 +301,10 @@ class _Feed:
         self.read += 1
         return self.queue.popleft()
 
-    def _route(self, doc: str) -> str:
-        if self.source.heldout and _hashed_below(doc, self.source.heldout_fraction):
+    def _route(self, doc: sources.Document) -> str:
+        if self.source.heldout and _hashed_below(doc.key, self.source.heldout_fraction):
             return "heldout"
-        return "neither" if _hashed_below(doc, self.cut) else "train"  # another source holds it out
+        return "neither" if _hashed_below(doc.key, self.cut) else "train"  # another source holds it out
 
 
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,

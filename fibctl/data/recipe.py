@@ -34,8 +34,8 @@ MIN_VOCAB = 258  # the 256 byte tokens, the end-of-text token and one merge
 MIN_TARGET = 2  # a source's training tokens: one of its text and the end-of-text that ends it
 # the keys of one kind of source (the others apply to every kind): set on another kind, or
 # another local format, they would be ignored without a word
-KIND_KEYS = {"hub": ("text", "dataset", "configs", "split", "revision"),
-             "local": ("text", "format", "files", "sample_by", "delimiter"),
+KIND_KEYS = {"hub": ("text", "heldout_by", "dataset", "configs", "split", "revision"),
+             "local": ("text", "heldout_by", "format", "files", "sample_by", "delimiter"),
              "installed-docs": ("packages",), "generated": ("seed", "documents")}
 FORMAT_KEYS = {"sample_by": "text", "delimiter": "csv"}
 # what would break a message's line or be obeyed by a terminal: control characters (the line
@@ -57,8 +57,11 @@ class Source:
     kind: str
     share: float  # of the training tokens
     heldout: str | None = None  # name of the held-out set this source's held-out documents form
-    heldout_fraction: float = 0.02  # of documents, chosen by a hash of their text
+    heldout_fraction: float = 0.02  # of documents, chosen by a hash of their text (or of heldout_by's)
     text: tuple[str, ...] = ("text",)  # fields joined (blank line between) into one document
+    # the text fields whose text decides which documents are held out (documents alike in them
+    # go together: all of a problem's solutions); None: the whole text
+    heldout_by: tuple[str, ...] | None = None
     # hub
     dataset: str | None = None
     configs: tuple[str, ...] = ()  # several configs are interleaved document by document
@@ -105,9 +108,10 @@ class Recipe:
         """Hash of everything that shapes the output (not the name or description)."""
         d = self.to_dict()
         del d["name"], d["description"]
-        for source in d["sources"]:  # a key added later leaves, at its default, older hashes as they were
-            if source["delimiter"] == Source.delimiter:
-                del source["delimiter"]
+        for source in d["sources"]:  # keys added later leave, at their defaults, older hashes as they were
+            for key in ("delimiter", "heldout_by"):
+                if source[key] == getattr(Source, key):
+                    del source[key]
         return short_hash(d)
 
     def local_files(self, source: Source) -> list[str]:
@@ -221,7 +225,7 @@ def _parse_source(raw: dict, base_dir: Path) -> Source:
     if raw.get("kind") not in KINDS:
         raise FibctlError(f"{where}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}")
     fields = dict(raw)
-    for key in ("text", "configs", "files", "packages"):
+    for key in ("text", "heldout_by", "configs", "files", "packages"):
         if key in fields:
             value = fields[key]
             if not isinstance(value, (str, list)) or not all(isinstance(v, str) for v in value):
@@ -305,11 +309,13 @@ def _validate_source(s: Source) -> None:
     where = f"source {s.name!r}"
     if not s.share > 0:
         raise FibctlError(f"{where}: share {s.share} must be > 0")
-    if not s.text or not all(s.text):
-        raise FibctlError(f"{where}: text {list(s.text)!r} must name one field or more, none empty")
-    twice = [f for f in dict.fromkeys(s.text) if s.text.count(f) > 1]
-    if twice:  # its text would be in each document twice
-        raise FibctlError(f"{where}: text names {twice[0]!r} twice; name each field once")
+    _check_fields(where, "text", s.text)  # a field named twice: its text would be in each document twice
+    if s.heldout_by is not None:
+        _check_fields(where, "heldout_by", s.heldout_by)
+        other = [f for f in s.heldout_by if f not in s.text]
+        if other:  # the text fields are the ones each row is read for
+            raise FibctlError(f"{where}: heldout_by names {other[0]!r}, which is not one of its text fields "
+                              f"({', '.join(s.text)}); heldout_by names text fields only")
     if s.heldout and not 0 < s.heldout_fraction < 1:
         raise FibctlError(f"{where}: heldout_fraction {s.heldout_fraction} must be between 0 and 1")
     if s.kind == "hub" and not s.dataset:
@@ -325,6 +331,14 @@ def _validate_source(s: Source) -> None:
             raise FibctlError(f"{where}: delimiter {s.delimiter!r} must be one character, e.g. \"\\t\" or \";\"")
     if s.kind == "generated" and s.documents < 1:
         raise FibctlError(f"{where}: documents={s.documents} must be >= 1")
+
+
+def _check_fields(where: str, key: str, fields: tuple[str, ...]) -> None:
+    if not fields or not all(fields):
+        raise FibctlError(f"{where}: {key} {list(fields)!r} must name one field or more, none empty")
+    twice = [f for f in dict.fromkeys(fields) if fields.count(f) > 1]
+    if twice:
+        raise FibctlError(f"{where}: {key} names {twice[0]!r} twice; name each field once")
 
 
 def _check_keys(where: str, data: dict, allowed: set[str]) -> None:

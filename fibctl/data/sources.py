@@ -1,4 +1,5 @@
-"""Documents from each kind of source, as an iterator of strings that never holds a corpus.
+"""Documents from each kind of source, as an iterator of strings (`Document`s, each with the key
+that decides whether it is held out) that never holds a corpus.
 
 Hub sources stream through `datasets.load_dataset(..., streaming=True)`; local files are read by
 fibctl itself (fibctl.data.json_files, fibctl.data.local_files), each as it is, so that files may
@@ -22,15 +23,30 @@ from fibctl.data.recipe import Recipe, Source, shown_path
 from fibctl.errors import FibctlError
 
 
-def documents(recipe: Recipe, source: Source, scratch: Path, progress: Progress | None = None) -> Iterator[str]:
+class Document(str):
+    """A document's text, with `key`: the text whose hash decides whether it is held out (its
+    `heldout_by` fields' text, so that a problem's solutions go together; else its whole text)."""
+
+    def __new__(cls, text: str, key: str | None = None) -> Document:
+        doc = super().__new__(cls, text)
+        doc._key = key
+        return doc
+
+    @property
+    def key(self) -> str:
+        return self if self._key is None else self._key
+
+
+def documents(recipe: Recipe, source: Source, scratch: Path,
+              progress: Progress | None = None) -> Iterator[Document]:
     """The source's documents in a fixed order. `scratch` holds the installed-docs harvest."""
     if source.kind == "generated":
-        return generated.documents(source.seed, source.documents)
+        return map(Document, generated.documents(source.seed, source.documents))
     if source.kind == "installed-docs":
         path = scratch / f"{source.name}.installed-docs.jsonl"
         if not path.exists():  # harvested once per prepare, read for the tokenizer and the streams
             installed_docs.harvest(path, _packages(source), progress)
-        return installed_docs.read(path)
+        return map(Document, installed_docs.read(path))
     if source.kind == "local":
         return _local_documents(recipe, source)
     return _hub_documents(source)
@@ -49,7 +65,7 @@ def _packages(source: Source) -> tuple[str, ...]:
     return source.packages or installed_docs.PACKAGES
 
 
-def _local_documents(recipe: Recipe, source: Source) -> Iterator[str]:
+def _local_documents(recipe: Recipe, source: Source) -> Iterator[Document]:
     # an empty file holds no document (a 0-byte parquet file has no footer to read)
     files = [f for f in recipe.local_files(source) if os.path.getsize(f) > 0]
     if source.format == "parquet":
@@ -227,7 +243,7 @@ def check_hub(dataset: str) -> None:
             f'kind = "local", format = "parquet" (or json, csv, text), files = ["path/*.parquet"]')
 
 
-def _hub_documents(source: Source) -> Iterator[str]:
+def _hub_documents(source: Source) -> Iterator[Document]:
     check_hub(source.dataset)
     import datasets
 
@@ -247,7 +263,7 @@ def _hub_documents(source: Source) -> Iterator[str]:
         ) from None
 
 
-def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
+def _round_robin(streams: list[Iterator[Document]]) -> Iterator[Document]:
     """One document from each stream in turn, dropping streams as they run out."""
     while streams:
         alive = []
@@ -262,13 +278,15 @@ def _round_robin(streams: list[Iterator[str]]) -> Iterator[str]:
 LOOKAHEAD_ROWS = 10_000  # rows read ahead for a text field that none of the first rows has
 
 
-def _texts(source: Source, rows: Iterable[dict], again: Callable[[], Iterable[dict]] | None = None) -> Iterator[str]:
-    """Join the source's text fields of each row; skip rows with no text. A field a row lacks
-    is null there, as in a table (JSON files whose rows, or whole files, leave out an optional
-    title), once some row has had it. A field none of the first LOOKAHEAD_ROWS rows has is
-    looked for in the rest of them when `again` can read the rows afresh (JSON files, whose
-    records may each have other fields), and the rows are read from the start once it is found;
-    a field no row has (or, in a table, none of the first rows) is taken for a typo and refused."""
+def _texts(source: Source, rows: Iterable[dict],
+           again: Callable[[], Iterable[dict]] | None = None) -> Iterator[Document]:
+    """Join the source's text fields of each row, and its heldout_by fields (alike) into the
+    document's key; skip rows with no text. A field a row lacks is null there, as in a table
+    (JSON files whose rows, or whole files, leave out an optional title), once some row has had
+    it. A field none of the first LOOKAHEAD_ROWS rows has is looked for in the rest of them when
+    `again` can read the rows afresh (JSON files, whose records may each have other fields), and
+    the rows are read from the start once it is found; a field no row has (or, in a table, none
+    of the first rows) is taken for a typo and refused."""
     rows = iter(rows)
     ahead: list[dict] = []
     unseen = set(source.text)
@@ -295,10 +313,14 @@ def _texts(source: Source, rows: Iterable[dict], again: Callable[[], Iterable[di
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
                           f"{', '.join(first)}; set text = [...] in the recipe")
     for row in itertools.chain(ahead, rows):
-        values = ((f, _lookup(row, f)) for f in source.text)
-        text = "\n\n".join(t for t in (_field_text(source, f, None if v is _ABSENT else v) for f, v in values) if t)
+        values = {f: _lookup(row, f) for f in source.text}
+        texts = {f: _field_text(source, f, None if v is _ABSENT else v) for f, v in values.items()}
+        text = "\n\n".join(t for t in texts.values() if t)
         if text:
-            yield text
+            # a row whose heldout_by fields are all empty (no problem given) is keyed by its
+            # whole text, as without heldout_by
+            key = "\n\n".join(texts[f] for f in source.heldout_by if texts[f]) if source.heldout_by else ""
+            yield Document(text, key or None)
 
 
 _ABSENT = object()  # a field a row lacks: null there

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from fibctl.errors import FibctlError
-from fibctl.train.loggers import Tee, check_loggers, open_sinks
+from fibctl.train.loggers import Tee, check_loggers, open_sinks, wandb_run_id
 
 
 class Recorder:
@@ -130,9 +131,24 @@ def test_wandb_offline_run_folder(tmp_path, monkeypatch):
     tee = Tee(Recorder(), open_sinks(check_loggers(["wandb"]), tmp_path, "run_b", {"seed": 42}))
     feed(tee)
     tee.close()
-    runs = list((tmp_path / "wandb").glob("offline-run-*-run_b"))
+    run_id = (tmp_path / "wandb" / "fibctl-run-id").read_text().strip()
+    assert re.fullmatch(r"run_b-[0-9a-f]{8}", run_id)
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")) and (runs[0] / "files").is_dir()
+
+
+def test_a_runs_wandb_id_stays_with_its_folder_and_differs_from_another_databases(tmp_path):
+    """Run names are unique within one database only: the same name in two run folders (two
+    databases, the demo's run names) must not share a W&B run, where the second run's steps
+    below the first's last would be dropped; a resumed run keeps its id."""
+    one, other = wandb_run_id(tmp_path / "a" / "dense", "dense"), wandb_run_id(tmp_path / "b" / "dense", "dense")
+    assert one != other and one.startswith("dense-") and other.startswith("dense-")
+    assert wandb_run_id(tmp_path / "a" / "dense", "dense") == one
+    assert len(wandb_run_id(tmp_path / "long", "x" * 100)) == 64
+    # a run that logged to W&B with its name as the id (before the suffix) continues that W&B run
+    (tmp_path / "old" / "wandb" / "offline-run-20261201_101010-dense").mkdir(parents=True)
+    assert wandb_run_id(tmp_path / "old", "dense") == "dense"
 
 
 def test_unknown_back_end_is_refused_naming_the_allowed_ones():
@@ -209,12 +225,13 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_SILENT", "true")
     code, out = _fibctl(["train", "wb_run", *common, "--log-to", "wandb"], monkeypatch, capsys)
     assert code == 0, out.err
-    [folder] = (runs / "wb_run" / "wandb").glob("offline-run-*-wb_run")
+    run_id = wandb_run_id(runs / "wb_run", "wb_run")
+    [folder] = (runs / "wb_run" / "wandb").glob(f"offline-run-*-{run_id}")
     assert list(folder.glob("*.wandb")) and (folder / "files").is_dir()
-    records = wandb_records(folder / "run-wb_run.wandb")
+    records = wandb_records(folder / f"run-{run_id}.wandb")
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     # named and grouped as the database has it, with its config
-    assert (run.run_id, run.display_name, run.run_group, run.project) == ("wb_run", "wb_run", "test", "fibctl")
+    assert (run.run_id, run.display_name, run.run_group, run.project) == (run_id, "wb_run", "test", "fibctl")
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["name"] == "wb_run" and config["model"]["schedule"] == "fixed" and config["train"]["steps"] == 30
     history = wandb_history(records)

@@ -18,6 +18,7 @@ import math
 import textwrap
 from pathlib import Path
 
+import numpy as np
 from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -331,9 +332,9 @@ ORDER BY r.name, t.step""", **params)
                       **(style if full else {**style, "linewidth": 0.8, "alpha": 0.5, "markersize": 2.5}))
             light_shown |= not full
         mine = steps[steps["run"] == run]
-        if right is not None and not mine.empty:  # raw values faint, an exponential moving average on top
+        if right is not None and not mine.empty:  # raw values faint, a centred moving average on top
             right.plot(mine["step"], mine["loss"], color=style["color"], linewidth=0.6, alpha=0.25)
-            right.plot(mine["step"], mine["loss"].ewm(alpha=0.1).mean(), color=style["color"],
+            right.plot(mine["step"], smoothed(mine["loss"]), color=style["color"],
                        linestyle=style["linestyle"], linewidth=1.2)
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
@@ -343,11 +344,30 @@ ORDER BY r.name, t.step""", **params)
     if right is not None:
         right.set_xlabel("training step")
         right.set_ylabel("training loss (nats)")
-        right.set_title("training (line: moving average)")
+        right.set_title(f"training (line: centred mean, {SMOOTH_SHARE * 100:.0f} % of a run)")
     _title(fig, f"Training curves ({dataset_label(dataset)})"
            + ("" if right is not None else "; no training steps recorded"))
     _runs_legend(fig, left, styles)
     return _save(fig, path)
+
+
+SMOOTH_SHARE = 0.1  # of a run's logged steps, averaged around each one
+
+
+def smoothed(loss: pd.Series) -> pd.Series:
+    """The training loss averaged over a window centred on each logged step, SMOOTH_SHARE of
+    the run's steps wide, narrowed at the run's ends to stay centred (a one-sided window there
+    lags as a trailing average does: above every raw point of a falling loss, and with a fixed
+    number of points a short run is smoothed over most of it). Missing values are left out."""
+    values = loss.to_numpy(dtype=float)
+    at = np.arange(len(values))
+    half = np.minimum(max(1, round(len(values) * SMOOTH_SHARE)) // 2, np.minimum(at, len(values) - 1 - at))
+    known = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(known, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(known)])
+    n = counts[at + half + 1] - counts[at - half]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return pd.Series((sums[at + half + 1] - sums[at - half]) / n, index=loss.index)
 
 
 @styled

@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 import os
+import secrets
 from pathlib import Path
 
 from fibctl.errors import FibctlError, WorkerError, first_line
@@ -66,17 +67,41 @@ class TensorBoardSink:
         self.writer.close()
 
 
+WANDB_ID_FILE = "fibctl-run-id"
+WANDB_ID_NAME_CHARS = 55  # of the run's name in its W&B id: with "-" and 8 hex digits, 64 characters
+
+
+def wandb_run_id(run_dir: Path, name: str) -> str:
+    """The W&B id of the fibctl run in `run_dir`: its name and a random suffix, kept in
+    RUN_DIR/wandb so that a resumed run (and its evaluations) continue the same W&B run. Names
+    are unique only within one database, and two databases' runs named alike would otherwise
+    share one W&B run, where W&B drops the steps below its last (one run's history lost). A
+    run that logged to W&B before the suffix keeps its name as its id."""
+    folder = Path(run_dir) / "wandb"
+    path = folder / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    earlier = any(folder.glob(f"*run-*-{name}"))  # W&B's run folders end with the id
+    run_id = name if earlier else f"{name[:WANDB_ID_NAME_CHARS]}-{secrets.token_hex(4)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{WANDB_ID_FILE}.{os.getpid()}")
+    part.write_text(run_id + "\n")
+    os.replace(part, path)  # whole or not there, whenever the process stops
+    return run_id
+
+
 class WandbSink:
     """A W&B run named after the fibctl run, its files under RUN_DIR/wandb; offline by default.
-    The run id is the fibctl run's name, so a resumed run continues the same W&B run; runs of
-    one matrix form a group, which W&B's run table and charts compare together."""
+    Its id (`wandb_run_id`) stays with the run's folder, so a resumed run continues the same
+    W&B run; runs of one matrix form a group, which W&B's run table and charts compare together."""
 
     def __init__(self, run_dir: Path, name: str, config: dict):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name, id=name,
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fibctl"), name=name,
+                              id=wandb_run_id(run_dir, name),
                               group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
 

@@ -9,6 +9,7 @@ once it has used `max_attempts` claims; a claim that ended in a clean release is
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,16 +82,29 @@ def check_add(configs: Sequence[RunConfig]) -> Callable[[Engine], None]:
     return check
 
 
+def no_run_named(names: Sequence[str], known, where: str = "", advice: str = "") -> FibctlError:
+    """The error for names no run has: the closest of the `known` run names if one is close (a
+    run name is the likeliest thing to mistype: `fib_fixed_w9` for `fib_fixed_w8`), else the
+    `advice`."""
+    known = list(known)
+    close = dict.fromkeys(m for n in names for m in difflib.get_close_matches(n, known, n=1))
+    said = f"; did you mean {' or '.join(map(repr, close))}?" if close else advice
+    return FibctlError(f"no run named {', '.join(map(repr, names))}{where}{said}")
+
+
+def _run_names(conn: Connection) -> list[str]:
+    return list(conn.execute(select(Run.name)).scalars()) if _has_runs(conn) else []
+
+
 def check_named(names: Sequence[str], hint: str = "") -> Callable[[Engine], None]:
     """Every name is a run's (train and eval name theirs): the wording claim_named and
     evaluation's find_runs use, before either may upgrade the database."""
     def check(engine: Engine) -> None:
         with engine.connect() as conn:
-            found = set(conn.execute(select(Run.name).where(Run.name.in_(list(names)))).scalars()) \
-                if _has_runs(conn) else set()
-        missing = sorted(set(names) - found)
+            known = _run_names(conn)
+        missing = sorted(set(names) - set(known))
         if missing:
-            raise FibctlError(f"no run named {', '.join(map(repr, missing))} in the database{hint}")
+            raise no_run_named(missing, known, " in the database", hint)
     return check
 
 
@@ -98,8 +112,8 @@ def _check_status(name: str, refusal: Callable[[str], str | None]) -> Callable[[
     def check(engine: Engine) -> None:
         with engine.connect() as conn:
             status = conn.execute(select(Run.status).where(Run.name == name)).scalar() if _has_runs(conn) else None
-        if status is None:
-            raise FibctlError(f"no run named {name!r}")
+            if status is None:
+                raise no_run_named([name], _run_names(conn))
         message = refusal(str(status))
         if message:
             raise FibctlError(message)
@@ -218,7 +232,7 @@ def _transition(conn: Connection, name: str, allowed_from: tuple[str, ...], valu
     if row is None:
         status = conn.execute(select(Run.status).where(Run.name == name)).scalar()
         if status is None:
-            raise FibctlError(f"no run named {name!r}")
+            raise no_run_named([name], _run_names(conn))
         raise FibctlError(_not_from(name, status, allowed_from, verb))
     return row.id
 
@@ -419,12 +433,15 @@ SELECT id, name, attempts, config_json, checkpoint_path FROM claimed
 """)
 
 
+NOT_QUEUED = "; queue it first (fibctl queue add MATRIX)"
+
+
 def run_config(engine: Engine, run_name: str) -> RunConfig:
     """The config of run `run_name` (FibctlError when there is none)."""
     with engine.connect() as conn:
         config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar()
-    if config_json is None:
-        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
+        if config_json is None:
+            raise no_run_named([run_name], _run_names(conn), " in the database", NOT_QUEUED)
     return stored_config(run_name, config_json)
 
 
@@ -434,7 +451,7 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
     done, or running with a live heartbeat, or when `check(config)` rejects its config."""
     runs = {r["name"]: r for r in list_runs(engine)}
     if run_name not in runs:
-        raise FibctlError(f"no run named {run_name!r} in the database; queue it first (fibctl queue add MATRIX)")
+        raise no_run_named([run_name], runs, " in the database", NOT_QUEUED)
     row = runs[run_name]
     stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
     if row["status"] == RunStatus.DONE:
@@ -564,7 +581,7 @@ def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None
     with engine.begin() as conn:
         row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
         if row is None:
-            raise FibctlError(f"no run named {name!r}")
+            raise no_run_named([name], _run_names(conn))
         if row.status == "running":
             raise FibctlError(_not_removable(name))
         if check:

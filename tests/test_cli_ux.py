@@ -260,6 +260,24 @@ def test_report_tables_at_80_columns_cut_no_cell():
         assert "fib_stagger_w8" in out.stdout  # a row of the demo's, whatever its numbers
 
 
+def test_dash_h_is_help_and_version_names_fibctl_python_and_torch():
+    import platform
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    import fibctl
+    from fibctl.cli import app
+
+    assert help_text("queue", "ls") == CliRunner().invoke(
+        app, ["queue", "ls", "-h"], env={"COLUMNS": "80", "TERM": "dumb", "NO_COLOR": "1"}).output
+    done = CliRunner().invoke(app, ["--version"])
+    assert done.exit_code == 0
+    assert re.fullmatch(rf"fibctl {re.escape(fibctl.__version__)}( \(git [0-9a-f]{{40}}(\+dirty)?\))?, "
+                        rf"Python {re.escape(platform.python_version())}, torch {re.escape(version('torch'))}\n",
+                        done.stdout), done.stdout
+
+
 @pytest.mark.parametrize("args,line", [
     (["eval", "x", "--length", "nan"], r"error: Invalid value for '--length': .* \(see `.*fibctl eval --help`\)"),
     (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),

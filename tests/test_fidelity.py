@@ -397,6 +397,9 @@ def test_the_worker_records_the_optimizer_it_used_and_warns(tmp_path):
         def warn(self, message):
             self.warnings.append(message)
 
+        def note(self, message):
+            pass
+
         def finish(self, outcome):
             assert outcome.status == "done", outcome
 

@@ -602,6 +602,22 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert all(len(line) <= 80 for line in paper.splitlines())
 
 
+@pytest.mark.parametrize("args, line", [
+    (["queue", "show", "r01"], "no run named 'r01'; did you mean 'r001'?"),
+    (["queue", "show", "zzz"], "no run named 'zzz' (see fibctl queue ls)"),
+    (["queue", "rm", "r0002"], "no run named 'r0002'; did you mean 'r002'?"),
+    (["queue", "cancel", "r02"], "no run named 'r02'; did you mean 'r002'?"),
+    (["train", "r0000"], "no run named 'r0000' in the database; did you mean 'r000'?"),
+    (["train", "zzz"], "no run named 'zzz' in the database; queue it first (fibctl queue add MATRIX)"),
+    (["eval", "r000", "r0001", "--length", "64"], "no run named 'r0001' in the database; did you mean 'r001'?"),
+])
+def test_a_mistyped_run_name_gets_the_closest_one(tmp_path, monkeypatch, capsys, args, line):
+    path = str(tmp_path / "r.db")
+    queue.add_runs(connect(path), _configs(3))
+    code, err = _main_exit(monkeypatch, capsys, *args, "--db", path)
+    assert code == 2 and err.strip() == f"error: {line}"
+
+
 def test_queue_show_refuses_an_unknown_run_and_reads_a_damaged_config(tmp_path, monkeypatch, capsys):
     import hashlib
 

@@ -311,8 +311,10 @@ def test_injected_stop_checkpoints_requeues_and_resumes_bit_exact(data, tmp_path
     assert (first.status, first.step, first.checkpoint.name) == ("released", 37, "step_00000037.pt")
     db = sqlite3.connect(tmp_path / "r.db")
     assert db.execute("select status, checkpoint_path from runs").fetchone() == ("queued", "run/step_00000037.pt")
-    [second] = work(engine, opts(data, tmp_path), Quiet())
+    shown = Quiet()
+    [second] = work(engine, opts(data, tmp_path), shown)
     assert second.status == "done"
+    assert shown.notes == [f"run: resumed from step 37 ({tmp_path / 'runs' / 'run' / 'step_00000037.pt'})"]
     assert_bit_equal(final_weights(engine, "run", tmp_path / "runs"), reference_weights)
     kinds = [k for (k,) in db.execute("select kind from events order by id")]
     assert "released" in kinds and "resumed" in kinds

@@ -49,13 +49,16 @@ class Quiet:
     """A display that shows nothing and remembers outcomes."""
 
     def __init__(self, on_step=None):
-        self.on_step, self.outcomes = on_step, []
+        self.on_step, self.outcomes, self.notes = on_step, [], []
 
     def start(self, name, steps):
         return self.on_step or (lambda p: None)
 
     def warn(self, message):
         pass
+
+    def note(self, message):
+        self.notes.append(message)
 
     def finish(self, outcome):
         self.outcomes.append(outcome)

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -176,7 +177,34 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command's, as click passes them down
 )
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    import importlib.metadata
+    import platform
+
+    import fibctl
+    from fibctl.provenance import git_commit
+
+    commit = git_commit()
+    try:  # its version without importing it (seconds)
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    print(f"fibctl {fibctl.__version__}" + (f" (git {commit})" if commit else "")
+          + f", Python {platform.python_version()}, torch {torch}")
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _top(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print fibctl's version (and git commit), Python's "
+                                                    "and torch's, and exit.")] = False) -> None:
+    pass  # the top command's own options (its help is app's)
 
 
 def _register() -> None:

@@ -119,6 +119,8 @@ class RunDisplay:
     def log(self, text: str) -> None:
         self._print(console, as_written(text), highlight=False, soft_wrap=True)
 
+    note = log
+
     def _print(self, out, *args, **kwargs) -> None:
         try:
             out.print(*args, **kwargs)
@@ -181,14 +183,14 @@ def train_cmd(
     Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
     signal); a failed run exits 1, and bad input (its data included) 2, the run left queued."""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
-    from fibctl.queue import check_named
+    from fibctl.queue import NOT_QUEUED, check_named
     from fibctl.train.distributed import launched
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
                          log_to=check_loggers(log_to or ()), compile=compile)
     # an unknown name is refused before the database is upgraded or switched to WAL mode
-    known = check_named([name], "; queue it first (fibctl queue add MATRIX)")
+    known = check_named([name], NOT_QUEUED)
     if nproc is not None:
         from fibctl.flows.worker import check_ddp, launch_ddp
 
@@ -252,8 +254,8 @@ def worker_cmd(
               "--heartbeat-timeout", str(heartbeat_timeout)] + (["--max-runs", str(max_runs)] if max_runs else [])
     shared += [arg for name in log_to for arg in ("--log-to", name)] + (["--compile"] if compile else [])
     if gpus is not None and device is not None:  # each per-GPU worker is given its device
-        raise FibctlError(f"--gpus and --device: choose one (--gpus starts a worker on each GPU listed; "
-                          f"--device picks this worker's device, --device cpu a CPU worker)")
+        raise FibctlError("--gpus and --device: choose one (--gpus starts a worker on each GPU listed; "
+                          "--device picks this worker's device, --device cpu a CPU worker)")
     gpu_list = parse_gpus(gpus) if gpus is not None else []  # "" is refused there, not a CPU worker
     if gpu_list:
         code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),

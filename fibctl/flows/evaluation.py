@@ -27,7 +27,7 @@ from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
-from fibctl.queue import stored_config
+from fibctl.queue import no_run_named, stored_config
 from fibctl.train.checkpoint import DAMAGED, load_checkpoint, resolve_path, stored_config_hash
 from fibctl.train.trainer import no_checkpoint_loads
 
@@ -53,7 +53,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
             rows = conn.execute(select(Run).where(Run.name.in_(names))).all()
             missing = sorted(set(names) - {r.name for r in rows})
             if missing:
-                raise FibctlError(f"no run named {', '.join(map(repr, missing))} in the database")
+                raise no_run_named(missing, conn.execute(select(Run.name)).scalars(), " in the database")
             rows.sort(key=lambda r: names.index(r.name))
     if not rows:
         raise FibctlError("no run in the database has a checkpoint yet")

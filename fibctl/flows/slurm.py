@@ -344,6 +344,9 @@ class JobDisplay:
     def warn(self, message: str) -> None:
         self._say(f"warning: {message}")
 
+    def note(self, message: str) -> None:
+        self._say(message)
+
     def finish(self, outcome) -> None:
         detail = f": {outcome.error}" if outcome.error else ""
         self._say(f"{outcome.name}: {outcome.status} {outcome.at}{detail}")

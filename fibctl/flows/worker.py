@@ -82,6 +82,8 @@ class Display(Protocol):
 
     def warn(self, message: str) -> None: ...  # one line, e.g. a deviation from the run's recipe
 
+    def note(self, message: str) -> None: ...  # one line of what happened, e.g. where the run resumed
+
     def finish(self, outcome: Outcome) -> None: ...
 
 
@@ -464,6 +466,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_warning = lambda message: display.warn(f"{claimed.name}: {message}")
+        trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({path})")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for

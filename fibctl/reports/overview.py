@@ -29,12 +29,12 @@ class Overview:
 def overview(engine: Engine, name: str, *, events: int = 10) -> Overview:
     """The run named `name`, with at most `events` of its newest events; FibctlError for a
     name no run has."""
-    from fibctl.queue import stored_config
+    from fibctl.queue import no_run_named, stored_config
 
     with engine.connect() as conn:
         row = conn.execute(select(Run).where(Run.name == name)).mappings().first()
         if row is None:
-            raise FibctlError(f"no run named {name!r} (see fibctl queue ls)")
+            raise no_run_named([name], conn.execute(select(Run.name)).scalars(), advice=" (see fibctl queue ls)")
         run = dict(row)
         found = Overview(run=run, config=None)
         try:

@@ -150,6 +150,7 @@ class Trainer:
         self.stop = stop or threading.Event()
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.on_warning: Callable[[str], None] | None = None  # a line for the user, beside the event
+        self.on_resumed: Callable[[int, Path], None] | None = None  # told the step and checkpoint resumed from
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
@@ -388,6 +389,8 @@ class Trainer:
                 raise
             self._set_aside(damaged, f"resuming from step {self.step}", path)
             self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
+            if self.on_resumed:
+                self.on_resumed(self.step, path)
             return path
         if damaged:
             self._set_aside(damaged, "and no checkpoint is left to resume from", None)

@@ -283,7 +283,12 @@ def test_a_back_end_that_cannot_start_leaves_the_run_queued(tmp_path, monkeypatc
     code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
     assert code == 2 and len(out.err.strip().splitlines()) == 1, out.err
     assert "--log-to wandb could not start for run" in out.err and "Traceback" not in out.err
+    assert "ValidationError: mode: " in out.err  # the setting at fault, not "1 validation error for Settings"
     monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_SILENT", "")  # a stray empty setting
+    code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 2 and "ValidationError: silent: Input should be a valid boolean" in out.err, out.err
+    monkeypatch.setenv("WANDB_SILENT", "true")
     (runs / "run").mkdir(parents=True, exist_ok=True)
     (runs / "run" / "tensorboard").write_text("a file\n")
     code, out = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)

@@ -162,6 +162,15 @@ class Tee:
         return getattr(self.reporter, name)
 
 
+def _why(e: Exception) -> str:
+    """The cause in one line: a pydantic ValidationError (W&B's settings, e.g. WANDB_SILENT=''
+    refused) says which setting and why below a first line that says neither."""
+    try:
+        return "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in e.errors())
+    except Exception:  # noqa: BLE001 (not pydantic's: no errors(), or another kind of it)
+        return first_line(e)
+
+
 def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
     """Each back-end started, its folder inside the run's; one that cannot start (a bad
     WANDB_MODE, a file where its folder goes) is the worker's setup at fault, not the run's:
@@ -177,7 +186,7 @@ def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
                 sinks.append(SINKS[n](run_dir, name, config))
             except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, OSError, ...)
                 raise WorkerError(f"--log-to {n} could not start for run {name!r}: {type(e).__name__}: "
-                                  f"{first_line(e)}") from None
+                                  f"{_why(e)}") from None
     except BaseException:
         for sink in sinks:
             sink.close()

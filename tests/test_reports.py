@@ -99,7 +99,11 @@ def test_table1_reads_each_runs_final_step_at_the_training_length(study):
                                     "f13__fib_stagger_w12", "f17__fib_hdc_w12", "f09__logsparse_w8",
                                     "f21__logsparse_stagger_w12"]
     assert "ref_e0000" not in set(t.frame["Run"])  # sparse runs only, seed 42 only
+    left_out = "the dense baseline is left out, as in the paper; --dense adds it"
+    assert left_out in t.notes  # said under the table: the reader would look for it in vain
+    assert left_out not in tables.table1(ro(study), dense=True).notes
     assert tables.table1(ro(study), seed=43).frame["Run"].tolist() == ["g03__fib_stagger_w12_s43"]
+    assert left_out not in tables.table1(ro(study), seed=43).notes  # no dense run of that seed
 
 
 def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):

@@ -67,14 +67,20 @@ class Matrix:
     entries: tuple[MatrixEntry, ...]
     init_seed: int | None = None  # every run's init seed unless the run sets its own
 
-    def resolve(self, preset: str | None = None, only: str | None = None) -> list[RunConfig]:
+    def resolve(self, preset: str | None = None, only: str | None = None, train: dict | None = None,
+                suffix: str = "") -> list[RunConfig]:
         """Each entry's resolved config, at `preset` (default: the matrix's), names matching
-        the glob `only`."""
+        the glob `only`; `train` overrides every run's training settings (over its own), and
+        `suffix` ends every run's name (a sweep's runs are other runs)."""
         entries = [e for e in self.entries if only is None or fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
         preset = self.preset if preset is None else preset  # '' is a preset name, refused below
         get_preset(preset)  # an unknown preset is no one run's problem
+        if suffix:
+            entries = [dataclasses.replace(e, name=check_name("run", e.name + suffix)) for e in entries]
+        if train:
+            entries = [dataclasses.replace(e, train={**e.train, **train}) for e in entries]
         return [self._resolve(e, preset) for e in entries]
 
     def _resolve(self, e: MatrixEntry, preset: str) -> RunConfig:
@@ -85,6 +91,24 @@ class Matrix:
                                      **e.train)
         except ConfigError as err:  # which run, at a preset other than the one it was read at
             raise ConfigError(f"run {e.name}: {err}") from None
+
+
+def parse_settings(settings: list[str]) -> dict:
+    """`--set train.KEY=VALUE` options as training overrides; VALUE is read as a TOML value
+    (`1e-3`, `200`, `true`, `"adamw"`), and a bare word as a string (`adamw`)."""
+    train = {}
+    for setting in settings:
+        key, equals, value = setting.partition("=")
+        field = key.strip().removeprefix("train.")
+        if not equals or not key.startswith("train.") or field not in TRAIN_FIELDS:
+            raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of {', '.join(sorted(TRAIN_FIELDS))}")
+        try:
+            train[field] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            train[field] = value.strip()
+        if not isinstance(train[field], (bool, int, float, str)):
+            raise FibctlError(f"--set {setting!r}: the value must be a number, true/false or a string")
+    return train
 
 
 def shipped_matrices() -> list[str]:

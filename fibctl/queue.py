@@ -61,7 +61,8 @@ def _refuse_conflicts(conn: Connection, configs: Sequence[RunConfig]) -> dict:
     conflicts = [c for c in conflicts if c]
     if conflicts:
         more = f" (and {len(conflicts) - 1} more run(s))" if len(conflicts) > 1 else ""
-        raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}")
+        raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}; runs of other "
+                          "settings need other names (queue add --suffix)")
     return existing
 
 

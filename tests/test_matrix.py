@@ -103,3 +103,42 @@ def test_malformed_matrix_file_names_file_and_problem(tmp_path, body, problem):
     path.write_text(body)
     with pytest.raises(FibctlError, match=f"matrix file {re.escape(str(path))}: .*{problem}"):
         load_matrix(str(path))
+
+
+def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs(tmp_path, monkeypatch, capsys):
+    """`queue add demo --only dense --set train.lr=1e-3 --suffix _lr1e-3`: the demo's dense run
+    at that learning rate, as a run of its own beside the demo's."""
+    import json
+    import sqlite3
+    import sys
+
+    from fibctl.cli import main
+
+    def fibctl(*args):
+        monkeypatch.setattr(sys, "argv", ["fibctl", *args, "--db", str(tmp_path / "r.db")])
+        with pytest.raises(SystemExit) as done:
+            main()
+        return done.value.code, capsys.readouterr()
+
+    code, out = fibctl("queue", "add", "demo", "--only", "dense", "--set", "train.lr=1e-3", "--set",
+                       "train.steps=200", "--set", "train.optimizer=adamw", "--suffix", "_lr1e-3")
+    assert code == 0 and "queued 1 run(s)" in out.out, out.err
+    name, config = sqlite3.connect(tmp_path / "r.db").execute("SELECT name, config_json FROM runs").fetchone()
+    train = json.loads(config)["train"]
+    assert name == "dense_lr1e-3" and (train["lr"], train["steps"], train["optimizer"]) == (1e-3, 200, "adamw")
+    demo = {c.name: c for c in load_matrix("demo").resolve()}
+    assert {k: v for k, v in train.items() if k not in ("lr", "steps", "optimizer")} == \
+        {k: v for k, v in demo["dense"].to_dict()["train"].items() if k not in ("lr", "steps", "optimizer")}
+    for args, line in [
+        (["--set", "train.lr=abc"], "error: run dense: train.lr = 'abc' must be a finite number"),
+        (["--set", "lr=1"], "error: --set 'lr=1': give train.KEY=VALUE, KEY one of batch_size,"),
+        (["--set", "train.bogus=1"], "error: --set 'train.bogus=1': give train.KEY=VALUE"),
+        (["--set", "train.lr=[1]"], "error: --set 'train.lr=[1]': the value must be a number, true/false or a "
+                                    "string"),
+        (["--suffix", "/x"], "error: run name 'dense/x' is not allowed"),
+        (["--set", "train.lr=1e-2", "--suffix", "_lr1e-3"],
+         "error: already queued with a different config: dense_lr1e-3 differs in train.lr"),
+    ]:
+        code, out = fibctl("queue", "add", "demo", "--only", "dense", *args)
+        assert code == 2 and out.err.startswith(line) and len(out.err.splitlines()) == 1, out.err
+    assert sqlite3.connect(tmp_path / "r.db").execute("SELECT count(*) FROM runs").fetchone() == (1,)

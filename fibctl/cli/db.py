@@ -19,7 +19,7 @@ from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
-from fibctl.matrix import load_matrix, shipped_matrices
+from fibctl.matrix import load_matrix, parse_settings, shipped_matrices
 from fibctl.names import check_name, refuse_foreign
 
 db_app = typer.Typer(help="The results database: its schema revision, upgrades and copies.", no_args_is_help=True)
@@ -141,9 +141,19 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
 @queue_app.command("add")
 def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption = None,
               only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob, e.g. 'f1*'.")] = None,
+              set_: Annotated[list[str] | None, typer.Option(
+                  "--set", metavar="train.KEY=VALUE",
+                  help="Override a training setting of every run, e.g. --set train.lr=1e-3 --set "
+                       "train.steps=200 (the keys of the matrix file's `train` table).")] = None,
+              suffix: Annotated[str, typer.Option(
+                  help="End every run's name with this, e.g. _lr1e-3: a sweep's runs are new runs beside "
+                       "the matrix's own.")] = "",
               ) -> None:
-    """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped."""
-    configs = load_matrix(matrix).resolve(preset, only)
+    """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped.
+
+    A sweep from the command line: `fibctl queue add demo --only dense --set train.lr=1e-3
+    --suffix _lr1e-3` queues dense_lr1e-3, the demo's dense run at that learning rate."""
+    configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix)
     engine = db_engine.connect(db, check=queue.check_add(configs))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs)
     console.print(f"queued {len(added)} run(s); {len(present)} already present")

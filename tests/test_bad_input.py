@@ -205,6 +205,8 @@ CASES = [
     (["queue", "add", "{m_lr_nan}", "--db", "{good_db}"], "train.lr = nan must be a finite number"),
     (["queue", "add", "{m_seed}", "--db", "{good_db}"], "matrix name 'm seed' is not allowed"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
+    # a date 1e15 s back overflowed in the claim: a traceback
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "1e15"], "at most 1,000,000,000"),
     (["train", "run", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "-1"], "--heartbeat-timeout"),
     (["sql", "select 1", "--db", "{good_db}", "--max-rows", "0"], "--max-rows"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--max-runs", "-1"], "--max-runs (-1) must be >= 1"),
@@ -355,6 +357,28 @@ def test_a_refused_foreign_database_is_not_switched_to_wal(tmp_path):
     with pytest.raises(FibctlError, match="not a fibctl database"):
         connect(str(db))
     assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone() == ("delete",)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--dataset", "nope", "--data", "{data}"], "dataset 'nope' is not in the data manifest"),
+    (["--data", "{tmp}/nowhere"], "no data manifest in"),
+    (["--data", "{data}", "--runs-dir", "{tmp}"], "does not exist; give the --runs-dir it was trained in"),
+])
+def test_a_refused_eval_leaves_a_rollback_journal_database_as_it_was(tmp_path, monkeypatch, capsys, extra, words):
+    """Refused after the database was opened for writing, eval switched it to WAL mode."""
+    from fibctl.cli import main
+
+    db = tmp_path / "results.db"
+    shutil.copy(Path(__file__).parents[1] / "results.db.example", db)
+    sqlite3.connect(db).execute("PRAGMA journal_mode=delete").fetchone()
+    before = db.read_bytes()
+    data = write_data(tmp_path / "data")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "eval", "dense", "--length", "64", "--db", str(db),
+                                      *(a.format(data=data, tmp=tmp_path) for a in extra)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert db.read_bytes() == before and not (tmp_path / "results.db-wal").exists()
 
 
 def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monkeypatch):

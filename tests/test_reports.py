@@ -582,3 +582,21 @@ def test_report_all_without_data_writes_nothing(tmp_path):
     r = CliRunner().invoke(app, ["report", "all", "--db", empty, "-o", str(out)])
     assert r.exit_code != 0 and "nothing to report" in str(r.exception), r.output
     assert not out.exists()
+
+
+def test_control_characters_from_a_database_are_shown_in_markdown_and_latex_never_obeyed():
+    """A run named with an escape sequence (a database from elsewhere) reached the terminal
+    raw through `report --format md` (it sets the window's title; others clear the screen);
+    the rich table already showed it escaped. CSV and JSON stay exact, as `fibctl sql`'s do."""
+    from fibctl.reports.render import render
+    from fibctl.reports.tables import Table
+
+    name = "\x1b]0;pwned\x07\nrun|x"
+    table = Table("t", "title \x1b[2J", pd.DataFrame({"Run": [name], "ppl": [1.5]}), "SELECT 1",
+                  notes=["note \x1b[31m"])
+    for fmt in ("md", "latex", "rich"):
+        out = render(table, fmt)
+        assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07" in out.replace("\\textbackslash{}",
+                                                                                          "\\"), (fmt, out)
+    assert render(table, "md").count("\n") == 7  # title, blank, header, rule, the row, blank, note
+    assert name in pd.read_csv(io.StringIO(render(table, "csv")))["Run"].tolist()

@@ -189,6 +189,30 @@ def test_a_wal_database_in_a_folder_that_cannot_be_written_is_read(sqlite_db, mo
     assert not os.path.exists(db + "-shm")
 
 
+def test_rows_still_in_the_wal_are_read_in_a_folder_that_cannot_be_written(sqlite_db, monkeypatch):
+    """A writer's committed rows not yet checkpointed into the file (another host's worker, a
+    killed one) were skipped: the folder's database was read immutable, the file alone."""
+    import os
+
+    from fibctl.db import engine as db_engine
+
+    subprocess.run([sys.executable, "-c", f"""if True:
+        import os, sqlite3
+        c = sqlite3.connect({sqlite_db!r})
+        c.execute("PRAGMA wal_autocheckpoint=0")
+        c.execute("UPDATE runs SET status = 'failed' WHERE name = 'demo_fixed'")
+        c.commit()
+        os._exit(0)  # no checkpoint at close: the row stays in the -wal, as a killed writer leaves it"""],
+                   check=True, timeout=60)
+    assert os.path.getsize(sqlite_db + "-wal") > 0
+    real = os.access  # the tests run as root, for whom every folder is writable
+    monkeypatch.setattr(db_engine.os, "access", lambda path, mode: mode != os.W_OK and real(path, mode))
+    assert query_rows(sqlite_db, "SELECT status FROM runs WHERE name = 'demo_fixed'").rows == [("failed",)]
+    os.remove(sqlite_db + "-shm")  # without it SQLite cannot read the -wal there: refused, not read stale
+    with pytest.raises(FibctlError, match=r"has committed changes in results.db-wal that SQLite cannot read"):
+        query_rows(sqlite_db, "SELECT status FROM runs")
+
+
 def test_markup_and_blobs_from_data_are_printed_as_they_are(db):
     blob = "x'00ff'" if _is_sqlite(db) else "'\\x00ff'::bytea"  # each dialect's blob literal
     query = f"SELECT '[/]' AS a, '[bold red]boom[/bold red]' AS \"[b]\", {blob} AS blob"

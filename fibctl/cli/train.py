@@ -332,10 +332,14 @@ def check_worker_limits(heartbeat_timeout: float, max_attempts: int, max_runs: i
         raise FibctlError(f"{' and '.join(bad)} must be >= 1")
 
 
+HEARTBEAT_TIMEOUT_LIMIT_S = 10**9  # about 32 years: beyond it the claim's date arithmetic overflows
+
+
 def _positive_timeout(seconds: float) -> float:
     # 0 would count every running run as abandoned: two workers would train the same run
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds above 0")
+    if not 0 < seconds <= HEARTBEAT_TIMEOUT_LIMIT_S:  # also refuses nan and inf
+        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds above 0 and at most "
+                          f"{HEARTBEAT_TIMEOUT_LIMIT_S:,}")
     return seconds
 
 
@@ -365,9 +369,19 @@ def eval_cmd(
 ) -> None:
     """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
     log_to = check_loggers(log_to or ())
+    from fibctl.db.engine import current_revision, head_revision
     from fibctl.device import setup_process
-    from fibctl.flows.evaluation import evaluate
+    from fibctl.flows.evaluation import evaluate, plan
     from fibctl.queue import check_named
+
+    def check(reader) -> None:
+        """Every input refused before the database is upgraded or switched to WAL mode; an
+        older schema (upgraded first) only has its run names checked."""
+        if current_revision(reader) == head_revision():
+            plan(reader, names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset, tokens=tokens,
+                 runs_dir=runs_dir)
+        elif names and not all_runs:
+            check_named(names)(reader)
 
     setup_process(device, threads)
     try:
@@ -382,9 +396,7 @@ def eval_cmd(
                     console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: "
                                         f"ppl {row['ppl']:.3f}"), highlight=False, soft_wrap=True)
 
-            # names no run has are refused before the database is upgraded or switched to WAL
-            known = check_named(names) if names and not all_runs else None
-            df = evaluate(connect(db, must_exist=True, check=known), names or [], length, data_dir=data, all_runs=all_runs,
+            df = evaluate(connect(db, must_exist=True, check=check), names or [], length, data_dir=data, all_runs=all_runs,
                           datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
                           runs_dir=runs_dir, on_result=advance, log_to=log_to)
     except KeyboardInterrupt:  # each result is committed as it is measured

@@ -454,14 +454,27 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
 
 
 def _readonly_sqlite_url(path: Path) -> str:
-    """`mode=ro`; in a folder this process cannot write, `immutable=1` as well: a read-only
-    WAL database needs its -shm file, which such a folder cannot get (nothing can be
-    writing to the database there either, so reading it as immutable is safe). Likewise for
-    a file this process cannot write while no -wal or -shm file shows a writer: SQLite would
-    make both, and `release` could not remove them (it needs to write the file)."""
+    """`mode=ro`; in a folder this process cannot write, `immutable=1` as well while the -wal
+    file holds nothing: a read-only WAL database needs its -shm file, which such a folder
+    cannot get. Immutable skips the -wal, so one holding committed rows (a writer on another
+    host, a killed worker) is read through its -shm file, or refused without one: the file
+    alone would be read as it was before them. Likewise immutable for a file this process
+    cannot write while no -wal or -shm file shows a writer: SQLite would make both, and
+    `release` could not remove them (it needs to write the file)."""
     path = path.resolve()
-    idle = not any(p.exists() for p in _wal_files(path))
-    immutable = not os.access(path.parent, os.W_OK) or (idle and not os.access(path, os.W_OK))
+    wal, shm = _wal_files(path)
+    try:
+        pending = wal.stat().st_size > 0
+    except FileNotFoundError:
+        pending = False
+    if not os.access(path.parent, os.W_OK):
+        if pending and not shm.exists():
+            raise FibctlError(f"{path} has committed changes in {wal.name} that SQLite cannot read in a folder "
+                              f"it cannot write (no {shm.name} there); copy {path.name} with {wal.name} to a "
+                              "folder you can write, and read that copy")
+        immutable = not pending
+    else:
+        immutable = not wal.exists() and not shm.exists() and not os.access(path, os.W_OK)
     return f"sqlite:///file:{quote(str(path))}?mode=ro{'&immutable=1' if immutable else ''}&uri=true"
 
 

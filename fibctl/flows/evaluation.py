@@ -100,6 +100,25 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     """
     log_to = loggers.check_loggers(log_to)
     lengths = list(dict.fromkeys(lengths))  # a length or set given twice is measured once
+    targets, manifest, datasets, streams = plan(engine, names, lengths, data_dir=data_dir, all_runs=all_runs,
+                                                datasets=datasets, tokens=tokens, runs_dir=runs_dir)
+    dev = resolve_device(device)
+    total = len(targets) * len(lengths) * len(datasets)
+    report = (lambda row: on_result(row, total)) if on_result else None
+    rows = []
+    for t in targets:
+        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
+                              data=(data_dir, manifest.inputs_hash))
+    return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
+                                       "tokens_per_s", "speed_batch"])
+
+
+def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path, all_runs: bool = False,
+         datasets: list[str] | None = None, tokens: int | None = None, runs_dir: Path | None = None):
+    """What `evaluate` measures, every input checked (lengths, data, held-out sets, runs and
+    their checkpoints) and nothing written: (targets, manifest, held-out sets, streams). On a
+    read-only engine it is a command's check before the database is upgraded or switched to
+    WAL mode (fibctl.db.engine.connect)."""
     for length in lengths:
         if length < 2:
             raise FibctlError(f"evaluation length {length} is below 2: a window must predict a token")
@@ -121,15 +140,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
                               f"{data_dir} has vocab {manifest.vocab_size:,}")
     streams = {d: manifest.stream(d) for d in datasets}
     _check_fits(streams, lengths, datasets_given=datasets != manifest.heldout)
-    dev = resolve_device(device)
-    total = len(targets) * len(lengths) * len(datasets)
-    report = (lambda row: on_result(row, total)) if on_result else None
-    rows = []
-    for t in targets:
-        rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
-                              data=(data_dir, manifest.inputs_hash))
-    return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
-                                       "tokens_per_s", "speed_batch"])
+    return targets, manifest, datasets, streams
 
 
 def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_given: bool) -> None:

@@ -113,15 +113,21 @@ def to_text(table: Table, width: int = 200) -> str:
 def to_markdown(table: Table) -> str:
     cols = [str(c) for c in table.frame.columns]
     align = ["---:" if _numeric(table, c) else ":---" for c in table.frame.columns]
-    lines = [f"**{table.title}**", "", _md_row(cols), _md_row(align)]
+    lines = [f"**{_md_text(table.title)}**", "", _md_row(cols), _md_row(align)]
     lines += [_md_row(row) for row in _cells(table, "**{}**")]
     if table.notes:
-        lines += [""] + [f"_{note}_" for note in table.notes]
+        lines += [""] + [f"_{_md_text(note)}_" for note in table.notes]
     return "\n".join(lines) + "\n"
 
 
+def _md_text(text: str) -> str:
+    """Text for one line of Markdown, read in a terminal too: names from a database are data,
+    their control characters shown (\\x1b), never obeyed; a line break would end the row."""
+    return printable(text).replace("\n", " ")
+
+
 def _md_row(values: list[str]) -> str:
-    return "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"
+    return "| " + " | ".join(_md_text(v).replace("|", "\\|") for v in values) + " |"
 
 
 _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -130,7 +136,7 @@ _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"
 
 
 def latex_escape(s: str) -> str:
-    return "".join(_LATEX.get(ch, ch) for ch in s)
+    return "".join(_LATEX.get(ch, ch) for ch in printable(s))  # a control character as its escape
 
 
 def to_latex(table: Table) -> str:

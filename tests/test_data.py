@@ -324,6 +324,8 @@ def test_cli_prepare_show_and_recipes(corpora, tmp_path):
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["data", "show", str(tmp_path / "d")])
     assert result.exit_code == 0 and "news_val" in result.output and "20,000" in result.output
+    # FIBCTL_DATA names the folder, as it does for every other command ("Missing argument")
+    assert runner.invoke(app, ["data", "show"], env={"FIBCTL_DATA": str(tmp_path / "d")}).output == result.output
     result = runner.invoke(app, ["data", "recipes"])
     assert result.exit_code == 0 and all(n in result.output for n in ("demo", "paper", "quick"))
     # a split file cut short is said, as a worker would say it, not summarised as fine

@@ -464,6 +464,14 @@ def test_a_database_under_a_file_or_a_missing_folder_is_refused(tmp_path):
         upgrade(str(tmp_path / "nope" / "new.db"))
 
 
+def test_a_path_ending_in_a_slash_names_a_folder_not_a_file(tmp_path):
+    """`db copy --to adir/` made a SQLite file named adir."""
+    for call in (upgrade, connect_readonly):
+        with pytest.raises(FibctlError, match="adir/ ends with '/': name a database file, not a folder"):
+            call(f"{tmp_path}/adir/")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("db", [".", "./", "/", "sqlite:////"])
 def test_a_folder_without_a_name_is_refused_as_a_folder(db, tmp_path, monkeypatch):
     """`--db .` or `--db /` was a ValueError traceback (no name to put -wal beside)."""

@@ -110,7 +110,8 @@ def _remove_empty(folders: list[Path]) -> None:
 
 @data_app.command("show")
 def show_cmd(
-    data_dir: Annotated[Path, typer.Argument(help="A folder written by `fibctl data prepare`.")],
+    data_dir: Annotated[Path, typer.Argument(envvar="FIBCTL_DATA", show_envvar=True,
+                                             help="A folder written by `fibctl data prepare`.")],
 ) -> None:
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
     tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,

@@ -51,6 +51,9 @@ def resolve_url(db: str, option: str = "--db") -> URL:
     if not db.strip():  # '' would be an in-memory SQLite database, not the one meant
         raise FibctlError(f"{option} is empty; name a database (a file path or a URL)")
     if "://" not in db:
+        if db.endswith(os.sep) and not os.path.isdir(db):  # a file of the folder's name would be made
+            raise FibctlError(f"{option} {db} ends with {os.sep!r}: name a database file, not a folder "
+                              f"(e.g. {os.path.join(db, 'results.db')})")
         url = URL.create("sqlite", database=db)
     else:
         try:

@@ -101,6 +101,32 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     assert [e.value for e in events.Scalars("alpha/layer1")] == [1.5]
 
 
+def test_tensorboard_gets_a_runs_settings_as_hyperparameters(tmp_path):
+    """The config was a text entry only: TensorBoard's HParams tab could not filter or sort
+    runs by schedule, W or lr."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from fibctl.config import RunConfig
+
+    config = RunConfig.resolve("r", "m", "micro", schedule="stagger", window=8).to_dict()
+    sink = open_sinks(check_loggers(["tensorboard"]), tmp_path, "r", config)[0]
+    sink.close()
+    started = []
+    for path in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+        for event in event_file_loader.EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "hparams":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    if data.HasField("session_start_info"):
+                        started.append({k: v.string_value or v.number_value
+                                        for k, v in data.session_start_info.hparams.items()})
+    [settings] = started
+    assert (settings["model.schedule"], settings["model.window"], settings["train.lr"]) == ("stagger", 8, 0.003)
+    assert settings["name"] == "r" and settings["preset"] == "micro"
+
+
 def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     """A worker killed at step 30 after checkpointing at 10 logged 20 and 30; the run resumes
     from 10 and logs them again. TensorBoard showed both copies, the curve running back in
@@ -286,6 +312,8 @@ def test_a_back_end_that_cannot_start_leaves_the_run_queued(tmp_path, monkeypatc
     assert "ValidationError: mode: " in out.err  # the setting at fault, not "1 validation error for Settings"
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_SILENT", "")  # a stray empty setting
+    import wandb
+    wandb.teardown()  # W&B reads the environment once per process: as a new worker's would be read
     code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
     assert code == 2 and "ValidationError: silent: Input should be a valid boolean" in out.err, out.err
     monkeypatch.setenv("WANDB_SILENT", "true")

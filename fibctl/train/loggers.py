@@ -36,6 +36,17 @@ def check_loggers(names) -> tuple[str, ...]:
     return names
 
 
+def flat_settings(config: dict, prefix: str = "") -> dict:
+    """A run's config as one level of dotted keys (`model.schedule`, `train.lr`)."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class TensorBoardSink:
     """Event files under RUN_DIR/tensorboard (`tensorboard --logdir runs`)."""
 
@@ -47,6 +58,18 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
         if fresh:
             self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
+            self._add_hparams(config)
+
+    def _add_hparams(self, config: dict) -> None:
+        """The run's settings as TensorBoard hyperparameters, in the run's own folder (add_hparams
+        would start another run beside it): the HParams tab then filters and sorts runs by
+        schedule, W or lr, against their training loss."""
+        from torch.utils.tensorboard.summary import hparams
+
+        settings = {key: value for key, value in flat_settings(config).items()
+                    if isinstance(value, (bool, int, float, str))}
+        for summary in hparams(settings, {"train/loss": math.nan}):
+            self.writer.file_writer.add_summary(summary)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():

@@ -423,6 +423,37 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatc
     assert watch.returncode == 130 and "Traceback" not in err, err
 
 
+def test_status_and_queue_ls_print_json_for_scripts(db, monkeypatch, capsys):
+    import json
+    from datetime import datetime
+
+    from fibctl.cli import main
+
+    def printed(*args: str):
+        monkeypatch.setattr(sys, "argv", ["fibctl", *args, "--db", db, "--json"])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        out = capsys.readouterr()
+        assert exit_.value.code == 0, out.err
+        return json.loads(out.out)
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(3, steps=100))
+    run = queue.claim_next(engine, "host-a:1", host="host-a", device="cpu (2 threads)")
+    RunRecorder(engine, run.id).log_step(40, 3.5, 1e-3, 0.5, tokens_per_s=512.0, elapsed_s=40.0)
+    shown = printed("status")
+    [running], counts = shown["running"], shown["counts"]
+    assert counts == {"queued": 2, "running": 1}
+    assert (running["name"], running["host"], running["step"], running["steps"], running["eta_s"]) == \
+        ("r000", "host-a", 40, 100, 60.0)
+    assert datetime.fromisoformat(running["heartbeat_at"].removesuffix("Z"))  # ISO 8601, UTC
+    listed = printed("queue", "ls", "--status", "queued")
+    assert [r["name"] for r in listed["runs"]] == ["r001", "r002"]
+    assert {r["status"] for r in listed["runs"]} == {"queued"} and listed["counts"]["running"] == 1
+    code, err = _main_exit(monkeypatch, capsys, "status", "--db", db, "--json", "--watch")
+    assert code == 2 and "--json prints one view; leave out --watch" in err
+
+
 def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
     """Not on a terminal, --watch printed its first view and then nothing until Ctrl-C: a log
     (`fibctl status --watch >> status.log`) never saw the runs move. Each view is now

@@ -32,6 +32,31 @@ app.add_typer(matrix_app, name="matrix")
 app.add_typer(queue_app, name="queue")
 
 MatrixArg = Annotated[str, typer.Argument(help="A shipped matrix name (see `fibctl matrix list`) or a .toml path.")]
+JsonOption = Annotated[bool, typer.Option(
+    "--json", help="Print one JSON object instead of the table (times in UTC, ISO 8601), for scripts.")]
+
+
+def print_json(value) -> None:
+    """`value` as JSON on stdout, as it is (names and errors unescaped: JSON escapes what a
+    terminal would obey), its times ISO 8601 and non-finite numbers null."""
+    import json
+    import math
+    from datetime import datetime
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, datetime):  # the database's times are UTC
+            return v.isoformat() + ("Z" if v.tzinfo is None else "")
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    print(json.dumps(plain(value), indent=2, default=str))
+
+
 PresetOption = Annotated[str | None, typer.Option(
     "--preset", help=f"Model/recipe preset for every run ({', '.join(PRESETS)}); default: the matrix's.")]
 NameArg = Annotated[str, typer.Argument(help="Run name, as shown by `fibctl queue ls`.")]
@@ -162,10 +187,13 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
 @queue_app.command("ls")
 def queue_ls(db: DbOption = DEFAULT_DB,
              status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
+             json_out: JsonOption = False,
              ) -> None:
     """List runs in queue order with their status, attempts and worker."""
     engine = db_engine.connect_readonly(db)  # a listing never creates, upgrades or locks the database
     runs = queue.list_runs(engine, status)
+    if json_out:
+        return print_json({"runs": runs, "counts": queue.status_counts(engine)})
     headers = ["id", "name", "matrix", "preset", "status", "attempts", "worker", "heartbeat", "error"]
     rows = [[str(r["id"]), r["name"], r["matrix"], r["preset"], str(r["status"]), str(r["attempts"]), r["worker"] or "",
              r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else "",
@@ -191,6 +219,7 @@ def status_cmd(
         "--watch", help="Redraw every --every seconds until Ctrl-C (output that is not a terminal, a log "
         "file say: a new view each time, under the time it was read).")] = False,
     every: Annotated[float, typer.Option("--every", help="Seconds between redraws with --watch.")] = 5.0,
+    json_out: JsonOption = False,
 ) -> None:
     """What is running where: each running run's host, device, step, last training loss,
     tokens/s, ETA and last heartbeat, then the queue's counts."""
@@ -202,7 +231,11 @@ def status_cmd(
     goes_with(ctx, "every", "--every", "--watch", watch)
     if not 0 < every <= 86_400:  # nan and inf too: time.sleep takes neither
         raise FibctlError(f"--every must be above 0 and at most a day (86400), got {every:g}")
+    if json_out and watch:
+        raise FibctlError("--json prints one view; leave out --watch (or run it again to read again)")
     engine = db_engine.connect_readonly(db)
+    if json_out:
+        return print_json({"running": queue.progress(engine), "counts": queue.status_counts(engine)})
 
     def view():
         now = utcnow()

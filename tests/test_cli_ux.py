@@ -323,6 +323,7 @@ def test_ctrl_c_in_a_long_command_is_one_line_and_exit_130(command, patched, lin
 
     shutil.copy(REPO_EXAMPLE, tmp_path / "r.db")
     monkeypatch.setattr(patched, interrupted)
+    monkeypatch.setattr("fibctl.flows.evaluation.plan", lambda *a, **k: None)  # eval's checks: no data here
     monkeypatch.setattr(sys, "argv", ["fibctl", *(a.format(tmp=tmp_path) for a in command)])
     with pytest.raises(SystemExit) as exit_:
         main()
@@ -617,6 +618,7 @@ def test_eval_shows_run_and_set_names_as_written(tmp_path, capsys, monkeypatch):
         return pd.DataFrame(rows)
 
     monkeypatch.setattr(evaluation, "evaluate", measured)
+    monkeypatch.setattr(evaluation, "plan", lambda *a, **k: None)  # its checks: no data here
     db = _hostile_db(tmp_path)
     code, out, err = _in_process(capsys, monkeypatch, "eval", MARKUP, "--length", "64", "--speed", "--db", str(db),
                                  "--data", str(tmp_path))

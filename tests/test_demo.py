@@ -23,6 +23,7 @@ def test_quick_demo_runs_the_whole_pipeline(quick_demo):
     out, log = quick_demo
     for heading in ("Table 1", "Table 3", "Table 4", "total time"):
         assert heading in log
+    assert f"all of them on one page: {out / 'report' / 'index.html'}" in " ".join(log.split())
     db = sqlite3.connect(out / "results.db")
     runs = dict(db.execute("SELECT name, status FROM runs"))
     assert runs == {n: "done" for n in ("dense", "fib_fixed_w8", "fib_stagger_w8")}

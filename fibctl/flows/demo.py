@@ -301,7 +301,8 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
         view.table(table)
     written, skipped = export.write_all(engine, out / "report", matrix="demo")
     view.line(f"wrote {len(written)} files of tables and figures to {out / 'report'}/ "
-              f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}); database: {db}")
+              f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}; all of them on one page: "
+              f"{out / 'report' / 'index.html'}); database: {db}")
     if quick:
         view.line("--quick: too little training for the length effect; run `fibctl demo` for the real thing.")
     else:

@@ -668,3 +668,23 @@ def test_queue_show_refuses_an_unknown_run_and_reads_a_damaged_config(tmp_path, 
     out = capsys.readouterr().out
     assert exit_.value.code in (0, None) and "its stored config is not a fibctl config" in out
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()} == before  # read-only
+
+
+def test_a_worker_with_nothing_to_take_says_which_runs_are_marked_running(tmp_path, monkeypatch, capsys):
+    """After a worker was killed, the next one said "nothing queued" while the run sat running
+    until its heartbeat went stale: it now says so, and where to look."""
+    from fibctl.cli import main
+    from train_helpers import write_data
+
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    queue.claim_next(engine, "gone:1", host="elsewhere")  # its worker killed a moment ago
+    data = write_data(tmp_path / "data")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "worker", "--db", db, "--data", str(data), "--plain"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None) and " ".join(out.split()) == (
+        "worker: 0 run(s): nothing queued; 1 run(s) marked running: another worker's, or one whose worker "
+        "stopped (taken back once its heartbeat is 600 s old; see fibctl status)")

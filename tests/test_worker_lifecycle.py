@@ -281,7 +281,7 @@ def test_the_worker_s_last_line_is_folded_on_a_terminal_and_whole_in_a_file(monk
         out = io.StringIO()
         monkeypatch.setattr(cli_train, "console", Console(file=out, width=80, force_terminal=terminal,
                                                           color_system=None))
-        cli_train._summary(outcomes)
+        cli_train._summary(outcomes, "unread.db", 600)  # with runs taken, the database is not read
         lines = out.getvalue().splitlines()
         assert (len(lines) > 1 and all(len(line) <= 80 for line in lines)) if terminal else len(lines) == 1, lines
         assert " ".join(out.getvalue().split()).startswith("worker: 4 run(s): f00__fib_stagger_w12 done, f01__")

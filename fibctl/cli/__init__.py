@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fibctl.cli.common import err_console
+from fibctl.cli.common import (err_console, hold_interrupts, interrupted, noting_interrupts,
+                               unencodable_shown_as_question_marks)
 from fibctl.reports.render import printable
 from fibctl.errors import FibctlError
 
@@ -111,12 +112,47 @@ class _InOrder(typer.core.TyperGroup):
     # the top command's own help is printed while its context is made; every other command's
     # output (subcommands' help too) while it is invoked
     def make_context(self, *args, **kwargs):
-        with _closed_pipe_ends_quietly():
+        with _closed_pipe_ends_quietly(), _ended_by_a_ctrl_c():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx):
-        with _closed_pipe_ends_quietly():
+        with _closed_pipe_ends_quietly(), _ended_by_a_ctrl_c(last=True):
             return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _ended_by_a_ctrl_c(last: bool = False):
+    """A command a Ctrl-C was sent to ends with one line and exit 130, also where the command
+    did not say it: a KeyboardInterrupt no command caught (typer exits 130 and says nothing),
+    another error that the KeyboardInterrupt caused where it landed (a file writer that cannot
+    clean up mid-write), or none, the KeyboardInterrupt having been lost in a callback of the
+    garbage collector (the command ran on to its end). A command that said what it kept
+    (and raised `typer.Exit(130)`) is left to say so. `last`: the command's work is over
+    after this; a Ctrl-C from then on is noted, not raised where it lands in the exit (main
+    ends the command as interrupted)."""
+    try:
+        yield
+    except typer.Exit as e:  # what ctx.exit raises too (click's Exit in older typers)
+        if e.exit_code == 0 and interrupted.is_set():
+            raise _interrupted() from None
+        raise
+    except KeyboardInterrupt:
+        raise _interrupted() from None
+    except Exception:
+        if interrupted.is_set():
+            raise _interrupted() from None
+        raise
+    finally:
+        if last:
+            hold_interrupts()  # put back by main's noting_interrupts
+    if interrupted.is_set():
+        raise _interrupted()
+
+
+def _interrupted() -> typer.Exit:
+    """The line of a command that did not say what a Ctrl-C kept, and its exit."""
+    err_console.print("interrupted", markup=False, highlight=False)
+    return typer.Exit(130)
 
 
 @contextlib.contextmanager
@@ -243,14 +279,25 @@ def build():
 
 def main(command=None) -> None:
     """Run the command line (`command`: `build()`'s, else built here)."""
-    # SIGTERM ends the command through Python, so that the `finally` below still runs (a read-only
+    # SIGTERM ends the command through Python, so that the `finally` in _run still runs (a read-only
     # command killed outright left SQLite's -wal and -shm files); train and worker set their own
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)
+    with unencodable_shown_as_question_marks(), noting_interrupts():
+        _run(command)
+
+
+def _run(command) -> None:
     try:
         (command or build())()  # what app() does, pretty exceptions being off
     except KeyboardInterrupt:  # typer building the options: 130, as one in a command is
+        if interrupted.is_set():  # a Ctrl-C (a test's KeyboardInterrupt is not noted)
+            _interrupted()
         sys.exit(130)
+    except SystemExit as e:
+        if e.code in (0, None) and interrupted.is_set():  # one held while the command ended
+            sys.exit(_interrupted().exit_code)
+        raise
     except FibctlError as e:
         _fail(str(e))
     except Exception as e:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 import os
-from collections.abc import Iterator, Sequence
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -79,6 +83,95 @@ def on_interrupt(kept: str) -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print(f"interrupted; {kept}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+
+
+# Every Ctrl-C this command was sent (`noting_interrupts`), also one whose KeyboardInterrupt was
+# lost: raised in a garbage collector's or weakref's callback, Python prints "Exception ignored"
+# and runs on; or turned into another error by the code it landed in (matplotlib's PDF writer,
+# stopped mid-write, fails its clean-up with AttributeError). Such a command still ends as
+# interrupted (fibctl.cli), and `report all` stops at its next file.
+interrupted = threading.Event()
+
+
+def stop_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that was sent but lost on its way."""
+    if interrupted.is_set():
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def noting_interrupts() -> Iterator[None]:
+    """Inside, SIGINT's handler (fibctl.__main__'s, or Python's) sets `interrupted` first, and
+    a KeyboardInterrupt raised where Python cannot raise it (a callback of the garbage
+    collector) is not printed as "Exception ignored": the command stops at its next check."""
+    interrupted.clear()
+    handler = signal.getsignal(signal.SIGINT)
+    noting = None
+    if callable(handler) and threading.current_thread() is threading.main_thread():  # not where it is ignored
+        def noting(signum, frame):
+            interrupted.set()
+            return handler(signum, frame)
+
+        noting.holds = True  # for hold_interrupts
+        signal.signal(signal.SIGINT, noting)
+    hook = sys.unraisablehook
+
+    def unraisable(what) -> None:
+        if not (isinstance(what.exc_value, KeyboardInterrupt) and interrupted.is_set()):
+            hook(what)
+
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        if noting is not None and signal.getsignal(signal.SIGINT) in (noting, _note):
+            signal.signal(signal.SIGINT, handler)
+
+
+def _note(signum, frame) -> None:
+    interrupted.set()
+
+
+def hold_interrupts() -> Callable[[], None]:
+    """From here a Ctrl-C is only noted in `interrupted`, not raised (the work is over, or
+    nearly: what is left is to say how it ended). Returns what puts SIGINT's handler back
+    (`noting_interrupts` does at its end). Only inside `noting_interrupts`, whose handler is
+    SIGINT's: not where Ctrl-C is ignored, nor where a command set its own handler."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not getattr(handler, "holds", False) or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signal.signal(signal.SIGINT, _note)
+    return lambda: signal.signal(signal.SIGINT, handler) if signal.getsignal(signal.SIGINT) is _note else None
+
+
+@contextmanager
+def unencodable_shown_as_question_marks() -> Iterator[None]:
+    """stdout and stderr in an encoding other than UTF-8 (PYTHONIOENCODING=ascii, LANG=C):
+    a character it lacks (Δ, ×) is printed as '?' instead of failing the command with
+    UnicodeEncodeError. rich still draws its tables with ASCII boxes there (it reads the
+    encoding, which stays); files are written as UTF-8 whatever the terminal's."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        encoding, errors = getattr(stream, "encoding", None), getattr(stream, "errors", None)
+        # strict, or surrogateescape (Python's in the C locale), which raises for a Δ too
+        if not (encoding and errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure")):
+            continue
+        try:
+            if codecs.lookup(encoding).name.startswith("utf"):
+                continue
+            stream.reconfigure(errors="replace")
+        except (LookupError, ValueError, OSError):  # an unknown codec, a closed stream: left as it is
+            continue
+        changed.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            try:
+                stream.reconfigure(errors=errors)  # as it was, for a caller in the same process (the tests)
+            except (ValueError, OSError):
+                pass
 
 
 def step_of(step: int, steps: int | None) -> str:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,7 +16,8 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value, sqlite_int, typed
+from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_interrupts, interrupted, plain,
+                               seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
 from fibctl.errors import DamagedDatabase, FibctlError
@@ -148,11 +149,12 @@ def report_all(
     engine = open_for_reports(db, matrix=matrix, dataset=dataset)
     chosen = {**({"window": window} if window is not None else {}), **({"all_runs": True} if all_runs else {})}
     try:
-        with _reading():
+        with _reading(), ExitStack() as held:
             written, skipped = export.write_all(
                 engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
-                track=lambda jobs: track(jobs, description="Writing tables and figures", console=err_console,
-                                          transient=True, disable=not err_console.is_terminal))  # errors stand alone
+                track=lambda jobs: track(_stopping_at_a_ctrl_c(jobs, held), description="Writing tables and figures",
+                                          console=err_console, transient=True,
+                                          disable=not err_console.is_terminal))  # errors stand alone
     except KeyboardInterrupt as e:
         kept = getattr(e, "written", [])  # write_all's: the files in place when it stopped
         err_console.print(f"interrupted; the {len(kept)} files written before it are in {out}/ (no index.html): "
@@ -161,12 +163,40 @@ def report_all(
         raise typer.Exit(130) from None
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
+    if interrupted.is_set():  # held while the last files were written
+        err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
+                          markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
     for name, why in skipped:
         why = why.removeprefix(f"{name}: ")  # a table's own errors start with its name
         err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False, soft_wrap=True)
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
     console.print(f"wrote {len(written)} files to {out}/", highlight=False, markup=False)
+
+
+def _stopping_at_a_ctrl_c(jobs: Iterable[export.Job], held: ExitStack) -> Iterator[export.Job]:
+    """`report all`'s jobs, stopped by a Ctrl-C however it landed: before the next job where its
+    KeyboardInterrupt was lost (raised in a callback of the garbage collector); as a job's
+    error where it made that job fail otherwise (matplotlib's PDF writer, stopped mid-write,
+    fails its clean-up with AttributeError). After the last job a Ctrl-C is held (in `held`)
+    until the report has written its index.html and list of files, a moment."""
+    for name, job in jobs:
+        stop_if_interrupted()
+        yield name, _failed_as_interrupted(job)
+    stop_if_interrupted()
+    held.callback(hold_interrupts())
+
+
+def _failed_as_interrupted(job):
+    def run():
+        try:
+            return job()
+        except Exception:
+            if interrupted.is_set():
+                raise KeyboardInterrupt from None
+            raise
+    return run
 
 
 @app.command("figure")

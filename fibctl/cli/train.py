@@ -281,18 +281,28 @@ def worker_cmd(
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
-    _summary(outcomes)
+    _summary(outcomes, db, opts.heartbeat_timeout_s)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
 
 
-def _summary(outcomes: list[Outcome]) -> None:
+def _summary(outcomes: list[Outcome], db: str, heartbeat_timeout_s: float) -> None:
     """The worker's last line: each run it took and how it ended; folded at a terminal's
-    width, one line in a file (for grep)."""
-    console.print(as_written(f"worker: {len(outcomes)} run(s): "
-                             + (", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued")),
-                  highlight=False, soft_wrap=not console.is_terminal)
+    width, one line in a file (for grep). With nothing to take, the runs marked running
+    elsewhere are said: a worker killed a moment ago leaves its run so until its heartbeat
+    is stale, and "nothing queued" alone read as if it were lost."""
+    said = ", ".join(f"{o.name} {o.status}" for o in outcomes) or "nothing queued"
+    if not outcomes:
+        from fibctl import queue
+        from fibctl.db.engine import connect_readonly
+
+        running = queue.status_counts(connect_readonly(db)).get("running", 0)
+        if running:
+            said += (f"; {running} run(s) marked running: another worker's, or one whose worker stopped "
+                     f"(taken back once its heartbeat is {heartbeat_timeout_s:g} s old; see fibctl status)")
+    console.print(as_written(f"worker: {len(outcomes)} run(s): {said}"), highlight=False,
+                  soft_wrap=not console.is_terminal)
 
 
 def _exit_after_signal(stop) -> None:
@@ -377,11 +387,11 @@ def eval_cmd(
     def check(reader) -> None:
         """Every input refused before the database is upgraded or switched to WAL mode; an
         older schema (upgraded first) only has its run names checked."""
+        if names and not all_runs:  # a mistyped name first, whatever else is wrong
+            check_named(names)(reader)
         if current_revision(reader) == head_revision():
             plan(reader, names or [], length, data_dir=data, all_runs=all_runs, datasets=dataset, tokens=tokens,
                  runs_dir=runs_dir)
-        elif names and not all_runs:
-            check_named(names)(reader)
 
     setup_process(device, threads)
     try:

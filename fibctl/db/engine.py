@@ -280,7 +280,7 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def _check_revision(engine: Engine, db: str, *, reading: bool = False,
-                    busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> str | None:
+                    busy_timeout_ms: int | None = None) -> str | None:
     """The current revision, after refusing foreign or newer databases (nothing written).
     `reading`: the engine only reads, so a lock it waits out is another process's exclusive
     one (a writer's engine begins by taking the write lock itself)."""
@@ -299,7 +299,8 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
                               f"({shown(db)}); is it up, and is that its address?") from None
         if "locked" in str(e.orig):
             waited = "to read it" if reading else "for its write lock"
-            raise FibctlError(f"{shown(db)} is locked by another process: waited {busy_timeout_ms / 1000:g} s "
+            waited_ms = BUSY_TIMEOUT_MS if busy_timeout_ms is None else busy_timeout_ms
+            raise FibctlError(f"{shown(db)} is locked by another process: waited {waited_ms / 1000:g} s "
                               f"{waited}; try again when it is done") from None
         reason = (str(e.orig).strip().splitlines() or [type(e.orig).__name__])[0]  # the driver's first line
         path = _sqlite_path(resolve_url(db))
@@ -427,11 +428,12 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
 
 
 def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
-                     busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
+                     busy_timeout_ms: int | None = None) -> Engine:
     """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
     transactions), for reports and SQL a user typed. With `current`, the database must be a
     fibctl one at the latest revision (the reports' queries need its columns).
-    `busy_timeout_ms`: how long a SQLite read waits out another process's exclusive lock."""
+    `busy_timeout_ms`: how long a SQLite read waits out another process's exclusive lock
+    (default BUSY_TIMEOUT_MS)."""
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
@@ -440,7 +442,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
-            dbapi_conn.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+            dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS if busy_timeout_ms is None else busy_timeout_ms}")
             dbapi_conn.execute("PRAGMA query_only=ON")
     elif url.get_backend_name() == "postgresql":
         engine = _create_engine(url, option, db, execution_options={"postgresql_readonly": True})

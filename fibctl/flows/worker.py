@@ -11,9 +11,9 @@ number). A diverged run (NaN or infinite loss) or one that raises is marked fail
 worker moves on.
 
 A failure that is the worker's, not the run's (`WorkerError`: data that does not fit, a runs
-folder without the run's checkpoint or with another run's, a database that keeps refusing
-writes), puts the run back in the queue and stops the worker with that one line: one wrong
-option must not fail a whole queue. The data and runs folder are checked before any claim,
+folder without the run's checkpoint, with another run's or with one the database does not
+account for, a database that keeps refusing writes), puts the run back in the queue and
+stops the worker with that one line: one wrong option must not fail a whole queue. The data and runs folder are checked before any claim,
 and the data again against each claimed run (its windows, its held-out sets) before anything
 of it is written; a run claimed by name is checked before the claim.
 
@@ -59,7 +59,7 @@ from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, chec
 from fibctl.device import check_compile, describe, resolve_device, setup_process
 from fibctl.flows.torchrun import LAUNCHER, children
 from fibctl.probe.trainer import ProbeTrainer
-from fibctl.train.trainer import Progress, Trainer, TrainResult, check_data, no_checkpoint_loads
+from fibctl.train.trainer import Progress, Recorded, Trainer, TrainResult, check_data, no_checkpoint_loads
 
 
 @dataclass
@@ -323,6 +323,7 @@ class _Lead:
             return None
         try:
             run_dir = _run_dir(self.engine, claimed, self.opts)
+            recorded = _recorded(self.engine, claimed)
         except FibctlError as e:  # the worker's fault: back to the queue; the run's: it fails
             if isinstance(e, WorkerError):
                 queue.unclaim(self.engine, claimed.id, str(e))
@@ -330,9 +331,10 @@ class _Lead:
                 queue.fail(self.engine, claimed.id, str(e), self.name)
             self.group.broadcast(None)
             raise
-        self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir)})
+        self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir),
+                              "recorded": dataclasses.asdict(recorded)})
         return train_claimed(self.engine, claimed, self.opts, self.manifest, self.device, self.name,
-                             self.display, self.stop, self.group)
+                             self.display, self.stop, self.group, recorded)
 
 
 RANK_0_EXIT_S = 60  # at most, for a rank 0 that has closed the group to exit
@@ -356,6 +358,7 @@ def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: to
     try:
         trainer = Trainer(config, load_manifest(opts.data_dir), Path(task["run_dir"]), Silent(),
                           device=device, stop=stop, compile=opts.compile, group=group)
+        trainer.recorded = Recorded(**task["recorded"])  # rank 0's: every rank refuses the same checkpoints
         result = trainer.run()
     except Exception as e:
         if peer_failure(e) or isinstance(e, WorkerError):  # as rank 0 does (train_claimed)
@@ -437,7 +440,7 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
 
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, manifest: DataManifest,
                   device: torch.device, worker: str, display: Display, stop: threading.Event,
-                  group: Group | None = None) -> Outcome:
+                  group: Group | None = None, recorded: Recorded | None = None) -> Outcome:
     recorder: RunRecorder | loggers.Tee = RunRecorder(engine, claimed.id, worker)
     trainer, tee = None, None
     try:
@@ -445,6 +448,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         # (WorkerError below) before a logger or checkpoint writes anything of it
         data = check_data(claimed.config, manifest)
         run_dir = _run_dir(engine, claimed, opts)
+        recorded = recorded or _recorded(engine, claimed)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
                                                                       claimed.config.to_dict()),
@@ -458,6 +462,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         else:
             trainer = Trainer(claimed.config, data, run_dir, recorder, device=device, stop=stop,
                               on_checkpoint=on_checkpoint, compile=opts.compile, group=group)
+        trainer.recorded = recorded  # a checkpoint ahead of it is refused (WorkerError: back to the queue)
         counts = trainer.model.param_counts()
         recorder.update_run(device=_describe(device, group),
                             **provenance(manifest) | {"data_hash": trainer.data_hash},
@@ -536,6 +541,13 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
     return path.parent
+
+
+def _recorded(engine: Engine, claimed: queue.ClaimedRun) -> Recorded:
+    """What the database holds of the run: the trainer resumes from no checkpoint ahead of it
+    (one written before a `queue retry --from-start`, or past the rows a database restored
+    from an older copy holds), which would finish the run with its history missing."""
+    return Recorded(*queue.recorded_progress(engine, claimed.id))
 
 
 def _refuse_link(own: Path) -> None:

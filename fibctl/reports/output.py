@@ -29,7 +29,8 @@ def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
 
 
 def write_text(path: Path, text: str) -> Path:
-    return replace_file(path, lambda tmp: tmp.write_text(text))
+    """`text` as UTF-8, whatever the locale's encoding (LANG=C: ASCII, which has no Δ)."""
+    return replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def remove_leftovers(paths: Iterable[Path]) -> list[Path]:

@@ -87,6 +87,15 @@ class Progress:
     evals: dict[str, float] = field(default_factory=dict)  # held-out loss by set, at this step
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What the run's database holds of it (the worker reads it: fibctl.queue.recorded_progress),
+    which a checkpoint must not be ahead of to be resumed from (`Trainer.recorded`)."""
+
+    step: int  # the newest step of its train_steps, evaluations and alphas rows (0: none)
+    restarts: int = 0  # times it was queued again from step 0 (`fibctl queue retry --from-start`)
+
+
 @dataclass
 class TrainResult:
     status: str  # done | stopped (checkpointed, to be resumed) | diverged | lost (no longer ours)
@@ -154,6 +163,10 @@ class Trainer:
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
+        # the newest step whose rows (train step, evaluations, alphas) this run recorded, as its
+        # checkpoints say; `recorded`: what the database holds (None: nothing to check against)
+        self.logged_step = 0
+        self.recorded: Recorded | None = None
         self.peak = peak_flops(device)  # None on the CPU: no MFU
         self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
 
@@ -241,6 +254,7 @@ class Trainer:
             if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                 self.reporter.log_step(self.step, loss, lr_at(self.step, self.tc), grad_norm,
                                        tokens_per_s, self.elapsed_s, self._mfu(tokens_per_s))
+                self.logged_step = self.step
                 self._heartbeat()
                 step_time, steps_timed = 0.0, 0
             unscored = None  # a held-out loss that is not finite: weights this step made NaN or infinite
@@ -338,6 +352,7 @@ class Trainer:
                 return f"a held-out loss of {res.loss} on {name}"
             self.reporter.log_eval(self.step, name, T, res.tokens, res.loss,
                                    *((res.position_losses.tolist(), res.position_windows) if positions else ()))
+            self.logged_step = self.step
             self.evals[name] = res.loss
             self._heartbeat()
         if self.config.model.schedule == "learned":
@@ -355,6 +370,8 @@ class Trainer:
             "optimizer_name": self.optimizer_name,
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(), "rng": ckpt.rng_states(),
+            # what the database held of the run when it was written (Trainer._check_recorded)
+            "logged_step": self.logged_step, "restarts": self.recorded.restarts if self.recorded else 0,
         }
         return ckpt.save_checkpoint(self.run_dir, self.step, state, self.tc.keep_checkpoints)
 
@@ -373,7 +390,8 @@ class Trainer:
         `damaged` event naming it: training goes on from the one before, and the rows logged
         past it are written again as the steps are. With none that loads the run fails, naming
         the way out (`fibctl queue retry NAME --from-start`). A checkpoint of another run, of
-        another optimizer or refused as unsafe stops the resume: it is not damage."""
+        another optimizer, refused as unsafe or that the database does not account for
+        (`_check_recorded`) stops the resume: it is not damage."""
         if self.main:  # the other ranks see the same folder: one process tidies it
             ckpt.remove_temporaries(self.run_dir)
         damaged: list[tuple[Path, str]] = []
@@ -402,6 +420,7 @@ class Trainer:
         whole: a damaged one half applied is overwritten by the next one loaded)."""
         state = ckpt.load_checkpoint(path)
         self._check_belongs(state, path)
+        logged = self._check_recorded(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:
             raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
@@ -413,6 +432,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             ckpt.restore_rng_states(state["rng"])
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
+            self.logged_step = logged
         except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
             raise ckpt.DamagedCheckpoint(f"checkpoint {path} is damaged ({type(e).__name__}: "
                                          f"{first_line(e)})") from None
@@ -456,6 +476,34 @@ class Trainer:
             raise WorkerError(f"checkpoint {path} was trained on data {state['data_hash']} but "
                               f"{self.config.name!r} would resume on data {self.data_hash}: use the --data it "
                               "was trained on")
+
+    def _check_recorded(self, state: dict, path: Path) -> int:
+        """Refuse a checkpoint the database does not account for (with `recorded`): one written
+        before the run was queued again from step 0, or one past the rows the database holds
+        (restored from an older copy, say). Resuming from it would train on from weights whose
+        steps and evaluations are not recorded, or not those recorded, and finish the run with
+        its history missing. Returns the newest step whose rows the checkpoint says were recorded
+        before it was written (one of an older fibctl: the last logged step before it, which a
+        worker stopped by a failing database write may not have recorded)."""
+        step, name, r = state["step"], self.config.name, self.recorded
+        logged = state.get("logged_step")
+        if not isinstance(logged, int) or isinstance(logged, bool):  # an older fibctl's checkpoint
+            logged = (step - 1) // self.tc.log_interval * self.tc.log_interval if step > 0 else 0
+        if r is None:
+            return logged
+        restarts = state.get("restarts")
+        if isinstance(restarts, int) and restarts < r.restarts:
+            raise WorkerError(f"run {name!r} was queued again from step 0 (fibctl queue retry --from-start) after "
+                              f"its checkpoint {path} was written: move {self.run_dir} away to train the run "
+                              "from step 0")
+        if logged > r.step:
+            raise WorkerError(f"run {name!r} has rows up to step {r.step} in the database, but checkpoint {path} "
+                              f"was written once step {logged} was recorded (a database restored from an older "
+                              f"copy, or another database's): resuming from it would leave steps {r.step + 1}-"
+                              f"{logged} unrecorded; restore the database that recorded them, or move the "
+                              f"checkpoints past step {r.step} out of {self.run_dir} (none left: `fibctl queue "
+                              f"cancel {name}`, then `fibctl queue retry {name} --from-start`)")
+        return logged
 
     def _heartbeat(self) -> None:
         if self.reporter.heartbeat() is False:

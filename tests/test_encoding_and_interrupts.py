@@ -1,0 +1,181 @@
+"""A terminal that cannot show every character, and a Ctrl-C wherever it lands: one line at
+most on stderr, never a traceback; 130 after a Ctrl-C, whatever the code it landed in did
+with its KeyboardInterrupt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "results.db.example")
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8")}
+ENV.update(COLUMNS="80", TERM="dumb", NO_COLOR="1")
+
+
+def _run(args, env, timeout=120, python=()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python, "-m", "fibctl", *args], capture_output=True, env=env,
+                          timeout=timeout)
+
+
+# --- output encodings ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_report_table3_prints_on_a_terminal_without_delta(encoding):
+    """Table 3's `Δ at 4x` column failed the whole command with UnicodeEncodeError (exit 1)."""
+    done = _run(["report", "table3", "--db", EXAMPLE, "--all-runs"], {**ENV, "PYTHONIOENCODING": encoding})
+    err = done.stderr.decode(encoding, "replace")
+    assert done.returncode == 0 and "Traceback" not in err, err[-2000:]
+    out = done.stdout.decode(encoding)  # every byte in the terminal's encoding
+    assert "? at 4x" in out and "+----" in out  # the character it lacks, and rich's ASCII boxes
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_sql_shows_a_character_the_terminal_lacks_as_a_question_mark(encoding):
+    done = _run(["sql", "--db", EXAMPLE, "select 'Δ' as v, 'x' as w"], {**ENV, "PYTHONIOENCODING": encoding})
+    err = done.stderr.decode(encoding, "replace")
+    assert done.returncode == 0 and "Traceback" not in err, err[-2000:]
+    out = done.stdout.decode(encoding)
+    assert "?" in out and "x" in out
+
+
+def test_in_the_c_locale_report_all_prints_and_writes_its_files_as_utf8(tmp_path):
+    """LANG=C without Python's UTF-8 mode: stdout is ASCII, and so was every file the report
+    wrote (open()'s default): table3.md failed with UnicodeEncodeError, exit 1."""
+    env = {**ENV, "LANG": "C", "LC_ALL": "C"}
+    out = tmp_path / "rep"
+    done = _run(["report", "all", "--db", EXAMPLE, "--out", str(out)], env, python=("-X", "utf8=0"))
+    err = done.stderr.decode("ascii", "replace")
+    assert done.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert done.stdout.decode("ascii").startswith("wrote ")
+    for name in ("table3.md", "table3.txt", "table3.csv", "index.html"):
+        assert "Δ" in (out / name).read_text(encoding="utf-8"), name
+    done = _run(["report", "table3", "--db", EXAMPLE], env, python=("-X", "utf8=0"))
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+    done.stdout.decode("ascii")
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------
+
+def _fibctl_with(patch: str, *args: str) -> subprocess.CompletedProcess:
+    """`fibctl ARGS` as the program runs (fibctl.__main__, its SIGINT handler), after `patch`,
+    Python that sends the Ctrl-C from wherever it makes it land."""
+    script = ("import functools, os, signal, sys, weakref\n"
+              + patch
+              + f"sys.argv = ['fibctl', *{list(args)!r}]\n"
+              "from fibctl.__main__ import main\n"
+              "main()\n")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+
+
+# the Ctrl-C lands in a weakref's callback, where Python prints "Exception ignored" and runs on
+IN_A_CALLBACK = """
+from fibctl.reports import tables
+class Thing:
+    pass
+def in_a_callback(build):
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        thing = Thing()
+        ref = weakref.ref(thing, lambda ref: os.kill(os.getpid(), signal.SIGINT))
+        del thing  # its callback runs here
+        return build(*args, **kwargs)
+    return built
+tables.TABLES['table3'] = in_a_callback(tables.TABLES['table3'])
+"""
+
+# the Ctrl-C lands in matplotlib's PDF writer as it ends a stream, which its clean-up then
+# ends again: AttributeError: 'Stream' object has no attribute 'pos'
+IN_THE_PDF_WRITER = """
+import matplotlib.backends.backend_pdf as pdf
+header, calls = pdf.Stream._writeHeader, []
+def interrupted(self):
+    if sys._getframe(1).f_code.co_name == 'end' and not calls:
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+    return header(self)
+pdf.Stream._writeHeader = interrupted
+"""
+
+# the Ctrl-C comes while index.html is written, after the last table and figure
+IN_THE_INDEX = """
+from fibctl.reports import html
+page = html.page
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return page(*args, **kwargs)
+html.page = interrupted
+"""
+
+
+def _one_line(done: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("skipped ")]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def _no_part_files(out: Path) -> None:
+    assert not [p.name for p in out.iterdir() if ".part" in p.name]
+    for pdf in out.glob("*.pdf"):
+        data = pdf.read_bytes()
+        assert data.startswith(b"%PDF") and data.rstrip().endswith(b"%%EOF"), pdf.name
+
+
+@pytest.mark.parametrize("patch, name", [(IN_A_CALLBACK, "callback"), (IN_THE_PDF_WRITER, "pdf")])
+def test_report_all_stops_at_a_ctrl_c_wherever_it_lands(patch, name, tmp_path):
+    """Lost in a weakref's callback, the Ctrl-C printed 'Exception ignored' and the report ran
+    to its end (exit 0); in matplotlib's PDF writer it became an AttributeError (a traceback,
+    exit 1). Either way: exit 130, one line, the files written before it complete."""
+    out = tmp_path / "rep"
+    done = _fibctl_with(patch, "report", "all", "--db", EXAMPLE, "--out", str(out))
+    line = _one_line(done)
+    assert line.startswith("interrupted; the ") and "files written before it" in line, line
+    assert not (out / "index.html").exists()
+    _no_part_files(out)
+
+
+def test_a_ctrl_c_while_the_index_is_written_ends_the_complete_report_with_130(tmp_path):
+    """It said 'nothing was written' and left the report without its index.html."""
+    out = tmp_path / "rep"
+    done = _fibctl_with(IN_THE_INDEX, "report", "all", "--db", EXAMPLE, "--out", str(out))
+    assert _one_line(done) == f"interrupted; the report was complete: its 29 files are in {out}/"
+    assert (out / "index.html").is_file() and (out / ".fibctl-report").is_file()
+    _no_part_files(out)
+
+
+def test_a_ctrl_c_lost_in_a_callback_still_ends_a_short_command_with_130():
+    done = _fibctl_with(IN_A_CALLBACK, "report", "table3", "--db", EXAMPLE)
+    assert _one_line(done) == "interrupted"
+
+
+def test_report_all_sent_a_ctrl_c_at_any_point_exits_130_with_one_line(tmp_path):
+    """Real SIGINTs, sent as the report has written more and more of its files (and one while
+    the command line starts): each lands somewhere else, in a query, a figure's drawing or
+    its PNG or PDF writer, between files."""
+    for i, after in enumerate([None, 0, 3, 7, 12, 18, 22, 26]):
+        out = tmp_path / f"rep{i}"
+        proc = subprocess.Popen([sys.executable, "-m", "fibctl", "report", "all", "--db", EXAMPLE, "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        start = time.monotonic()
+        while proc.poll() is None:
+            written = len([p for p in out.iterdir() if not p.name.startswith(".")]) if out.is_dir() else -1
+            if (written >= after) if after is not None else time.monotonic() - start > 0.4:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if (out / "index.html").exists() and proc.returncode == 0:  # it had ended before the signal
+            assert "Traceback" not in stderr and stdout.startswith("wrote 29 files"), stderr
+            continue
+        line = _one_line(done)
+        assert line.startswith("interrupted"), (after, line)
+        if out.is_dir():
+            _no_part_files(out)

@@ -319,6 +319,8 @@ def _run(command) -> None:
 def _fail(message: str) -> None:
     # a word of thousands of characters (a pasted name, a path) would bury the line: its start is enough
     message = re.sub(r"\S{200,}", lambda m: f"{m[0][:60]}... ({len(m[0]):,} characters)", message)
-    # a name or error text read from a database is shown, never obeyed (markup, control codes)
-    err_console.print(f"[bold red]error:[/] {escape(printable(message))}", highlight=False, soft_wrap=True)
+    # a name or error text read from a database is shown, never obeyed (markup, control codes);
+    # a line break in one (a path, FIBCTL_DB) is shown too: an error is one line
+    shown = escape(printable(message).replace("\n", "\\n"))
+    err_console.print(f"[bold red]error:[/] {shown}", highlight=False, soft_wrap=True)
     sys.exit(2)

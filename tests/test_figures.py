@@ -50,11 +50,13 @@ def test_coverage_png_and_pdf_by_extension(tmp_path):
     png = figures.coverage(tmp_path / "c.png", schedules=("fixed", "stagger", "coprime"), n_layers=4, seq_len=128)
     pdf = figures.coverage(tmp_path / "c.pdf", base="pow2", n_layers=4, seq_len=128)
     assert png.read_bytes().startswith(PNG) and pdf.read_bytes().startswith(PDF)
+    svg = [figures.coverage(tmp_path / f"c{i}.svg", n_layers=4, seq_len=128).read_bytes() for i in (1, 2)]
+    assert b"<svg" in svg[0] and svg[0] == svg[1]  # no date in it: the same data, the same bytes
 
 
 def test_other_extensions_and_missing_data_are_refused(db, tmp_path):
-    with pytest.raises(FibctlError, match="PNG or PDF"):
-        figures.coverage(tmp_path / "c.svg")
+    with pytest.raises(FibctlError, match="PNG, PDF or SVG"):
+        figures.coverage(tmp_path / "c.eps")
     with pytest.raises(FibctlError, match="alphas: no alphas recorded for run 'demo_fixed'"):
         figures.alphas(connect_readonly(db), tmp_path / "a.png", run="demo_fixed")
     with pytest.raises(FibctlError, match="alphas: run 'demo_dense' is dense: it has no alpha"):

@@ -31,7 +31,7 @@ BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if 
 @pytest.fixture(scope="module")
 def report(study, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("report")
-    written, skipped = export.write_all(connect_readonly(study), out)
+    written, skipped = export.write_all(connect_readonly(study), out, source=export.made_from(study))
     assert not skipped, skipped
     return out
 
@@ -49,6 +49,10 @@ def test_index_is_self_contained_with_every_table_figure_and_run(report):
     assert page.count("<summary>SQL</summary>") == len(tables.TABLES)
     assert '<section id="runs">' in page and "f13__fib_stagger_w12" in page
     assert not re.search(r'(src|href)="(https?:|//)', page)  # nothing fetched from a network
+    # what it was made from, under the title (the page alone did not say)
+    import fibctl
+    assert re.search(rf'<p class="note">from [^<]+ by fibctl {re.escape(fibctl.__version__)}( \(git [0-9a-f]{{40}}'
+                     r'(\+dirty)?\))?</p>', page), page[:600]
 
 
 def test_figures_are_captioned_linked_and_shown_at_one_scale(report):

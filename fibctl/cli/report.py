@@ -151,7 +151,7 @@ def report_all(
     try:
         with _reading(), ExitStack() as held:
             written, skipped = export.write_all(
-                engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen,
+                engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen, source=export.made_from(db),
                 track=lambda jobs: track(_stopping_at_a_ctrl_c(jobs, held), description="Writing tables and figures",
                                           console=err_console, transient=True,
                                           disable=not err_console.is_terminal))  # errors stand alone
@@ -205,7 +205,7 @@ def figure(
     name: Annotated[str, typer.Argument(
         help=f"One of {', '.join(figures.FIGURES)}.", show_default=False)],
     out: Annotated[str | None, typer.Option(
-        "--out", "-o", metavar="<path>", help="Image file, PNG or PDF by extension; default NAME.png.")] = None,
+        "--out", "-o", metavar="<path>", help="Image file, PNG, PDF or SVG by extension; default NAME.png.")] = None,
     db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = DEFAULT_SEED,
     matrix: MatrixOption = None,
     window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="posloss, coverage: window W.")] = 8,

@@ -299,7 +299,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     for table in (tables.table1(engine, matrix="demo", dense=True), tables.table3(engine, matrix="demo", all_runs=True),
                   tables.table4(engine, matrix="demo")):
         view.table(table)
-    written, skipped = export.write_all(engine, out / "report", matrix="demo")
+    written, skipped = export.write_all(engine, out / "report", matrix="demo", source=export.made_from(db))
     view.line(f"wrote {len(written)} files of tables and figures to {out / 'report'}/ "
               f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}; all of them on one page: "
               f"{out / 'report' / 'index.html'}); database: {db}")

@@ -72,11 +72,24 @@ def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | N
                      key=lambda named: named[0] == "coverage"))
 
 
+def made_from(db: str) -> str:
+    """What a report was made from: its database as given (a password masked) and the fibctl
+    that read it. No date: the same database and code give the same bytes."""
+    import fibctl
+    from fibctl.db.engine import shown
+    from fibctl.provenance import git_commit
+
+    commit = git_commit()
+    return f"from {shown(db)} by fibctl {fibctl.__version__}" + (f" (git {commit})" if commit else "")
+
+
 def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterable[Job]] = iter,
-              title: str = "fibctl report", **kwargs) -> tuple[list[Path], list[tuple[str, str]]]:
-    """Run every job, then write index.html; a table or figure whose data is missing is
-    skipped with the reason (listed on the page too). Coverage, drawn from the schedule alone,
-    comes last and is left out too when nothing else had data: no report is written then."""
+              title: str = "fibctl report", source: str = "",
+              **kwargs) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Run every job, then write index.html (`source` under its title: `made_from`); a table
+    or figure whose data is missing is skipped with the reason (listed on the page too).
+    Coverage, drawn from the schedule alone, comes last and is left out too when nothing else
+    had data: no report is written then."""
     listed, made = _listed(out), _first_missing(out)
     # before anything is drawn: a file of the user's named like one the report writes would be
     # replaced by it (report files are renamed onto their paths), and it is not the report's to replace
@@ -121,7 +134,8 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     if written:
         index = out / "index.html"
         listed = _claim(out, listed, [index.name])
-        write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped))
+        write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped,
+                                    source=source))
         written.append(index)
         # an earlier report's files, beside this one: only those it listed, never a user's file
         # of the same name (--out ~ holding its own table1.csv)

@@ -1,7 +1,7 @@
 """The study's figures, drawn with matplotlib's object API (no pyplot: no display needed).
 
 Each function reads the database by SQL (or, for coverage, the attention schedule itself),
-writes a PNG or PDF chosen by the file's extension, and returns the path. One visual
+writes a PNG, PDF or SVG chosen by the file's extension, and returns the path. One visual
 language runs through all of them: colour is the schedule (Okabe-Ito, safe for colour-blind
 readers), line style the base (fib solid, pow2 dashed), marker the window W; only the training
 curves, where a run's line has no marker, give each of up to 8 runs its own colour when
@@ -31,7 +31,7 @@ from fibctl.reports.tables import (
 )
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
-FIGURE_SUFFIXES = (".png", ".pdf")
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 COVERAGE_FIGURE_MAX_LAYERS = 128
 COVERAGE_FIGURE_MAX_WINDOW = 4096
 COVERAGE_FIGURE_MAX_DOTS = 2**21  # layers x length where a panel is dense (a dot per distance)
@@ -41,6 +41,7 @@ STYLE = {
     "legend.fontsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.spines.top": False,
     "axes.spines.right": False,
     "axes.grid": True, "grid.alpha": 0.25, "savefig.dpi": 200,
+    "svg.hashsalt": "fibctl",  # an SVG's element ids from its content, not at random: the same bytes each time
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
 COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
@@ -62,7 +63,7 @@ OUTLIER_FACTOR = 1.5
 def check_path(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() not in FIGURE_SUFFIXES:
-        raise FibctlError(f"{path}: figures are written as PNG or PDF; name the file .png or .pdf")
+        raise FibctlError(f"{path}: figures are written as PNG, PDF or SVG; name the file .png, .pdf or .svg")
     return path
 
 
@@ -98,8 +99,8 @@ def _save(fig: Figure, path: str | Path) -> Path:
     inside it; a tight bounding box would change the print size)."""
     path = check_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a PDF otherwise records when it was written: the same data would give other bytes
-    metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
+    # a PDF or SVG otherwise records when it was written: the same data would give other bytes
+    metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
     return replace_file(path, lambda tmp: fig.savefig(tmp, metadata=metadata))
 
 

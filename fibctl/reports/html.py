@@ -101,14 +101,16 @@ def _pretty_json(raw: str | None) -> str:
 
 
 def page(title: str, tables: list[Table], figures: dict[str, Path], runs: str,
-         skipped: list[tuple[str, str]]) -> str:
-    """The whole document."""
+         skipped: list[tuple[str, str]], source: str = "") -> str:
+    """The whole document; `source` says what it was made from (the database, fibctl's
+    version), under the title."""
     links = [(t.name, t.name) for t in tables] + [(f"figure-{n}", n) for n in figures] + [("runs", "runs")]
     nav = "".join(f'<a href="#{escape(anchor)}">{escape(label)}</a>' for anchor, label in links)
     missing = "".join(f'<li class="skipped">{escape(why if why.startswith(name) else f"{name}: {why}")}</li>'
                       for name, why in skipped)
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
-             f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1><nav>{nav}</nav>",
+             f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1>",
+             f'<p class="note">{escape(source)}</p>' if source else "", f"<nav>{nav}</nav>",
              f"<ul>{missing}</ul>" if missing else "",
              *(table_html(t) for t in tables), *(figure_html(n, p) for n, p in figures.items()), runs,
              "</body></html>"]

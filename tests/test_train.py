@@ -228,6 +228,9 @@ def test_a_learned_run_that_diverges_fails_as_a_fixed_one_does(data, tmp_path):
     assert [(o.name, o.status, o.step, o.error) for o in outcomes] == [
         ("lnan", "failed", 2, "step 3 gave an alpha of nan in layer 0"),
         ("fnan", "failed", 2, "step 3 gave a loss of nan")]
+    # a retry would diverge again at the same step (it resumes bit-exactly): the way on is said
+    assert outcomes[1].hint == ("a retry repeats the same steps; train it again as a new run at a lower learning "
+                                "rate: fibctl queue add MATRIX --only fnan --set train.lr=LOWER --suffix _lowlr")
     db = sqlite3.connect(tmp_path / "r.db")
     assert db.execute("select name, error from runs order by id").fetchall() == [
         ("lnan", "step 3 gave an alpha of nan in layer 0"), ("fnan", "step 3 gave a loss of nan")]

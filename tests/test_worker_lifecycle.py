@@ -233,6 +233,9 @@ def test_a_resumed_runs_first_step_has_a_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:-1]] == ["101/300", "110/300", "120/300"], lines
     assert lines[-1] == "run: released at step 120"  # no time or perplexity: it did not finish
+    display.finish(Outcome("run", "failed", 120, "step 121 gave a loss of nan", hint="lower the lr"))
+    out = capsys.readouterr()
+    assert out.out == "run: failed at step 120: step 121 gave a loss of nan\n" and out.err == "hint: lower the lr\n"
 
 
 @pytest.mark.parametrize("name", ["f13__fib_stagger_w12", "fixed_w4"])

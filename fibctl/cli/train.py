@@ -115,6 +115,9 @@ class RunDisplay:
         # folded at a terminal's width; one line in a file, for grep
         line = as_written(f"{outcome.name}: {outcome.status} {outcome.at}{detail}", style)
         self._print(console, line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
+        if outcome.hint:
+            self._print(err_console, as_written(f"hint: {outcome.hint}"), highlight=False,
+                        soft_wrap=not err_console.is_terminal)
 
     def log(self, text: str) -> None:
         self._print(console, as_written(text), highlight=False, soft_wrap=True)

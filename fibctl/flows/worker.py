@@ -69,6 +69,7 @@ class Outcome:
     step: int | None  # None: it failed while starting (building the model, resuming), before any step
     error: str | None = None
     checkpoint: Path | None = None
+    hint: str | None = None  # what to do next, for the user: a diverged run's way on
 
     @property
     def at(self) -> str:
@@ -592,7 +593,11 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
         return Outcome(claimed.name, "released", result.step, None, result.checkpoint)
     if not queue.fail(engine, claimed.id, result.error, worker):
         return lost
-    return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint)
+    hint = None
+    if result.status == "diverged":  # resumed bit-exactly, a retry would diverge again at the same step
+        hint = (f"a retry repeats the same steps; train it again as a new run at a lower learning rate: "
+                f"fibctl queue add MATRIX --only {claimed.name} --set train.lr=LOWER --suffix _lowlr")
+    return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint, hint)
 
 
 def _record(recorder: RunRecorder, opts: WorkerOptions, name: str, result: TrainResult) -> None:

@@ -423,7 +423,7 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatc
     assert watch.returncode == 130 and "Traceback" not in err, err
 
 
-def test_status_and_queue_ls_print_json_for_scripts(db, monkeypatch, capsys):
+def test_status_queue_ls_and_queue_show_print_json_for_scripts(db, monkeypatch, capsys):
     import json
     from datetime import datetime
 
@@ -447,6 +447,10 @@ def test_status_and_queue_ls_print_json_for_scripts(db, monkeypatch, capsys):
     assert (running["name"], running["host"], running["step"], running["steps"], running["eta_s"]) == \
         ("r000", "host-a", 40, 100, 60.0)
     assert datetime.fromisoformat(running["heartbeat_at"].removesuffix("Z"))  # ISO 8601, UTC
+    shown = printed("queue", "show", "r000")
+    assert (shown["run"]["status"], shown["config"]["train"]["steps"], shown["last_step"]["step"]) == \
+        ("running", 100, 40)
+    assert [e["kind"] for e in shown["events"]] == ["claimed"] and "config_json" not in shown["run"]
     listed = printed("queue", "ls", "--status", "queued")
     assert [r["name"] for r in listed["runs"]] == ["r001", "r002"]
     assert {r["status"] for r in listed["runs"]} == {"queued"} and listed["counts"]["running"] == 1

@@ -418,7 +418,8 @@ def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
 @queue_app.command("show")
 def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
                events: Annotated[int, typer.Option("--events", min=0, max=10_000,
-                                                   help="How many of its newest events to list.")] = 10) -> None:
+                                                   help="How many of its newest events to list.")] = 10,
+               json_out: JsonOption = False) -> None:
     """One run at a glance: its status, config, where and how long it trained, its last logged
     step, the perplexities of its last evaluation and its newest events."""
     from fibctl.reports.overview import overview
@@ -426,6 +427,12 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
     engine = db_engine.connect_readonly(db)
     o = overview(engine, name, events=events)
     r, c = o.run, o.config
+    if json_out:  # the row as stored (its config parsed), and the rest of the overview
+        row = {k: v for k, v in r.items() if k != "config_json"}
+        return print_json({"run": row, "config": c.to_dict() if c is not None else None,
+                           "config_error": o.config_error, "last_step": o.last_step, "eval_step": o.eval_step,
+                           "perplexity": {d: {str(n): p for n, p in by.items()} for d, by in o.perplexity.items()},
+                           "events": o.events, "event_count": o.event_count})
     say = lambda text: console.print(plain(text))  # noqa: E731  (names and errors from data, never markup)
     say(f"{r['name']}: {r['status']} (matrix {r['matrix']}, id {r['id']}, preset {r['preset']})")
     if c is None:

@@ -274,8 +274,13 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     view.line(f"queued {len(added)} new run(s); {len(present)} already in {db}")
 
     view.section("3/5 train: one worker, runs one after the other")
-    threads, timings = fastest_threads(p.preset)
-    view.line(threads_line(timings, threads))
+    counts = queue.status_counts(engine)
+    if not counts.get("queued") and not counts.get("running"):  # a finished demo run again: nothing to time
+        threads = 1
+        view.line("every run is trained already")
+    else:
+        threads, timings = fastest_threads(p.preset)
+        view.line(threads_line(timings, threads))
     opts = WorkerOptions(data_dir=data_dir, runs_dir=out / "runs", threads=threads,
                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     stop = StopRequest()  # the worker's own: a signal checkpoints the run in training and stops

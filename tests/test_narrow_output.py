@@ -126,3 +126,28 @@ def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
     tables = done.stdout.split("┏")
     assert f"{folder}/train.bin" in column(tables[1], 2)  # the rows' paths, each whole
     assert column(tables[2], 1) == "installed-docs"
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_data_prepares_progress_lines_fit_the_terminal(monkeypatch, width):
+    """At 80 columns the bar (20), a 12-digit count and a rate of '123,456,789 tokens/s' took
+    about 90: rich wrapped the rate's unit onto a line of its own."""
+    import io
+
+    from rich.console import Console
+
+    from fibctl.cli import data
+
+    monkeypatch.setattr(data, "err_console", Console(file=io.StringIO(), width=width, force_terminal=True,
+                                                     color_system=None))
+    progress = data.token_progress()
+    for name, unit, done, speed in (("fineweb_edu_val tokens", "tokens", 987_654_321, 123_456_789.0),
+                                    ("tokenizer sample", "chars", 200_000_000, 2.5e9),
+                                    ("installed docs", "packages", 7, 0.5)):
+        task = progress.add_task(name, total=10**9, unit=unit)
+        progress.update(task, completed=done)
+        progress.tasks[-1].finished_speed = speed
+    data.err_console.print(progress.make_tasks_table(progress.tasks))
+    lines = data.err_console.file.getvalue().splitlines()
+    assert len(lines) == 3 and max(map(len, lines)) <= width, lines
+    assert "123M tokens/s" in lines[0] and "2.5G chars/s" in lines[1] and "0.5 packages/s" in lines[2]

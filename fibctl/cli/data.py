@@ -25,20 +25,30 @@ app.add_typer(data_app, name="data")
 
 
 class _RateColumn(ProgressColumn):
-    """Tokens (or chars, or packages) per second."""
+    """Tokens (or chars, or packages) per second, in at most 5 characters before the unit."""
 
     def render(self, task: Task) -> Text:
         speed = task.finished_speed or task.speed
         unit = task.fields.get("unit", "")
-        return Text(f"{speed:,.0f} {unit}/s" if speed else "", style="progress.data.speed")
+        if not speed:
+            return Text("")
+        scaled = next(((speed / 10**p, s) for p, s in ((9, "G"), (6, "M"), (3, "k")) if speed >= 10**p), (speed, ""))
+        return Text(f"{scaled[0]:.3g}{scaled[1]} {unit}/s", style="progress.data.speed")
+
+
+# the columns beside the bar: the description (22), the count and its unit (21: "packages"),
+# the rate (16), the time (7) and the spaces between: the bar takes what is left, up to 20
+BESIDE_THE_BAR = 70
 
 
 def token_progress(plain: bool = False) -> Progress:
     """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain,
     nor when stderr is not a terminal (a log: stopped there, the bars left a blank line before
-    the error or summary)."""
+    the error or summary). The bar is as wide as the terminal leaves (none below 5), so that
+    a line fits 80 columns."""
+    room = min(20, err_console.width - BESIDE_THE_BAR)
     return Progress(
-        TextColumn("{task.description:<22}"), BarColumn(bar_width=20),
+        TextColumn("{task.description:<22}"), *([BarColumn(bar_width=room)] if room >= 5 else []),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
         console=err_console, disable=plain or not err_console.is_terminal, transient=True,  # an error is one line
     )

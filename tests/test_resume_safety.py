@@ -15,41 +15,10 @@ from fibctl import queue
 from fibctl.errors import WorkerError
 from fibctl.flows.worker import WorkerOptions, work
 from fibctl.train import checkpoint as ckpt
-from train_helpers import Quiet, micro_run, queued_db, write_data
+from test_crash import LONG, assert_same_run, data, reference, rows  # noqa: F401 (fixtures: an uninterrupted run)
+from train_helpers import Quiet, micro_run, queued_db
 
 torch.set_num_threads(1)
-# checkpoints every 10 steps, keeping 2; a train_steps row every 5 (micro), evaluations every 10
-LONG = dict(steps=30, eval_interval=10, checkpoint_interval=10, keep_checkpoints=2)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
-def reference(data, tmp_path_factory):
-    """Final weights and rows of an uninterrupted run."""
-    path = tmp_path_factory.mktemp("ref")
-    engine = queued_db(path / "r.db", micro_run("run", **LONG))
-    [outcome] = work(engine, WorkerOptions(data_dir=data, runs_dir=path / "runs"), Quiet())
-    assert outcome.status == "done"
-    return ckpt.load_checkpoint(outcome.checkpoint)["model"], rows(path / "r.db")
-
-
-def rows(db) -> dict:
-    c = sqlite3.connect(db)
-    return {"train_steps": c.execute("select step, loss, lr, grad_norm from train_steps order by step").fetchall(),
-            "evaluations": c.execute("select step, dataset, eval_length, tokens, loss from evaluations "
-                                     "order by step, dataset, eval_length").fetchall(),
-            "alphas": c.execute("select step, layer, alpha from alphas order by step, layer").fetchall()}
-
-
-def assert_same_run(db, outcome, reference):
-    weights, ref_rows = ckpt.load_checkpoint(outcome.checkpoint)["model"], reference[1]
-    for k, v in reference[0].items():
-        assert torch.equal(weights[k], v), k
-    assert rows(db) == ref_rows
 
 
 def opts(data, runs):
@@ -128,7 +97,7 @@ def test_a_checkpoint_past_what_a_restored_database_records_is_refused(data, tmp
         assert code in (0, None), err
     [outcome] = work(engine, opts(data, runs), Quiet())
     assert outcome.status == "done"
-    assert_same_run(db, outcome, reference)
+    assert_same_run(db, ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
 
 
 # ----------------------------------------------------------------------------- retry --from-start
@@ -178,4 +147,4 @@ def test_a_checkpoint_written_before_a_retry_from_start_is_not_resumed(at, data,
     stop_at(engine, data, moved, 13)
     [outcome] = work(engine, opts(data, moved), Quiet())
     assert outcome.status == "done"
-    assert_same_run(db, outcome, reference)
+    assert_same_run(db, ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)

@@ -5,7 +5,6 @@ older copy). Either would finish the run with its history missing, silently."""
 from __future__ import annotations
 
 import sqlite3
-import sys
 import threading
 
 import pytest
@@ -15,7 +14,7 @@ from fibctl import queue
 from fibctl.errors import WorkerError
 from fibctl.flows.worker import WorkerOptions, work
 from fibctl.train import checkpoint as ckpt
-from test_crash import LONG, assert_same_run, data, reference, rows  # noqa: F401 (fixtures: an uninterrupted run)
+from test_crash import LONG, assert_same_run, cli, data, reference, rows  # noqa: F401 (fixtures: an uninterrupted run)
 from train_helpers import Quiet, micro_run, queued_db
 
 torch.set_num_threads(1)
@@ -39,16 +38,6 @@ def copy_db(source, target):
     """A consistent copy of a SQLite database (what a backup, or restoring one, writes)."""
     with sqlite3.connect(source) as src, sqlite3.connect(target) as dst:
         src.backup(dst)
-
-
-def cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    from fibctl.cli import main
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 # ----------------------------------------------------------------------------- a database behind its checkpoints

@@ -36,6 +36,17 @@ def main() -> None:
             signal.signal(signal.SIGINT, previous)
 
 
+def program() -> None:
+    """The installed `fibctl` and `python -m fibctl`: `main`, after which nothing is left to
+    stop. A Ctrl-C while Python shuts down (the command has ended and said how) is ignored:
+    it ended the process by SIGINT, without a word, after a command that had succeeded."""
+    try:
+        main()
+    finally:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def importing(frame=None) -> bool:
     """Whether torch, or one of its modules, is being imported in this process; or `frame`
     (where a signal landed) is the import machinery's, which may be running its callbacks
@@ -76,4 +87,4 @@ def _send_when_imported() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    program()

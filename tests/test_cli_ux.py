@@ -416,7 +416,7 @@ def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["fibctl"] == "fibctl.__main__:main"  # the program starts there too, not in fibctl.cli
+    assert scripts["fibctl"] == "fibctl.__main__:program"  # the program starts there too, not in fibctl.cli
 
 
 def test_ctrl_c_while_torch_imports_is_held_until_the_import_is_over():
@@ -461,6 +461,18 @@ def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
               "    print('raised', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "held\nraised\n", "")
+
+
+def test_a_ctrl_c_while_python_shuts_down_after_the_command_is_ignored():
+    """Sent once the command had ended (its output written), a Ctrl-C ended Python by SIGINT
+    (-2 to Popen) without a word, after a command that succeeded."""
+    script = ("import atexit, os, signal, sys\n"
+              "import fibctl.__main__ as entry\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), print('sent', flush=True)))\n"
+              "sys.argv = ['fibctl', 'matrix', 'list']\n"
+              "entry.program()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.splitlines()[-1], done.stderr) == (0, "sent", ""), done
 
 
 def test_the_program_leaves_sigint_s_handler_as_it_found_it(monkeypatch):

@@ -193,6 +193,20 @@ def test_sources_that_cut_the_same_files_otherwise_are_refused(a, b, words, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_key_of_all_the_text_fields_in_order_is_the_whole_text():
+    """Keyed by every text field in order, a document's key is its text: a source reading the
+    same files without the key cuts and keys them alike, and is not refused."""
+    from fibctl.data.recipe import parse_recipe
+
+    r = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": name, "kind": "local", "format": "json", "files": ["/x/notes.jsonl"], "text": ["title", "body"],
+         "share": 0.25 if name == "c" else 0.375, **extra}
+        for name, extra in (("a", {"heldout_by": ["title", "body"], "heldout": "a_val"}), ("b", {}),
+                            ("c", {"heldout_by": ["body", "title"]}))]})
+    a, b, c = r.sources
+    assert prep._document_rule(a) == prep._document_rule(b) != prep._document_rule(c)
+
+
 def test_the_tokenizer_sample_cuts_long_runs_without_whitespace():
     doc = "intro text " + "acgt" * 5000 + " middle " + "x" * 9000 + " end"
     pieces = list(prep._pieces(doc))

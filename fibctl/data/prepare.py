@@ -224,7 +224,9 @@ def _document_rule(source: Source) -> dict:
     rule = {}
     if source.kind in ("hub", "local"):
         rule["text"] = list(source.text)
-        rule["heldout_by"] = list(source.heldout_by) if source.heldout_by else None
+        # all its text fields, in order: the whole text, as without the key
+        keyed = source.heldout_by and list(source.heldout_by) != list(source.text)
+        rule["heldout_by"] = list(source.heldout_by) if keyed else None
     if source.kind == "local":
         rule["format"] = source.format
         if source.format == "text":

@@ -18,8 +18,8 @@ def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
     whether a process killed mid-write left it."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.part{path.suffix}")
-    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
-    try:
+    try:  # from its making: a Ctrl-C landing between the two would leave it behind
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
         write(tmp)
         os.replace(tmp, path)
     except BaseException:

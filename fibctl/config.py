@@ -374,16 +374,17 @@ class RunConfig:
 
     def diff(self, other: "RunConfig") -> list[str]:
         """Dotted names of the fields that differ, for error messages."""
-        a, b = _flatten(self.to_dict()), _flatten(other.to_dict())
+        a, b = flatten(self.to_dict()), flatten(other.to_dict())
         return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A config's dict as one level of dotted keys (`model.schedule`, `train.lr`)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out

@@ -14,7 +14,6 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 from sqlalchemy import and_, bindparam, case, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine
@@ -103,10 +102,11 @@ def check_named(names: Sequence[str], hint: str = "") -> Callable[[Engine], None
     evaluation's find_runs use, before either may upgrade the database."""
     def check(engine: Engine) -> None:
         with engine.connect() as conn:
-            known = _run_names(conn)
-        missing = sorted(set(names) - set(known))
-        if missing:
-            raise no_run_named(missing, known, " in the database", hint)
+            found = set(conn.execute(select(Run.name).where(Run.name.in_(list(names)))).scalars()) \
+                if _has_runs(conn) else set()
+            missing = sorted(set(names) - found)
+            if missing:  # every name read only now, for the closest
+                raise no_run_named(missing, _run_names(conn), " in the database", hint)
     return check
 
 
@@ -129,31 +129,8 @@ def check_cancel(name: str) -> Callable[[Engine], None]:
 def check_retry(name: str, files: Callable[[str | None, str | None], None] | None = None
                 ) -> Callable[[Engine], None]:
     """`files(runs_dir, checkpoint_path)`, as recorded: retry_from_start's own check of the
-    run's folder (and of the one it last trained in), run here too so that its refusal comes
-    before any upgrade."""
-    return _then_files(_check_status(name, lambda status: _not_from(name, status, RETRY_FROM, "retry")), name,
-                       files and _and_where_it_trained(name, files))
-
-
-def _and_where_it_trained(name: str, files: Callable[[str | None, str | None], None]
-                          ) -> Callable[[str | None, str | None], None]:
-    """`files`, then the same refusal for a checkpoint left in the folder the run last trained
-    in (runs.runs_dir), whatever --runs-dir the retry was given: a worker pointed there would
-    find it after the retry deleted the rows it recorded (it refuses it: Trainer._check_recorded)."""
-    def check(runs_dir: str | None, checkpoint_path: str | None) -> None:
-        files(runs_dir, checkpoint_path)
-        if not runs_dir:
-            return
-        from fibctl.train import checkpoint as ckpt  # torch: the caller has loaded it (retry_from_start)
-
-        folder = (ckpt.resolve_path(checkpoint_path, Path(runs_dir), name).parent if checkpoint_path
-                  else Path(runs_dir) / name)
-        left = ckpt.latest_checkpoint(folder)
-        if left is not None:
-            raise FibctlError(f"{left} is still there (run {name!r} last trained in {runs_dir}): `fibctl queue "
-                              f"retry {name}` resumes from it; to train from step 0 anyway, move {folder} away "
-                              "first. Nothing was changed")
-    return check
+    run's folder, run here too so that its refusal comes before any upgrade."""
+    return _then_files(_check_status(name, lambda status: _not_from(name, status, RETRY_FROM, "retry")), name, files)
 
 
 def check_remove(name: str, files: Callable[[str | None, str | None], None] | None = None
@@ -309,9 +286,8 @@ def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str
     would pair them with its step-0 alphas): a run none of whose checkpoints loads. Rows at
     step 0 (its initial alphas) and events stay.
     `check(runs_dir, checkpoint_path)` (where it last trained, what it recorded) runs in the
-    transaction before the delete, followed by the same check of the folder it last trained
-    in: what either raises (a checkpoint in the run's folder that a retry would resume from)
-    keeps everything as it was. The `retried` event (data `from_step` 0) counts the restart
+    transaction before the delete: what it raises (a checkpoint in the run's folder that a
+    retry would resume from) keeps everything as it was. The `retried` event (data `from_step` 0) counts the restart
     (`recorded_progress`): a worker then refuses the checkpoints written before it."""
     from sqlalchemy import delete
 
@@ -323,7 +299,7 @@ def retry_from_start(engine: Engine, name: str, check: Callable[[str | None, str
             status=RunStatus.QUEUED, attempts=0, error=None, worker=None, host=None, device=None,
             heartbeat_at=None, started_at=None, finished_at=None, checkpoint_path=None, tokens_trained=None,
             wall_seconds=None, final_step=None), "retry")
-        _and_where_it_trained(name, check)(row.runs_dir, row.checkpoint_path)
+        check(row.runs_dir, row.checkpoint_path)
         discarded = {t.__tablename__: conn.execute(delete(t).where(t.run_id == run_id, t.step > 0)).rowcount
                      for t in (TrainStep, Evaluation, PositionLoss, Alpha)}
         discarded[AuxMetric.__tablename__] = conn.execute(delete(AuxMetric).where(AuxMetric.run_id == run_id)).rowcount

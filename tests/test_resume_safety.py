@@ -104,8 +104,8 @@ def test_retry_from_start_looks_in_the_folder_the_run_last_trained_in(data, tmp_
     code, _, err = cli(["queue", "retry", "run", "--from-start", "--runs-dir", str(tmp_path / "elsewhere"),
                         "--db", str(db)], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: {runs / 'run' / 'step_00000013.pt'} is still there (run 'run' last trained in "
-                          f"{runs.resolve()}): `fibctl queue retry run` resumes from it"), err
+    assert err.startswith(f"error: {runs.resolve() / 'run' / 'step_00000013.pt'} is still there: `fibctl queue "
+                          "retry run` resumes from it"), err
     assert rows(db) == before and status(db)[0] == "cancelled"
 
 

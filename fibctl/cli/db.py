@@ -315,13 +315,16 @@ def queue_retry(ctx: typer.Context,
         from fibctl.train import checkpoint as ckpt
 
         def check(recorded_dir: str | None, recorded: str | None) -> None:
-            where = runs_dir or Path(recorded_dir or "runs")
-            folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
-            left = ckpt.latest_checkpoint(folder)
-            if left is not None:
-                raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or from "
-                                  f"the newest that loads); to train from step 0 anyway, move {folder} away "
-                                  "first. Nothing was changed")
+            # --runs-dir's folder, and the one it last trained in whatever --runs-dir says: a
+            # worker given that one would find the checkpoint after the rows were deleted
+            for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
+                                        *([Path(recorded_dir)] if recorded_dir else [])]):
+                folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
+                left = ckpt.latest_checkpoint(folder)
+                if left is not None:
+                    raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or "
+                                      f"from the newest that loads); to train from step 0 anyway, move {folder} "
+                                      "away first. Nothing was changed")
 
     # on the database as it is, before any upgrade: a refusal leaves it as it was
     checks = None if all_failed else queue.check_retry(name, check if from_start else None)

@@ -17,6 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
+from fibctl.config import flatten
 from fibctl.errors import FibctlError, WorkerError, first_line
 
 LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -34,17 +35,6 @@ def check_loggers(names) -> tuple[str, ...]:
         except ImportError:
             raise FibctlError(f"--log-to {name} needs the {extra} package: pip install -e '.[{extra}]'") from None
     return names
-
-
-def flat_settings(config: dict, prefix: str = "") -> dict:
-    """A run's config as one level of dotted keys (`model.schedule`, `train.lr`)."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_settings(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class TensorBoardSink:
@@ -66,7 +56,7 @@ class TensorBoardSink:
         schedule, W or lr, against their training loss."""
         from torch.utils.tensorboard.summary import hparams
 
-        settings = {key: value for key, value in flat_settings(config).items()
+        settings = {key: value for key, value in flatten(config).items()
                     if isinstance(value, (bool, int, float, str))}
         for summary in hparams(settings, {"train/loss": math.nan}):
             self.writer.file_writer.add_summary(summary)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, text
 from typer.testing import CliRunner
 
 from fibctl.cli import app
@@ -44,8 +44,9 @@ def ro(db: str):
 
 
 def add_run(conn, name: str, schedule: str, *, base="fib", window=8, seed=42, T=128, preset="tiny",
-            matrix="demo") -> int:
-    config = RunConfig.resolve(name, matrix, preset, schedule=schedule, base=base, window=window, seed=seed)
+            matrix="demo", **train) -> int:
+    config = RunConfig.resolve(name, matrix, preset, schedule=schedule, base=base, window=window, seed=seed,
+                               **train)
     dense = schedule == "dense"
     return conn.execute(insert(schema.Run).values(
         name=name, matrix=matrix, preset=preset, base=None if dense else base, schedule=schedule,
@@ -376,6 +377,36 @@ def test_a_value_measured_on_fewer_tokens_or_seeds_is_said_under_the_table(tmp_p
     assert said in t5.notes and not [n for n in t5.notes if "f42" in n or "fib fixed" in n]
     assert ("Fewer seeds: fib stagger's mean and std are over seeds 42, 43 only (no final docs_val perplexity "
             "for seed 44).") in t5.notes
+
+
+def test_settings_that_differ_between_a_tables_runs_are_said_under_it(tmp_path):
+    """A sweep's runs (`queue add --set train.lr=...`) share base, schedule and W: without a note
+    their rows read as one recipe. A micro-batch split with the same tokens per step is not said."""
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        runs = {"dense": add_run(conn, "dense", "dense"), "fixed": add_run(conn, "fixed", "fixed"),
+                "stagger": add_run(conn, "stagger", "stagger", batch_size=8, grad_accum=2),
+                "fixed_lr1e-3": add_run(conn, "fixed_lr1e-3", "fixed", lr=1e-3)}
+        for rid in runs.values():
+            for length in DEMO_LENGTHS:
+                add_eval(conn, rid, length, 20.0)
+    engine.dispose()
+    lr = "Differs between these runs: train.lr: 0.001 (fixed_lr1e-3); 0.003 (the other 3 runs)."
+    assert tables.table1(ro(db), dense=True).notes == [lr]
+    assert lr in tables.table3(ro(db)).notes
+    assert [n for n in tables.table1(ro(db)).notes if n.startswith("Differs")] == [
+        "Differs between these runs: train.lr: 0.001 (fixed_lr1e-3); 0.003 (fixed, stagger)."]
+    with connect(db).begin() as conn:  # one recipe again: no note
+        conn.execute(text("DELETE FROM evaluations WHERE run_id = :r"), {"r": runs["fixed_lr1e-3"]})
+    assert not [n for n in tables.table1(ro(db), dense=True).notes if n.startswith("Differs")]
+    with connect(db).begin() as conn:  # another preset: every setting it changes is named, a few at most
+        conn.execute(text("UPDATE runs SET config_json = :c WHERE name = 'fixed'"), {"c": RunConfig.resolve(
+            "fixed", "demo", "micro", schedule="fixed").to_json()})
+    notes = [n for n in tables.table1(ro(db), dense=True).notes if n.startswith("Differs")]
+    assert notes[:2] == ["Differs between these runs: preset: micro (fixed); tiny (dense, stagger).",
+                         "Differs between these runs: model.d_model: 64 (fixed); 192 (dense, stagger)."]
+    assert len(notes) == tables.MAX_SETTINGS_SAID + 1 and "9 more setting(s) (model.seq_len" in notes[-1] and "queue show" in notes[-1]
 
 
 def test_the_shown_sql_reproduces_the_numbers(study):

@@ -17,7 +17,7 @@ from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES
+from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, flatten
 from fibctl.errors import FibctlError
 from fibctl.schedules import deviations
 
@@ -149,6 +149,61 @@ def deviation_notes(engine: Engine, runs) -> list[str]:
             + [f"Deviation: {', '.join(sorted(who))}: {note}." for note, who in sorted(defined.items())])
 
 
+# settings a table's identity columns show, or that change no number it holds
+NOT_SETTINGS = {"name", "matrix", "seed", "data_seed", "init_seed", "model.schedule", "model.base",
+                "model.window", "train.log_interval", "train.checkpoint_interval", "train.keep_checkpoints"}
+MAX_SETTINGS_SAID = 4
+
+
+def settings_notes(engine: Engine, runs) -> list[str]:
+    """A note per setting that differs between a table's runs beyond what its columns show (a
+    sweep's lr, another preset): otherwise two rows read as the same recipe. Micro-batches are
+    a memory choice: batch_size and grad_accum are said only when their product differs."""
+    names = set(runs)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, config_json FROM runs")).all()
+    settings: dict[str, dict] = {}
+    for name, config_json in rows:
+        if name in names:
+            try:
+                config = json.loads(config_json)
+                flat = flatten(config) if isinstance(config, dict) else {}
+            except (ValueError, TypeError, RecursionError):
+                continue
+            # the probe's settings: None on every other run, and the probe's runs are Table 2's
+            settings[name] = {k: v for k, v in flat.items() if k != "probe" and not k.startswith("probe.")}
+    if len(settings) < 2:
+        return []
+    keys = sorted(set().union(*settings.values()) - NOT_SETTINGS, key=lambda k: (k != "preset", k))
+    varied = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in settings.values()}) > 1]
+    per_step = {(s.get("train.batch_size") or 0) * (s.get("train.grad_accum") or 0) for s in settings.values()}
+    if len(per_step) == 1:
+        varied = [k for k in varied if k not in ("train.batch_size", "train.grad_accum")]
+    notes = [f"Differs between these runs: {k}: {_by_value(settings, k)}." for k in varied[:MAX_SETTINGS_SAID]]
+    if len(varied) > MAX_SETTINGS_SAID:
+        rest = varied[MAX_SETTINGS_SAID:]
+        notes.append(f"Differs between these runs: {len(rest)} more setting(s) ({', '.join(rest[:6])}"
+                     f"{', ...' if len(rest) > 6 else ''}); `fibctl queue show NAME` shows a run's.")
+    return notes
+
+
+def _by_value(settings: dict[str, dict], key: str) -> str:
+    """Each value of `key` with the runs that have it, the value most runs share last."""
+    groups: dict[str, list[str]] = {}
+    for name, flat in sorted(settings.items()):
+        value = flat.get(key)
+        shown = "(unset)" if value is None else value if isinstance(value, str) else json.dumps(value)
+        groups.setdefault(shown, []).append(name)
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    parts = []
+    for i, (value, who) in enumerate(ordered):
+        if i == len(ordered) - 1 and len(who) > 2:
+            parts.append(f"{value} (the other {len(who)} runs)")
+        else:
+            parts.append(f"{value} ({', '.join(who[:3])}{f' and {len(who) - 3} more' if len(who) > 3 else ''})")
+    return "; ".join(parts)
+
+
 def budget_notes(long: pd.DataFrame) -> list[str]:
     """A note per value read from a measurement on fewer tokens than the same run's largest at
     that set and length (`tokens`, `most_tokens`; NULL where unknown, as in the study's JSON
@@ -209,7 +264,8 @@ ORDER BY r.name, e.dataset"""
         frame, extra = _beside(frame, other, cols, compare_label)
         formats.update(extra)
         title += f", beside {compare_label}"
-    notes = (deviation_notes(engine, frame["Run"]) if "Run" in frame else []) + budgets
+    notes = (deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"]) if "Run" in frame
+             else []) + budgets
     if not dense and _has_dense(engine, seed, matrix):  # said, or the reader looks for it in vain
         notes.append("the dense baseline is left out, as in the paper; --dense adds it")
     return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
@@ -401,7 +457,7 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    notes = left_out + deviation_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
+    notes = left_out + deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
     return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 
@@ -482,7 +538,8 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", matrix_params(matr
                                      "gap": "gap"})
     title = (f"Table 4: mean {dataset_label(dataset)} loss by position bin "
              f"(fib W{window}, seed {seed})")
-    return Table("table4", title, frame, sql_text, {c: loss for c in labels.values()})
+    return Table("table4", title, frame, sql_text, {c: loss for c in labels.values()},
+                 notes=settings_notes(engine, long["run"]))
 
 
 def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
@@ -529,7 +586,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ma
     title = f"Table 5: {dataset_label(dataset)} perplexity across seeds (W={window})"
     notes = ["Varied: which seeds differ between the replicates (init: the initial weights; "
              "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset) \
-        + deviation_notes(engine, long["run"]) + budget_notes(long)
+        + deviation_notes(engine, long["run"]) + settings_notes(engine, long["run"]) + budget_notes(long)
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
 
 

@@ -279,3 +279,15 @@ def test_up_to_eight_runs_of_repeated_schedules_get_a_colour_each(tmp_path, draw
     figures.curves(connect_readonly(many_runs_db), tmp_path / "many.png")  # 13 runs: by schedule
     colors = {to_hex(line.get_color()) for line in drawn[1].axes[0].get_lines()}
     assert colors == {to_hex(figures.SCHEDULE_COLORS[s]) for s in ("dense", "fixed", "stagger")}
+
+
+@pytest.mark.parametrize("name", list(figures.FIGURES))
+def test_figure_no_title_leaves_the_title_to_a_papers_caption(db, tmp_path, monkeypatch, name):
+    titles, save = [], figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: titles.append(fig.get_suptitle()) or save(fig, path))
+    args = ["figure", name, "--out", str(tmp_path / f"{name}.svg")] + ([] if name == "coverage" else ["--db", db])
+    for extra in ([], ["--no-title"]):
+        r = CliRunner().invoke(app, args + extra)
+        assert r.exit_code == 0, r.output
+    assert titles[0] and titles[1] == ""
+    assert figures._TITLED.get()  # the next figure drawn in this process has its title again

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -217,6 +217,8 @@ def figure(
         "--preset", help="coverage: take layers and length from this preset.")] = "paper",
     layers: Annotated[int | None, typer.Option("--layers", help="coverage: number of layers (overrides the preset).")] = None,
     length: Annotated[int | None, typer.Option("--length", help="coverage: sequence length T (overrides the preset).")] = None,
+    no_title: Annotated[bool, typer.Option(
+        "--no-title", help="No title above the panels, for a paper whose caption says it.")] = False,
 ) -> None:
     """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
     if name not in figures.FIGURES:
@@ -224,21 +226,22 @@ def figure(
     _check_figure_options(ctx, name)
     path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:
-        if name == "coverage":
-            model = get_preset(preset).model
-            bad = [f"--{option} >= {least} (got {value})" for option, value, least in
-                   (("layers", layers, 1), ("length", length, 2), ("window", window, 0))
-                   if value is not None and value < least]  # only what was given: unset is the preset's
-            if bad:
-                raise FibctlError(f"coverage needs {' and '.join(bad)}")
-            figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
-                             n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
-        else:
-            draw = figures.FIGURES[name]
-            engine = open_for_reports(db, matrix=matrix, dataset=dataset, run=run)
-            with _reading():
-                draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix,
-                                                        window=window, run=run))
+        with figures.untitled() if no_title else nullcontext():
+            if name == "coverage":
+                model = get_preset(preset).model
+                bad = [f"--{option} >= {least} (got {value})" for option, value, least in
+                       (("layers", layers, 1), ("length", length, 2), ("window", window, 0))
+                       if value is not None and value < least]  # only what was given: unset is the preset's
+                if bad:
+                    raise FibctlError(f"coverage needs {' and '.join(bad)}")
+                figures.coverage(path, base=base, schedules=tuple(schedule or ("fixed", "stagger")), window=window,
+                                 n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
+            else:
+                draw = figures.FIGURES[name]
+                engine = open_for_reports(db, matrix=matrix, dataset=dataset, run=run)
+                with _reading():
+                    draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix,
+                                                            window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)
@@ -255,7 +258,7 @@ def _check_figure_options(ctx: typer.Context, name: str) -> None:
     else:
         taken = tuple(inspect.signature(figures.FIGURES[name]).parameters)
     for param in ctx.command.params:
-        if param.name not in ("name", "out", "db") and param.name not in taken and typed(ctx, param.name):
+        if param.name not in ("name", "out", "db", "no_title") and param.name not in taken and typed(ctx, param.name):
             flag = max(param.opts, key=len)
             raise FibctlError(f"{flag} does not apply to the {name} figure")
 

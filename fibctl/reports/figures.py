@@ -13,6 +13,8 @@ data give the same bytes (no creation date in the PDF).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import textwrap
@@ -104,9 +106,24 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return replace_file(path, lambda tmp: fig.savefig(tmp, metadata=metadata))
 
 
+# off for `figure --no-title`: a paper's caption says what the title would
+_TITLED = contextvars.ContextVar("titled", default=True)
+
+
+@contextlib.contextmanager
+def untitled():
+    """Figures drawn inside have no title above their panels (the panels keep theirs)."""
+    token = _TITLED.set(False)
+    try:
+        yield
+    finally:
+        _TITLED.reset(token)
+
+
 def _title(fig: Figure, title: str) -> None:
     """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt)."""
-    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 72 / 6)))
+    if _TITLED.get():
+        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 72 / 6)))
 
 
 def run_style(schedule: str, base, window) -> dict:

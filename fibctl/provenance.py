@@ -38,5 +38,5 @@ def provenance(manifest=None) -> dict:
                  git_commit=git_commit(), torch_version=torch.__version__, cuda_version=torch.version.cuda,
                  command_line=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])[:2000])
     if manifest is not None:
-        facts.update(data_hash=manifest.inputs_hash, tokenizer_hash=manifest.tokenizer_hash)
+        facts.update(data_hash=manifest.data_hash, tokenizer_hash=manifest.tokenizer_hash)
     return facts

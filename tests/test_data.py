@@ -470,3 +470,20 @@ def test_a_documents_own_end_of_text_marker_is_its_text(tmp_path):
     manifest = prepare(recipe, tmp_path / "out").manifest
     assert [text for text, _ in _documents(tmp_path / "out", "train")] == docs
     assert manifest.sources["a"]["train_documents"] == len(docs)
+
+
+def test_the_same_corpus_prepared_elsewhere_is_the_same_data(corpora, built, tmp_path):
+    """The corpus copied to another disk and touched prepares again (its inputs hash, of paths
+    and times, changed) into the same streams: the data's hash, which runs and checkpoints
+    record and `eval` and a resume check, is the same, so the runs trained on it stay usable."""
+    import os
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(corpora, moved, ignore=shutil.ignore_patterns("out"))
+    os.utime(moved / "books" / "b00.txt")
+    again = load_manifest(prepare(load_recipe(_recipe_file(moved)), moved / "out").manifest.data_dir)
+    first = load_manifest(built)
+    assert again.inputs_hash != first.inputs_hash
+    assert again.data_hash == first.data_hash and again.holds(first.data_hash)
+    assert (again.data_dir / "train.bin").read_bytes() == (built / "train.bin").read_bytes()

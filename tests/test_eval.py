@@ -14,6 +14,7 @@ from fibctl.cli import app
 from fibctl.config import SCHEDULES
 from fibctl.flows.evaluation import evaluate
 from fibctl.flows.worker import WorkerOptions, work
+from fibctl.hashes import file_hash
 from train_helpers import HELDOUT, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
@@ -148,6 +149,49 @@ def test_eval_refuses_a_checkpoint_of_another_config(trained, tmp_path):
     with pytest.raises(FibctlError, match="has config hash .* it is another run's"):
         evaluate(connect(str(copy)), ["fixed"], [128], data_dir=data)
     assert sqlite3.connect(copy).execute("select count(*) from evaluations").fetchone() == before
+
+
+def test_the_runs_data_is_known_by_its_content_not_by_where_it_was_prepared(tmp_path):
+    """A copy of the data (prepared again from the corpus moved to a cluster's disk, or
+    touched: paths and times, so another inputs hash) evaluates and resumes the run trained
+    on the original; streams of other tokens under the same names are refused. A checkpoint
+    written before runs recorded the content hash holds the inputs hash, still accepted."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from fibctl.data.streams import load_manifest
+    from fibctl.errors import FibctlError
+    from fibctl.train import checkpoint as ckpt
+
+    data = write_data(tmp_path / "data", hashed=True)
+    engine = queued_db(tmp_path / "r.db", micro_run("fixed", **SHORT))
+    work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs"), Quiet())
+    original = load_manifest(data)
+    assert rows(tmp_path / "r.db", "select data_hash from runs") == [(original.data_hash,)]
+    assert original.data_hash != original.inputs_hash
+
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "inputs_hash": "1" * 16}))
+    assert load_manifest(copy).data_hash == original.data_hash
+    assert len(evaluate(engine, ["fixed"], [64], data_dir=copy)) == len(HELDOUT)
+
+    tokens = np.fromfile(copy / "math_val.bin", dtype=np.uint16)
+    tokens[:10] = 7
+    tokens.tofile(copy / "math_val.bin")  # another held-out set under the same name
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "inputs_hash": "1" * 16, "stream_hashes": {
+        **manifest["stream_hashes"], "math_val": file_hash(copy / "math_val.bin")}}))
+    with pytest.raises(FibctlError, match=f"trained on data {original.data_hash} but {copy} has data "
+                                          f"{load_manifest(copy).data_hash}"):
+        evaluate(engine, ["fixed"], [64], data_dir=copy)
+
+    path = tmp_path / "runs" / "fixed" / "step_00000010.pt"
+    state = ckpt.load_checkpoint(path)
+    ckpt.save_checkpoint(tmp_path / "runs" / "fixed", 10, {**state, "data_hash": original.inputs_hash}, keep=2)
+    assert len(evaluate(engine, ["fixed"], [64], data_dir=data)) == len(HELDOUT)  # an older checkpoint's hash
 
 
 def test_eval_refuses_data_other_than_the_runs_own(trained, tmp_path):

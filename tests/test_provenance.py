@@ -30,7 +30,7 @@ def test_a_claimed_run_records_where_and_with_what_it_trained(tmp_path):
     if row.git_commit:
         assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", row.git_commit)
     assert row.command_line
-    assert (row.data_hash, row.tokenizer_hash) == (manifest.inputs_hash, manifest.tokenizer_hash)
+    assert (row.data_hash, row.tokenizer_hash) == (manifest.data_hash, manifest.tokenizer_hash)
 
 
 def test_the_recorded_cpu_device_names_its_threads():

@@ -10,13 +10,16 @@ import numpy as np
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.db.engine import connect
+from fibctl.hashes import file_hash
 from fibctl.queue import add_runs
 
 HELDOUT = ("stories_val", "math_val")
 
 
-def write_data(data_dir: Path, vocab: int = 512, train_tokens: int = 40_000, heldout_tokens: int = 8_192) -> Path:
-    """Token streams with learnable structure (a noisy affine chain), in the data layout."""
+def write_data(data_dir: Path, vocab: int = 512, train_tokens: int = 40_000, heldout_tokens: int = 8_192,
+               *, hashed: bool = False) -> Path:
+    """Token streams with learnable structure (a noisy affine chain), in the data layout; with
+    `hashed`, the manifest records its streams' hashes, as `fibctl data prepare` does."""
     data_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     tokens = {}
@@ -31,7 +34,8 @@ def write_data(data_dir: Path, vocab: int = 512, train_tokens: int = 40_000, hel
     (data_dir / "tokenizer.json").write_text("{}")  # a stand-in: training reads only the streams
     DataManifest(data_dir=data_dir, recipe="test", recipe_hash="0" * 16, inputs_hash="0" * 16,
                  vocab_size=vocab, tokenizer_vocab=vocab, tokenizer_hash="0" * 16, eos_id=0,
-                 heldout=list(HELDOUT), tokens=tokens).write()
+                 heldout=list(HELDOUT), tokens=tokens,
+                 stream_hashes={s: file_hash(data_dir / f"{s}.bin") for s in tokens} if hashed else {}).write()
     return data_dir
 
 

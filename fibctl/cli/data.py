@@ -149,8 +149,10 @@ def recipes_cmd() -> None:
 
 def _print_manifest(m: DataManifest) -> None:
     # the recipe's name is free text: a control code in it is shown, not obeyed
-    console.print(plain(f"recipe {m.recipe} ({m.recipe_hash}); vocab {m.vocab_size:,} "
-                        f"(tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); eos id {m.eos_id}"))
+    # the data hash, as runs record it (`runs.data_hash`): which runs this folder evaluates
+    console.print(plain(f"recipe {m.recipe} ({m.recipe_hash}); data {m.data_hash}"))
+    console.print(plain(f"vocab {m.vocab_size:,} (tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); "
+                        f"eos id {m.eos_id}"))
     # every cell whole at any width: names and paths fold within their column
     splits, _ = fitted_table(["split", "tokens", "file"],
                              [[split, f"{m.tokens[split]:,}", str(m.split_path(split))] for split in m.splits],

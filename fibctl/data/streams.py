@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fibctl.errors import FibctlError
+from fibctl.hashes import short_hash
 from fibctl.names import check_name
 
 MANIFEST = "manifest.json"
@@ -44,6 +45,22 @@ class DataManifest:
     stream_hashes: dict[str, str] = field(default_factory=dict)
     train_split: str = TRAIN_SPLIT
     _streams: dict = field(default_factory=dict, compare=False, repr=False)  # split -> checked memmap
+
+    @property
+    def data_hash(self) -> str:
+        """What a run trains and is evaluated on, by content: the tokenizer and every split's
+        stream. A copy of the folder, or one prepared again from the same text (the corpus
+        copied elsewhere, or touched), has the same hash, though its inputs hash (paths and
+        times) differs; a folder prepared before its streams were hashed has its inputs hash."""
+        if set(self.stream_hashes) != set(self.splits):
+            return self.inputs_hash
+        return short_hash({"tokenizer": self.tokenizer_hash, "streams": self.stream_hashes,
+                           "vocab_size": self.vocab_size, "train_split": self.train_split})
+
+    def holds(self, data_hash: str) -> bool:
+        """Whether a run recorded as trained on `data_hash` (a checkpoint's, written before
+        runs recorded the content hash: an inputs hash) was trained on this folder's data."""
+        return data_hash in (self.data_hash, self.inputs_hash)
 
     @property
     def tokenizer_path(self) -> Path:

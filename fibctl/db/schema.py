@@ -64,7 +64,7 @@ class Run(Base):
     git_commit: Mapped[str | None] = mapped_column(String(60))  # +dirty: uncommitted changes
     cuda_version: Mapped[str | None] = mapped_column(String(50))
     command_line: Mapped[str | None] = mapped_column(Text)
-    data_hash: Mapped[str | None] = mapped_column(String(64))  # the data manifest's inputs hash
+    data_hash: Mapped[str | None] = mapped_column(String(64))  # the data's content hash (DataManifest.data_hash)
     tokenizer_hash: Mapped[str | None] = mapped_column(String(64))
     optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)

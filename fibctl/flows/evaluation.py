@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from fibctl.config import RunConfig
-from fibctl.data.streams import load_manifest
+from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.schema import Evaluation, Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
@@ -108,7 +108,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     rows = []
     for t in targets:
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
-                              data=(data_dir, manifest.inputs_hash))
+                              data=manifest)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
                                        "tokens_per_s", "speed_batch"])
 
@@ -156,7 +156,7 @@ def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_giv
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
-                  log_to: tuple[str, ...] = (), *, data: tuple[Path, str]) -> list[dict]:
+                  log_to: tuple[str, ...] = (), *, data: DataManifest) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
@@ -167,10 +167,9 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
         raise FibctlError(f"checkpoint {t.checkpoint} holds step {ckpt['step']}, but run {t.run.name!r} finished "
                           f"at step {t.run.final_step}: it is not the run's final checkpoint (was the file "
                           "replaced?)")
-    data_dir, data_hash = data
-    if ckpt.get("data_hash", data_hash) != data_hash:  # its held-out sets are other text: not its results
-        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data_dir} has data "
-                          f"{data_hash}: its results would replace the recorded ones; give the --data it was "
+    if not data.holds(ckpt.get("data_hash", data.data_hash)):  # its held-out sets are other text
+        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data.data_dir} has data "
+                          f"{data.data_hash}: its results would replace the recorded ones; give the --data it was "
                           "trained on")
     # before any is measured, for every schedule: a learned layer cannot even place its rungs
     # at a NaN alpha (floor(nan) raised a ValueError traceback), where the others score NaN

@@ -45,6 +45,7 @@ class ProbeTrainer(Trainer):
         self.probe = config.probe.validate(config.model)
         self.task = MarkedCopy.of(config.model, self.probe)
         self.data_hash, self.heldout = self.task.hash, {}
+        self.holds_data = self.data_hash.__eq__
         self._build(compile=False)
         set_alphas(self.model, probe_alphas(self.probe.init, config.model.n_layers))
         # as the study's probe code trains (docs/method.md): AdamW at lr 1e-3,

@@ -146,7 +146,7 @@ class Trainer:
         manifest = check_data(config, data)
         if group is not None:
             check_split(self.tc.grad_accum, group.world, config.name)
-        self.data_hash = manifest.inputs_hash
+        self.data_hash, self.holds_data = manifest.data_hash, manifest.holds
         self.heldout = {name: manifest.stream(name) for name in manifest.heldout}
         self._build(compile)
         self.sampler = WindowSampler(manifest.stream(manifest.train_split), config.model.seq_len,
@@ -472,7 +472,7 @@ class Trainer:
         if theirs != self.config.config_hash:
             raise WorkerError(f"checkpoint {path} has config hash {theirs} but run {self.config.name!r} has "
                               f"{self.config.config_hash}: it is another run's; use this run's own --runs-dir")
-        if state.get("data_hash", self.data_hash) != self.data_hash:
+        if not self.holds_data(state.get("data_hash", self.data_hash)):
             raise WorkerError(f"checkpoint {path} was trained on data {state['data_hash']} but "
                               f"{self.config.name!r} would resume on data {self.data_hash}: use the --data it "
                               "was trained on")

@@ -264,7 +264,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     import io
     import random
 
-    from fibctl.data import json_files
+    from fibctl.data import decoding, json_files
 
     rng = random.Random(0)
     pieces = ["漢字", "😀", "\\u00e9", "\\ud83d\\ude00", "\\n", '\\"', "]", ",", "[", "{", " "]
@@ -297,8 +297,8 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"text": "x" * 1000}] * 2000))
     monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
     opened = []
-    real_open = json_files.open_binary
-    monkeypatch.setattr(json_files, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
+    real_open = decoding.open_binary
+    monkeypatch.setattr(decoding, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
     rows = json_files.records(str(path))
     assert next(rows) == {"text": "x" * 1000}
     assert opened[0].tell() < path.stat().st_size // 50

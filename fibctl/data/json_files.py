@@ -5,23 +5,18 @@ The datasets library's JSON builder fixes a source's columns from its first file
 the whole source ("Couldn't cast ... because column names don't match"). Read here, each
 record keeps its own fields. A file is JSON Lines (one object per line, blank lines skipped),
 one array of objects (parsed item by item, so its size is not held in memory), or one object
-spread over lines; a byte-order mark is dropped; `.gz`,
-`.bz2`, `.xz` and (with the zstandard package) `.zst` are decompressed.
+spread over lines; fibctl.data.decoding opens it (decompressed, UTF-8).
 """
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import io
 import itertools
 import json
-import lzma
-import os
 import re
 from collections.abc import Iterator
 from typing import IO
 
+from fibctl.data.decoding import open_text
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
@@ -53,25 +48,10 @@ class _Decoder(json.JSONDecoder):
 _DECODER = _Decoder()
 
 
-NEEDS_ZSTANDARD = "reading .zst files needs the zstandard package: pip install zstandard (or decompress them: zstd -d)"
-
-
-def open_binary(path: str) -> IO[bytes]:
-    """The file's bytes, decompressed by its extension."""
-    ext = os.path.splitext(path)[1]
-    if ext == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise FibctlError(NEEDS_ZSTANDARD) from None
-        return zstandard.open(path, "rb")
-    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(ext, open)(path, "rb")
-
-
 def records(path: str) -> Iterator[dict]:
     """Each record of one JSON file, in order. A line that is not JSON, or a record that is
     not an object, names the file and the line."""
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+    with open_text(path, newline=None) as f:
         name = shown_path(path)  # in messages: one line, whatever the file is called
         start, skipped = _first_char(f)
         if not start:

@@ -13,11 +13,10 @@ JSON files have their own reader, fibctl.data.json_files.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from collections.abc import Iterator
 
-from fibctl.data.json_files import open_binary
+from fibctl.data.decoding import open_text
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
@@ -30,7 +29,7 @@ def text_rows(path: str, sample_by: str) -> Iterator[dict]:
     """A text file's documents as rows of one field, `text`: the whole file, each paragraph
     (lines up to a blank one: empty, or only whitespace) or each line. Line breaks are
     universal: \\r\\n and a lone \\r end a line as \\n does."""
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+    with open_text(path, newline=None) as f:
         if sample_by == "document":
             yield {"text": f.read()}
         elif sample_by == "line":
@@ -58,7 +57,7 @@ def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dic
     mark is part of its cell."""
     name = shown_path(path)
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as f:
+    with open_text(path, newline="") as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = None
         for header in reader:

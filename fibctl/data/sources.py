@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from fibctl.data import generated, installed_docs, json_files, local_files
+from fibctl.data import decoding, generated, installed_docs, json_files, local_files
 from fibctl.data.recipe import Recipe, Source, shown_path
 from fibctl.errors import FibctlError
 
@@ -90,19 +90,10 @@ def _rows(source: Source, files: list[str], read: Callable[[str], Iterable[dict]
         except FibctlError as e:
             raise FibctlError(f"source {source.name!r}: {e}") from None
         except UnicodeDecodeError:
-            raise FibctlError(f"source {source.name!r}: {_not_utf8(path)}") from None
+            raise FibctlError(f"source {source.name!r}: {decoding.not_utf8(path)}") from None
         except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:
             # a damaged or mislabelled compressed file; a parquet file that is not one (ArrowInvalid)
             raise FibctlError(f"source {source.name!r}: cannot read {shown_path(path)}: {_one_line(e)}") from None
-
-
-def _not_utf8(path: str) -> str:
-    """Why a file that failed to decode as UTF-8 is refused, and how to convert it."""
-    with json_files.open_binary(path) as f:  # decompressed: a .gz file's own bytes are not text
-        start = f.read(2)
-    if start in (b"\xff\xfe", b"\xfe\xff"):
-        return f"{shown_path(path)} is UTF-16 text, not UTF-8; convert it (e.g. iconv -f utf-16 -t utf-8)"
-    return f"{shown_path(path)} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 
 
 def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str]]:

@@ -484,10 +484,48 @@ def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
     try:
         import zstandard  # noqa: F401
     except ImportError:
-        with pytest.raises(FibctlError, match="reading .zst files needs the zstandard package"):
+        with pytest.raises(FibctlError, match=r"rows\.jsonl\.zst is zstd-compressed: reading it needs the zstandard package"):
             _docs(recipe, source, tmp_path)
     else:
         assert _docs(recipe, source, tmp_path) == ["first"]
+
+
+@pytest.mark.parametrize("compress", ["gzip", "bz2", "lzma"])
+@pytest.mark.parametrize("name", ["rows.jsonl.GZ", "rows.jsonl.gzip", "rows.tgz", "rows.jsonl", "rows.xz"])
+def test_a_compressed_file_is_read_by_its_first_bytes_whatever_its_name(tmp_path, compress, name):
+    """A gzip file not named .gz was read as text, and refused as "not UTF-8 ... iconv"; one
+    named .xz holding gzip failed in lzma."""
+    import importlib
+
+    (tmp_path / name).write_bytes(importlib.import_module(compress).compress(b'{"text": "first"}\n'))
+    recipe, source = _local(str(tmp_path / name), "json")
+    assert _docs(recipe, source, tmp_path) == ["first"]
+    (tmp_path / "BZh91AY.txt").write_text("BZh91AY is text that begins like bzip2\n")  # no block magic after it
+    recipe, source = _local(str(tmp_path / "BZh91AY.txt"))
+    assert _docs(recipe, source, tmp_path) == ["BZh91AY is text that begins like bzip2"]
+
+
+@pytest.mark.parametrize("name, mode, packed", [("notes.tar", "w", ""), ("notes.tar.gz", "w:gz", " (gzip-compressed)"),
+                                               ("notes.tgz", "w:gz", " (gzip-compressed)"),
+                                               ("notes.tar.xz", "w:xz", " (xz-compressed)"), ("notes.zip", "zip", "")])
+def test_an_archive_is_refused_naming_it(tmp_path, name, mode, packed):
+    """A .tar.gz given to a text source was decompressed and trained on: its tar headers (file
+    names, owners, NUL padding) as text."""
+    import tarfile
+    import zipfile
+
+    notes = _notes(tmp_path, 1)
+    if mode == "zip":
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            z.write(notes / "0.txt", "0.txt")
+    else:
+        with tarfile.open(tmp_path / name, mode) as t:
+            t.add(notes / "0.txt", "0.txt")
+    recipe, source = _local(str(tmp_path / name))
+    kind = "zip" if mode == "zip" else "tar"
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*{re.escape(name)} is a {kind} archive"
+                                          rf"{re.escape(packed)}, not text: unpack it and list its files$"):
+        _docs(recipe, source, tmp_path)
 
 
 @pytest.mark.parametrize("column, held", [

@@ -1,6 +1,10 @@
-"""A local file's bytes and text, for the readers of fibctl.data.json_files and local_files:
-decompressed by its extension (`.gz`, `.bz2`, `.xz`; `.zst` with the zstandard package), read
-as UTF-8 with a byte-order mark dropped. A file that is not UTF-8 is refused, naming it."""
+"""A local file's bytes and text, for the readers of fibctl.data.json_files and local_files.
+
+A file is decompressed by what its first bytes say it is (gzip, bzip2, xz; zstd with the
+zstandard package), whatever its name (`.GZ`, `.tgz`, `.gzip`: decompressed by extension
+alone, such a file was read as text), else by its extension (`.gz`, `.bz2`, `.xz`, `.zst`) (a `.gz` file that is not gzip is refused by the decompressor). Its text
+is read as UTF-8, a byte-order mark dropped. A tar or zip archive is refused, naming the file:
+its headers are not text to train on. A file that is not UTF-8 is refused, naming it."""
 
 from __future__ import annotations
 
@@ -9,29 +13,90 @@ import gzip
 import io
 import lzma
 import os
+import re
 from typing import IO
 
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
-NEEDS_ZSTANDARD = "reading .zst files needs the zstandard package: pip install zstandard (or decompress them: zstd -d)"
+# the first bytes of each compressed format (bzip2's: "BZh", the block size, then the magic
+# of a block or of the stream's end; its first three alone may begin a text)
+_MAGIC = {"gzip": re.compile(rb"\x1f\x8b\x08"), "bzip2": re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"),
+          "xz": re.compile(rb"\xfd7zXZ\x00"), "zstd": re.compile(rb"\x28\xb5\x2f\xfd")}
+_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+
+
+def _open_zstd(path: str, mode: str) -> IO[bytes]:
+    try:
+        import zstandard
+    except ImportError:
+        raise FibctlError(f"{shown_path(path)} is zstd-compressed: reading it needs the zstandard package: "
+                          "pip install zstandard (or decompress it: zstd -d)") from None
+    return zstandard.open(path, mode)
+
+
+_OPENERS = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open, "zstd": _open_zstd}
+
+
+def _compression(path: str) -> str | None:
+    """The format the file is compressed in, by its first bytes, else by its extension."""
+    with open(path, "rb") as f:
+        head = f.read(10)
+    found = [name for name, magic in _MAGIC.items() if magic.match(head)]
+    return found[0] if found else _EXTENSIONS.get(os.path.splitext(path)[1])
 
 
 def open_binary(path: str) -> IO[bytes]:
-    """The file's bytes, decompressed by its extension."""
-    ext = os.path.splitext(path)[1]
-    if ext == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise FibctlError(NEEDS_ZSTANDARD) from None
-        return zstandard.open(path, "rb")
-    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(ext, open)(path, "rb")
+    """The file's bytes, decompressed."""
+    return _OPENERS.get(_compression(path), open)(path, "rb")
+
+
+HEAD_BYTES = 8192  # of a file's (decompressed) bytes, looked at before its text is read
 
 
 def open_text(path: str, newline: str | None) -> IO[str]:
-    """The file's text, decoded as UTF-8 (a byte-order mark dropped); `newline` as open's."""
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", newline=newline)
+    """The file's text, decoded as UTF-8 (a byte-order mark dropped); `newline` as open's. A file
+    whose first bytes are not text is refused, naming it."""
+    raw = open_binary(path)
+    try:
+        head = raw.read(HEAD_BYTES)
+        while len(head) < HEAD_BYTES and (more := raw.read(HEAD_BYTES - len(head))):  # a short read
+            head += more
+        _check_head(path, head)
+    except BaseException:
+        raw.close()
+        raise
+    return io.TextIOWrapper(io.BufferedReader(_Prefixed(head, raw)), encoding="utf-8-sig", newline=newline)
+
+
+class _Prefixed(io.RawIOBase):
+    """The bytes `head`, read from the stream `rest` already, then the rest of it."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]):
+        self._head, self._rest = memoryview(head), rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if not self._head:
+            return self._rest.readinto(b)
+        n = min(len(b), len(self._head))
+        b[:n], self._head = self._head[:n], self._head[n:]
+        return n
+
+    def close(self) -> None:
+        self._rest.close()
+        super().close()
+
+
+def _check_head(path: str, head: bytes) -> None:
+    """Refuse a file whose first bytes say it is not text."""
+    archive = "tar" if head[257:262] == b"ustar" else "zip" if head.startswith(b"PK\x03\x04") else None
+    if archive:  # its member files' headers would be trained on as text
+        packed = _compression(path)
+        raise FibctlError(f"{shown_path(path)} is a {archive} archive{f' ({packed}-compressed)' if packed else ''}, "
+                          "not text: unpack it and list its files")
 
 
 def not_utf8(path: str) -> str:

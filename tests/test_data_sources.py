@@ -751,6 +751,28 @@ def test_a_utf16_file_is_named_as_utf16(tmp_path):
         _docs(recipe, source, tmp_path)
 
 
+@pytest.mark.parametrize("encoding, order", [("utf-16-le", "le"), ("utf-16-be", "be")])
+def test_utf16_without_a_byte_order_mark_is_named_as_utf16(tmp_path, encoding, order):
+    """ASCII in UTF-16 without a byte-order mark is valid UTF-8, a NUL beside each letter: it
+    was read, and trained on, as such."""
+    (tmp_path / "a.txt").write_bytes("some text\nmore text\n".encode(encoding))
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*a\.txt looks like UTF-16 text without a byte-order "
+                                          rf"mark .*iconv -f utf-16{order} -t utf-8\)$"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_binary_data_is_refused_and_a_nul_in_a_text_is_read(tmp_path):
+    """Bytes of many NULs (numbers written as binary) are valid UTF-8: they were trained on."""
+    (tmp_path / "a.txt").write_bytes(b"".join(i.to_bytes(4, "little") for i in range(1, 100)))
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=r"a\.txt looks like binary data, not text: 297 of its first 396 bytes "
+                                          r"are NUL$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "a.txt").write_bytes(b"before\0after, a NUL in a text\n")
+    assert _docs(recipe, source, tmp_path) == ["before\0after, a NUL in a text"]
+
+
 def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
     """Two sources reading one file through a hard link each were taken for other inputs: one
     held its lines out, the other trained on them inside its whole-file document."""

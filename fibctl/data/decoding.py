@@ -3,8 +3,10 @@
 A file is decompressed by what its first bytes say it is (gzip, bzip2, xz; zstd with the
 zstandard package), whatever its name (`.GZ`, `.tgz`, `.gzip`: decompressed by extension
 alone, such a file was read as text), else by its extension (`.gz`, `.bz2`, `.xz`, `.zst`) (a `.gz` file that is not gzip is refused by the decompressor). Its text
-is read as UTF-8, a byte-order mark dropped. A tar or zip archive is refused, naming the file:
-its headers are not text to train on. A file that is not UTF-8 is refused, naming it."""
+is read as UTF-8, a byte-order mark dropped. Refused, naming the file, are: a tar or zip
+archive (its headers are not text to train on), UTF-16 text (with a byte-order mark or without:
+ASCII in UTF-16 is valid UTF-8, a NUL beside each letter), binary data (many NULs), and a file
+that is not UTF-8."""
 
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ def open_binary(path: str) -> IO[bytes]:
 
 
 HEAD_BYTES = 8192  # of a file's (decompressed) bytes, looked at before its text is read
+NUL_SHARE = 10  # a file whose first bytes are more than one NUL in this many is not text
 
 
 def open_text(path: str, newline: str | None) -> IO[str]:
@@ -91,18 +94,28 @@ class _Prefixed(io.RawIOBase):
 
 
 def _check_head(path: str, head: bytes) -> None:
-    """Refuse a file whose first bytes say it is not text."""
+    """Refuse a file whose first bytes say it is not UTF-8 text."""
+    name = shown_path(path)
     archive = "tar" if head[257:262] == b"ustar" else "zip" if head.startswith(b"PK\x03\x04") else None
     if archive:  # its member files' headers would be trained on as text
         packed = _compression(path)
-        raise FibctlError(f"{shown_path(path)} is a {archive} archive{f' ({packed}-compressed)' if packed else ''}, "
+        raise FibctlError(f"{name} is a {archive} archive{f' ({packed}-compressed)' if packed else ''}, "
                           "not text: unpack it and list its files")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise FibctlError(f"{name} is UTF-16 text, not UTF-8; convert it (e.g. iconv -f utf-16 -t utf-8)")
+    # ASCII in UTF-16 without a byte-order mark is valid UTF-8 with a NUL after (or before) each
+    # letter; no text has many NULs, while one NUL in a text is still read as it is
+    nuls = head.count(0)
+    if nuls > 1 and nuls * NUL_SHARE > len(head):
+        odd, even = head[1::2].count(0), head[0::2].count(0)
+        order = "le" if odd > 9 * even else "be" if even > 9 * odd else None
+        if order:
+            raise FibctlError(f"{name} looks like UTF-16 text without a byte-order mark (a NUL byte beside each "
+                              f"letter), not UTF-8; convert it (e.g. iconv -f utf-16{order} -t utf-8)")
+        raise FibctlError(f"{name} looks like binary data, not text: {nuls:,} of its first {len(head):,} bytes "
+                          "are NUL")
 
 
 def not_utf8(path: str) -> str:
     """Why a file that failed to decode as UTF-8 is refused, and how to convert it."""
-    with open_binary(path) as f:  # decompressed: a .gz file's own bytes are not text
-        start = f.read(2)
-    if start in (b"\xff\xfe", b"\xfe\xff"):
-        return f"{shown_path(path)} is UTF-16 text, not UTF-8; convert it (e.g. iconv -f utf-16 -t utf-8)"
     return f"{shown_path(path)} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"

@@ -109,7 +109,28 @@ def test_a_latin1_text_file_is_named(tmp_path):
     notes = _notes(tmp_path)
     (notes / "1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     recipe, source = _local(str(notes / "*.txt"))
-    with pytest.raises(FibctlError, match=r"notes/1\.txt is not UTF-8 text; convert it to UTF-8"):
+    with pytest.raises(FibctlError, match=r"notes/1\.txt is not UTF-8 text: line 1 \(byte 0xe9 at offset 3\); if the "
+                                          r"whole file is in another encoding, convert it to UTF-8 \(e\.g\. iconv -f "
+                                          r"latin1 -t utf-8\), else fix that line$"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("scan", [1, 2, 3, 5, 1 << 20])
+def test_a_stray_byte_in_a_utf8_file_is_named_by_its_line(tmp_path, monkeypatch, scan):
+    """One byte that is not UTF-8 in a UTF-8 file was "not UTF-8 text; convert it (iconv -f
+    latin1)", with no line: converting it garbles every other letter that is not ASCII. Its
+    line and offset are found whatever the chunks the file is read in."""
+    from fibctl.data import decoding
+
+    monkeypatch.setattr(decoding, "UTF8_SCAN_BYTES", scan)
+    (tmp_path / "rows.jsonl").write_bytes('{"text": "café"}\n{"text": "naïve"}\n'.encode() + b'{"text": "a\xff"}\n')
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    with pytest.raises(FibctlError, match=r"^source 'notes': .*rows\.jsonl: line 3 \(byte 0xff at offset 48\) is not "
+                                          r"UTF-8, though the text around it is: fix that line \(converting the whole "
+                                          r"file from another encoding would garble the rest\)$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "rows.jsonl").write_bytes('{"text": "a"}\n{"text": "é'.encode()[:-1])  # cut inside its last letter
+    with pytest.raises(FibctlError, match=r"rows\.jsonl is not UTF-8 text: line 2 \(byte 0xc3 at offset 24\);"):
         _docs(recipe, source, tmp_path)
 
 

@@ -11,6 +11,7 @@ that is not UTF-8."""
 from __future__ import annotations
 
 import bz2
+import codecs
 import gzip
 import io
 import lzma
@@ -116,6 +117,33 @@ def _check_head(path: str, head: bytes) -> None:
                           "are NUL")
 
 
+UTF8_SCAN_BYTES = 1 << 20  # read at a time to find a file's first byte that is not UTF-8
+
+
 def not_utf8(path: str) -> str:
-    """Why a file that failed to decode as UTF-8 is refused, and how to convert it."""
-    return f"{shown_path(path)} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    """Why a file that failed to decode as UTF-8 is refused: the line, offset and value of its
+    first byte that is not UTF-8 (read afresh: the decoder's error says where in its chunk), and
+    what to do. A file that holds other UTF-8 text than ASCII around it is UTF-8 with a bad byte:
+    converting it whole (iconv -f latin1) would garble every other letter that is not ASCII."""
+    name = shown_path(path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = lines = 0  # bytes and line breaks read before the chunk
+    beyond_ascii = False  # UTF-8 text other than ASCII read before it
+    with open_binary(path) as f:
+        while True:
+            chunk = f.read(UTF8_SCAN_BYTES)
+            held = decoder.getstate()[0]  # the start of a character cut by the chunk's end: no line break
+            try:
+                beyond_ascii |= not decoder.decode(chunk, final=not chunk).isascii()
+            except UnicodeDecodeError as e:  # in held + chunk
+                before, after = e.object[:e.start], e.object[e.end:]
+                line, offset = lines + before.count(b"\n") + 1, read - len(held) + e.start
+                where = f"line {line} (byte 0x{e.object[e.start]:02x} at offset {offset:,})"
+                if beyond_ascii or not before.isascii() or not after.decode("utf-8", "ignore").isascii():
+                    return (f"{name}: {where} is not UTF-8, though the text around it is: fix that line (converting the "
+                            f"whole file from another encoding would garble the rest)")
+                return (f"{name} is not UTF-8 text: {where}; if the whole file is in another encoding, "
+                        f"convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), else fix that line")
+            if not chunk:
+                return f"{name} is not UTF-8 text"  # it changed since it was read
+            read, lines = read + len(chunk), lines + chunk.count(b"\n")

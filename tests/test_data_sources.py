@@ -700,6 +700,25 @@ def test_a_csv_row_of_other_cells_than_its_header_is_refused_naming_its_line(tmp
         _docs(recipe, source, tmp_path)
 
 
+@pytest.mark.parametrize("content, line, error", [
+    ('id,text\n1,"a cell left open\n2,swallowed\n3,to the end\n', 2, "unexpected end of data, reading line 4"),
+    ('id,text\n1,first\n2,"x" y\n', 3, "',' expected after '\"', reading line 3"),  # read as `x y`
+    ('id,text\n1,"open\n2,and\n3,"closed" late\n', 2, "',' expected after '\"', reading line 4"),
+    ('"id,text\n1,x\n', 1, "unexpected end of data, reading line 2"),
+])
+def test_a_csv_row_whose_quoting_is_broken_is_refused_naming_its_line(tmp_path, content, line, error):
+    """A quoted cell left open swallowed the rest of the file into one document (the count of
+    cells could not see it), and `2,"x" y` was read as `x y`."""
+    (tmp_path / "rows.csv").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv", text=["text"])
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*rows\.csv: line {line}: its quoting is broken "
+                                          rf"\({re.escape(error)}\); a cell holding ',', a quote mark or a line break "
+                                          rf"is quoted whole, its own quote marks doubled$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "rows.csv").write_text('id,text\n1,"two\nlines, ""quoted"""\n2,a "mark" inside\n')
+    assert _docs(recipe, source, tmp_path) == ['two\nlines, "quoted"', 'a "mark" inside']
+
+
 def test_a_csv_file_without_the_text_column_is_refused_naming_it(tmp_path):
     """A shard whose header lacks the column was skipped in silence; now as a parquet one."""
     (tmp_path / "a.csv").write_text("id,text\n1,kept\n")

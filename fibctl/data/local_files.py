@@ -53,17 +53,18 @@ def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dic
     The header is the first line that is not blank; a file without one holds no rows. The
     header must name each of `fields`, once. A row must have as many cells as the header: a
     row of more or fewer is refused, naming its line (an unquoted delimiter inside a cell, or
-    a cell lost, would otherwise move text to another column). A TSV has no quoting: a quote
+    a cell lost, would otherwise move text to another column), as is a quote mark out of place
+    (a quoted cell left open swallowed the rest of the file). A TSV has no quoting: a quote
     mark is part of its cell."""
     name = shown_path(path)
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open_text(path, newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        header = None
-        for header in reader:
-            if any(cell.strip() for cell in header):
-                break
-        else:
+        # strict: a quote mark out of place is an error, not a cell that swallows the file
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)
+        rows = ((start, row) for start, row in _numbered(name, delimiter, reader)
+                if any(cell.strip() for cell in row))  # blank lines skipped
+        header = next(rows, (0, None))[1]
+        if header is None:
             return
         missing = [field for field in fields if field not in header]
         if missing:
@@ -72,15 +73,28 @@ def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dic
         twice = [field for field in fields if header.count(field) > 1]
         if twice:
             raise FibctlError(f"{name}: its header names column {twice[0]} more than once")
-        end = reader.line_num
-        for row in reader:
-            start, end = end + 1, reader.line_num
-            if not any(cell.strip() for cell in row):  # a blank line
-                continue
+        for start, row in rows:
             if len(row) != len(header):
                 raise FibctlError(f"{name}: line {start} has {len(row)} cells, the header {len(header)} "
                                   f"(is a {delimiter!r} inside a cell not quoted?)")
             yield dict(zip(header, row))
+
+
+def _numbered(name: str, delimiter: str, reader) -> Iterator[tuple[int, list[str]]]:
+    """Each row of a CSV reader with the line it starts on (a quoted cell may hold line
+    breaks); a row whose quoting is broken is refused, naming that line."""
+    end = 0
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise FibctlError(f"{name}: line {end + 1}: its quoting is broken ({e}, reading line {reader.line_num}); "
+                              f"a cell holding {delimiter!r}, a quote mark or a line break is quoted whole, "
+                              f"its own quote marks doubled") from None
+        yield end + 1, row
+        end = reader.line_num
 
 
 def delimiter_hint(header: list[str]) -> str:

@@ -270,6 +270,7 @@ def test_json_files_may_differ_in_their_fields(tmp_path):
 
 @pytest.mark.parametrize("content, docs", [
     ('[{"text": "a"}, {"text": "b"}]', ["a", "b"]),  # one array of records
+    ('\n  [{"text": "a"},\n   {"text": "b"}]', ["a", "b"]),  # indented
     ('{\n  "text": "one record"\n}\n', ["one record"]),  # one object over lines
     ('\ufeff\r\n{"text": "a"}\r\n{"text": "b"}\r\n', ["a", "b"]),  # BOM, CRLF, a blank line first
 ])
@@ -301,7 +302,9 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
         monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
         assert list(json_files.records(str(path))) == expected, chunk
     for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
-                        ('[{"text": "a"},]', "item 1 is not JSON"), ('[{"text": "a"}', "the array is not closed"),
+                        ('[{"text": "a"},]', "item 1 is not JSON (Expecting value at line 1, column 16)"),
+                        ('[\n {"text": "a"},\n  {"text": tru}\n]', "item 1 is not JSON (Expecting value at line 3, column 12)"),
+                        ('[{"text": "a"}', "the array is not closed"),
                         ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
                         ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
                         ("[1, 23]", "item 0 is a JSON int"),
@@ -833,7 +836,8 @@ def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ('{"text": "a"},\n{"text": "b"},\n', r"line 1 is not JSON \(text after a whole record, at column 14"),
     ('{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n', r"line 4 is not JSON \(text after a whole record.*jq -c"),
-    ('{"text": "cut\n{"text": "b"}\n', r"line 1 is not JSON \(Invalid control character"),
+    ('{"text": "cut\n{"text": "b"}\n', r"line 1 is not JSON \(Invalid control character at column 14\)$"),
+    ('  {"text": "a" "b"}\n', r"line 1 is not JSON \(Expecting ',' delimiter at column 16\)$"),
 ])
 def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, message):
     """A JSON Lines file whose first line is broken was read as one object over lines, and
@@ -842,3 +846,30 @@ def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, messag
     recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
     with pytest.raises(FibctlError, match=r"rows\.jsonl: " + message):
         _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("content, rest, message", [
+    ('{"text": "cut\n', '{"text": "b"}\n', "line 1 is not JSON (Invalid control character at column 14)"),
+    ('{"text": "a"\n', '{"text": "b"}\n', "line 2 is not JSON (Expecting ',' delimiter at column 1)"),
+    ('{\n  "text": "a"\n}\n', '{\n  "text": "b"\n}\n', "line 4 is not JSON (text after a whole record, at column 1; "),
+    ('[{"text": "a"},\n {"text": tru},\n', '{"text": "b"},\n', "item 1 is not JSON (Expecting value at line 2, column 11)"),
+])
+def test_a_json_error_is_found_before_the_file_is_read_whole(tmp_path, monkeypatch, content, rest, message):
+    """A JSON Lines file whose first line was broken, or one of records spread over lines, was
+    read whole before its error was found (a file of several GB filled memory), as was a file
+    of one array with an early item broken; the error's message was cut ("Invalid control
+    character at")."""
+    import tracemalloc
+
+    from fibctl.data import json_files
+
+    monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
+    (tmp_path / "rows.json").write_text(content + rest * 200_000)  # 3 MB or more
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FibctlError, match=re.escape(f"rows.json: {message}")):
+            _docs(recipe, source, tmp_path)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()

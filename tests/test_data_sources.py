@@ -135,11 +135,18 @@ def test_a_stray_byte_in_a_utf8_file_is_named_by_its_line(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("value, kind", [(123, "int"), (["a", "b"], "list"), ({"x": 1}, "dict")])
-def test_a_field_that_is_not_text_is_refused(tmp_path, value, kind):
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": value}) + "\n")
-    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
-    with pytest.raises(FibctlError, match=f"source 'notes': field 'text' holds {kind} values, not text"):
-        _docs(recipe, source, tmp_path)
+def test_a_field_that_is_not_text_is_refused_naming_its_file_and_line(tmp_path, value, kind):
+    """The refusal named neither the file nor the record: one `"text": 5` among millions."""
+    rows = [{"text": "first"}, {"text": "second"}, {"text": value}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    for name, where in (("rows.jsonl", "line 4"), ("rows.json", "item 2")):
+        if name == "rows.jsonl":
+            (tmp_path / name).write_text("\n" + (tmp_path / name).read_text())  # a blank line first
+        recipe, source = _local(str(tmp_path / name), "json")
+        with pytest.raises(FibctlError, match=rf"^source 'notes': field 'text' holds {kind} values, not text, in "
+                                              rf".*{re.escape(name)}, {where}; text = \[\.\.\.\] must name"):
+            _docs(recipe, source, tmp_path)
 
 
 def test_a_null_field_is_empty(tmp_path):
@@ -153,8 +160,8 @@ def test_a_binary_parquet_column_is_decoded(tmp_path):
                    tmp_path / "a.parquet")
     recipe, source = _local(str(tmp_path / "a.parquet"), "parquet")
     assert _docs(recipe, source, tmp_path) == ["first doc", "caf\xe9"]
-    pq.write_table(pa.table({"text": pa.array([b"caf\xe9"], pa.binary())}), tmp_path / "a.parquet")
-    with pytest.raises(FibctlError, match="field 'text' holds bytes that are not UTF-8"):
+    pq.write_table(pa.table({"text": pa.array([b"first doc", b"caf\xe9"], pa.binary())}), tmp_path / "a.parquet")
+    with pytest.raises(FibctlError, match=r"field 'text' holds bytes that are not UTF-8 text, in .*a\.parquet, row 2$"):
         _docs(recipe, source, tmp_path)
 
 
@@ -251,8 +258,8 @@ def test_a_dotted_field_reads_inside_nested_records(tmp_path):
     recipe, source = _local(str(tmp_path / "b.jsonl"), "json", text=["a.b"])
     assert _docs(recipe, source, tmp_path) == ["a dotted name of its own"]
     recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["meta"])
-    with pytest.raises(FibctlError, match=re.escape("field 'meta' holds dict values, not text; text = [...] must "
-                                                    "name string fields (or fields inside it: meta.title)")):
+    with pytest.raises(FibctlError, match=r"field 'meta' holds dict values, not text, in .*a\.jsonl, line 1; "
+                                          r"text = \[\.\.\.\] must name string fields \(or fields inside it: meta\.title\)"):
         _docs(recipe, source, tmp_path)
     recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["x.y"])
     with pytest.raises(FibctlError, match="a.parquet has no column x.y; columns: meta, content"):
@@ -300,7 +307,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     expected = json.loads(path.read_text(encoding="utf-8"))
     for chunk in (1, 2, 3, 7, 64, 1 << 20):
         monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
-        assert list(json_files.records(str(path))) == expected, chunk
+        assert [record for _, record in json_files.records(str(path))] == expected, chunk
     for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
                         ('[{"text": "a"},]', "item 1 is not JSON (Expecting value at line 1, column 16)"),
                         ('[\n {"text": "a"},\n  {"text": tru}\n]', "item 1 is not JSON (Expecting value at line 3, column 12)"),
@@ -313,7 +320,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
         for chunk in (1, 3, 1 << 20):
             monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
             if words is None:
-                assert list(json_files.records(str(path))) == json.loads(text)
+                assert [record for _, record in json_files.records(str(path))] == json.loads(text)
             else:
                 with pytest.raises(FibctlError, match=re.escape(f"rows.json: {words}")):
                     list(json_files.records(str(path)))
@@ -324,7 +331,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     real_open = decoding.open_binary
     monkeypatch.setattr(decoding, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
     rows = json_files.records(str(path))
-    assert next(rows) == {"text": "x" * 1000}
+    assert next(rows) == ("item 0", {"text": "x" * 1000})
     assert opened[0].tell() < path.stat().st_size // 50
     assert sum(1 for _ in rows) == 1999
     assert isinstance(opened[0], io.BufferedReader)

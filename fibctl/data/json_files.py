@@ -49,9 +49,10 @@ class _Decoder(json.JSONDecoder):
 _DECODER = _Decoder()
 
 
-def records(path: str) -> Iterator[dict]:
-    """Each record of one JSON file, in order. A line that is not JSON, or a record that is
-    not an object, names the file and the line."""
+def records(path: str) -> Iterator[tuple[str, dict]]:
+    """Each record of one JSON file, in order, with where it is in the file (`line 3`, `item
+    2`; '' for the file's one object). A line that is not JSON, or a record that is not an
+    object, names the file and the line."""
     with open_text(path, newline=None) as f:
         name = shown_path(path)  # in messages: one line, whatever the file is called
         start, line, column = _first_char(f)
@@ -67,7 +68,8 @@ def records(path: str) -> Iterator[dict]:
             return
         for n, text in enumerate(itertools.chain([first], f), line):
             if text.strip():
-                yield _record(name, f"line {n}", _loads(name, f"line {n}", text))
+                where = f"line {n}"
+                yield where, _record(name, where, _loads(name, where, text))
 
 
 def _first_char(f: IO[str]) -> tuple[str, int, int]:
@@ -160,7 +162,7 @@ def _value(path: str, chunks: _Chunks, item: int | None = None):
     return _record(path, where, value)
 
 
-def _whole(path: str, chunks: _Chunks) -> Iterator[dict]:
+def _whole(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
     """The one object of a file whose first line is not one, read in chunks: a JSON Lines file
     whose first line is broken, or one of records spread over lines, ends up here too (read
     whole before its error, a large one filled memory), its error found in the first chunks."""
@@ -168,17 +170,17 @@ def _whole(path: str, chunks: _Chunks) -> Iterator[dict]:
     if chunks.next_char():  # records one after another, pretty-printed or with commas
         line, column = chunks.where(chunks.pos)
         raise _not_json(path, f"line {line}", "Extra data", f"column {column}")
-    yield value
+    yield "", value
 
 
-def _array(path: str, chunks: _Chunks) -> Iterator[dict]:
+def _array(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
     """The items of the JSON array whose "[" the chunks have just read, parsed one at a time:
     a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
     if chunks.next_char() == "]":
         chunks.pos += 1
     else:
         for i in itertools.count():
-            yield _value(path, chunks, i)
+            yield f"item {i}", _value(path, chunks, i)
             c = chunks.next_char()
             if c == "]":
                 chunks.pos += 1

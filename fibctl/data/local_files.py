@@ -25,30 +25,32 @@ from fibctl.errors import FibctlError
 csv.field_size_limit(2**31 - 1)
 
 
-def text_rows(path: str, sample_by: str) -> Iterator[dict]:
+def text_rows(path: str, sample_by: str) -> Iterator[tuple[str, dict]]:
     """A text file's documents as rows of one field, `text`: the whole file, each paragraph
     (lines up to a blank one: empty, or only whitespace) or each line. Line breaks are
-    universal: \\r\\n and a lone \\r end a line as \\n does."""
+    universal: \\r\\n and a lone \\r end a line as \\n does. A row's place is not said
+    (''): its text is never refused."""
     with open_text(path, newline=None) as f:
         if sample_by == "document":
-            yield {"text": f.read()}
+            yield "", {"text": f.read()}
         elif sample_by == "line":
             for line in f:
-                yield {"text": line}
+                yield "", {"text": line}
         else:
             paragraph: list[str] = []
             for line in f:
                 if line.strip():
                     paragraph.append(line)
                 elif paragraph:
-                    yield {"text": "".join(paragraph)}
+                    yield "", {"text": "".join(paragraph)}
                     paragraph = []
             if paragraph:
-                yield {"text": "".join(paragraph)}
+                yield "", {"text": "".join(paragraph)}
 
 
-def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dict]:
-    """A CSV (or TSV) file's rows as mappings from its header's names to cells, as written.
+def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """A CSV (or TSV) file's rows as mappings from its header's names to cells, as written,
+    each with its line (`line 3`).
 
     The header is the first line that is not blank; a file without one holds no rows. The
     header must name each of `fields`, once. A row must have as many cells as the header: a
@@ -77,7 +79,7 @@ def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dic
             if len(row) != len(header):
                 raise FibctlError(f"{name}: line {start} has {len(row)} cells, the header {len(header)} "
                                   f"(is a {delimiter!r} inside a cell not quoted?)")
-            yield dict(zip(header, row))
+            yield f"line {start}", dict(zip(header, row))
 
 
 def _numbered(name: str, delimiter: str, reader) -> Iterator[tuple[int, list[str]]]:
@@ -109,10 +111,13 @@ def delimiter_hint(header: list[str]) -> str:
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a file's size is never held
 
 
-def parquet_rows(path: str, columns: list[str]) -> Iterator[dict]:
-    """A parquet file's rows, the named columns only (a struct column as a mapping)."""
+def parquet_rows(path: str, columns: list[str]) -> Iterator[tuple[str, dict]]:
+    """A parquet file's rows, the named columns only (a struct column as a mapping), each
+    with its number (`row 3`)."""
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as f:
-        for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            yield from batch.to_pylist()
+        rows = (row for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+                for row in batch.to_pylist())
+        for n, row in enumerate(rows, 1):
+            yield f"row {n}", row

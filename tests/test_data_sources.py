@@ -179,9 +179,31 @@ def datasets_logging_default():
 def test_a_json_parse_error_is_fibctls_line_alone(tmp_path, capfd, datasets_logging_default):
     (tmp_path / "rows.jsonl").write_text('{"text": "a lone \\ud800 surrogate"}\n{"text": "fine"}\n')
     recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
-    with pytest.raises(FibctlError, match=r"rows\.jsonl: line 1 holds a lone surrogate escape"):
+    with pytest.raises(FibctlError, match=r"field 'text' holds a lone surrogate escape .*rows\.jsonl, line 1"):
         _docs(recipe, source, tmp_path)
     assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["lines", "array", "object"])
+def test_a_lone_surrogate_is_refused_in_a_field_read_only(tmp_path, layout):
+    """A lone surrogate escape in a field the recipe does not read (a title, with text =
+    ["text"]) refused the whole corpus."""
+    records = [{"text": "a", "title": "\ud800", "meta": {"notes": ["x", "\udc00"], "note": "\udc00"}},
+               {"text": "b \ud83d\ude00", "title": "paired"}]  # an escaped pair is one character
+    if layout == "object":
+        records = records[:1]
+    content = {"lines": "".join(json.dumps(r) + "\n" for r in records), "array": json.dumps(records),
+               "object": json.dumps(records[0], indent=2)}[layout]
+    (tmp_path / "rows.json").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    assert _docs(recipe, source, tmp_path) == ["a", "b \U0001f600"][:len(records)]
+    where = {"lines": ", line 1", "array": ", item 0", "object": ""}[layout]
+    for field in ("title", "meta.note"):
+        recipe, source = _local(str(tmp_path / "rows.json"), "json", text=["text", field])
+        with pytest.raises(FibctlError, match=rf"^source 'notes': field '{field}' holds a lone surrogate escape "
+                                              rf"\(half of a character, e\.g\. \\ud800\), not text, in "
+                                              rf".*rows\.json{where}$"):
+            _docs(recipe, source, tmp_path)
 
 
 def test_csv_cells_are_text_as_written(tmp_path):
@@ -314,8 +336,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
                         ('[{"text": "a"}', "the array is not closed"),
                         ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
                         ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
-                        ("[1, 23]", "item 0 is a JSON int"),
-                        ('[{"text": "\\ud800"}]', "item 0 holds a lone surrogate escape")]:
+                        ("[1, 23]", "item 0 is a JSON int"), ('[{"text": "\\ud800"}]', None)]:
         path.write_text(text)
         for chunk in (1, 3, 1 << 20):
             monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)

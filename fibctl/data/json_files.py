@@ -150,6 +150,7 @@ def _value(path: str, chunks: _Chunks, item: int | None = None):
     where = "the file" if item is None else f"item {item}"
     try:
         value, end = chunks.value()
+        value = _unpaired(value, _SURROGATE.search(chunks.buf, chunks.pos, end))
     except json.JSONDecodeError as e:
         line, column = chunks.where(e.pos)
         if item is None:  # the file's one object: named by the line
@@ -157,7 +158,6 @@ def _value(path: str, chunks: _Chunks, item: int | None = None):
         raise _not_json(path, where, e.msg, f"line {line}, column {column}") from None
     except RecursionError:  # the parser recurses once per level
         raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
-    _check_surrogates(path, where, chunks.buf[chunks.pos:end], value)
     chunks.pos = end
     return _record(path, where, value)
 
@@ -196,13 +196,11 @@ def _array(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
 
 def _loads(path: str, where: str, text: str):
     try:
-        value = _DECODER.decode(text)
+        return _unpaired(_DECODER.decode(text), _SURROGATE.search(text))
     except json.JSONDecodeError as e:
         raise _not_json(path, where, e.msg, f"column {e.colno}") from None
     except RecursionError:  # the parser recurses once per level
         raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
-    _check_surrogates(path, where, text, value)
-    return value
 
 
 def _not_json(path: str, where: str, msg: str, at: str) -> FibctlError:
@@ -213,10 +211,24 @@ def _not_json(path: str, where: str, msg: str, at: str) -> FibctlError:
     return FibctlError(f"{path}: {where} is not JSON ({msg.removesuffix(' at')} at {at})")
 
 
-def _check_surrogates(path: str, where: str, text: str, value) -> None:
-    if _SURROGATE.search(text) and _LONE.search(json.dumps(value, ensure_ascii=False)):
-        raise FibctlError(f"{path}: {where} holds a lone surrogate escape (half of a character, e.g. \\ud800), "
-                          "not text")
+class Unpaired(str):
+    """A JSON string holding a lone surrogate escape (half of a character, e.g. \\ud800): not
+    text, refused where a source reads it as text (fibctl.data.sources), and no matter in a
+    field it does not read."""
+
+
+def _unpaired(value, escaped: object):
+    """`value` with each string in it that holds a lone surrogate made Unpaired, where its JSON
+    text holds an escape that may stand for one (`escaped`): a record without one is not walked."""
+    if not escaped:
+        return value
+    if isinstance(value, str):
+        return Unpaired(value) if _LONE.search(value) else value
+    if isinstance(value, dict):
+        return {k: _unpaired(v, True) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpaired(v, True) for v in value]
+    return value
 
 
 def _record(path: str, where: str, value) -> dict:

@@ -350,6 +350,9 @@ def _field_text(source: Source, field: str, value: object, file: str, where: str
         except UnicodeDecodeError:
             raise FibctlError(f"source {source.name!r}: field {field!r} holds bytes that are not "
                               f"UTF-8 text{_in(file, where)}") from None
+    if isinstance(value, json_files.Unpaired):  # refused here, in a field read: not in a record's other fields
+        raise FibctlError(f"source {source.name!r}: field {field!r} holds a lone surrogate escape (half of a "
+                          f"character, e.g. \\ud800), not text{_in(file, where)}")
     if not isinstance(value, str):
         inside = f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else ""
         raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "

@@ -61,37 +61,12 @@ NUL_SHARE = 10  # a file whose first bytes are more than one NUL in this many is
 def open_text(path: str, newline: str | None) -> IO[str]:
     """The file's text, decoded as UTF-8 (a byte-order mark dropped); `newline` as open's. A file
     whose first bytes are not text is refused, naming it."""
-    raw = open_binary(path)
-    try:
+    with open_binary(path) as raw:  # opened again to be read: a zstd stream cannot seek back
         head = raw.read(HEAD_BYTES)
-        while len(head) < HEAD_BYTES and (more := raw.read(HEAD_BYTES - len(head))):  # a short read
+        while len(head) < HEAD_BYTES and (more := raw.read(HEAD_BYTES - len(head))):  # a zstd stream may read short
             head += more
-        _check_head(path, head)
-    except BaseException:
-        raw.close()
-        raise
-    return io.TextIOWrapper(io.BufferedReader(_Prefixed(head, raw)), encoding="utf-8-sig", newline=newline)
-
-
-class _Prefixed(io.RawIOBase):
-    """The bytes `head`, read from the stream `rest` already, then the rest of it."""
-
-    def __init__(self, head: bytes, rest: IO[bytes]):
-        self._head, self._rest = memoryview(head), rest
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        if not self._head:
-            return self._rest.readinto(b)
-        n = min(len(b), len(self._head))
-        b[:n], self._head = self._head[:n], self._head[n:]
-        return n
-
-    def close(self) -> None:
-        self._rest.close()
-        super().close()
+    _check_head(path, head)
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", newline=newline)
 
 
 def _check_head(path: str, head: bytes) -> None:

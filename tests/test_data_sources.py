@@ -280,8 +280,8 @@ def test_a_dotted_field_reads_inside_nested_records(tmp_path):
     recipe, source = _local(str(tmp_path / "b.jsonl"), "json", text=["a.b"])
     assert _docs(recipe, source, tmp_path) == ["a dotted name of its own"]
     recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["meta"])
-    with pytest.raises(FibctlError, match=r"field 'meta' holds dict values, not text, in .*a\.jsonl, line 1; "
-                                          r"text = \[\.\.\.\] must name string fields \(or fields inside it: meta\.title\)"):
+    with pytest.raises(FibctlError, match=r"field 'meta' holds dict values, not text, in .*a\.jsonl, line 1; text = "
+                                          r"\[\.\.\.\] must name string fields \(or fields inside it: meta\.title\)"):
         _docs(recipe, source, tmp_path)
     recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["x.y"])
     with pytest.raises(FibctlError, match="a.parquet has no column x.y; columns: meta, content"):
@@ -332,7 +332,8 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
         assert [record for _, record in json_files.records(str(path))] == expected, chunk
     for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
                         ('[{"text": "a"},]', "item 1 is not JSON (Expecting value at line 1, column 16)"),
-                        ('[\n {"text": "a"},\n  {"text": tru}\n]', "item 1 is not JSON (Expecting value at line 3, column 12)"),
+                        ('[\n {"text": "a"},\n  {"text": tru}\n]',
+                         "item 1 is not JSON (Expecting value at line 3, column 12)"),
                         ('[{"text": "a"}', "the array is not closed"),
                         ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
                         ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
@@ -536,7 +537,7 @@ def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
     try:
         import zstandard  # noqa: F401
     except ImportError:
-        with pytest.raises(FibctlError, match=r"rows\.jsonl\.zst is zstd-compressed: reading it needs the zstandard package"):
+        with pytest.raises(FibctlError, match=r"rows\.jsonl\.zst is zstd-compressed: reading it needs the zstandard"):
             _docs(recipe, source, tmp_path)
     else:
         assert _docs(recipe, source, tmp_path) == ["first"]
@@ -880,7 +881,8 @@ def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, messag
     ('{"text": "cut\n', '{"text": "b"}\n', "line 1 is not JSON (Invalid control character at column 14)"),
     ('{"text": "a"\n', '{"text": "b"}\n', "line 2 is not JSON (Expecting ',' delimiter at column 1)"),
     ('{\n  "text": "a"\n}\n', '{\n  "text": "b"\n}\n', "line 4 is not JSON (text after a whole record, at column 1; "),
-    ('[{"text": "a"},\n {"text": tru},\n', '{"text": "b"},\n', "item 1 is not JSON (Expecting value at line 2, column 11)"),
+    ('[{"text": "a"},\n {"text": tru},\n', '{"text": "b"},\n',
+     "item 1 is not JSON (Expecting value at line 2, column 11)"),
 ])
 def test_a_json_error_is_found_before_the_file_is_read_whole(tmp_path, monkeypatch, content, rest, message):
     """A JSON Lines file whose first line was broken, or one of records spread over lines, was

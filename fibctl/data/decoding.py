@@ -2,11 +2,12 @@
 
 A file is decompressed by what its first bytes say it is (gzip, bzip2, xz; zstd with the
 zstandard package), whatever its name (`.GZ`, `.tgz`, `.gzip`: decompressed by extension
-alone, such a file was read as text), else by its extension (`.gz`, `.bz2`, `.xz`, `.zst`) (a `.gz` file that is not gzip is refused by the decompressor). Its text
-is read as UTF-8, a byte-order mark dropped. Refused, naming the file, are: a tar or zip
-archive (its headers are not text to train on), UTF-16 text (with a byte-order mark or without:
-ASCII in UTF-16 is valid UTF-8, a NUL beside each letter), binary data (many NULs), and a file
-that is not UTF-8."""
+alone, such a file was read as text), else by its extension (`.gz`, `.bz2`, `.xz`, `.zst`:
+a `.gz` file that is not gzip is refused by the decompressor). Its text is read as UTF-8, a
+byte-order mark dropped. Refused, naming the file, are: a tar or zip archive (its headers are
+not text to train on), UTF-16 text (with a byte-order mark or without: ASCII in UTF-16 is
+valid UTF-8, a NUL beside each letter), binary data (many NULs), and a file that is not UTF-8
+(naming the line of its first byte that is not)."""
 
 from __future__ import annotations
 
@@ -115,10 +116,10 @@ def not_utf8(path: str) -> str:
                 line, offset = lines + before.count(b"\n") + 1, read - len(held) + e.start
                 where = f"line {line} (byte 0x{e.object[e.start]:02x} at offset {offset:,})"
                 if beyond_ascii or not before.isascii() or not after.decode("utf-8", "ignore").isascii():
-                    return (f"{name}: {where} is not UTF-8, though the text around it is: fix that line (converting the "
-                            f"whole file from another encoding would garble the rest)")
+                    return (f"{name}: {where} is not UTF-8, though the text around it is: fix that line "
+                            "(converting the whole file from another encoding would garble the rest)")
                 return (f"{name} is not UTF-8 text: {where}; if the whole file is in another encoding, "
-                        f"convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), else fix that line")
+                        "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), else fix that line")
             if not chunk:
                 return f"{name} is not UTF-8 text"  # it changed since it was read
             read, lines = read + len(chunk), lines + chunk.count(b"\n")

@@ -109,16 +109,44 @@ def test_a_latin1_text_file_is_named(tmp_path):
     notes = _notes(tmp_path)
     (notes / "1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     recipe, source = _local(str(notes / "*.txt"))
-    with pytest.raises(FibctlError, match=r"notes/1\.txt is not UTF-8 text; convert it to UTF-8"):
+    with pytest.raises(FibctlError, match=r"notes/1\.txt is not UTF-8 text: line 1 \(byte 0xe9 at offset 3\); if the "
+                                          r"whole file is in another encoding, convert it to UTF-8 \(e\.g\. iconv -f "
+                                          r"latin1 -t utf-8\), else fix that line$"):
+        _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("scan", [1, 2, 3, 5, 1 << 20])
+def test_a_stray_byte_in_a_utf8_file_is_named_by_its_line(tmp_path, monkeypatch, scan):
+    """One byte that is not UTF-8 in a UTF-8 file was "not UTF-8 text; convert it (iconv -f
+    latin1)", with no line: converting it garbles every other letter that is not ASCII. Its
+    line and offset are found whatever the chunks the file is read in."""
+    from fibctl.data import decoding
+
+    monkeypatch.setattr(decoding, "UTF8_SCAN_BYTES", scan)
+    (tmp_path / "rows.jsonl").write_bytes('{"text": "café"}\n{"text": "naïve"}\n'.encode() + b'{"text": "a\xff"}\n')
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    with pytest.raises(FibctlError, match=r"^source 'notes': .*rows\.jsonl: line 3 \(byte 0xff at offset 48\) is not "
+                                          r"UTF-8, though the text around it is: fix that line \(converting the whole "
+                                          r"file from another encoding would garble the rest\)$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "rows.jsonl").write_bytes('{"text": "a"}\n{"text": "é'.encode()[:-1])  # cut inside its last letter
+    with pytest.raises(FibctlError, match=r"rows\.jsonl is not UTF-8 text: line 2 \(byte 0xc3 at offset 24\);"):
         _docs(recipe, source, tmp_path)
 
 
 @pytest.mark.parametrize("value, kind", [(123, "int"), (["a", "b"], "list"), ({"x": 1}, "dict")])
-def test_a_field_that_is_not_text_is_refused(tmp_path, value, kind):
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": value}) + "\n")
-    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
-    with pytest.raises(FibctlError, match=f"source 'notes': field 'text' holds {kind} values, not text"):
-        _docs(recipe, source, tmp_path)
+def test_a_field_that_is_not_text_is_refused_naming_its_file_and_line(tmp_path, value, kind):
+    """The refusal named neither the file nor the record: one `"text": 5` among millions."""
+    rows = [{"text": "first"}, {"text": "second"}, {"text": value}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    for name, where in (("rows.jsonl", "line 4"), ("rows.json", "item 2")):
+        if name == "rows.jsonl":
+            (tmp_path / name).write_text("\n" + (tmp_path / name).read_text())  # a blank line first
+        recipe, source = _local(str(tmp_path / name), "json")
+        with pytest.raises(FibctlError, match=rf"^source 'notes': field 'text' holds {kind} values, not text, in "
+                                              rf".*{re.escape(name)}, {where}; text = \[\.\.\.\] must name"):
+            _docs(recipe, source, tmp_path)
 
 
 def test_a_null_field_is_empty(tmp_path):
@@ -132,8 +160,8 @@ def test_a_binary_parquet_column_is_decoded(tmp_path):
                    tmp_path / "a.parquet")
     recipe, source = _local(str(tmp_path / "a.parquet"), "parquet")
     assert _docs(recipe, source, tmp_path) == ["first doc", "caf\xe9"]
-    pq.write_table(pa.table({"text": pa.array([b"caf\xe9"], pa.binary())}), tmp_path / "a.parquet")
-    with pytest.raises(FibctlError, match="field 'text' holds bytes that are not UTF-8"):
+    pq.write_table(pa.table({"text": pa.array([b"first doc", b"caf\xe9"], pa.binary())}), tmp_path / "a.parquet")
+    with pytest.raises(FibctlError, match=r"field 'text' holds bytes that are not UTF-8 text, in .*a\.parquet, row 2$"):
         _docs(recipe, source, tmp_path)
 
 
@@ -151,9 +179,31 @@ def datasets_logging_default():
 def test_a_json_parse_error_is_fibctls_line_alone(tmp_path, capfd, datasets_logging_default):
     (tmp_path / "rows.jsonl").write_text('{"text": "a lone \\ud800 surrogate"}\n{"text": "fine"}\n')
     recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
-    with pytest.raises(FibctlError, match=r"rows\.jsonl: line 1 holds a lone surrogate escape"):
+    with pytest.raises(FibctlError, match=r"field 'text' holds a lone surrogate escape .*rows\.jsonl, line 1"):
         _docs(recipe, source, tmp_path)
     assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["lines", "array", "object"])
+def test_a_lone_surrogate_is_refused_in_a_field_read_only(tmp_path, layout):
+    """A lone surrogate escape in a field the recipe does not read (a title, with text =
+    ["text"]) refused the whole corpus."""
+    records = [{"text": "a", "title": "\ud800", "meta": {"notes": ["x", "\udc00"], "note": "\udc00"}},
+               {"text": "b \ud83d\ude00", "title": "paired"}]  # an escaped pair is one character
+    if layout == "object":
+        records = records[:1]
+    content = {"lines": "".join(json.dumps(r) + "\n" for r in records), "array": json.dumps(records),
+               "object": json.dumps(records[0], indent=2)}[layout]
+    (tmp_path / "rows.json").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    assert _docs(recipe, source, tmp_path) == ["a", "b \U0001f600"][:len(records)]
+    where = {"lines": ", line 1", "array": ", item 0", "object": ""}[layout]
+    for field in ("title", "meta.note"):
+        recipe, source = _local(str(tmp_path / "rows.json"), "json", text=["text", field])
+        with pytest.raises(FibctlError, match=rf"^source 'notes': field '{field}' holds a lone surrogate escape "
+                                              rf"\(half of a character, e\.g\. \\ud800\), not text, in "
+                                              rf".*rows\.json{where}$"):
+            _docs(recipe, source, tmp_path)
 
 
 def test_csv_cells_are_text_as_written(tmp_path):
@@ -230,8 +280,8 @@ def test_a_dotted_field_reads_inside_nested_records(tmp_path):
     recipe, source = _local(str(tmp_path / "b.jsonl"), "json", text=["a.b"])
     assert _docs(recipe, source, tmp_path) == ["a dotted name of its own"]
     recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["meta"])
-    with pytest.raises(FibctlError, match=re.escape("field 'meta' holds dict values, not text; text = [...] must "
-                                                    "name string fields (or fields inside it: meta.title)")):
+    with pytest.raises(FibctlError, match=r"field 'meta' holds dict values, not text, in .*a\.jsonl, line 1; text = "
+                                          r"\[\.\.\.\] must name string fields \(or fields inside it: meta\.title\)"):
         _docs(recipe, source, tmp_path)
     recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["x.y"])
     with pytest.raises(FibctlError, match="a.parquet has no column x.y; columns: meta, content"):
@@ -249,6 +299,7 @@ def test_json_files_may_differ_in_their_fields(tmp_path):
 
 @pytest.mark.parametrize("content, docs", [
     ('[{"text": "a"}, {"text": "b"}]', ["a", "b"]),  # one array of records
+    ('\n  [{"text": "a"},\n   {"text": "b"}]', ["a", "b"]),  # indented
     ('{\n  "text": "one record"\n}\n', ["one record"]),  # one object over lines
     ('\ufeff\r\n{"text": "a"}\r\n{"text": "b"}\r\n', ["a", "b"]),  # BOM, CRLF, a blank line first
 ])
@@ -264,7 +315,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     import io
     import random
 
-    from fibctl.data import json_files
+    from fibctl.data import decoding, json_files
 
     rng = random.Random(0)
     pieces = ["漢字", "😀", "\\u00e9", "\\ud83d\\ude00", "\\n", '\\"', "]", ",", "[", "{", " "]
@@ -278,18 +329,20 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     expected = json.loads(path.read_text(encoding="utf-8"))
     for chunk in (1, 2, 3, 7, 64, 1 << 20):
         monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
-        assert list(json_files.records(str(path))) == expected, chunk
+        assert [record for _, record in json_files.records(str(path))] == expected, chunk
     for text, words in [("[]", None), ("[ ]\n", None), ("[{}, {}]", None),
-                        ('[{"text": "a"},]', "item 1 is not JSON"), ('[{"text": "a"}', "the array is not closed"),
+                        ('[{"text": "a"},]', "item 1 is not JSON (Expecting value at line 1, column 16)"),
+                        ('[\n {"text": "a"},\n  {"text": tru}\n]',
+                         "item 1 is not JSON (Expecting value at line 3, column 12)"),
+                        ('[{"text": "a"}', "the array is not closed"),
                         ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
                         ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
-                        ("[1, 23]", "item 0 is a JSON int"),
-                        ('[{"text": "\\ud800"}]', "item 0 holds a lone surrogate escape")]:
+                        ("[1, 23]", "item 0 is a JSON int"), ('[{"text": "\\ud800"}]', None)]:
         path.write_text(text)
         for chunk in (1, 3, 1 << 20):
             monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
             if words is None:
-                assert list(json_files.records(str(path))) == json.loads(text)
+                assert [record for _, record in json_files.records(str(path))] == json.loads(text)
             else:
                 with pytest.raises(FibctlError, match=re.escape(f"rows.json: {words}")):
                     list(json_files.records(str(path)))
@@ -297,13 +350,13 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"text": "x" * 1000}] * 2000))
     monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
     opened = []
-    real_open = json_files.open_binary
-    monkeypatch.setattr(json_files, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
+    real_open = decoding.open_binary
+    monkeypatch.setattr(decoding, "open_binary", lambda p: opened.append(real_open(p)) or opened[-1])
     rows = json_files.records(str(path))
-    assert next(rows) == {"text": "x" * 1000}
-    assert opened[0].tell() < path.stat().st_size // 50
+    assert next(rows) == ("item 0", {"text": "x" * 1000})
+    assert opened[-1].tell() < path.stat().st_size // 50  # the file as read (its first bytes were looked at first)
     assert sum(1 for _ in rows) == 1999
-    assert isinstance(opened[0], io.BufferedReader)
+    assert isinstance(opened[-1], io.BufferedReader)
 
 
 def test_an_integer_longer_than_python_converts_is_read_as_a_number(tmp_path):
@@ -484,10 +537,48 @@ def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
     try:
         import zstandard  # noqa: F401
     except ImportError:
-        with pytest.raises(FibctlError, match="reading .zst files needs the zstandard package"):
+        with pytest.raises(FibctlError, match=r"rows\.jsonl\.zst is zstd-compressed: reading it needs the zstandard"):
             _docs(recipe, source, tmp_path)
     else:
         assert _docs(recipe, source, tmp_path) == ["first"]
+
+
+@pytest.mark.parametrize("compress", ["gzip", "bz2", "lzma"])
+@pytest.mark.parametrize("name", ["rows.jsonl.GZ", "rows.jsonl.gzip", "rows.tgz", "rows.jsonl", "rows.xz"])
+def test_a_compressed_file_is_read_by_its_first_bytes_whatever_its_name(tmp_path, compress, name):
+    """A gzip file not named .gz was read as text, and refused as "not UTF-8 ... iconv"; one
+    named .xz holding gzip failed in lzma."""
+    import importlib
+
+    (tmp_path / name).write_bytes(importlib.import_module(compress).compress(b'{"text": "first"}\n'))
+    recipe, source = _local(str(tmp_path / name), "json")
+    assert _docs(recipe, source, tmp_path) == ["first"]
+    (tmp_path / "BZh91AY.txt").write_text("BZh91AY is text that begins like bzip2\n")  # no block magic after it
+    recipe, source = _local(str(tmp_path / "BZh91AY.txt"))
+    assert _docs(recipe, source, tmp_path) == ["BZh91AY is text that begins like bzip2"]
+
+
+@pytest.mark.parametrize("name, mode, packed", [("notes.tar", "w", ""), ("notes.tar.gz", "w:gz", " (gzip-compressed)"),
+                                               ("notes.tgz", "w:gz", " (gzip-compressed)"),
+                                               ("notes.tar.xz", "w:xz", " (xz-compressed)"), ("notes.zip", "zip", "")])
+def test_an_archive_is_refused_naming_it(tmp_path, name, mode, packed):
+    """A .tar.gz given to a text source was decompressed and trained on: its tar headers (file
+    names, owners, NUL padding) as text."""
+    import tarfile
+    import zipfile
+
+    notes = _notes(tmp_path, 1)
+    if mode == "zip":
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            z.write(notes / "0.txt", "0.txt")
+    else:
+        with tarfile.open(tmp_path / name, mode) as t:
+            t.add(notes / "0.txt", "0.txt")
+    recipe, source = _local(str(tmp_path / name))
+    kind = "zip" if mode == "zip" else "tar"
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*{re.escape(name)} is a {kind} archive"
+                                          rf"{re.escape(packed)}, not text: unpack it and list its files$"):
+        _docs(recipe, source, tmp_path)
 
 
 @pytest.mark.parametrize("column, held", [
@@ -641,6 +732,25 @@ def test_a_csv_row_of_other_cells_than_its_header_is_refused_naming_its_line(tmp
         _docs(recipe, source, tmp_path)
 
 
+@pytest.mark.parametrize("content, line, error", [
+    ('id,text\n1,"a cell left open\n2,swallowed\n3,to the end\n', 2, "unexpected end of data, reading line 4"),
+    ('id,text\n1,first\n2,"x" y\n', 3, "',' expected after '\"', reading line 3"),  # read as `x y`
+    ('id,text\n1,"open\n2,and\n3,"closed" late\n', 2, "',' expected after '\"', reading line 4"),
+    ('"id,text\n1,x\n', 1, "unexpected end of data, reading line 2"),
+])
+def test_a_csv_row_whose_quoting_is_broken_is_refused_naming_its_line(tmp_path, content, line, error):
+    """A quoted cell left open swallowed the rest of the file into one document (the count of
+    cells could not see it), and `2,"x" y` was read as `x y`."""
+    (tmp_path / "rows.csv").write_text(content)
+    recipe, source = _local(str(tmp_path / "rows.csv"), "csv", text=["text"])
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*rows\.csv: line {line}: its quoting is broken "
+                                          rf"\({re.escape(error)}\); a cell holding ',', a quote mark or a line break "
+                                          rf"is quoted whole, its own quote marks doubled$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "rows.csv").write_text('id,text\n1,"two\nlines, ""quoted"""\n2,a "mark" inside\n')
+    assert _docs(recipe, source, tmp_path) == ['two\nlines, "quoted"', 'a "mark" inside']
+
+
 def test_a_csv_file_without_the_text_column_is_refused_naming_it(tmp_path):
     """A shard whose header lacks the column was skipped in silence; now as a parquet one."""
     (tmp_path / "a.csv").write_text("id,text\n1,kept\n")
@@ -713,6 +823,28 @@ def test_a_utf16_file_is_named_as_utf16(tmp_path):
         _docs(recipe, source, tmp_path)
 
 
+@pytest.mark.parametrize("encoding, order", [("utf-16-le", "le"), ("utf-16-be", "be")])
+def test_utf16_without_a_byte_order_mark_is_named_as_utf16(tmp_path, encoding, order):
+    """ASCII in UTF-16 without a byte-order mark is valid UTF-8, a NUL beside each letter: it
+    was read, and trained on, as such."""
+    (tmp_path / "a.txt").write_bytes("some text\nmore text\n".encode(encoding))
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=rf"^source 'notes': .*a\.txt looks like UTF-16 text without a byte-order "
+                                          rf"mark .*iconv -f utf-16{order} -t utf-8\)$"):
+        _docs(recipe, source, tmp_path)
+
+
+def test_binary_data_is_refused_and_a_nul_in_a_text_is_read(tmp_path):
+    """Bytes of many NULs (numbers written as binary) are valid UTF-8: they were trained on."""
+    (tmp_path / "a.txt").write_bytes(b"".join(i.to_bytes(4, "little") for i in range(1, 100)))
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=r"a\.txt looks like binary data, not text: 297 of its first 396 bytes "
+                                          r"are NUL$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "a.txt").write_bytes(b"before\0after, a NUL in a text\n")
+    assert _docs(recipe, source, tmp_path) == ["before\0after, a NUL in a text"]
+
+
 def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
     """Two sources reading one file through a hard link each were taken for other inputs: one
     held its lines out, the other trained on them inside its whole-file document."""
@@ -733,7 +865,8 @@ def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ('{"text": "a"},\n{"text": "b"},\n', r"line 1 is not JSON \(text after a whole record, at column 14"),
     ('{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n', r"line 4 is not JSON \(text after a whole record.*jq -c"),
-    ('{"text": "cut\n{"text": "b"}\n', r"line 1 is not JSON \(Invalid control character"),
+    ('{"text": "cut\n{"text": "b"}\n', r"line 1 is not JSON \(Invalid control character at column 14\)$"),
+    ('  {"text": "a" "b"}\n', r"line 1 is not JSON \(Expecting ',' delimiter at column 16\)$"),
 ])
 def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, message):
     """A JSON Lines file whose first line is broken was read as one object over lines, and
@@ -742,3 +875,31 @@ def test_a_broken_first_json_line_is_named_by_its_line(tmp_path, content, messag
     recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
     with pytest.raises(FibctlError, match=r"rows\.jsonl: " + message):
         _docs(recipe, source, tmp_path)
+
+
+@pytest.mark.parametrize("content, rest, message", [
+    ('{"text": "cut\n', '{"text": "b"}\n', "line 1 is not JSON (Invalid control character at column 14)"),
+    ('{"text": "a"\n', '{"text": "b"}\n', "line 2 is not JSON (Expecting ',' delimiter at column 1)"),
+    ('{\n  "text": "a"\n}\n', '{\n  "text": "b"\n}\n', "line 4 is not JSON (text after a whole record, at column 1; "),
+    ('[{"text": "a"},\n {"text": tru},\n', '{"text": "b"},\n',
+     "item 1 is not JSON (Expecting value at line 2, column 11)"),
+])
+def test_a_json_error_is_found_before_the_file_is_read_whole(tmp_path, monkeypatch, content, rest, message):
+    """A JSON Lines file whose first line was broken, or one of records spread over lines, was
+    read whole before its error was found (a file of several GB filled memory), as was a file
+    of one array with an early item broken; the error's message was cut ("Invalid control
+    character at")."""
+    import tracemalloc
+
+    from fibctl.data import json_files
+
+    monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
+    (tmp_path / "rows.json").write_text(content + rest * 200_000)  # 3 MB or more
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FibctlError, match=re.escape(f"rows.json: {message}")):
+            _docs(recipe, source, tmp_path)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()

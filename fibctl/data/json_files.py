@@ -5,23 +5,19 @@ The datasets library's JSON builder fixes a source's columns from its first file
 the whole source ("Couldn't cast ... because column names don't match"). Read here, each
 record keeps its own fields. A file is JSON Lines (one object per line, blank lines skipped),
 one array of objects (parsed item by item, so its size is not held in memory), or one object
-spread over lines; a byte-order mark is dropped; `.gz`,
-`.bz2`, `.xz` and (with the zstandard package) `.zst` are decompressed.
+spread over lines (parsed from chunks too, so that an error is found before the file is read
+whole); fibctl.data.decoding opens it (decompressed, UTF-8).
 """
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import io
 import itertools
 import json
-import lzma
-import os
 import re
 from collections.abc import Iterator
 from typing import IO
 
+from fibctl.data.decoding import open_text
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
@@ -53,48 +49,36 @@ class _Decoder(json.JSONDecoder):
 _DECODER = _Decoder()
 
 
-NEEDS_ZSTANDARD = "reading .zst files needs the zstandard package: pip install zstandard (or decompress them: zstd -d)"
-
-
-def open_binary(path: str) -> IO[bytes]:
-    """The file's bytes, decompressed by its extension."""
-    ext = os.path.splitext(path)[1]
-    if ext == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise FibctlError(NEEDS_ZSTANDARD) from None
-        return zstandard.open(path, "rb")
-    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(ext, open)(path, "rb")
-
-
-def records(path: str) -> Iterator[dict]:
-    """Each record of one JSON file, in order. A line that is not JSON, or a record that is
-    not an object, names the file and the line."""
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+def records(path: str) -> Iterator[tuple[str, dict]]:
+    """Each record of one JSON file, in order, with where it is in the file (`line 3`, `item
+    2`; '' for the file's one object). A line that is not JSON, or a record that is not an
+    object, names the file and the line."""
+    with open_text(path, newline=None) as f:
         name = shown_path(path)  # in messages: one line, whatever the file is called
-        start, skipped = _first_char(f)
+        start, line, column = _first_char(f)
         if not start:
             return
+        first = " " * (column - 1) + start  # the whitespace before it as spaces: an error's column is the file's
         if start == "[":
-            yield from _array(name, f)
+            yield from _array(name, _Chunks(f, first, line, pos=column))
             return
-        first = start + f.readline()
+        first += f.readline()
         if start == "{" and not _an_object(first):  # one object spread over lines
-            yield from _whole(name, first + f.read())
+            yield from _whole(name, _Chunks(f, first, line, pos=column - 1))
             return
-        for n, line in enumerate(itertools.chain([first], f), skipped + 1):
-            if line.strip():
-                yield _record(name, f"line {n}", _loads(name, f"line {n}", line))
+        for n, text in enumerate(itertools.chain([first], f), line):
+            if text.strip():
+                where = f"line {n}"
+                yield where, _record(name, where, _loads(name, where, text))
 
 
-def _first_char(f: IO[str]) -> tuple[str, int]:
-    """The first character that is not whitespace ('' for an empty file), consumed, and the
-    line breaks before it."""
-    breaks = 0
+def _first_char(f: IO[str]) -> tuple[str, int, int]:
+    """The first character that is not whitespace ('' for an empty file), consumed, and its
+    line and column."""
+    line, column = 1, 1
     while (c := f.read(1)) and c.isspace():
-        breaks += c == "\n"
-    return c, breaks
+        line, column = (line + 1, 1) if c == "\n" else (line, column + 1)
+    return c, line, column
 
 
 def _an_object(line: str) -> bool:
@@ -106,91 +90,145 @@ def _an_object(line: str) -> bool:
         return True
 
 
-def _whole(path: str, text: str) -> Iterator[dict]:
-    """The one object of a file whose first line is not one; an error names its line (a
-    JSON Lines file whose first line is broken ends up here too)."""
-    try:
-        value = _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        if e.msg == "Extra data":  # records one after another, pretty-printed or with commas
-            raise FibctlError(f"{path}: line {e.lineno} is not JSON (text after a whole record, at column "
-                              f"{e.colno}; a file is JSON Lines, one array or one object: `jq -c .` writes "
-                              "records one per line)") from None
-        raise FibctlError(f"{path}: line {e.lineno} is not JSON ({e.msg})") from None
-    except RecursionError:
-        raise FibctlError(f"{path}: the file nests its values too deeply to read") from None
-    _check_surrogates(path, "the file", text, value)
-    yield _record(path, "the file", value)
-
-
-ARRAY_CHUNK = 1 << 20  # characters read at a time from a file of one array
+ARRAY_CHUNK = 1 << 20  # characters read at a time from a file of one array or object
 _SPACE = re.compile(r"[ \t\n\r]*")
+# an error this near the end of the text read may be its end cutting a value short (`tru`, `1.`,
+# `-Infinit`, a `\u` escape); an unterminated string may be a string cut short
+_CUT_CHARS = 16
 
 
-def _array(path: str, f: IO[str]) -> Iterator[dict]:
-    """The items of the JSON array whose "[" was just read, parsed one at a time from chunks
-    of the file: a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
-    buf, pos, eof, i = "", 0, False, 0
+class _Chunks:
+    """A file's text from `text` (at column 1 of `line`) on, read in chunks (as much again as
+    is held, at least ARRAY_CHUNK) as its values are parsed one at a time from `pos`: memory
+    holds a value, not the file, and an error is found in the chunks read so far."""
 
-    def fill() -> bool:  # read more (as much again as is held, at least a chunk); False at the end
-        nonlocal buf, pos, eof
-        chunk = f.read(max(ARRAY_CHUNK, len(buf) - pos))
-        buf, pos, eof = buf[pos:] + chunk, 0, not chunk
-        return not eof
+    def __init__(self, f: IO[str], text: str, line: int, pos: int = 0):
+        self.f, self.buf, self.pos = f, text, pos
+        self.line, self.column = line, 1  # of buf[0]
 
-    def next_char() -> str:  # the next character that is not whitespace, not consumed; '' at the end
-        nonlocal pos
+    def fill(self) -> bool:
+        """Read more, dropping what was parsed; False at the end of the file, where the text
+        held is left as it is (an error's position is in it)."""
+        chunk = self.f.read(max(ARRAY_CHUNK, len(self.buf) - self.pos))
+        if not chunk:
+            return False
+        self.line, self.column = self.where(self.pos)
+        self.buf, self.pos = self.buf[self.pos:] + chunk, 0
+        return True
+
+    def where(self, pos: int) -> tuple[int, int]:
+        """The line and column of buf[pos] in the file."""
+        breaks = self.buf.count("\n", 0, pos)
+        return self.line + breaks, pos - self.buf.rfind("\n", 0, pos) if breaks else self.column + pos
+
+    def next_char(self) -> str:
+        """The next character that is not whitespace, not consumed; '' at the end."""
         while True:
-            pos = _SPACE.match(buf, pos).end()
-            if pos < len(buf) or not fill():
-                return buf[pos:pos + 1]
+            self.pos = _SPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or not self.fill():
+                return self.buf[self.pos:self.pos + 1]
 
-    if next_char() == "]":
-        pos += 1
-    else:
+    def value(self) -> tuple[object, int]:
+        """The JSON value at pos and where it ends, pos left at its start; its JSONDecodeError
+        once the text read goes on far enough past the error for the error to be the value's."""
         while True:
             try:
-                item, end = _DECODER.raw_decode(buf, pos)
-            except ValueError as e:
-                if fill():  # cut by the chunk's end, or not JSON
+                value, end = _DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                cut = e.msg.startswith("Unterminated string") or len(self.buf) - e.pos <= _CUT_CHARS
+                if cut and self.fill():
                     continue
-                raise FibctlError(f"{path}: item {i} is not JSON ({getattr(e, 'msg', e)})") from None
-            except RecursionError:
-                raise FibctlError(f"{path}: item {i} nests its values too deeply to read") from None
-            if end == len(buf) and not eof:  # a number may go on in the next chunk: parse it again
-                fill()
+                raise
+            if end == len(self.buf) and self.fill():  # a number may go on in the next chunk: parse it again
                 continue
-            _check_surrogates(path, f"item {i}", buf[pos:end], item)
-            yield _record(path, f"item {i}", item)
-            pos, i = end, i + 1
-            c = next_char()
+            return value, end
+
+
+def _value(path: str, chunks: _Chunks, item: int | None = None):
+    """The value at the chunks' pos, consumed: item `item` of an array, else the file's one
+    object; an error names the file and its line and column."""
+    where = "the file" if item is None else f"item {item}"
+    try:
+        value, end = chunks.value()
+        value = _unpaired(value, _SURROGATE.search(chunks.buf, chunks.pos, end))
+    except json.JSONDecodeError as e:
+        line, column = chunks.where(e.pos)
+        if item is None:  # the file's one object: named by the line
+            raise _not_json(path, f"line {line}", e.msg, f"column {column}") from None
+        raise _not_json(path, where, e.msg, f"line {line}, column {column}") from None
+    except RecursionError:  # the parser recurses once per level
+        raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
+    chunks.pos = end
+    return _record(path, where, value)
+
+
+def _whole(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
+    """The one object of a file whose first line is not one, read in chunks: a JSON Lines file
+    whose first line is broken, or one of records spread over lines, ends up here too (read
+    whole before its error, a large one filled memory), its error found in the first chunks."""
+    value = _value(path, chunks)
+    if chunks.next_char():  # records one after another, pretty-printed or with commas
+        line, column = chunks.where(chunks.pos)
+        raise _not_json(path, f"line {line}", "Extra data", f"column {column}")
+    yield "", value
+
+
+def _array(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
+    """The items of the JSON array whose "[" the chunks have just read, parsed one at a time:
+    a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
+    if chunks.next_char() == "]":
+        chunks.pos += 1
+    else:
+        for i in itertools.count():
+            yield f"item {i}", _value(path, chunks, i)
+            c = chunks.next_char()
             if c == "]":
-                pos += 1
+                chunks.pos += 1
                 break
             if c != ",":
-                raise FibctlError(f"{path}: after item {i - 1}, {c!r} is not JSON (expecting ',' or ']')"
+                raise FibctlError(f"{path}: after item {i}, {c!r} is not JSON (expecting ',' or ']')"
                                   if c else f"{path}: the array is not closed (']' is missing)")
-            pos += 1
-            next_char()
-    if next_char():
+            chunks.pos += 1
+            chunks.next_char()
+    if chunks.next_char():
         raise FibctlError(f"{path}: the file is not JSON (text after the array's ']')")
 
 
 def _loads(path: str, where: str, text: str):
     try:
-        value = _DECODER.decode(text)
-    except ValueError as e:
-        raise FibctlError(f"{path}: {where} is not JSON ({getattr(e, 'msg', e)})") from None
+        return _unpaired(_DECODER.decode(text), _SURROGATE.search(text))
+    except json.JSONDecodeError as e:
+        raise _not_json(path, where, e.msg, f"column {e.colno}") from None
     except RecursionError:  # the parser recurses once per level
         raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
-    _check_surrogates(path, where, text, value)
+
+
+def _not_json(path: str, where: str, msg: str, at: str) -> FibctlError:
+    """The error for a JSONDecodeError's `msg` at `at` (its column, or its line and column)."""
+    if msg == "Extra data":  # records one after another, pretty-printed or with commas
+        return FibctlError(f"{path}: {where} is not JSON (text after a whole record, at {at}; a file is JSON Lines, "
+                           "one array or one object: `jq -c .` writes records one per line)")
+    return FibctlError(f"{path}: {where} is not JSON ({msg.removesuffix(' at')} at {at})")
+
+
+class Unpaired(str):
+    """A JSON string holding a lone surrogate escape (half of a character, e.g. \\ud800): not
+    text, refused where a source reads it as text (fibctl.data.sources), and no matter in a
+    field it does not read."""
+
+
+def _unpaired(value, escaped: object):
+    """`value` with each string in it that holds a lone surrogate made Unpaired, where its JSON
+    text holds an escape that may stand for one (`escaped`): a record without one is not walked."""
+    if not escaped:
+        return value
+    if isinstance(value, str):
+        return Unpaired(value) if _LONE.search(value) else value
+    if isinstance(value, dict):
+        return {k: _unpaired(v, True) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpaired(v, True) for v in value]
     return value
-
-
-def _check_surrogates(path: str, where: str, text: str, value) -> None:
-    if _SURROGATE.search(text) and _LONE.search(json.dumps(value, ensure_ascii=False)):
-        raise FibctlError(f"{path}: {where} holds a lone surrogate escape (half of a character, e.g. \\ud800), "
-                          "not text")
 
 
 def _record(path: str, where: str, value) -> dict:

@@ -13,11 +13,10 @@ JSON files have their own reader, fibctl.data.json_files.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from collections.abc import Iterator
 
-from fibctl.data.json_files import open_binary
+from fibctl.data.decoding import open_text
 from fibctl.data.recipe import shown_path
 from fibctl.errors import FibctlError
 
@@ -26,45 +25,48 @@ from fibctl.errors import FibctlError
 csv.field_size_limit(2**31 - 1)
 
 
-def text_rows(path: str, sample_by: str) -> Iterator[dict]:
+def text_rows(path: str, sample_by: str) -> Iterator[tuple[str, dict]]:
     """A text file's documents as rows of one field, `text`: the whole file, each paragraph
     (lines up to a blank one: empty, or only whitespace) or each line. Line breaks are
-    universal: \\r\\n and a lone \\r end a line as \\n does."""
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None) as f:
+    universal: \\r\\n and a lone \\r end a line as \\n does. A row's place is not said
+    (''): its text is never refused."""
+    with open_text(path, newline=None) as f:
         if sample_by == "document":
-            yield {"text": f.read()}
+            yield "", {"text": f.read()}
         elif sample_by == "line":
             for line in f:
-                yield {"text": line}
+                yield "", {"text": line}
         else:
             paragraph: list[str] = []
             for line in f:
                 if line.strip():
                     paragraph.append(line)
                 elif paragraph:
-                    yield {"text": "".join(paragraph)}
+                    yield "", {"text": "".join(paragraph)}
                     paragraph = []
             if paragraph:
-                yield {"text": "".join(paragraph)}
+                yield "", {"text": "".join(paragraph)}
 
 
-def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dict]:
-    """A CSV (or TSV) file's rows as mappings from its header's names to cells, as written.
+def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """A CSV (or TSV) file's rows as mappings from its header's names to cells, as written,
+    each with its line (`line 3`).
 
     The header is the first line that is not blank; a file without one holds no rows. The
     header must name each of `fields`, once. A row must have as many cells as the header: a
     row of more or fewer is refused, naming its line (an unquoted delimiter inside a cell, or
-    a cell lost, would otherwise move text to another column). A TSV has no quoting: a quote
+    a cell lost, would otherwise move text to another column), as is a quote mark out of place
+    (a quoted cell left open swallowed the rest of the file). A TSV has no quoting: a quote
     mark is part of its cell."""
     name = shown_path(path)
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        header = None
-        for header in reader:
-            if any(cell.strip() for cell in header):
-                break
-        else:
+    with open_text(path, newline="") as f:
+        # strict: a quote mark out of place is an error, not a cell that swallows the file
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)
+        rows = ((start, row) for start, row in _numbered(name, delimiter, reader)
+                if any(cell.strip() for cell in row))  # blank lines skipped
+        header = next(rows, (0, None))[1]
+        if header is None:
             return
         missing = [field for field in fields if field not in header]
         if missing:
@@ -73,15 +75,28 @@ def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[dic
         twice = [field for field in fields if header.count(field) > 1]
         if twice:
             raise FibctlError(f"{name}: its header names column {twice[0]} more than once")
-        end = reader.line_num
-        for row in reader:
-            start, end = end + 1, reader.line_num
-            if not any(cell.strip() for cell in row):  # a blank line
-                continue
+        for start, row in rows:
             if len(row) != len(header):
                 raise FibctlError(f"{name}: line {start} has {len(row)} cells, the header {len(header)} "
                                   f"(is a {delimiter!r} inside a cell not quoted?)")
-            yield dict(zip(header, row))
+            yield f"line {start}", dict(zip(header, row))
+
+
+def _numbered(name: str, delimiter: str, reader) -> Iterator[tuple[int, list[str]]]:
+    """Each row of a CSV reader with the line it starts on (a quoted cell may hold line
+    breaks); a row whose quoting is broken is refused, naming that line."""
+    end = 0
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise FibctlError(f"{name}: line {end + 1}: its quoting is broken ({e}, reading line {reader.line_num}); "
+                              f"a cell holding {delimiter!r}, a quote mark or a line break is quoted whole, "
+                              f"its own quote marks doubled") from None
+        yield end + 1, row
+        end = reader.line_num
 
 
 def delimiter_hint(header: list[str]) -> str:
@@ -96,10 +111,13 @@ def delimiter_hint(header: list[str]) -> str:
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a file's size is never held
 
 
-def parquet_rows(path: str, columns: list[str]) -> Iterator[dict]:
-    """A parquet file's rows, the named columns only (a struct column as a mapping)."""
+def parquet_rows(path: str, columns: list[str]) -> Iterator[tuple[str, dict]]:
+    """A parquet file's rows, the named columns only (a struct column as a mapping), each
+    with its number (`row 3`)."""
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as f:
-        for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            yield from batch.to_pylist()
+        rows = (row for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+                for row in batch.to_pylist())
+        for n, row in enumerate(rows, 1):
+            yield f"row {n}", row

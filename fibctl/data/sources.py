@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from fibctl.data import generated, installed_docs, json_files, local_files
+from fibctl.data import decoding, generated, installed_docs, json_files, local_files
 from fibctl.data.recipe import Recipe, Source, shown_path
 from fibctl.errors import FibctlError
 
@@ -82,27 +82,24 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[Document]:
         yield from _texts(source, _rows(source, files, lambda p: local_files.parquet_rows(p, columns)))
 
 
-def _rows(source: Source, files: list[str], read: Callable[[str], Iterable[dict]]) -> Iterator[dict]:
-    """The rows of each file in turn, read by `read`; an error names the source and the file."""
+Row = tuple[str, str, dict]  # the file it was read from and where in it (or ''), and its fields
+
+
+def _rows(source: Source, files: list[str], read: Callable[[str], Iterable[tuple[str, dict]]]) -> Iterator[Row]:
+    """The rows of each file in turn, read by `read` with where each is in the file; an error
+    names the source and the file."""
     for path in files:
+        name = shown_path(path)
         try:
-            yield from read(path)
+            for where, row in read(path):
+                yield name, where, row
         except FibctlError as e:
             raise FibctlError(f"source {source.name!r}: {e}") from None
         except UnicodeDecodeError:
-            raise FibctlError(f"source {source.name!r}: {_not_utf8(path)}") from None
+            raise FibctlError(f"source {source.name!r}: {decoding.not_utf8(path)}") from None
         except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:
             # a damaged or mislabelled compressed file; a parquet file that is not one (ArrowInvalid)
             raise FibctlError(f"source {source.name!r}: cannot read {shown_path(path)}: {_one_line(e)}") from None
-
-
-def _not_utf8(path: str) -> str:
-    """Why a file that failed to decode as UTF-8 is refused, and how to convert it."""
-    with json_files.open_binary(path) as f:  # decompressed: a .gz file's own bytes are not text
-        start = f.read(2)
-    if start in (b"\xff\xfe", b"\xfe\xff"):
-        return f"{shown_path(path)} is UTF-16 text, not UTF-8; convert it (e.g. iconv -f utf-16 -t utf-8)"
-    return f"{shown_path(path)} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 
 
 def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[str]]:
@@ -249,8 +246,8 @@ def _hub_documents(source: Source) -> Iterator[Document]:
 
     _quiet(datasets)
     try:
-        streams = [iter(_texts(source, datasets.load_dataset(
-            source.dataset, config, split=source.split, streaming=True, revision=source.revision)))
+        streams = [iter(_texts(source, (("", "", row) for row in datasets.load_dataset(
+            source.dataset, config, split=source.split, streaming=True, revision=source.revision))))
             for config in source.configs or (None,)]
         yield from _round_robin(streams)
     except FibctlError:
@@ -278,27 +275,28 @@ def _round_robin(streams: list[Iterator[Document]]) -> Iterator[Document]:
 LOOKAHEAD_ROWS = 10_000  # rows read ahead for a text field that none of the first rows has
 
 
-def _texts(source: Source, rows: Iterable[dict],
-           again: Callable[[], Iterable[dict]] | None = None) -> Iterator[Document]:
+def _texts(source: Source, rows: Iterable[Row],
+           again: Callable[[], Iterable[Row]] | None = None) -> Iterator[Document]:
     """Join the source's text fields of each row, and its heldout_by fields (alike) into the
     document's key; skip rows with no text. A field a row lacks is null there, as in a table
     (JSON files whose rows, or whole files, leave out an optional title), once some row has had
     it. A field none of the first LOOKAHEAD_ROWS rows has is looked for in the rest of them when
     `again` can read the rows afresh (JSON files, whose records may each have other fields), and
     the rows are read from the start once it is found; a field no row has (or, in a table, none
-    of the first rows) is taken for a typo and refused."""
+    of the first rows) is taken for a typo and refused. A field that is not text is refused
+    naming the file and the place its row was read from."""
     rows = iter(rows)
-    ahead: list[dict] = []
+    ahead: list[Row] = []
     unseen = set(source.text)
     for row in rows:
         ahead.append(row)
-        unseen = {f for f in unseen if _lookup(row, f) is _ABSENT}
+        unseen = {f for f in unseen if _lookup(row[2], f) is _ABSENT}
         if not unseen or len(ahead) == LOOKAHEAD_ROWS:
             break
-    read, whole, first = len(ahead), len(ahead) < LOOKAHEAD_ROWS, ahead[0] if ahead else {}
+    read, whole, first = len(ahead), len(ahead) < LOOKAHEAD_ROWS, ahead[0][2] if ahead else {}
     if unseen and again is not None and not whole:
         ahead = []  # held no longer: the rows are read again from the start if the field turns up
-        for row in rows:
+        for _, _, row in rows:
             read += 1
             unseen = {f for f in unseen if _lookup(row, f) is _ABSENT}
             if not unseen:
@@ -312,9 +310,9 @@ def _texts(source: Source, rows: Iterable[dict],
         which = "no row" if whole else f"none of the first {read:,} rows"
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
                           f"{', '.join(first)}; set text = [...] in the recipe")
-    for row in itertools.chain(ahead, rows):
+    for file, where, row in itertools.chain(ahead, rows):
         values = {f: _lookup(row, f) for f in source.text}
-        texts = {f: _field_text(source, f, None if v is _ABSENT else v) for f, v in values.items()}
+        texts = {f: _field_text(source, f, None if v is _ABSENT else v, file, where) for f, v in values.items()}
         text = "\n\n".join(t for t in texts.values() if t)
         if text:
             # a row whose heldout_by fields are all empty (no problem given) is keyed by its
@@ -340,9 +338,10 @@ def _lookup(row: dict, field: str) -> object:
     return value
 
 
-def _field_text(source: Source, field: str, value: object) -> str:
+def _field_text(source: Source, field: str, value: object, file: str, where: str) -> str:
     """A field's text, stripped; a null (a row without it, in a table) is empty. Numbers,
-    lists and mappings are refused: their Python repr is not a document to train on."""
+    lists and mappings are refused, naming the file and where the row is in it (`file`, `where`:
+    '' for a hub row): their Python repr is not a document to train on."""
     if value is None:
         return ""
     if isinstance(value, bytes):  # a binary parquet column
@@ -350,14 +349,22 @@ def _field_text(source: Source, field: str, value: object) -> str:
             value = value.decode("utf-8")
         except UnicodeDecodeError:
             raise FibctlError(f"source {source.name!r}: field {field!r} holds bytes that are not "
-                              f"UTF-8 text") from None
+                              f"UTF-8 text{_in(file, where)}") from None
+    if isinstance(value, json_files.Unpaired):  # refused here, in a field read: not in a record's other fields
+        raise FibctlError(f"source {source.name!r}: field {field!r} holds a lone surrogate escape (half of a "
+                          f"character, e.g. \\ud800), not text{_in(file, where)}")
     if not isinstance(value, str):
         inside = f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else ""
         raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
-                          f"values, not text; text = [...] must name string fields{inside}") from None
+                          f"values, not text{_in(file, where)}; text = [...] must name string fields{inside}") from None
     if source.format == "text":  # a file's byte-order mark (the json and csv readers drop it)
         value = value.lstrip("\ufeff")
     return value.strip()
+
+
+def _in(file: str, where: str) -> str:
+    """', in FILE, WHERE': where a row was read, for a message ('' for a hub row)."""
+    return f", in {', '.join(filter(None, (file, where)))}" if file else ""
 
 
 def _one_line(e: Exception) -> str:

@@ -165,3 +165,38 @@ def test_rope_tables_on_cuda_are_the_cpu_s_bit_for_bit():
     cpu = rope_tables(16_384, 64, 10_000.0, "cpu")
     cuda = rope_tables(16_384, 64, 10_000.0, "cuda")
     assert all(c.device.type == "cuda" and torch.equal(c.cpu(), t) for c, t in zip(cuda, cpu))
+
+
+def test_a_machine_without_glibc_or_dynamo_is_told_not_crashed(monkeypatch):
+    """The CPU allocator's tuning needs glibc (musl has no mallopt: nothing to tune), and
+    `--compile` needs dynamo for this Python: each absence is a decision, not a traceback."""
+    from fibctl import device
+
+    def no_glibc(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(device.ctypes, "CDLL", no_glibc)
+    device.keep_freed_memory()
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    assert device.compile_unavailable(torch.device("cpu")) == (
+        f"torch {torch.__version__} has no torch.compile for Python {sys.version.split()[0]}")
+
+
+def test_bench_says_which_attention_path_auto_chose_for_each_setting():
+    """`bench train` on CUDA (where `auto` is the default) reports the paths `auto` measured and
+    took; the same bookkeeping on the CPU: one choice per layer, named by path."""
+    from fibctl import attention
+    from fibctl.flows.bench import _paths_used
+
+    cfg = dataclasses.replace(get_preset("micro").model, schedule="stagger", window=4)
+    attention._chosen.clear()
+    model = FibLM(cfg, impl="auto")
+    assert _paths_used(model) == "auto"  # nothing measured yet
+    model.choose_paths(2, cfg.seq_len, "cpu")
+    used = _paths_used(model)
+    counts = {impl: int(n) for impl, n in (part.split(" x") for part in used.split("; ")[0].split(", "))}
+    assert set(counts) <= {"gather", "mask", "flex"} and sum(counts.values()) == cfg.n_layers, used
+    assert _paths_used(FibLM(cfg, impl="gather")) == "gather"
+    assert _paths_used(FibLM(dataclasses.replace(cfg, schedule="dense", window=0))) == "sdpa"

@@ -18,6 +18,7 @@ import torch
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.train.checkpoint import load_checkpoint
+from fibctl.train.distributed import ENVIRONMENT
 from fibctl.train.trainer import Trainer
 from cli_helpers import refused
 from train_helpers import micro_run, queued_db, write_data
@@ -111,12 +112,17 @@ def test_a_learned_layer_that_keeps_no_rung_trains_on_two_ranks_as_in_one_proces
     ("2", "accumulates 3 micro-batches per step, which 2 processes cannot share evenly"),
     ("0", "--nproc 0 must be >= 1"),
     (str((os.cpu_count() or 1) + 1), "CPUs (gloo: one process per CPU)"),
+    ("1 under torchrun", "--nproc under torchrun: torchrun already started the processes; drop --nproc"),
 ])
 def test_an_nproc_that_does_not_fit_is_one_line_exit_2_and_the_run_stays_queued(data, tmp_path, monkeypatch, capsys,
                                                                                nproc, words):
     db = tmp_path / "r.db"
     queued_db(db, micro_run("run", grad_accum=3)).dispose()
     monkeypatch.chdir(tmp_path)
+    if nproc.endswith(" under torchrun"):  # a rank's environment: the group exists already
+        nproc = nproc.split()[0]
+        for name, value in zip(ENVIRONMENT, ("0", "1", "0", "127.0.0.1", "29500")):
+            monkeypatch.setenv(name, value)
     assert words in refused(monkeypatch, capsys, "train", "run", "--nproc", nproc, "--db", str(db), "--data",
                             str(data), "--device", "cpu", "--runs-dir", str(tmp_path / "runs"))
     assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
@@ -292,6 +298,38 @@ def test_a_killed_launcher_stops_the_group_which_checkpoints_and_requeues(data, 
     status, path = q("select status, checkpoint_path from runs").fetchone()
     assert status == "queued" and load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
     assert q("select count(*) from events where kind = 'stopped'").fetchone() == (1,)  # not aborted
+
+
+def test_every_collective_that_fails_says_a_peer_was_lost(monkeypatch):
+    """A rank's sum, vote or broadcast that fails (the other rank gone: gloo's connection
+    closed) is PeerLost, which stops this rank with one line, never a traceback."""
+    from fibctl.train.distributed import Group, PeerLost
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", closed)
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", closed)
+    group = Group(rank=1, world=2, local_rank=1)
+    for collective in (lambda: group.sum(torch.zeros(1)), lambda: group.any(True, device=torch.device("cpu")),
+                       lambda: group.broadcast("x")):
+        with pytest.raises(PeerLost, match="died or stopped answering"):
+            collective()
+
+
+def test_a_rank_whose_launcher_ended_before_it_could_watch_it_stops_at_once(tmp_path):
+    """The launcher's end is signalled to its child only once the child asks (prctl): one that
+    ended just before, the child now another process's, is seen by its parent's pid."""
+    from fibctl.flows.torchrun import LAUNCHER
+
+    watched = subprocess.run([sys.executable, "-c", "from fibctl.flows.torchrun import end_with_launcher\n"
+                              "end_with_launcher()\nprint('trained on')"], capture_output=True, text=True,
+                             env={**os.environ, LAUNCHER: str(os.getpid() + 999_999)}, timeout=120)
+    assert (watched.returncode, watched.stdout) == (128 + signal.SIGTERM, "")
+    unwatched = subprocess.run([sys.executable, "-c", "from fibctl.flows.torchrun import end_with_launcher\n"
+                                "end_with_launcher()\nprint('trained on')"], capture_output=True, text=True,
+                               env={k: v for k, v in os.environ.items() if k != LAUNCHER}, timeout=120)
+    assert (unwatched.returncode, unwatched.stdout) == (0, "trained on\n")
 
 
 def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run_s():

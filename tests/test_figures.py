@@ -291,3 +291,20 @@ def test_figure_no_title_leaves_the_title_to_a_papers_caption(db, tmp_path, monk
         assert r.exit_code == 0, r.output
     assert titles[0] and titles[1] == ""
     assert figures._TITLED.get()  # the next figure drawn in this process has its title again
+
+
+def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_step(tmp_path, monkeypatch):
+    path = str(tmp_path / "a.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for name, schedule in (("s", "stagger"), ("l", "learned")):
+            rid = add_run(conn, name, schedule)
+            conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=0 if name == "s" else 250, layer=layer,
+                                                     alpha=0.5 + layer / 4) for layer in range(4)])
+    engine.dispose()
+    labels = {}
+    save = figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, out: labels.update(
+        {ax.get_title(): ax.get_xlabel() for ax in fig.axes if ax.get_title()}) or save(fig, out))
+    figures.alphas(connect_readonly(path), tmp_path / "a.png")
+    assert labels == {"s": "layer (set by the schedule)", "l": "layer (step 250)"}

@@ -433,7 +433,8 @@ def _alpha_panel(ax, points: pd.DataFrame, name: str) -> None:
     if points["step"].nunique() == 1:
         ax.plot(points["layer"], points["alpha"], marker="o",
                 color=SCHEDULE_COLORS.get(points["schedule"].iloc[0], "tab:gray"))
-        ax.set_xlabel(f"layer (step {points['step'].iloc[0]})")
+        static = points["schedule"].iloc[0] != "learned"  # its alphas are the schedule's, at every step
+        ax.set_xlabel("layer (set by the schedule)" if static else f"layer (step {points['step'].iloc[0]})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         cmap = colormaps["viridis"]

@@ -99,7 +99,7 @@ _one_line_usage_errors()
 PANELS = {
     "Start here": ["demo"],
     "Data and training": ["data", "matrix", "queue", "worker", "train", "status", "slurm", "probe"],
-    "Results": ["eval", "report", "figure", "sql", "import-study"],
+    "Results": ["eval", "report", "figure", "compare", "sql", "import-study"],
     "Inspect and measure": ["model", "coverage", "bench", "db"],
 }
 ORDER = [name for names in PANELS.values() for name in names]

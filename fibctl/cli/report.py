@@ -247,6 +247,65 @@ def figure(
     console.print(f"wrote {path}", highlight=False, markup=False)
 
 
+@app.command("compare")
+def compare_cmd(
+    names: Annotated[list[str], typer.Argument(help="Two or more run names, as `fibctl queue ls` shows them.",
+                                               show_default=False)],
+    db: DbOption = DEFAULT_DB,
+    every: Annotated[bool, typer.Option("--all", help="Every setting, not only those that differ.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables, "
+                                           "for scripts.")] = False,
+) -> None:
+    """Runs side by side: the settings that differ, then how each trained (steps, tokens, time,
+    tokens/s, last loss) and its perplexities at its final evaluation (the newest if it has none)."""
+    from fibctl.cli.db import print_json
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports.compare import compare
+    from fibctl.units import duration
+
+    c = compare(connect_readonly(db), names, every=every)
+    if json_out:
+        return print_json({"runs": c.runs, "settings": c.settings, "trained": c.trained,
+                           "perplexity": [{"dataset": d, "length": n, "values": values}
+                                          for (d, n), values in c.perplexity.items()]})
+    import pandas as pd
+
+    if c.settings:  # a row a setting: a long list reads down, the runs across (continued past the width)
+        frame = pd.DataFrame([[k, *map(_setting, values)] for k, values in c.settings.items()],
+                             columns=["setting", *c.runs])
+        console.print(render.fitted(tables.Table("settings", "Settings" + ("" if every else " that differ"),
+                                                 frame, ""), console.width))
+    else:
+        console.print("no setting differs between these runs", markup=False, highlight=False)
+    shown = {k: v for k, v in c.trained.items() if k != "eval step"}  # said below where it is not the final step
+    trained = pd.DataFrame({"run": c.runs, **shown}).rename(columns={"seconds": "time"})
+    console.print(render.fitted(tables.Table("training", "Training", trained, "", formats={
+        "step": _count, "tokens": _count, "time": duration, "loss": lambda x: f"{x:.4f}", "tokens/s": _count},
+        notes=["loss and tokens/s: the last logged step's"]), console.width))
+    earlier = [f"{run}'s perplexities are of step {at:,}, before its final step {final:,}" if final is not None else
+               f"{run}'s perplexities are of step {at:,} (it has not finished)"
+               for run, at, final in zip(c.runs, c.trained["eval step"], c.trained["step"])
+               if at is not None and at != final]
+    if c.perplexity:
+        ppl = pd.DataFrame({"run": c.runs, **{f"{tables.dataset_label(d)} {n:,}": values
+                                              for (d, n), values in c.perplexity.items()}})
+        columns = [col for col in ppl.columns if col != "run"]
+        console.print(render.fitted(tables.Table(
+            "perplexity", "Perplexity by held-out set and evaluation length (the lowest in bold)", ppl, "",
+            formats={col: tables.ppl for col in columns}, best={col: "min" for col in columns}, notes=earlier),
+            console.width))
+
+
+def _setting(value) -> str:
+    import json
+
+    return "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
+def _count(value) -> str:
+    return f"{value:,.0f}"
+
+
 COVERAGE_OPTIONS = ("window", "schedule", "base", "preset", "layers", "length")  # the schedule's, no database
 
 

@@ -1,0 +1,64 @@
+"""`fibctl compare`: runs side by side, as a sweep's reader wants them: the settings that differ,
+then how each trained and what it scored at its final step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+
+from fibctl.config import flatten
+from fibctl.errors import FibctlError
+from fibctl.reports.overview import Overview, overview
+
+MAX_RUNS = 12  # side by side; more would not be read as a comparison (Table 1 lists many)
+
+
+@dataclass
+class Comparison:
+    runs: list[str]
+    settings: dict[str, list]  # dotted setting -> each run's value (every setting with `every`)
+    trained: dict[str, list]  # status, step, eval step, tokens, seconds, loss, tokens/s -> each run's
+    perplexity: dict[tuple[str, int], list]  # (held-out set, length) -> each run's at its evaluated step
+
+
+def compare(engine: Engine, names: list[str], *, every: bool = False) -> Comparison:
+    """The runs named, in the order given (a name given twice is compared once)."""
+    names = list(dict.fromkeys(names))
+    if not 2 <= len(names) <= MAX_RUNS:
+        raise FibctlError(f"compare takes 2 to {MAX_RUNS} run names, got {len(names)}")
+    found = [overview(engine, name, events=0) for name in names]
+    return Comparison(names, _settings(found, every), _trained(found), _perplexity(found))
+
+
+def _settings(found: list[Overview], every: bool) -> dict[str, list]:
+    flat = [flatten(o.config.to_dict()) if o.config is not None else {} for o in found]
+    for o, f in zip(found, flat):
+        f.pop("name", None)
+        f.pop("probe", None)  # null on every run but the probe's, whose settings are probe.*
+    keys = sorted(set().union(*flat), key=lambda k: (k.count("."), k))  # the run's own first, then model, train
+    shown = {k: [f.get(k) for f in flat] for k in keys}
+    if every:
+        return shown
+    return {k: values for k, values in shown.items()
+            if len({json.dumps(v, sort_keys=True) for v in values}) > 1}
+
+
+def _trained(found: list[Overview]) -> dict[str, list]:
+    runs = [o.run for o in found]
+    last = [o.last_step or {} for o in found]
+    return {
+        "status": [r["status"] for r in runs],
+        "step": [r["final_step"] for r in runs],
+        "eval step": [o.eval_step for o in found],
+        "tokens": [r["tokens_trained"] for r in runs],
+        "seconds": [r["wall_seconds"] for r in runs],
+        "loss": [s.get("loss") for s in last],  # the last logged step's, as tokens/s
+        "tokens/s": [s.get("tokens_per_s") for s in last],
+    }
+
+
+def _perplexity(found: list[Overview]) -> dict[tuple[str, int], list]:
+    cells = sorted({(d, n) for o in found for d, by in o.perplexity.items() for n in by})
+    return {(d, n): [o.perplexity.get(d, {}).get(n) for o in found] for d, n in cells}

@@ -1,0 +1,101 @@
+"""`fibctl compare`: runs side by side, from the database alone (it writes nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import insert, update
+from typer.testing import CliRunner
+
+from cli_helpers import refused
+from fibctl.cli import app
+from fibctl.db import schema
+from fibctl.db.engine import connect
+from test_reports import DEMO_LENGTHS, add_eval, add_run
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> str:
+    """A dense run, fixed at two lrs (the second stopped early, evaluated at step 400 only)."""
+    db = str(tmp_path_factory.mktemp("compare") / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for name, schedule, lr, ppls in (("dense", "dense", 3e-3, [20.0, 30.0, 60.0, 120.0]),
+                                         ("fixed", "fixed", 3e-3, [24.0, 23.8, 23.7, 23.9]),
+                                         ("fixed_lr1e-3", "fixed", 1e-3, [22.0, 22.5, 22.9, 23.1])):
+            rid = add_run(conn, name, schedule, lr=lr)
+            step = 400 if name == "fixed_lr1e-3" else 600
+            for length, ppl in zip(DEMO_LENGTHS, ppls):
+                add_eval(conn, rid, length, ppl, step=step)
+            conn.execute(insert(schema.TrainStep).values(run_id=rid, step=step, loss=3.25, lr=lr, grad_norm=0.5,
+                                                         tokens_per_s=4321.0, elapsed_s=60.0))
+        conn.execute(update(schema.Run).where(schema.Run.name == "fixed_lr1e-3").values(
+            status="running", final_step=None))
+        conn.execute(update(schema.Run).values(tokens_trained=1_228_800, wall_seconds=125.0))
+    engine.dispose()
+    return db
+
+
+def compared(*args: str, width: int = 80) -> str:
+    result = CliRunner().invoke(app, ["compare", *args], env={"COLUMNS": str(width)})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_compare_shows_the_settings_that_differ_how_each_trained_and_its_perplexities(sweep):
+    out = compared("fixed", "fixed_lr1e-3", "dense", "--db", sweep)
+    settings, training, perplexity = out.split("Training")[0], *out.split("Training")[1].split("Perplexity")
+    assert "model.schedule" in settings and "train.lr" in settings and "0.001" in settings
+    assert "model.d_model" not in settings and "seed" not in settings  # the same in every run
+    assert [line.split()[1:4] for line in training.splitlines() if line.startswith("│ fixed")] == [
+        ["fixed", "│", "done"], ["fixed_lr1e-3", "│", "running"]]
+    assert "2m05s" in training and "4,321" in training and "3.2500" in training
+    assert "docs_val 1,024" in perplexity and "23.10" in perplexity and "120.00" in perplexity
+    assert "fixed_lr1e-3's perplexities are of step 400 (it has not finished)" in perplexity
+    assert max(len(line) for line in out.splitlines()) <= 80
+    every = compared("fixed", "dense", "--db", sweep, "--all")
+    assert "model.d_model" in every and "Settings that differ" not in every
+
+
+def test_compare_json_holds_every_number(sweep):
+    out = json.loads(compared("fixed_lr1e-3", "fixed", "--db", sweep, "--json"))
+    assert out["runs"] == ["fixed_lr1e-3", "fixed"]
+    assert out["settings"] == {"train.lr": [0.001, 0.003]}
+    assert out["trained"]["step"] == [None, 600] and out["trained"]["eval step"] == [400, 600]
+    assert out["trained"]["seconds"] == [125.0, 125.0] and out["trained"]["tokens/s"] == [4321.0, 4321.0]
+    assert {"dataset": "docs_val", "length": 1024, "values": [23.1, 23.9]} in out["perplexity"]
+
+
+def test_compare_of_two_runs_of_one_recipe_says_no_setting_differs(tmp_path):
+    out = compared("a", "b", "--db", _two_runs(tmp_path))
+    assert out.startswith("no setting differs between these runs\n") and "Perplexity" not in out
+
+
+@pytest.mark.parametrize("names, words", [
+    (["a"], "compare takes 2 to 12 run names, got 1"),
+    (["a", "bb"], "no run named 'bb'; did you mean 'b'?"),
+    ([f"r{i}" for i in range(13)], "compare takes 2 to 12 run names, got 13"),
+])
+def test_compare_bad_input_is_one_line_exit_2_and_it_writes_nothing(tmp_path, names, words, monkeypatch, capsys):
+    db = _two_runs(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert words in refused(monkeypatch, capsys, "compare", *names, "--db", db)
+    assert sorted(os.listdir(tmp_path)) == before
+    done = subprocess.run([sys.executable, "-m", "fibctl", "compare", "a", "b", "--db", db], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "no setting differs" in done.stdout, done.stderr
+    assert sorted(os.listdir(tmp_path)) == before  # read-only: not even SQLite's -wal and -shm
+
+
+def _two_runs(folder) -> str:
+    db = str(folder / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        add_run(conn, "a", "fixed")
+        add_run(conn, "b", "fixed")
+    engine.dispose()
+    return db

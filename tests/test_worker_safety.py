@@ -23,7 +23,7 @@ from fibctl.errors import FibctlError, WorkerError
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, work
-from train_helpers import NullReporter, Quiet, micro_run, queued_db, write_data
+from train_helpers import HELDOUT, NullReporter, Quiet, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
 SHORT = dict(steps=10, eval_interval=10, checkpoint_interval=10)
@@ -468,13 +468,18 @@ def test_a_database_that_keeps_refusing_writes_checkpoints_and_requeues_the_run(
 
     with pytest.raises(FibctlError) as e:
         work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 12 and full.set()))
-    assert "database or disk is full" in str(e.value) and "checkpointed step 15" in str(e.value)
+    # step 15's train step was refused: not checkpointed, as a resume would train on past its row
+    assert "database or disk is full" in str(e.value) and ("step 15's rows were not all written, so it was not "
+                                                           "checkpointed: the run resumes from its checkpoint "
+                                                           "step_00000010.pt") in str(e.value)
     assert "it stays marked running" in str(e.value)  # the disk is still full: it cannot be requeued
     full.clear()
     with engine.begin() as conn:  # the heartbeat went stale meanwhile
         conn.exec_driver_sql("update runs set heartbeat_at = '2000-01-01 00:00:00'")
     [outcome] = work(engine, opts(data, tmp_path / "runs", heartbeat_timeout_s=1), Quiet())
     assert outcome.status == "done"
+    assert [s for (s,) in sqlite3.connect(tmp_path / "r.db").execute("select step from train_steps order by step")] \
+        == list(range(5, 31, 5))  # every logged step's row, the refused one written again
     weights = ckpt.load_checkpoint(tmp_path / "runs" / "run" / "step_00000030.pt")["model"]
     for k, v in reference.model.state_dict().items():
         assert torch.equal(weights[k], v), k
@@ -491,10 +496,33 @@ def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, 
             refusals.append(statement)
             raise sqlite3.OperationalError("database is locked")
 
-    with pytest.raises(FibctlError, match="checkpointed step 5 .*; it is queued again"):
+    with pytest.raises(FibctlError, match="step 5's rows were not all written, so it was not checkpointed: the run "
+                                          "starts again from step 0; it is queued again"):
         work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert runs(tmp_path / "r.db")[0][:3] == ("run", "queued", 0)  # released: the attempt not counted
-    assert (tmp_path / "runs" / "run" / "step_00000005.pt").is_file()
+    assert not (tmp_path / "runs" / "run").exists() or not list((tmp_path / "runs" / "run").glob("*.pt"))
+
+
+def test_a_refused_final_evaluation_is_written_when_the_run_trains_again(data, tmp_path, monkeypatch):
+    """The final step's evaluation refused (a lock held past every retry): that step is not
+    checkpointed, or the run would resume past it and finish "done" with no final results."""
+    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    refusals = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def locked(conn, cursor, statement, *args):
+        if statement.startswith("INSERT INTO evaluations") and len(refusals) < 3:
+            refusals.append(statement)
+            raise sqlite3.OperationalError("database is locked")
+
+    with pytest.raises(FibctlError, match="step 10's rows were not all written"):
+        work(engine, opts(data, tmp_path / "runs"), Quiet())
+    [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert outcome.status == "done"
+    assert db.execute("select count(*) from evaluations where step = 10").fetchone() == (len(HELDOUT),)
+    assert db.execute("select count(*) from position_losses where step = 10").fetchone()[0] > 0
 
 
 def test_queue_ls_answers_while_a_worker_holds_the_write_lock(tmp_path, capsys, monkeypatch):

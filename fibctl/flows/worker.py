@@ -559,11 +559,19 @@ def _refuse_link(own: Path) -> None:
 
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,
                                     e: DatabaseUnavailable, worker: str) -> FibctlError:
-    """Checkpoint the step in progress, put the run back in the queue; the error to stop with."""
+    """Checkpoint the step in progress if the database got its every row, put the run back in
+    the queue; the error to stop with. A step whose rows were refused is not checkpointed: a
+    resume would train on past them, and the run finish with them missing (its final
+    evaluation, say); the run resumes from its last checkpoint instead, redoing the steps."""
     saved = ""
     if trainer is not None and trainer.step > 0:
         path = ckpt.checkpoint_path(trainer.run_dir, trainer.step)
-        saved = f"; checkpointed step {trainer.step} to {path if path.is_file() else trainer.write_checkpoint()}"
+        if path.is_file() or trainer.complete_step == trainer.step:  # written after the step's rows
+            saved = f"; checkpointed step {trainer.step} to {path if path.is_file() else trainer.write_checkpoint()}"
+        else:
+            older = ckpt.list_checkpoints(trainer.run_dir)
+            saved = (f"; step {trainer.step}'s rows were not all written, so it was not checkpointed: the run "
+                     + (f"resumes from its checkpoint {older[-1].name}" if older else "starts again from step 0"))
     try:
         queue.release(engine, claimed.id, f"released: {e}", worker)
         where = "it is queued again"

@@ -166,6 +166,9 @@ class Trainer:
         # the newest step whose rows (train step, evaluations, alphas) this run recorded, as its
         # checkpoints say; `recorded`: what the database holds (None: nothing to check against)
         self.logged_step = 0
+        # the newest step whose every write (its train step, evaluations, alphas) is done: a
+        # checkpoint of a later one would resume past rows the database never got
+        self.complete_step = 0
         self.recorded: Recorded | None = None
         self.peak = peak_flops(device)  # None on the CPU: no MFU
         self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
@@ -262,6 +265,8 @@ class Trainer:
             if not self.lost:
                 saved, unscored = self._evaluate_and_checkpoint()
                 last = saved or last
+            if unscored is None:
+                self.complete_step = self.step
             if self.on_progress and unscored is None:  # after the evaluations, so that it shows them
                 self._tick()
                 pace = (self.elapsed_s - self._elapsed_before) / (self.step - start_step)
@@ -432,7 +437,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             ckpt.restore_rng_states(state["rng"])
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
-            self.logged_step = logged
+            self.logged_step, self.complete_step = logged, state["step"]
         except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
             raise ckpt.DamagedCheckpoint(f"checkpoint {path} is damaged ({type(e).__name__}: "
                                          f"{first_line(e)})") from None

@@ -170,3 +170,51 @@ def test_a_demo_whose_output_pipe_closes_stops_with_141(tmp_path, monkeypatch, c
         main()
     err = capsys.readouterr().err
     assert exit_.value.code == 141 and "the output's reader has gone: stopped" in err, err
+
+
+def _marked_running(out, worker: str) -> None:
+    """The dense run as a demo killed mid-run left it (or as a live one trains it): running,
+    a fresh heartbeat, no evaluation at the demo's lengths yet."""
+    db = sqlite3.connect(out / "results.db")
+    with db:
+        db.execute("UPDATE runs SET status = 'running', worker = ?, heartbeat_at = CURRENT_TIMESTAMP "
+                   "WHERE name = 'dense'", (worker,))
+        db.execute("DELETE FROM evaluations WHERE run_id = (SELECT id FROM runs WHERE name = 'dense') "
+                   "AND eval_length > 64")
+    db.close()
+
+
+def test_a_demo_run_again_after_a_kill_takes_back_the_run_its_dead_worker_held(quick_demo, tmp_path):
+    """The killed demo's worker, on this machine, is gone: its run is queued again at once (its
+    heartbeat is still fresh), trained to its end from its checkpoint, evaluated and reported."""
+    import shutil
+    import socket
+
+    out = tmp_path / "out"
+    shutil.copytree(quick_demo[0], out)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    _marked_running(out, f"{socket.gethostname()}:{ended.pid}")
+    again = fibctl("demo", "--quick", "--out", str(out), "--plain")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr
+    assert "queued again dense: its worker, an earlier demo, has ended" in again.stdout
+    assert "evaluated 1 run(s); 2 already evaluated" in again.stdout
+    db = sqlite3.connect(out / "results.db")
+    assert db.execute("SELECT status FROM runs WHERE name = 'dense'").fetchone() == ("done",)
+    assert db.execute("SELECT COUNT(DISTINCT eval_length) FROM evaluations e JOIN runs r ON r.id = e.run_id "
+                      "WHERE r.name = 'dense'").fetchone() == (4,)
+
+
+def test_a_demo_whose_run_a_live_process_trains_says_so_and_exits_1(quick_demo, tmp_path):
+    import os
+    import shutil
+    import socket
+
+    out = tmp_path / "out"
+    shutil.copytree(quick_demo[0], out)
+    _marked_running(out, f"{socket.gethostname()}:{os.getpid()}")  # this test's process: alive
+    again = fibctl("demo", "--quick", "--out", str(out), "--plain")
+    assert again.returncode == 1, again.stdout[-2000:] + again.stderr
+    assert f"dense (worker {socket.gethostname()}:{os.getpid()}) still training in another process" in " ".join(
+        (again.stdout + again.stderr).split())
+    assert "Table 1" not in again.stdout  # no tables without it

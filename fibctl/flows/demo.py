@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -114,6 +115,40 @@ def threads_line(timings: dict[int, float], threads: int) -> str:
 def queue_demo(engine: Engine, p: DemoPlan) -> tuple[list[str], list[str]]:
     """Queue the `demo` matrix at the plan's preset (idempotent: finished runs stay done)."""
     return queue.add_runs(engine, load_matrix("demo").resolve(preset=p.preset))
+
+
+def release_ended_workers(engine: Engine) -> list[str]:
+    """Runs marked running by a worker of this machine whose process has ended (a demo killed,
+    its terminal closed): queued again at once, where a heartbeat timeout would leave them
+    running a minute and the demo go on without them. Returns their names."""
+    host = socket.gethostname()
+    with engine.connect() as conn:
+        running = conn.execute(text("SELECT id, name, worker FROM runs WHERE status = 'running'")).all()
+    released = []
+    for run_id, name, worker in running:
+        on, _, pid = (worker or "").partition(":")
+        pid = pid.split(":")[0]
+        if on == host and pid.isdigit() and not _alive(int(pid)) and queue.release(
+                engine, run_id, f"released: its worker {worker} on this machine has ended", worker=worker):
+            released.append(name)
+    return released
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def still_running(engine: Engine) -> list[tuple[str, str]]:
+    """(name, worker) of the demo's runs another live process is training."""
+    with engine.connect() as conn:
+        return [tuple(row) for row in conn.execute(text(
+            "SELECT name, worker FROM runs WHERE matrix = 'demo' AND status = 'running' ORDER BY id"))]
 
 
 def runs_to_evaluate(engine: Engine, p: DemoPlan) -> list[str]:
@@ -272,6 +307,9 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     engine = connect(db)
     added, present = queue_demo(engine, p)
     view.line(f"queued {len(added)} new run(s); {len(present)} already in {db}")
+    released = release_ended_workers(engine)
+    if released:
+        view.line(f"queued again {', '.join(released)}: its worker, an earlier demo, has ended")
 
     view.section("3/5 train: one worker, runs one after the other")
     counts = queue.status_counts(engine)
@@ -289,6 +327,11 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
         view.warn("training stopped before every run finished; run the same command again to resume "
                   "from the checkpoints")
         return 128 + stop.signal if stop.signal is not None else 1
+    busy = still_running(engine)
+    if busy:  # another demo, still alive, trains them: the tables would leave them out
+        view.warn(f"{', '.join(f'{name} (worker {worker})' for name, worker in busy)} still training in another "
+                  "process; run the same command again when it has finished")
+        return 1
     _stop_if_noted(noted)
 
     view.section(f"4/5 evaluate at lengths {', '.join(map(str, p.lengths))} (x1, x2, x4, x8), by position")

@@ -457,7 +457,8 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    notes = left_out + deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])])
+    notes = (left_out + deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"])
+             + budget_notes(multi[multi["run"].isin(frame["Run"])]))
     return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 

@@ -265,8 +265,8 @@ class Trainer:
             if not self.lost:
                 saved, unscored = self._evaluate_and_checkpoint()
                 last = saved or last
-            if unscored is None:
-                self.complete_step = self.step
+                if unscored is None:
+                    self.complete_step = self.step
             if self.on_progress and unscored is None:  # after the evaluations, so that it shows them
                 self._tick()
                 pace = (self.elapsed_s - self._elapsed_before) / (self.step - start_step)

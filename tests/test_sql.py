@@ -352,3 +352,16 @@ def test_a_statement_stopped_by_a_signal_exits_as_the_signal_and_leaves_the_fold
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code and err.strip() == said, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_result_refused_with_rows_still_pending_leaves_the_folder_as_it_was(sqlite_db, monkeypatch, capsys):
+    """Refused past the size cap with rows left to fetch, the statement stayed open on its
+    connection (the error's traceback held it) until after the command had tidied the folder:
+    the WAL database's -wal and -shm files were left beside it."""
+    folder = Path(sqlite_db).parent
+    before = sorted(p.name for p in folder.iterdir())
+    monkeypatch.setattr("fibctl.reports.sql.MAX_RESULT_BYTES", 1000)
+    query = "SELECT hex(zeroblob(1000)) FROM runs a, runs b"  # 4 rows: some still to fetch when refused
+    fails_in_one_line(["sql", query, "--db", sqlite_db, "--max-rows", "1"], folder, "the result holds over",
+                      monkeypatch, capsys)
+    assert sorted(p.name for p in folder.iterdir()) == before  # -wal and -shm too

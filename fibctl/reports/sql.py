@@ -112,12 +112,15 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 guard = None
             try:
                 result = _pg_result(conn, sql) if guard is None else conn.exec_driver_sql(sql)
-                try:
-                    rows = result.fetchmany(max_rows + 1)
-                    columns = list(result.keys())
-                except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
-                    raise FibctlError("the statement returned no result set (is it only a comment?); "
-                                      "fibctl sql prints the rows of a query") from None
+                # closed on every path: a statement left with rows to fetch keeps its read lock (the
+                # traceback of an error holds it) past the command's tidying of -wal and -shm
+                with result:
+                    try:
+                        rows = result.fetchmany(max_rows + 1)
+                        columns = list(result.keys())
+                    except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
+                        raise FibctlError("the statement returned no result set (is it only a comment?); "
+                                          "fibctl sql prints the rows of a query") from None
                 truncated, rows, size = len(rows) > max_rows, [tuple(r) for r in rows[:max_rows]], 0
                 for row in rows:
                     size += sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))

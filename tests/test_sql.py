@@ -365,3 +365,28 @@ def test_a_result_refused_with_rows_still_pending_leaves_the_folder_as_it_was(sq
     fails_in_one_line(["sql", query, "--db", sqlite_db, "--max-rows", "1"], folder, "the result holds over",
                       monkeypatch, capsys)
     assert sorted(p.name for p in folder.iterdir()) == before  # -wal and -shm too
+
+
+def test_a_result_past_the_size_cap_is_refused_before_all_of_it_is_fetched(sqlite_db, monkeypatch):
+    """The size was counted after every row (up to --max-rows) had been fetched: 929 MB of
+    memory to refuse a 64 MiB result. Rows are counted as they arrive, and stopped at the cap."""
+    from sqlalchemy.engine import CursorResult
+
+    fetched = []
+    fetchmany = CursorResult.fetchmany
+
+    def counted(self, size=None):
+        rows = fetchmany(self, size)
+        fetched.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(CursorResult, "fetchmany", counted)
+    monkeypatch.setattr("fibctl.reports.sql.MAX_RESULT_BYTES", 20_000)
+    rows = "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c LIMIT 1000) "
+    with pytest.raises(FibctlError, match="the result holds over"):
+        query_rows(sqlite_db, rows + "SELECT hex(zeroblob(500)) FROM c")  # 1,000 characters a row
+    assert 21 <= sum(fetched) <= 40  # not all 1,000
+    # under the cap, every row, fetched in batches as large as the cap leaves room for
+    fetched.clear()
+    assert len(query_rows(sqlite_db, rows + "SELECT hex(zeroblob(5)) FROM c").rows) == 1000
+    assert max(fetched) <= 1000 and len(fetched) < 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from itertools import chain
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -344,7 +345,7 @@ def sql(
 
     Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
     returns them: NULL as NULL, integers as integers."""
-    from fibctl.reports.sql import to_csv, to_json
+    from fibctl.reports.sql import csv_lines, json_lines
 
     if fmt is not None and fmt not in SQL_FORMATS:
         raise FibctlError(f"--format {fmt!r}: allowed: {', '.join(SQL_FORMATS)}")
@@ -356,10 +357,10 @@ def sql(
     except KeyboardInterrupt:
         err_console.print("interrupted: the statement was stopped; nothing was written", markup=False, highlight=False)
         raise typer.Exit(130) from None
-    if fmt == "csv":  # color=True: click would strip what looks like a colour code from a value in a pipe
-        typer.echo(to_csv(result), nl=False, color=True)
+    if fmt == "csv":
+        _write(csv_lines(result))
     elif fmt == "json":
-        typer.echo(to_json(result))
+        _write(chain(json_lines(result), ["\n"]))
     elif result.empty:
         console.print("(no rows)")
     else:  # Text cells: a value from the database is never read as markup, nor obeyed as a control code
@@ -391,6 +392,20 @@ def sql(
     if result.truncated:
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",
                           markup=False, highlight=False)
+
+
+def _write(parts: Iterable[str]) -> None:
+    """`parts` on stdout as they are made, some 64 KiB at a time (click.echo flushes each)."""
+    pending: list[str] = []
+    size = 0
+    for part in parts:
+        pending.append(part)
+        size += len(part)
+        if size >= 1 << 16:
+            # color=True: click would strip what looks like a colour code from a value in a pipe
+            typer.echo("".join(pending), nl=False, color=True)
+            pending, size = [], 0
+    typer.echo("".join(pending), nl=False, color=True)
 
 
 @app.command("import-study")

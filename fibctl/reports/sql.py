@@ -35,6 +35,9 @@ MAX_ROWS_LIMIT = 10**9  # the driver fetches a C int's worth of rows at most (2*
 TIMEOUT_S = 60.0
 TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count of milliseconds
 MAX_RESULT_BYTES = 64 << 20  # text and bytes printed by one statement: a 1 GB value took hours to print
+# what `fibctl sql --format table` draws at most (rich's table is drawn whole: seconds at these)
+TABLE_MAX_VALUES = 50_000
+TABLE_MAX_CHARACTERS = 1 << 20
 FETCH_ROWS = 1_000  # rows fetched at a time at most (fewer where they are large)
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from itertools import chain
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,7 +26,8 @@ from fibctl.reports import export, figures, render, tables  # matplotlib loads w
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
 from fibctl.reports.render import printable
-from fibctl.reports.sql import MAX_ROWS, NAMED, TIMEOUT_S, open_for_reports, query_rows
+from fibctl.reports.sql import (MAX_ROWS, NAMED, TABLE_MAX_CHARACTERS, TABLE_MAX_VALUES, TIMEOUT_S,
+                                 open_for_reports, query_rows)
 from fibctl.reports.sql import cell as sql_cell
 
 report_app = typer.Typer(
@@ -344,7 +346,7 @@ def sql(
 
     Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
     returns them: NULL as NULL, integers as integers."""
-    from fibctl.reports.sql import to_csv, to_json
+    from fibctl.reports.sql import csv_lines, json_lines
 
     if fmt is not None and fmt not in SQL_FORMATS:
         raise FibctlError(f"--format {fmt!r}: allowed: {', '.join(SQL_FORMATS)}")
@@ -356,21 +358,18 @@ def sql(
     except KeyboardInterrupt:
         err_console.print("interrupted: the statement was stopped; nothing was written", markup=False, highlight=False)
         raise typer.Exit(130) from None
-    if fmt == "csv":  # color=True: click would strip what looks like a colour code from a value in a pipe
-        typer.echo(to_csv(result), nl=False, color=True)
+    if fmt == "csv":
+        _write(csv_lines(result))
     elif fmt == "json":
-        typer.echo(to_json(result))
+        _write(chain(json_lines(result), ["\n"]))
     elif result.empty:
         console.print("(no rows)")
-    else:  # Text cells: a value from the database is never read as markup, nor obeyed as a control code
-        def text(v) -> Text:
-            return Text("NULL" if v is None else printable(str(sql_cell(v))))
-
+    else:
         # rich narrows columns that do not fit to nothing (`SELECT * FROM runs` at 80 columns drew
         # empty cells), or folds a value mid-word (`docs_va` over `l`): side by side only where
         # each column holds its longest word (header or value) whole, else a field a line
         headers = [Text(printable(column)) for column in result.columns]
-        cells = [[text(v) for v in row] for row in result.rows]
+        cells = _table_cells(result)
         least = [max([1, *(cell_len(w) for t in (h, *(row[i] for row in cells)) for w in t.plain.split())])
                  for i, h in enumerate(headers)]
         if sum(least) + 3 * len(least) + 1 <= console.width:
@@ -381,16 +380,50 @@ def sql(
                 table.add_row(*row)
         else:
             table = RichTable("column", "value")
-            for i, row in enumerate(result.rows):
+            for i, row in enumerate(cells):
                 if i:
                     table.add_section()  # a rule between rows
-                for column, v in zip(result.columns, row):
-                    table.add_row(Text(printable(column)), text(v))
+                for column, value in zip(result.columns, row):
+                    table.add_row(Text(printable(column)), value)
             table.columns[1].overflow = "fold"
         console.print(table)
     if result.truncated:
         err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",
                           markup=False, highlight=False)
+
+
+def _table_cells(result) -> list[list[Text]]:
+    """The table's cells, as Text: a value from the database is never read as markup, nor
+    obeyed as a control code. Refused, before anything is printed, past TABLE_MAX_VALUES
+    values or TABLE_MAX_CHARACTERS characters: rich draws a table whole, some 10,000 values
+    or 300,000 characters a second, in memory that grows with them (30,000 rows of 8 columns
+    took 30 s and 645 MB, 100,000 of 80 minutes and 4.7 GB); csv and json write any size."""
+    cells: list[list[Text]] = []
+    characters = 0
+    for row in result.rows:
+        texts = [Text("NULL" if v is None else printable(str(sql_cell(v)))) for v in row]
+        characters += sum(len(t.plain) for t in texts)
+        if (len(cells) + 1) * len(texts) > TABLE_MAX_VALUES or characters > TABLE_MAX_CHARACTERS:
+            fewer = f"--max-rows {len(cells)}" if cells else "select part of each value (substr)"
+            raise FibctlError(f"the result ({len(result.rows):,} rows of {len(texts)} columns) is more than the "
+                              f"table format draws ({TABLE_MAX_VALUES:,} values or {TABLE_MAX_CHARACTERS:,} "
+                              f"characters); use --format csv or --format json, or {fewer}")
+        cells.append(texts)
+    return cells
+
+
+def _write(parts: Iterable[str]) -> None:
+    """`parts` on stdout as they are made, some 64 KiB at a time (click.echo flushes each)."""
+    pending: list[str] = []
+    size = 0
+    for part in parts:
+        pending.append(part)
+        size += len(part)
+        if size >= 1 << 16:
+            # color=True: click would strip what looks like a colour code from a value in a pipe
+            typer.echo("".join(pending), nl=False, color=True)
+            pending, size = [], 0
+    typer.echo("".join(pending), nl=False, color=True)
 
 
 @app.command("import-study")

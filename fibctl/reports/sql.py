@@ -16,7 +16,9 @@ import signal
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 
 from fibctl.lazy import pandas as pd
 from sqlalchemy import inspect as schema_of, text
@@ -33,6 +35,10 @@ MAX_ROWS_LIMIT = 10**9  # the driver fetches a C int's worth of rows at most (2*
 TIMEOUT_S = 60.0
 TIMEOUT_LIMIT_S = 2_000_000  # PostgreSQL's statement_timeout is a 32-bit count of milliseconds
 MAX_RESULT_BYTES = 64 << 20  # text and bytes printed by one statement: a 1 GB value took hours to print
+# what `fibctl sql --format table` draws at most (rich's table is drawn whole: seconds at these)
+TABLE_MAX_VALUES = 50_000
+TABLE_MAX_CHARACTERS = 1 << 20
+FETCH_ROWS = 1_000  # rows fetched at a time at most (fewer where they are large)
 HEAP_LIMIT_BYTES = 1 << 30  # SQLite's own memory for one statement (sorts, CTE queues)
 PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between deadline checks
 OUT_OF_MEMORY = f"stopped: the statement needed more than {HEAP_LIMIT_BYTES >> 20} MiB; add a LIMIT or a tighter WHERE"
@@ -112,19 +118,15 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 guard = None
             try:
                 result = _pg_result(conn, sql) if guard is None else conn.exec_driver_sql(sql)
-                try:
-                    rows = result.fetchmany(max_rows + 1)
-                    columns = list(result.keys())
-                except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
-                    raise FibctlError("the statement returned no result set (is it only a comment?); "
-                                      "fibctl sql prints the rows of a query") from None
-                truncated, rows, size = len(rows) > max_rows, [tuple(r) for r in rows[:max_rows]], 0
-                for row in rows:
-                    size += sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))
-                    if size > MAX_RESULT_BYTES:
-                        raise FibctlError(f"the result holds over {MAX_RESULT_BYTES >> 20} MiB of text and bytes, "
-                                          "more than fibctl sql prints; select fewer rows or part of a value "
-                                          "(substr, length)")
+                # closed on every path: a statement left with rows to fetch keeps its read lock (the
+                # traceback of an error holds it) past the command's tidying of -wal and -shm
+                with result:
+                    try:
+                        rows, truncated = _fetch(result, max_rows)
+                        columns = list(result.keys())
+                    except ResourceClosedError:  # no result set: only comments, or no query (nothing done)
+                        raise FibctlError("the statement returned no result set (is it only a comment?); "
+                                          "fibctl sql prints the rows of a query") from None
                 return Rows([str(c) for c in columns], rows, truncated)
             finally:
                 if guard:
@@ -137,6 +139,30 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
         raise FibctlError(OUT_OF_MEMORY) from None
     finally:
         engine.dispose()
+
+
+def _fetch(result, max_rows: int) -> tuple[list[tuple], bool]:
+    """Up to `max_rows` rows of `result`, and whether more were left; refused as soon as their
+    text and bytes pass MAX_RESULT_BYTES. Fetched in batches, each sized so that rows as large
+    as the largest so far fit in what is left of the cap: memory stays near the cap (fetching
+    every row before counting took 929 MB to refuse 64 MiB)."""
+    rows: list[tuple] = []
+    size = largest = 0
+    batch = 1  # the size of a row is not known before the first
+    while fetched := result.fetchmany(min(batch, max_rows + 1 - len(rows))):
+        for row in fetched:
+            if len(rows) == max_rows:  # the row past --max-rows only says that more are left
+                return rows, True
+            held = sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))
+            size += held
+            if size > MAX_RESULT_BYTES:
+                raise FibctlError(f"the result holds over {MAX_RESULT_BYTES >> 20} MiB of text and bytes, "
+                                  "more than fibctl sql prints; select fewer rows or part of a value "
+                                  "(substr, length)")
+            largest = max(largest, held)
+            rows.append(tuple(row))
+        batch = max(1, min(FETCH_ROWS, 10 * batch, (MAX_RESULT_BYTES - size) // max(largest, 1)))
+    return rows, False
 
 
 # roles whose members may reach the server's files or programs from SQL
@@ -243,23 +269,27 @@ def cell(value):
     return value
 
 
-def to_csv(result: Rows) -> str:
-    """CSV with the values as the database returned them; NULL is an empty field."""
+def csv_lines(result: Rows) -> Iterator[str]:
+    """CSV with the values as the database returned them; NULL is an empty field. A row at a
+    time, to be written as it is made: the whole text, beside the rows, doubled the memory."""
     import csv
     import io
 
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(result.columns)
-    for row in result.rows:
-        writer.writerow(["" if v is None else cell(v) for v in row])
-    return out.getvalue()
+    for row in chain([result.columns], (["" if v is None else cell(v) for v in row] for row in result.rows)):
+        writer.writerow(row)
+        yield out.getvalue()
+        out.seek(0)
+        out.truncate()
 
 
-def to_json(result: Rows) -> str:
-    """JSON records: NULL as null, integers as integers, slashes as they are; a non-finite
-    float (which JSON cannot hold) as its name, e.g. "inf". A NUMERIC (PostgreSQL's type of
-    `2.5`, `avg(int)`, `sum(bigint)`; the driver returns a Decimal) is a number too."""
+def json_lines(result: Rows) -> Iterator[str]:
+    """JSON records, as `json.dumps(records, indent=2)` writes them but a record at a time (a
+    dict for every row, then the whole text, took 1 GB for 100,000 rows of 47 columns): NULL
+    as null, integers as integers, slashes as they are; a non-finite float (which JSON cannot
+    hold) as its name, e.g. "inf". A NUMERIC (PostgreSQL's type of `2.5`, `avg(int)`,
+    `sum(bigint)`; the driver returns a Decimal) is a number too. No newline at the end."""
     import json
     import math
     from decimal import Decimal
@@ -270,8 +300,15 @@ def to_json(result: Rows) -> str:
             v = int(v) if v.is_finite() and v == v.to_integral_value() else float(v)
         return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
-    records = [{k: value(v) for k, v in zip(result.columns, row)} for row in result.rows]
-    return json.dumps(records, indent=2, ensure_ascii=False, default=str)
+    if not result.rows:
+        yield "[]"
+        return
+    for i, row in enumerate(result.rows):
+        record = json.dumps({k: value(v) for k, v in zip(result.columns, row)}, indent=2, ensure_ascii=False,
+                            default=str)
+        # one level in, as inside the list; a line break in a value is written \n, never as one
+        yield ("[\n  " if i == 0 else ",\n  ") + record.replace("\n", "\n  ")
+    yield "\n]"
 
 
 def _sql_error(e: DBAPIError, timeout_s: float) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -249,6 +251,26 @@ def test_newer_schema_is_refused_untouched(db_url):
         with pytest.raises(FibctlError, match="newer fibctl"):
             open_(db)
     assert _inspect(db, "SELECT version_num FROM alembic_version") == [[("f00d",)]]
+
+
+def test_two_schema_revisions_are_refused_untouched(db_url, monkeypatch, capsys):
+    """alembic_version edited by hand to hold a second row: Alembic's CommandError ("more than
+    one head present") was a traceback from every command, reading or writing."""
+    from cli_helpers import refused
+
+    db = db_url
+    connect(db).dispose()
+    with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
+        conn.execute(text("INSERT INTO alembic_version VALUES ('0007')"))
+    line = f"records 2 schema revisions (0007, {head_revision()}) in alembic_version"
+    for open_ in (connect, connect_readonly, upgrade):
+        with pytest.raises(FibctlError, match=re.escape(line)):
+            open_(db)
+    for args in (["db", "current"], ["db", "upgrade"], ["queue", "ls"], ["queue", "add", "demo"],
+                 ["report", "table1"]):
+        err = refused(monkeypatch, capsys, *args, "--db", db)
+        assert line in err and f"version_num <> '{head_revision()}'" in err, err
+    assert _inspect(db, "SELECT count(*) FROM alembic_version", "SELECT count(*) FROM runs") == [[(2,)], [(0,)]]
 
 
 def test_foreign_database_is_refused(db_url):

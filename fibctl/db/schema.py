@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import (
-    JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, DateTime,
-)
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from fibctl.db.stored import Number, Time, name_columns
 
 class RunStatus(str, enum.Enum):
     """Where a run is in the queue: queued -> running -> done | failed; cancelled by the user."""
@@ -67,11 +67,11 @@ class Run(Base):
     data_hash: Mapped[str | None] = mapped_column(String(64))  # the data's content hash (DataManifest.data_hash)
     tokenizer_hash: Mapped[str | None] = mapped_column(String(64))
     optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)
-    created_at: Mapped[datetime] = mapped_column(DateTime)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
-    wall_seconds: Mapped[float | None] = mapped_column(Float)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(Time)
+    created_at: Mapped[datetime] = mapped_column(Time)
+    started_at: Mapped[datetime | None] = mapped_column(Time)
+    finished_at: Mapped[datetime | None] = mapped_column(Time)
+    wall_seconds: Mapped[float | None] = mapped_column(Number)
     params_total: Mapped[int | None] = mapped_column(BigInteger)
     params_non_embedding: Mapped[int | None] = mapped_column(BigInteger)
     tokens_trained: Mapped[int | None] = mapped_column(BigInteger)
@@ -95,11 +95,11 @@ class TrainStep(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
-    lr: Mapped[float] = mapped_column(Float)
-    grad_norm: Mapped[float | None] = mapped_column(Float)
-    tokens_per_s: Mapped[float | None] = mapped_column(Float)
-    elapsed_s: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float] = mapped_column(Number)
+    lr: Mapped[float] = mapped_column(Number)
+    grad_norm: Mapped[float | None] = mapped_column(Number)
+    tokens_per_s: Mapped[float | None] = mapped_column(Number)
+    elapsed_s: Mapped[float | None] = mapped_column(Number)
 
     __table_args__ = (UniqueConstraint("run_id", "step", name="uq_train_steps_run_step"),)
 
@@ -115,9 +115,9 @@ class Evaluation(Base):
     dataset: Mapped[str] = mapped_column(String(100))
     eval_length: Mapped[int] = mapped_column(Integer)
     tokens: Mapped[int | None] = mapped_column(BigInteger)  # predicted tokens the mean is over; NULL: unknown
-    loss: Mapped[float] = mapped_column(Float)  # mean next-token cross-entropy, nats
-    ppl: Mapped[float] = mapped_column(Float)  # exp(loss)
-    created_at: Mapped[datetime | None] = mapped_column(DateTime)
+    loss: Mapped[float] = mapped_column(Number)  # mean next-token cross-entropy, nats
+    ppl: Mapped[float] = mapped_column(Number)  # exp(loss)
+    created_at: Mapped[datetime | None] = mapped_column(Time)
 
     __table_args__ = (
         UniqueConstraint("run_id", "step", "dataset", "eval_length", name="uq_evaluations_key"),
@@ -136,7 +136,7 @@ class PositionLoss(Base):
     dataset: Mapped[str] = mapped_column(String(100))
     eval_length: Mapped[int] = mapped_column(Integer)
     position: Mapped[int] = mapped_column(Integer)  # 0-based index of the predicted token
-    mean_loss: Mapped[float] = mapped_column(Float)
+    mean_loss: Mapped[float] = mapped_column(Number)
     windows: Mapped[int] = mapped_column(Integer)
 
     __table_args__ = (
@@ -154,7 +154,7 @@ class Alpha(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     layer: Mapped[int] = mapped_column(Integer)
-    alpha: Mapped[float] = mapped_column(Float)
+    alpha: Mapped[float] = mapped_column(Number)
 
     __table_args__ = (UniqueConstraint("run_id", "step", "layer", name="uq_alphas_key"),)
 
@@ -172,7 +172,7 @@ class AuxMetric(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(100))
     metric: Mapped[str] = mapped_column(String(100))
-    value: Mapped[float | None] = mapped_column(Float)
+    value: Mapped[float | None] = mapped_column(Number)
     text: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (UniqueConstraint("run_id", "name", "metric", name="uq_aux_metrics_key"),)
@@ -185,9 +185,14 @@ class Event(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    time: Mapped[datetime] = mapped_column(DateTime)
+    time: Mapped[datetime] = mapped_column(Time)
     kind: Mapped[str] = mapped_column(String(50))
     message: Mapped[str | None] = mapped_column(Text)
     data: Mapped[dict | None] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_events_run_time", "run_id", "time"),)
+
+
+# Number and time columns check what SQLite hands back (fibctl/db/stored.py); NUMBERS types a
+# report's columns by name, its SQL being text
+NUMBERS = name_columns(Base.metadata)

@@ -18,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, flatten
+from fibctl.db.schema import NUMBERS
 from fibctl.errors import FibctlError
 from fibctl.schedules import deviations
 
@@ -99,8 +100,10 @@ def default_dataset(engine: Engine) -> str:
 
 
 def read_sql(engine: Engine, sql: str, **params) -> tuple[pd.DataFrame, str]:
-    """The rows of `sql` and its text with the values bound (what --show-sql prints)."""
-    query = text(sql).bindparams(**params)
+    """The rows of `sql` and its text with the values bound (what --show-sql prints). A column
+    named after a number column of the schema (ppl, loss, ...) is read as that column is: a
+    perplexity stored as the text 'inf' is inf, not a string (fibctl/db/stored.py)."""
+    query = text(sql).bindparams(**params).columns(**NUMBERS)
     with engine.connect() as conn:
         frame = pd.read_sql(query, conn)
     literal = query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})

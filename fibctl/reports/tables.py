@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -442,10 +444,11 @@ ORDER BY r.name, e.eval_length"""
     lengths = sorted(multi["eval_length"].unique())
     ppl_at = wide[lengths].to_numpy()
     at = {n: i for i, n in enumerate(lengths)}
-    wide["Δ at 4x"] = [
-        (ppl_at[i, at[4 * t]] / ppl_at[i, at[t]] - 1) * 100 if t in at and 4 * t in at else float("nan")
-        for i, t in enumerate(wide["train_length"])
-    ]
+    with np.errstate(invalid="ignore"):  # a diverged run's inf / inf: no change to give, shown as -
+        wide["Δ at 4x"] = [
+            (ppl_at[i, at[4 * t]] / ppl_at[i, at[t]] - 1) * 100 if t in at and 4 * t in at else float("nan")
+            for i, t in enumerate(wide["train_length"])
+        ]
     cols = ["run", "base", "schedule", "window", *lengths, "Δ at 4x"]
     formats = {str(n): ppl for n in lengths} | {"Δ at 4x": percent}
     if wide["loss_beyond"].notna().any():

@@ -77,7 +77,8 @@ def build(tmp: Path) -> dict[str, str]:
     for label, change in {"heartbeat": "UPDATE runs SET heartbeat_at = 'garbage', status = 'running'",
                           "created": "UPDATE runs SET created_at = '2026-13-45 99:99:99'",
                           "wall": "UPDATE runs SET wall_seconds = 'abc'",
-                          "ppl": "UPDATE evaluations SET ppl = 'abc' WHERE run_id = 2"}.items():
+                          "ppl": "UPDATE evaluations SET ppl = 'abc' WHERE run_id = 2",
+                          "final": "UPDATE runs SET final_step = 'x'"}.items():
         shutil.copy(tmp / "results.db", tmp / f"{label}.db")
         with sqlite3.connect(tmp / f"{label}.db") as con:
             con.execute(change)
@@ -311,6 +312,9 @@ CASES = [
     (["report", "table1", "--db", "{ppl_db}"], "evaluations.ppl holds 'abc', not a number"),
     (["report", "table3", "--db", "{ppl_db}"], "evaluations.ppl holds 'abc', not a number"),
     (["figure", "extrapolation", "--db", "{ppl_db}", "--out", "{tmp}/e.png"], "evaluations.ppl holds 'abc'"),
+    *[([*command, "--db", "{final_db}"], "runs.final_step holds 'x', not a whole number")
+      for command in (["queue", "show", "dense"], ["queue", "show", "dense", "--json"],
+                      ["compare", "dense", "fib_fixed_w8"])],
 ]
 
 

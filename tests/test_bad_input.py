@@ -73,6 +73,17 @@ def build(tmp: Path) -> dict[str, str]:
     queued_db(tmp / "good.db", micro_run("run")).dispose()
     shutil.copy(Path(__file__).parents[1] / "results.db.example", tmp / "results.db")  # the demo's numbers
     p["results_db"] = str(tmp / "results.db")
+    # the demo's numbers edited in the sqlite3 shell: SQLite holds no column to its type
+    for label, change in {"heartbeat": "UPDATE runs SET heartbeat_at = 'garbage', status = 'running'",
+                          "created": "UPDATE runs SET created_at = '2026-13-45 99:99:99'",
+                          "wall": "UPDATE runs SET wall_seconds = 'abc'",
+                          "ppl": "UPDATE evaluations SET ppl = 'abc' WHERE run_id = 2",
+                          "final": "UPDATE runs SET final_step = 'x'"}.items():
+        shutil.copy(tmp / "results.db", tmp / f"{label}.db")
+        with sqlite3.connect(tmp / f"{label}.db") as con:
+            con.execute(change)
+        con.close()
+        p[f"{label}_db"] = str(tmp / f"{label}.db")
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
     os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
@@ -287,6 +298,23 @@ CASES = [
     (["figure", "extrapolation", "--layers", "5", "--db", "{results_db}", "--out", "{tmp}/e.png"],
      "--layers does not apply to the extrapolation figure"),
     (["figure", "coverage", "--run", "foo", "--out", "{tmp}/c.png"], "--run does not apply to the coverage figure"),
+    # a value edited by hand that is not of its column's type: a ValueError or TypeError where it was read
+    *[([*command, "--db", "{heartbeat_db}"], "runs.heartbeat_at holds 'garbage', not a time")
+      for command in (["queue", "ls"], ["queue", "ls", "--json"], ["queue", "show", "dense"],
+                      ["queue", "show", "dense", "--json"], ["status"], ["status", "--json"],
+                      ["compare", "dense", "fib_fixed_w8"])],
+    *[([*command, "--db", "{created_db}"], "runs.created_at holds '2026-13-45 99:99:99', not a time")
+      for command in (["queue", "ls"], ["queue", "show", "dense"], ["queue", "show", "dense", "--json"])],
+    (["queue", "show", "dense", "--db", "{wall_db}"],
+     "runs.wall_seconds holds 'abc', not a number (the database was edited by hand?): correct it where "
+     "wall_seconds = 'abc'"),
+    (["queue", "show", "fib_fixed_w8", "--db", "{ppl_db}"], "evaluations.ppl holds 'abc', not a number"),
+    (["report", "table1", "--db", "{ppl_db}"], "evaluations.ppl holds 'abc', not a number"),
+    (["report", "table3", "--db", "{ppl_db}"], "evaluations.ppl holds 'abc', not a number"),
+    (["figure", "extrapolation", "--db", "{ppl_db}", "--out", "{tmp}/e.png"], "evaluations.ppl holds 'abc'"),
+    *[([*command, "--db", "{final_db}"], "runs.final_step holds 'x', not a whole number")
+      for command in (["queue", "show", "dense"], ["queue", "show", "dense", "--json"],
+                      ["compare", "dense", "fib_fixed_w8"])],
 ]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
+
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -249,6 +252,59 @@ def test_newer_schema_is_refused_untouched(db_url):
         with pytest.raises(FibctlError, match="newer fibctl"):
             open_(db)
     assert _inspect(db, "SELECT version_num FROM alembic_version") == [[("f00d",)]]
+
+
+def test_two_schema_revisions_are_refused_untouched(db_url, monkeypatch, capsys):
+    """alembic_version edited by hand to hold a second row: Alembic's CommandError ("more than
+    one head present") was a traceback from every command, reading or writing."""
+    from cli_helpers import refused
+
+    db = db_url
+    connect(db).dispose()
+    with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
+        conn.execute(text("INSERT INTO alembic_version VALUES ('0007')"))
+    line = f"records 2 schema revisions (0007, {head_revision()}) in alembic_version"
+    for open_ in (connect, connect_readonly, upgrade):
+        with pytest.raises(FibctlError, match=re.escape(line)):
+            open_(db)
+    for args in (["db", "current"], ["db", "upgrade"], ["queue", "ls"], ["queue", "add", "demo"],
+                 ["report", "table1"]):
+        err = refused(monkeypatch, capsys, *args, "--db", db)
+        assert line in err and f"version_num <> '{head_revision()}'" in err, err
+    assert _inspect(db, "SELECT count(*) FROM alembic_version", "SELECT count(*) FROM runs") == [[(2,)], [(0,)]]
+
+
+@pytest.mark.parametrize("column, stored, read", [
+    ("wall_seconds", "'inf'", float("inf")),  # text that reads as a number: that number
+    ("wall_seconds", "'-Infinity'", float("-inf")),
+    ("final_step", "30.0", 30),  # SQLite's own conversion, read as ever
+    ("heartbeat_at", "'2026-01-01T10:00:00+02:00'", datetime(2026, 1, 1, 8)),  # in UTC, naive as the schema's
+    ("final_step", "'x'", "runs.final_step holds 'x', not a whole number"),
+    ("window", "8.5", "runs.window holds 8.5, not a whole number"),
+    ("wall_seconds", "X'00ff'", "runs.wall_seconds holds X'00ff', not a number"),
+    ("heartbeat_at", "'it''s late'", "runs.heartbeat_at holds 'it''s late', not a time (the database was edited "
+                                     "by hand?): correct it where heartbeat_at = 'it''s late'"),
+    ("heartbeat_at", "1767225600", "runs.heartbeat_at holds 1767225600, not a time"),
+])
+def test_a_value_edited_by_hand_reads_as_its_columns_type_or_is_named(tmp_path, column, stored, read):
+    """SQLite keeps any value in any column: a value of another type read as one of the column's
+    where it is one, and named with its column otherwise, where SQLAlchemy raised a ValueError
+    (a time) or handed the text on to arithmetic and formatting (a number)."""
+    from sqlalchemy import select
+
+    from fibctl.db.schema import Run
+
+    db = str(tmp_path / "r.db")
+    add_runs(connect(db), [RunConfig.resolve("r1", "m", "micro", schedule="fixed", window=8)])
+    with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
+        conn.execute(text(f"UPDATE runs SET {column} = {stored}"))
+    with connect_readonly(db).connect() as conn:
+        if isinstance(read, str):
+            with pytest.raises(FibctlError, match=re.escape(read)):
+                conn.execute(select(Run.__table__.c[column])).all()
+        else:
+            value = conn.execute(select(Run.__table__.c[column])).scalar()
+            assert value == read and type(value) is type(read)
 
 
 def test_foreign_database_is_refused(db_url):

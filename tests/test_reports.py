@@ -435,6 +435,50 @@ def test_missing_data_says_what_and_which_command(study, demo, tmp_path):
         tables.table3(ro(short))
 
 
+def _example_with(tmp_path: Path, *changes: str) -> str:
+    """The demo's numbers (results.db.example) changed in the sqlite3 shell."""
+    import shutil
+
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).parents[1] / "results.db.example", db)
+    with sqlite3.connect(db) as con:
+        for change in changes:
+            con.execute(change)
+    con.close()
+    return str(db)
+
+
+def test_a_perplexity_of_inf_is_shown_as_inf(tmp_path, monkeypatch):
+    """A diverged evaluation: the text 'inf' (SQLite keeps that spelling as text) was a
+    traceback wherever a table, figure or `queue show` formatted or divided it; a real inf (the
+    exp of a loss over 709, as import-study records it) made the extrapolation figure's limits
+    infinite. Both read as inf: shown so, drawn as an arrow above the panel, and no warning."""
+    import warnings
+
+    from fibctl.reports import figures
+
+    monkeypatch.setenv("COLUMNS", "120")
+    db = _example_with(tmp_path, "UPDATE evaluations SET ppl = 'inf' WHERE run_id = 2",
+                       "UPDATE evaluations SET ppl = 9e999 WHERE run_id = 3 AND eval_length = 1024")
+    engine = ro(db)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's inf / inf warned on stderr
+        t1, t3 = tables.table1(engine, dense=True), tables.table3(engine)
+        assert figures.extrapolation(engine, tmp_path / "e.png").stat().st_size > 0
+    assert dict(zip(t1.frame["Run"], t1.frame["docs_val"]))["fib_fixed_w8"] == np.inf
+    assert "│ fib_fixed_w8   │ fib  │ fixed    │ 8 │      inf │" in render.render(t1, "rich")
+    rows = {r["Run"]: r for r in t3.frame.to_dict("records")}
+    assert [rows["fib_fixed_w8"][n] for n in ("128", "1024")] == [np.inf, np.inf]
+    assert np.isnan(rows["fib_fixed_w8"]["Δ at 4x"]) and rows["fib_stagger_w8"]["1024"] == np.inf
+    shown = CliRunner().invoke(app, ["queue", "show", "fib_fixed_w8", "--db", db])
+    assert shown.exit_code == 0 and "│ docs_val │ inf │ inf │ inf │   inf │" in shown.output, shown.output
+    (tmp_path / "every").mkdir()
+    every = _example_with(tmp_path / "every", "UPDATE evaluations SET ppl = 'inf'")
+    with pytest.raises(FibctlError, match=r"^extrapolation: every perplexity on docs_val is infinite \(seed 42\)"):
+        figures.extrapolation(ro(every), tmp_path / "every.png")
+    assert not (tmp_path / "every.png").exists()
+
+
 def test_renderings_bold_the_best_and_keep_raw_numbers(study):
     t = tables.table1(ro(study))
     md = render.render(t, "md")

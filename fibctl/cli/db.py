@@ -263,20 +263,15 @@ def status_cmd(
     if not watch:
         console.print(view())
         return
+    # Ctrl-C, the way out of --watch, ends it as it ends every command (fibctl.cli): one line, 130
     if not console.is_terminal:  # Live would print its first view alone: a log gets each view, dated
-        try:
-            while True:
-                console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), view(), "")
-                time.sleep(every)
-        except KeyboardInterrupt:
-            raise typer.Exit(130) from None
+        while True:
+            console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), view(), "")
+            time.sleep(every)
     with Live(view(), console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                time.sleep(every)
-                live.update(view(), refresh=True)
-        except KeyboardInterrupt:  # the way out of --watch; 130, as every command a Ctrl-C ends
-            raise typer.Exit(130) from None
+        while True:
+            time.sleep(every)
+            live.update(view(), refresh=True)
 
 
 @queue_app.command("cancel")

@@ -276,7 +276,27 @@ def head_revision() -> str:
 def current_revision(engine: Engine) -> str | None:
     """The database's schema revision; None for a database fibctl has not written yet."""
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        return _stored_revision(conn, engine.url)
+
+
+def _stored_revision(conn, db: str | URL) -> str | None:
+    """The revision `alembic_version` holds. Alembic raises its CommandError for a table of
+    several rows (a database edited by hand, or a copy's rows added to another's); fibctl's
+    migrations are one line, so that is a damaged record, named here in one line."""
+    revisions = MigrationContext.configure(conn).get_current_heads()
+    if len(revisions) > 1:
+        known = [r for r in _known_revisions() if r in revisions]
+        keep = f", e.g. DELETE FROM alembic_version WHERE version_num <> '{known[0]}'" if known else ""
+        raise FibctlError(
+            f"{shown(db)} records {len(revisions)} schema revisions ({', '.join(sorted(revisions))}) in "
+            "alembic_version, where a database has one (edited by hand?): delete the rows of those its "
+            f"tables are not at{keep}")
+    return revisions[0] if revisions else None
+
+
+def _known_revisions() -> list[str]:
+    """This fibctl's schema revisions, the newest first."""
+    return [s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()]
 
 
 def _check_revision(engine: Engine, db: str, *, reading: bool = False,
@@ -288,7 +308,7 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
         # one connection for both: between two, another process's first upgrade could commit,
         # and its tables would be read with no revision (a fibctl database refused as foreign)
         with engine.connect() as conn:
-            rev = MigrationContext.configure(conn).get_current_revision()
+            rev = _stored_revision(conn, db)
             tables = inspect(conn).get_table_names() if rev is None else []
     except DatabaseError as e:
         if _timed_out(e):
@@ -316,8 +336,7 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
             f"{shown(db)} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
             "but no fibctl schema revision")
     if rev is not None:
-        known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
-        if rev not in known:
+        if rev not in _known_revisions():
             raise FibctlError(
                 f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
                 "it was written by a newer fibctl; upgrade fibctl to use it")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import (
-    JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, DateTime,
-)
+from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from fibctl.db.stored import BigWhole, Number, Time, Whole, name_columns
 
 class RunStatus(str, enum.Enum):
     """Where a run is in the queue: queued -> running -> done | failed; cancelled by the user."""
@@ -45,21 +45,21 @@ class Run(Base):
     preset: Mapped[str] = mapped_column(String(50))
     base: Mapped[str | None] = mapped_column(String(20))  # fib | pow2; NULL for dense
     schedule: Mapped[str] = mapped_column(String(20))  # dense | fixed | learned | stagger | coprime
-    window: Mapped[int | None] = mapped_column(Integer)  # W; NULL for dense
-    seed: Mapped[int] = mapped_column(BigInteger)  # the replicate seed the tables group by (= data_seed)
-    init_seed: Mapped[int | None] = mapped_column(BigInteger)  # drew the initial weights; NULL: not recorded
-    data_seed: Mapped[int | None] = mapped_column(BigInteger)  # drew the batches; NULL: not recorded
-    train_length: Mapped[int] = mapped_column(Integer)  # sequence length T it trains at
+    window: Mapped[int | None] = mapped_column(Whole)  # W; NULL for dense
+    seed: Mapped[int] = mapped_column(BigWhole)  # the replicate seed the tables group by (= data_seed)
+    init_seed: Mapped[int | None] = mapped_column(BigWhole)  # drew the initial weights; NULL: not recorded
+    data_seed: Mapped[int | None] = mapped_column(BigWhole)  # drew the batches; NULL: not recorded
+    train_length: Mapped[int] = mapped_column(Whole)  # sequence length T it trains at
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(20), default=RunStatus.QUEUED.value)
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Whole, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
     host: Mapped[str | None] = mapped_column(String(200))
     device: Mapped[str | None] = mapped_column(String(100))
     torch_version: Mapped[str | None] = mapped_column(String(50))
     # where and with what it last trained (recorded at each claim; see fibctl/provenance.py)
-    pid: Mapped[int | None] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Whole)
     fibctl_version: Mapped[str | None] = mapped_column(String(50))
     git_commit: Mapped[str | None] = mapped_column(String(60))  # +dirty: uncommitted changes
     cuda_version: Mapped[str | None] = mapped_column(String(50))
@@ -67,15 +67,15 @@ class Run(Base):
     data_hash: Mapped[str | None] = mapped_column(String(64))  # the data's content hash (DataManifest.data_hash)
     tokenizer_hash: Mapped[str | None] = mapped_column(String(64))
     optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime)
-    created_at: Mapped[datetime] = mapped_column(DateTime)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
-    wall_seconds: Mapped[float | None] = mapped_column(Float)
-    params_total: Mapped[int | None] = mapped_column(BigInteger)
-    params_non_embedding: Mapped[int | None] = mapped_column(BigInteger)
-    tokens_trained: Mapped[int | None] = mapped_column(BigInteger)
-    final_step: Mapped[int | None] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(Time)
+    created_at: Mapped[datetime] = mapped_column(Time)
+    started_at: Mapped[datetime | None] = mapped_column(Time)
+    finished_at: Mapped[datetime | None] = mapped_column(Time)
+    wall_seconds: Mapped[float | None] = mapped_column(Number)
+    params_total: Mapped[int | None] = mapped_column(BigWhole)
+    params_non_embedding: Mapped[int | None] = mapped_column(BigWhole)
+    tokens_trained: Mapped[int | None] = mapped_column(BigWhole)
+    final_step: Mapped[int | None] = mapped_column(Whole)
     error: Mapped[str | None] = mapped_column(Text)
     checkpoint_path: Mapped[str | None] = mapped_column(Text)  # RUN/step_N.pt, under the runs folder
     runs_dir: Mapped[str | None] = mapped_column(Text)  # the runs folder it last trained in: eval's default
@@ -94,12 +94,12 @@ class TrainStep(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
-    lr: Mapped[float] = mapped_column(Float)
-    grad_norm: Mapped[float | None] = mapped_column(Float)
-    tokens_per_s: Mapped[float | None] = mapped_column(Float)
-    elapsed_s: Mapped[float | None] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Whole)
+    loss: Mapped[float] = mapped_column(Number)
+    lr: Mapped[float] = mapped_column(Number)
+    grad_norm: Mapped[float | None] = mapped_column(Number)
+    tokens_per_s: Mapped[float | None] = mapped_column(Number)
+    elapsed_s: Mapped[float | None] = mapped_column(Number)
 
     __table_args__ = (UniqueConstraint("run_id", "step", name="uq_train_steps_run_step"),)
 
@@ -111,13 +111,13 @@ class Evaluation(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Whole)
     dataset: Mapped[str] = mapped_column(String(100))
-    eval_length: Mapped[int] = mapped_column(Integer)
-    tokens: Mapped[int | None] = mapped_column(BigInteger)  # predicted tokens the mean is over; NULL: unknown
-    loss: Mapped[float] = mapped_column(Float)  # mean next-token cross-entropy, nats
-    ppl: Mapped[float] = mapped_column(Float)  # exp(loss)
-    created_at: Mapped[datetime | None] = mapped_column(DateTime)
+    eval_length: Mapped[int] = mapped_column(Whole)
+    tokens: Mapped[int | None] = mapped_column(BigWhole)  # predicted tokens the mean is over; NULL: unknown
+    loss: Mapped[float] = mapped_column(Number)  # mean next-token cross-entropy, nats
+    ppl: Mapped[float] = mapped_column(Number)  # exp(loss)
+    created_at: Mapped[datetime | None] = mapped_column(Time)
 
     __table_args__ = (
         UniqueConstraint("run_id", "step", "dataset", "eval_length", name="uq_evaluations_key"),
@@ -132,12 +132,12 @@ class PositionLoss(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Whole)
     dataset: Mapped[str] = mapped_column(String(100))
-    eval_length: Mapped[int] = mapped_column(Integer)
-    position: Mapped[int] = mapped_column(Integer)  # 0-based index of the predicted token
-    mean_loss: Mapped[float] = mapped_column(Float)
-    windows: Mapped[int] = mapped_column(Integer)
+    eval_length: Mapped[int] = mapped_column(Whole)
+    position: Mapped[int] = mapped_column(Whole)  # 0-based index of the predicted token
+    mean_loss: Mapped[float] = mapped_column(Number)
+    windows: Mapped[int] = mapped_column(Whole)
 
     __table_args__ = (
         UniqueConstraint("run_id", "step", "dataset", "eval_length", "position",
@@ -152,9 +152,9 @@ class Alpha(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
-    layer: Mapped[int] = mapped_column(Integer)
-    alpha: Mapped[float] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Whole)
+    layer: Mapped[int] = mapped_column(Whole)
+    alpha: Mapped[float] = mapped_column(Number)
 
     __table_args__ = (UniqueConstraint("run_id", "step", "layer", name="uq_alphas_key"),)
 
@@ -172,7 +172,7 @@ class AuxMetric(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(100))
     metric: Mapped[str] = mapped_column(String(100))
-    value: Mapped[float | None] = mapped_column(Float)
+    value: Mapped[float | None] = mapped_column(Number)
     text: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (UniqueConstraint("run_id", "name", "metric", name="uq_aux_metrics_key"),)
@@ -185,9 +185,14 @@ class Event(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    time: Mapped[datetime] = mapped_column(DateTime)
+    time: Mapped[datetime] = mapped_column(Time)
     kind: Mapped[str] = mapped_column(String(50))
     message: Mapped[str | None] = mapped_column(Text)
     data: Mapped[dict | None] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_events_run_time", "run_id", "time"),)
+
+
+# Number and time columns check what SQLite hands back (fibctl/db/stored.py); NUMBERS types a
+# report's columns by name, its SQL being text
+NUMBERS = name_columns(Base.metadata)

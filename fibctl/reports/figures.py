@@ -206,10 +206,12 @@ def _clip_outliers(ax, points: dict[int, list[tuple[float, str]]]) -> None:
     """Fit the y-limits (log) to the runs, not to one outlier: a dense model's blow-up at 4x
     would crush every other line. `points` holds (value, colour) by length; values over
     OUTLIER_FACTOR x the median at their length leave the view and are written, with an
-    arrow, just above its top edge in their run's colour."""
-    outliers = {x: sorted(v for v, _ in vs if v > OUTLIER_FACTOR * float(pd.Series([v for v, _ in vs]).median()))
+    arrow, just above its top edge in their run's colour. An infinite value (a diverged run's
+    perplexity) is always one: no limit holds it."""
+    outliers = {x: sorted(v for v, _ in vs if not math.isfinite(v)
+                          or v > OUTLIER_FACTOR * float(pd.Series([v for v, _ in vs]).median()))
                 for x, vs in points.items()}
-    values = [v for vs in points.values() for v, _ in vs]
+    values = [v for vs in points.values() for v, _ in vs if math.isfinite(v)]
     kept = [v for x, vs in points.items() for v, _ in vs if v not in outliers[x]]
     margin = max(max(kept) / min(values), 1.1) ** 0.04  # 4 % of the span (one value: a span all the same)
     ax.set_ylim(min(values) / margin, max(kept) * margin)
@@ -249,6 +251,9 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
         right.plot(x, [(v / ref - 1) * 100 for v in y], **style)
         for n, v in points:
             by_length.setdefault(n, []).append((v, style["color"]))
+    if not any(math.isfinite(v) for vs in by_length.values() for v, _ in vs):  # no limits a log axis can take
+        raise FibctlError(f"extrapolation: every perplexity on {dataset} is infinite (seed {seed}): "
+                          "nothing to draw; `fibctl report table3` lists them")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks([int(n) for n in lengths], labels=lengths)

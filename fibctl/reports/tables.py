@@ -13,11 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, flatten
+from fibctl.db.schema import NUMBERS
 from fibctl.errors import FibctlError
 from fibctl.schedules import deviations
 
@@ -99,8 +102,10 @@ def default_dataset(engine: Engine) -> str:
 
 
 def read_sql(engine: Engine, sql: str, **params) -> tuple[pd.DataFrame, str]:
-    """The rows of `sql` and its text with the values bound (what --show-sql prints)."""
-    query = text(sql).bindparams(**params)
+    """The rows of `sql` and its text with the values bound (what --show-sql prints). A column
+    named after a number column of the schema (ppl, loss, ...) is read as that column is: a
+    perplexity stored as the text 'inf' is inf, not a string (fibctl/db/stored.py)."""
+    query = text(sql).bindparams(**params).columns(**NUMBERS)
     with engine.connect() as conn:
         frame = pd.read_sql(query, conn)
     literal = query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
@@ -439,10 +444,11 @@ ORDER BY r.name, e.eval_length"""
     lengths = sorted(multi["eval_length"].unique())
     ppl_at = wide[lengths].to_numpy()
     at = {n: i for i, n in enumerate(lengths)}
-    wide["Δ at 4x"] = [
-        (ppl_at[i, at[4 * t]] / ppl_at[i, at[t]] - 1) * 100 if t in at and 4 * t in at else float("nan")
-        for i, t in enumerate(wide["train_length"])
-    ]
+    with np.errstate(invalid="ignore"):  # a diverged run's inf / inf: no change to give, shown as -
+        wide["Δ at 4x"] = [
+            (ppl_at[i, at[4 * t]] / ppl_at[i, at[t]] - 1) * 100 if t in at and 4 * t in at else float("nan")
+            for i, t in enumerate(wide["train_length"])
+        ]
     cols = ["run", "base", "schedule", "window", *lengths, "Δ at 4x"]
     formats = {str(n): ppl for n in lengths} | {"Δ at 4x": percent}
     if wide["loss_beyond"].notna().any():

@@ -222,7 +222,9 @@ def figure(
     no_title: Annotated[bool, typer.Option(
         "--no-title", help="No title above the panels, for a paper whose caption says it.")] = False,
 ) -> None:
-    """Draw one of the study's figures from the database (coverage: from the schedule itself)."""
+    """Draw one of the study's figures from the database.
+
+    Every figure reads the results database but coverage, which is drawn from the schedule itself."""
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
     _check_figure_options(ctx, name)
@@ -258,8 +260,11 @@ def compare_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables, "
                                            "for scripts.")] = False,
 ) -> None:
-    """Runs side by side: the settings that differ, then how each trained (steps, tokens, time,
-    tokens/s, last loss) and its perplexities at its final evaluation (the newest if it has none)."""
+    """Runs side by side: settings, training and perplexities.
+
+    The settings that differ (--all: every one), then how each run trained (status, step,
+    tokens, time, the last logged loss and tokens/s) and its perplexity by held-out set and
+    length at its final evaluation (the newest, if it has not finished)."""
     from fibctl.cli.db import print_json
     from fibctl.db.engine import connect_readonly
     from fibctl.reports.compare import compare

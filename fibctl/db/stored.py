@@ -31,6 +31,10 @@ class Checked(TypeDecorator):
     column = "?"  # the column's name, and the tables that have it: set by `name_columns`
     tables: tuple[str, ...] = ()
 
+    @property
+    def python_type(self):  # the stored type's (TypeDecorator says `object`): `db copy` finds floats by it
+        return self.impl_instance.python_type
+
     def convert(self, value):
         """The value as the column's type; TypeError or ValueError where it is not."""
         raise NotImplementedError

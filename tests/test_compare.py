@@ -76,9 +76,10 @@ def test_compare_of_two_runs_of_one_recipe_says_no_setting_differs(tmp_path):
 
 
 @pytest.mark.parametrize("names, words", [
-    (["a"], "compare takes 2 to 12 run names, got 1"),
+    (["a"], "compare takes 2 to 12 different run names, got 1"),
+    (["a", "a"], "compare takes 2 to 12 different run names, got 1"),
     (["a", "bb"], "no run named 'bb'; did you mean 'b'?"),
-    ([f"r{i}" for i in range(13)], "compare takes 2 to 12 run names, got 13"),
+    ([f"r{i}" for i in range(13)], "compare takes 2 to 12 different run names, got 13"),
 ])
 def test_compare_bad_input_is_one_line_exit_2_and_it_writes_nothing(tmp_path, names, words, monkeypatch, capsys):
     db = _two_runs(tmp_path)

@@ -27,14 +27,14 @@ def compare(engine: Engine, names: list[str], *, every: bool = False) -> Compari
     """The runs named, in the order given (a name given twice is compared once)."""
     names = list(dict.fromkeys(names))
     if not 2 <= len(names) <= MAX_RUNS:
-        raise FibctlError(f"compare takes 2 to {MAX_RUNS} run names, got {len(names)}")
+        raise FibctlError(f"compare takes 2 to {MAX_RUNS} different run names, got {len(names)}")
     found = [overview(engine, name, events=0) for name in names]
     return Comparison(names, _settings(found, every), _trained(found), _perplexity(found))
 
 
 def _settings(found: list[Overview], every: bool) -> dict[str, list]:
     flat = [flatten(o.config.to_dict()) if o.config is not None else {} for o in found]
-    for o, f in zip(found, flat):
+    for f in flat:
         f.pop("name", None)
         f.pop("probe", None)  # null on every run but the probe's, whose settings are probe.*
     keys = sorted(set().union(*flat), key=lambda k: (k.count("."), k))  # the run's own first, then model, train

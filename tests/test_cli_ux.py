@@ -716,6 +716,9 @@ def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
     code, out, err = _in_process(capsys, monkeypatch, "data", "show", str(tmp_path / "notes.txt"))
     assert code == 2 and err == f"error: {tmp_path}/notes.txt is a file, not a data folder (one `fibctl data " \
                                 "prepare` wrote)\n"
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", "/dev/null")  # not `--data /dev/null`
+    assert code == 2 and err == ("error: /dev/null is a device or a pipe, not a data folder (one "
+                                 "`fibctl data prepare` wrote)\n")
 
 
 def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_does(tmp_path, monkeypatch, capsys):

@@ -374,8 +374,14 @@ class RunConfig:
 
     def diff(self, other: "RunConfig") -> list[str]:
         """Dotted names of the fields that differ, for error messages."""
-        a, b = flatten(self.to_dict()), flatten(other.to_dict())
-        return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        return sorted(differing([flatten(self.to_dict()), flatten(other.to_dict())]))
+
+
+def differing(flat: list[dict]) -> set[str]:
+    """The dotted keys whose values are not the same in every one of these flattened configs
+    (a key one lacks counts as None there)."""
+    keys = set().union(*flat)
+    return {k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -485,17 +485,21 @@ def test_a_database_that_keeps_refusing_writes_checkpoints_and_requeues_the_run(
         assert torch.equal(weights[k], v), k
 
 
-def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01, 0.5))
-    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+def lock_against(engine, statement: str, times: int) -> None:
+    """The database reports itself locked to the first `times` statements starting `statement`."""
     refusals = []
 
     @event.listens_for(engine, "before_cursor_execute")
-    def locked(conn, cursor, statement, *args):
-        if statement.startswith("INSERT INTO train_steps") and len(refusals) < 4:
-            refusals.append(statement)
+    def locked(conn, cursor, text, *args):
+        if text.startswith(statement) and len(refusals) < times:
+            refusals.append(text)
             raise sqlite3.OperationalError("database is locked")
 
+
+def test_a_lock_that_clears_before_the_release_requeues_the_run(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01, 0.5))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    lock_against(engine, "INSERT INTO train_steps", times=4)
     with pytest.raises(FibctlError, match="step 5's rows were not all written, so it was not checkpointed: the run "
                                           "starts again from step 0; it is queued again"):
         work(engine, opts(data, tmp_path / "runs"), Quiet())
@@ -508,14 +512,7 @@ def test_a_refused_final_evaluation_is_written_when_the_run_trains_again(data, t
     checkpointed, or the run would resume past it and finish "done" with no final results."""
     monkeypatch.setattr(store, "RETRY_DELAYS_S", (0.01, 0.01))
     engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
-    refusals = []
-
-    @event.listens_for(engine, "before_cursor_execute")
-    def locked(conn, cursor, statement, *args):
-        if statement.startswith("INSERT INTO evaluations") and len(refusals) < 3:
-            refusals.append(statement)
-            raise sqlite3.OperationalError("database is locked")
-
+    lock_against(engine, "INSERT INTO evaluations", times=3)
     with pytest.raises(FibctlError, match="step 10's rows were not all written"):
         work(engine, opts(data, tmp_path / "runs"), Quiet())
     [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())

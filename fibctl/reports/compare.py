@@ -3,12 +3,11 @@ then how each trained and what it scored at its final step."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
-from fibctl.config import flatten
+from fibctl.config import differing, flatten
 from fibctl.errors import FibctlError
 from fibctl.reports.overview import Overview, overview
 
@@ -39,10 +38,8 @@ def _settings(found: list[Overview], every: bool) -> dict[str, list]:
         f.pop("probe", None)  # null on every run but the probe's, whose settings are probe.*
     keys = sorted(set().union(*flat), key=lambda k: (k.count("."), k))  # the run's own first, then model, train
     shown = {k: [f.get(k) for f in flat] for k in keys}
-    if every:
-        return shown
-    return {k: values for k, values in shown.items()
-            if len({json.dumps(v, sort_keys=True) for v in values}) > 1}
+    varied = differing(flat)
+    return {k: values for k, values in shown.items() if every or k in varied}
 
 
 def _trained(found: list[Overview]) -> dict[str, list]:

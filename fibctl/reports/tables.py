@@ -19,7 +19,7 @@ from fibctl.lazy import pandas as pd
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, flatten
+from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, differing, flatten
 from fibctl.db.schema import NUMBERS
 from fibctl.errors import FibctlError
 from fibctl.schedules import deviations
@@ -179,8 +179,7 @@ def settings_notes(engine: Engine, runs) -> list[str]:
             settings[name] = {k: v for k, v in flat.items() if k != "probe" and not k.startswith("probe.")}
     if len(settings) < 2:
         return []
-    keys = sorted(set().union(*settings.values()) - NOT_SETTINGS, key=lambda k: (k != "preset", k))
-    varied = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in settings.values()}) > 1]
+    varied = sorted(differing(list(settings.values())) - NOT_SETTINGS, key=lambda k: (k != "preset", k))
     per_step = {(s.get("train.batch_size") or 0) * (s.get("train.grad_accum") or 0) for s in settings.values()}
     if len(per_step) == 1:
         varied = [k for k in varied if k not in ("train.batch_size", "train.grad_accum")]

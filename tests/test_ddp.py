@@ -17,6 +17,7 @@ import torch
 
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
+from fibctl.errors import FibctlError
 from fibctl.train.checkpoint import load_checkpoint
 from fibctl.train.distributed import ENVIRONMENT
 from fibctl.train.trainer import Trainer
@@ -455,3 +456,90 @@ def test_train_nproc_with_compile_and_no_compiler_is_one_line_before_torchrun(da
     assert done.returncode == 2 and "--compile: torch.compile cannot run on cpu" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "torchrun" not in done.stderr.lower()
     assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
+
+
+class RankOneOfTwo:
+    """A rank other than 0 whose collectives are scripted, for the moments of a race that a real
+    group reaches only by chance. It computes every micro-batch, so `sum` is the identity."""
+
+    rank, world, main = 1, 1, False
+
+    def __init__(self, diverged_at: int | None = None):
+        self.diverged_at, self.votes = diverged_at, 0
+
+    def micro_batches(self, grad_accum):
+        return range(grad_accum)
+
+    def sum(self, t):
+        return t
+
+    def broadcast(self, obj):
+        return obj
+
+    def any(self, *flags, device):
+        if len(flags) == 3:  # the end of a step: lost, stopping, unscored
+            self.votes += 1
+            return [flags[0], flags[1], flags[2] or self.votes == self.diverged_at]
+        return list(flags)
+
+
+def scripted_rank(config, data, run_dir, group) -> Trainer:
+    """A trainer built as one process (no DDP wrapper to join a group), then made `group`'s rank."""
+    from train_helpers import NullReporter
+
+    trainer = Trainer(config, load_manifest(data), run_dir, NullReporter())
+    trainer.group, trainer.main = group, group.main
+    return trainer
+
+
+def test_a_rank_told_that_rank_0_s_held_out_loss_was_not_finite_stops_at_that_step_as_diverged(data, tmp_path):
+    """Rank 0 alone evaluates: the others learn of a NaN held-out loss only from the vote."""
+    trainer = scripted_rank(micro_run("run", steps=6), data, tmp_path / "runs" / "run", RankOneOfTwo(diverged_at=3))
+    result = trainer.run()
+    assert (result.status, result.step, result.error) == ("diverged", 2, "step 3 gave a held-out loss that is not finite")
+
+
+def test_a_rank_finding_a_checkpoint_that_rank_0_moved_aside_resumes_from_the_one_before(data, tmp_path, monkeypatch):
+    """Rank 0 found step 4 damaged and moved it aside while this rank was opening it: this rank
+    resumes from step 2, as rank 0 does, instead of failing on a file that is gone."""
+    from fibctl.train import checkpoint as ckpt
+
+    run_dir = tmp_path / "runs" / "run"
+    config = micro_run("run", steps=4, checkpoint_interval=2)
+    assert Trainer(config, load_manifest(data), run_dir, Losses()).run().status == "done"
+    load = ckpt.load_checkpoint
+
+    def moved_aside_meanwhile(path):
+        if path.name == "step_00000004.pt":
+            ckpt.set_aside(path)
+        return load(path)
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", moved_aside_meanwhile)
+    trainer = scripted_rank(config, data, run_dir, RankOneOfTwo())
+    assert (trainer.resume(), trainer.step) == (run_dir / "step_00000002.pt", 2)
+    # rank 0 itself, or one process, that cannot open a checkpoint which is there is stopped
+    trainer = Trainer(config, load_manifest(data), run_dir, Losses())
+
+    def unsafe(path):
+        raise FibctlError(f"checkpoint {path} was refused")
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", unsafe)
+    with pytest.raises(FibctlError, match="refused"):
+        trainer.resume()
+
+
+def test_a_gradient_exchange_failing_in_a_step_is_a_lost_peer_and_one_process_s_error_stays_its_own(
+        data, tmp_path, monkeypatch):
+    from fibctl.train.distributed import PeerLost
+
+    def exchange_failed():
+        raise RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    trainer = scripted_rank(micro_run("run", steps=4), data, tmp_path / "a", RankOneOfTwo())
+    monkeypatch.setattr(trainer, "train_step", exchange_failed)
+    with pytest.raises(PeerLost, match="died or stopped answering"):
+        trainer.run()
+    alone = Trainer(micro_run("run", steps=4), load_manifest(data), tmp_path / "b", Losses())
+    monkeypatch.setattr(alone, "train_step", exchange_failed)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        alone.run()

@@ -137,6 +137,20 @@ def test_statements_that_create_files_or_change_settings_are_refused(sqlite_db, 
     assert run_query(db, "PRAGMA user_version").values.tolist() == [[0]]
 
 
+def test_table_valued_pragmas_read_and_the_schema_table_stays_unwritable(sqlite_db):
+    """`pragma_table_info('runs')` (a PRAGMA in a SELECT, to join or filter) reads the schema
+    as SQLite asks to; writing the schema table is still refused, and nothing changes."""
+    before = _digest(sqlite_db)
+    columns = run_query(sqlite_db, "SELECT name FROM pragma_table_info('runs') WHERE pk = 1")
+    assert columns.values.tolist() == [["id"]]
+    assert "ix_runs_matrix" in run_query(sqlite_db, "SELECT name FROM pragma_index_list('runs')")["name"].tolist()
+    for statement in ("UPDATE sqlite_master SET sql = 'x' WHERE name = 'runs'", "DELETE FROM sqlite_schema",
+                      "PRAGMA writable_schema = ON"):
+        with pytest.raises(FibctlError):
+            run_query(sqlite_db, statement)
+    assert _digest(sqlite_db) == before
+
+
 def test_rows_and_time_are_bounded(db):
     endless = "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c) "
     frame = run_query(db, endless + "SELECT i FROM c", max_rows=5)

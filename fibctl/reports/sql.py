@@ -48,6 +48,7 @@ _READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNC
 _READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
                  "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check", "collation_list",
                  "function_list", "pragma_list"}
+_SCHEMA_TABLES = {"sqlite_master", "sqlite_schema", "sqlite_temp_master", "sqlite_temp_schema"}
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
 
 
@@ -259,6 +260,10 @@ def _authorize(action: int, arg1, arg2, _db, _trigger) -> int:
         return sqlite3.SQLITE_OK if arg2 is None or arg1.lower() in _READ_PRAGMAS else sqlite3.SQLITE_DENY
     if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
         return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_UPDATE and arg1 in _SCHEMA_TABLES:
+        # asked as a table-valued PRAGMA (pragma_table_info('runs')) first reads the schema;
+        # the schema table cannot be written here anyway (mode=ro, query_only, no writable_schema)
+        return sqlite3.SQLITE_OK
     return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
 
 

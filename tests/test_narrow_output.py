@@ -87,6 +87,25 @@ def test_status_too_narrow_for_its_columns_shows_a_field_a_line(db, columns):
     assert "2 running; 1 queued, 0 done, 1 failed" in " ".join(out.split())
 
 
+@pytest.mark.parametrize("columns", [20, 24])
+def test_queue_ls_and_matrix_show_too_narrow_for_their_columns_show_a_field_a_line(db, tmp_path, columns):
+    """At 20 columns `queue ls` folded every cell, `done` down a column letter by letter."""
+    out = fibctl("queue", "ls", "--db", db, columns=columns)
+    assert_fits(out, columns)
+    text = out.stdout
+    assert "│" not in text and all(name in "".join(text.split()) for name in RUNS), text
+    for field in ("status:", "failed", "queued", "attempts:"):
+        assert any(field in line.split() for line in text.splitlines()), (field, text)
+    assert "4 run(s) listed" in " ".join(text.split())
+    toml = tmp_path / "m.toml"
+    toml.write_text('[matrix]\ndescription = "narrow"\npreset = "micro"\n'
+                    '[[runs]]\nname = "fib_fixed_w8"\nschedule = "fixed"\nwindow = 8\n')
+    out = fibctl("matrix", "show", str(toml), columns=columns)
+    assert_fits(out, columns)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "m: narrow" and lines[1] == "fib_fixed_w8" and "  schedule: fixed" in lines, out.stdout
+
+
 @pytest.mark.parametrize("columns", [80, 40])
 def test_matrix_show_with_long_names(tmp_path, columns):
     toml = tmp_path / f"{MATRIX}.toml"

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.cells import cell_len
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -195,6 +195,7 @@ def seed_value(param: typer.CallbackParam, value: int | None) -> int | None:
 
 FOLD_WIDTH = 12  # optional columns go before a `fold` column (free text) narrows below this,
 NAME_WIDTH = 32  # or a `names` column (a name may be 100 characters) below this
+FOLD_LEAST = 8  # narrower, a folded name or text is hard to read: a table is shown as `records`
 
 
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),
@@ -235,12 +236,25 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
         if sum(widths) <= room:
             break
     table = Table(title=title)
-    table.cells_whole = tier < 2  # else numbers fold too (a very narrow terminal): see `records`
+    # else numbers fold too, or names a few letters a line (a very narrow terminal): see `records`
+    folded = [w for i, w in zip(shown, widths) if headers[i] in (*fold, *names)]
+    table.cells_whole = tier == 0 or (tier == 1 and min(folded, default=FOLD_LEAST) >= FOLD_LEAST)
     for i, w in zip(shown, widths):
         table.add_column(headers[i], width=w, overflow="fold", justify="right" if headers[i] in right else "left")
     for row in texts:
         table.add_row(*(row[i] for i in shown))
     return table, dropped
+
+
+def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], **fit) -> Group:
+    """What to print for `rows` at the terminal's width: the `fitted_table` and a line naming
+    the columns it left out, or, where even that would fold numbers, the rows as `records`."""
+    table, dropped = fitted_table(headers, rows, width=console.width, **fit)
+    if not table.cells_whole:  # a very narrow terminal: a field a line
+        title = [plain(str(fit["title"]))] if fit.get("title") is not None else []
+        return Group(*title, *([records(headers, rows)] if rows else []))
+    note = left_out(headers, dropped, rows) if rows else None
+    return Group(table, *([plain(note)] if note else []))
 
 
 def records(headers: Sequence[str], rows: Sequence[Sequence]) -> Text:

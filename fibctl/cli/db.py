@@ -13,8 +13,8 @@ import typer
 from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
-from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, goes_with, left_out, plain,
-                               records, runs_dir_value, step_of)
+from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, fitted_view, goes_with, plain,
+                               runs_dir_value, step_of)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -153,14 +153,9 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
-    table, dropped = fitted_table(headers, rows, width=console.width, title=plain(f"{m.name}: {m.description}"),
-                                  names=("name",),
-                                  optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
-                                  right=("W", "seed", "layers", "T", "steps"))
-    console.print(table)
-    note = left_out(headers, dropped, rows)
-    if note:
-        console.print(note, highlight=False, markup=False)
+    console.print(fitted_view(headers, rows, title=plain(f"{m.name}: {m.description}"), names=("name",),
+                               optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
+                               right=("W", "seed", "layers", "T", "steps")))
 
 
 @queue_app.command("add")
@@ -198,14 +193,9 @@ def queue_ls(db: DbOption = DEFAULT_DB,
     rows = [[str(r["id"]), r["name"], r["matrix"], r["preset"], str(r["status"]), str(r["attempts"]), r["worker"] or "",
              r["heartbeat_at"].strftime("%Y-%m-%d %H:%M:%S") if r["heartbeat_at"] else "",
              (r["error"] or "").partition("\n")[0]] for r in runs]
-    table, dropped = fitted_table(headers, rows, width=console.width, fold=("error", "worker"),
-                                  names=("name", "matrix"),
-                                  optional=("preset", "heartbeat", "worker", "matrix", "attempts"),
-                                  right=("id", "attempts"))
-    console.print(table)
-    note = left_out(headers, dropped, rows) if rows else None
-    if note:
-        console.print(note, highlight=False, markup=False)
+    console.print(fitted_view(headers, rows, fold=("error", "worker"), names=("name", "matrix"),
+                               optional=("preset", "heartbeat", "worker", "matrix", "attempts"),
+                               right=("id", "attempts")))
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
                   + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
@@ -248,13 +238,8 @@ def status_cmd(
         headers = ["run", "host", "device", "step", "loss", "tok/s", "ETA", "heartbeat"]
         parts = []
         if rows:
-            table, dropped = fitted_table(headers, rows, width=console.width, fold=("device", "host"),
-                                          names=("run",), optional=("device", "host"),
-                                          right=("step", "loss", "tok/s", "ETA"))
-            if table.cells_whole:
-                parts += [table] + ([plain(note)] if (note := left_out(headers, dropped, rows)) else [])
-            else:  # too narrow for the columns without folding numbers: a field a line
-                parts.append(records(headers, rows))
+            parts.append(fitted_view(headers, rows, fold=("device", "host"), names=("run",),
+                                 optional=("device", "host"), right=("step", "loss", "tok/s", "ETA")))
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(
             f"{counts.get(s, 0)} {s}" for s in ("queued", "done", "failed", "cancelled"))))

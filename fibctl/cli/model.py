@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from fibctl.cli import app
-from fibctl.cli.common import console, fitted_table, left_out, on_interrupt
+from fibctl.cli.common import console, fitted_view, on_interrupt
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
@@ -228,11 +228,8 @@ def bench_train_cmd(
     title = (f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
              f"({bench.tokens_per_step:,} tokens) per step, {first.device}{', compiled' if compile else ''}, "
              f"median of {steps}")
-    t, dropped = fitted_table(headers, rows, width=console.width, optional=("above start MB", "peak / dense"),
-                              right=headers[1:], title=title)
-    console.print(t)
-    if dropped:
-        console.print(left_out(headers, dropped, rows), highlight=False)
+    console.print(fitted_view(headers, rows, optional=("above start MB", "peak / dense"), right=headers[1:],
+                               title=title))
     if bench.device.startswith("cuda"):  # auto chose per layer setting: say what it chose
         console.print("attention paths: " + "; ".join(f"{r.schedule} {r.attention}" for r in df.itertuples()),
                       highlight=False)

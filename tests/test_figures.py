@@ -376,3 +376,20 @@ def test_a_long_curve_draws_a_few_markers_not_one_per_point(repeated_db, drawn, 
             if line.get_marker() not in ("", "None", None):
                 assert 3 <= _markers_shown(line) <= 10, line.get_label()
 
+
+def test_small_changes_with_length_are_read_on_a_linear_axis(tmp_path, drawn):
+    """Changes of -2 % to +1 % on the symmetric-log axis got two ticks (0 and -1) or only the
+    ends' (+0.044, -0.92, next to 0); within +-10 % the axis is linear, with several ticks."""
+    path = str(tmp_path / "small.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        rid = add_run(conn, "fib_stagger_w8", "stagger")
+        for length, ppl in ((128, 23.2), (256, 22.97), (512, 22.74), (1024, 23.43)):
+            add_eval(conn, rid, length, ppl)
+    engine.dispose()
+    figures.extrapolation(connect_readonly(path), tmp_path / "e.png")
+    right = drawn[0].axes[1]
+    lo, hi = right.get_ylim()
+    shown = [t for t in right.get_yticks() if lo <= t <= hi]
+    assert right.get_yscale() == "linear" and len(shown) >= 4
+    assert lo <= -2 and hi >= 1

@@ -59,6 +59,8 @@ WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 RUN_LEGEND_MAX = 8
 # markers on a line of many points (a run's evaluations, its logged steps): enough to tell W
 MARKERS_PER_LINE = 8
+# changes with length (in %) all within this are drawn on a linear axis, not a symmetric-log one
+CHANGE_LINEAR_MAX = 10
 # a point above this multiple of the median run at its length is drawn off the top, labelled
 OUTLIER_FACTOR = 1.5
 
@@ -240,13 +242,15 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     fig = _figure(TEXT_WIDTH, 3.6)
     left, right = fig.subplots(1, 2)
     by_length: dict[int, list[tuple[float, str]]] = {}
+    changes = []
     for _, row in frame.iterrows():
         points = [(int(n), float(row[n])) for n in lengths if pd.notna(row[n])]
         style = run_style(row["schedule"], row["base"], row["window"])
         x, y = zip(*points)
         left.plot(x, y, label=run_label(row["run"], row["schedule"]), **style)
         ref = dict(points).get(trained.get(row["run"]), y[0])  # the training length, else the shortest
-        right.plot(x, [(v / ref - 1) * 100 for v in y], **style)
+        changes += [(v / ref - 1) * 100 for v in y]
+        right.plot(x, changes[-len(y):], **style)
         for n, v in points:
             by_length.setdefault(n, []).append((v, style["color"]))
     if not any(math.isfinite(v) for vs in by_length.values() for v, _ in vs):  # no limits a log axis can take
@@ -261,13 +265,21 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     _clip_outliers(left, by_length)
     _plain_log_axis(left.yaxis)
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
-    right.set_yscale("symlog", linthresh=2)
-    right.yaxis.set_major_formatter(FuncFormatter(percent_tick))
+    _change_axis(right, changes)
     right.axhline(0, color="black", linewidth=0.6)
     right.set_ylabel("change vs. training length (%)")
     _title(fig, table.title.replace("Table 3: ", ""))
     _runs_legend(fig, left, frame[["schedule", "base", "window"]].to_dict("records"))
     return _save(fig, path)
+
+
+def _change_axis(ax, changes: list[float]) -> None:
+    """Symmetric-log when the changes span orders of magnitude (a dense run's +150 % beside the
+    sparse runs' 1 %: both read); linear when every one is within CHANGE_LINEAR_MAX %, where a
+    symmetric-log axis keeps one or two of its decade ticks."""
+    if max((abs(c) for c in changes if math.isfinite(c)), default=0) > CHANGE_LINEAR_MAX:
+        ax.set_yscale("symlog", linthresh=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(percent_tick))
 
 
 def percent_tick(value: float, _position=None) -> str:

@@ -393,3 +393,19 @@ def test_small_changes_with_length_are_read_on_a_linear_axis(tmp_path, drawn):
     shown = [t for t in right.get_yticks() if lo <= t <= hi]
     assert right.get_yscale() == "linear" and len(shown) >= 4
     assert lo <= -2 and hi >= 1
+
+
+def test_no_axis_label_is_longer_than_its_axis(db, drawn, tmp_path):
+    """posloss's gap panel is a third of the figure: its two-line label 'fixed - stagger (nats)'
+    stood 1 in tall beside a 0.6 in panel and touched the loss panel's label. A label runs
+    along its own axis, no further."""
+    _draw_every_figure(db, tmp_path)
+    for fig in drawn:
+        renderer = _renderer(fig)
+        for ax in fig.axes:
+            box = ax.get_window_extent(renderer)
+            for label, length in ((ax.yaxis.label, box.height), (ax.xaxis.label, box.width)):
+                if label.get_visible() and label.get_text():
+                    extent = label.get_window_extent(renderer)
+                    along = extent.height if label is ax.yaxis.label else extent.width
+                    assert along <= length + 1, label.get_text()

@@ -298,7 +298,7 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix)
     frame = table.frame.set_index("Row")
     bins = [c for c in frame.columns if c != "Run"]
-    fig = _figure(COLUMN_WIDTH, 3.6)
+    fig = _figure(COLUMN_WIDTH, 4.0)  # the gap panel says which way it runs above it
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     for row in frame.index[:2]:
         top.plot(bins, frame.loc[row, bins].astype(float), label=f"{row} ({frame.loc[row, 'Run']})",
@@ -310,7 +310,10 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     # a bar in the colour of the schedule with the lower loss
     bottom.bar(bins, gap, color=[SCHEDULE_COLORS["stagger" if g > 0 else "fixed"] for g in gap])
     bottom.axhline(0, color="black", linewidth=0.8)
-    bottom.set_ylabel("fixed \u2212 stagger\n(nats)")
+    # which way the gap runs, above the panel: as its label it stood taller than the panel
+    bottom.set_title("fixed \u2212 stagger (> 0: stagger lower)")
+    bottom.set_ylabel("gap (nats)")
+    fig.align_ylabels([top, bottom])
     bottom.set_xlabel("predicted position (tokens)")
     bottom.tick_params(axis="x", labelrotation=45)
     for label in bottom.get_xticklabels():
@@ -436,8 +439,9 @@ ORDER BY r.name, a.layer, a.step"""
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
     if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
-        fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
-                     label="layer depth (0 first, 1 last)", shrink=0.8)
+        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
+                           label="layer", shrink=0.8)
+        bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
     return _save(fig, path)
 
@@ -503,7 +507,7 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top
-    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the layer (rungs)",
+    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
                  shrink=0.8)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     return _save(fig, path)

@@ -251,36 +251,6 @@ def test_the_change_axis_reads_short_numbers():
         ["+0.65", "-0.57", "0", "+2", "-5.2", "+150", "+1,234"]
 
 
-def test_up_to_eight_runs_of_repeated_schedules_get_a_colour_each(tmp_path, drawn, many_runs_db):
-    """Colour is the schedule, so fixed at W 6 and at W 8 drew the same blue: in the training
-    panel, whose lines have no marker, they could not be told apart. Up to 8 runs now get a
-    colour each (dense keeps black); past 8 the legend keys the encoding, colour the schedule."""
-    from matplotlib.colors import to_hex
-
-    path = str(tmp_path / "r.db")
-    engine = connect(path)
-    with engine.begin() as conn:
-        for name, schedule, w in (("dense", "dense", 8), ("fixed_w6", "fixed", 6), ("fixed_w8", "fixed", 8),
-                                  ("stagger_w6", "stagger", 6), ("stagger_w8", "stagger", 8)):
-            rid = add_run(conn, name, schedule, window=w)
-            for step in (200, 400, 600):
-                add_eval(conn, rid, 128, 30 - step / 100 - w / 10, step=step)
-                conn.execute(insert(schema.TrainStep).values(run_id=rid, step=step, loss=4 - step / 1000, lr=1e-3,
-                                                             grad_norm=1.0, tokens_per_s=1e3, elapsed_s=step))
-    engine.dispose()
-    figures.curves(connect_readonly(path), tmp_path / "c.png")
-    left, right = drawn[0].axes
-    shown = {line.get_label(): to_hex(line.get_color()) for line in left.get_lines()}
-    assert sorted(shown) == ["dense", "fixed_w6", "fixed_w8", "stagger_w6", "stagger_w8"]
-    assert len(set(shown.values())) == 5 and shown["dense"] == "#000000"
-    assert set(shown.values()) <= {to_hex(c) for c in OKABE_ITO}
-    assert {to_hex(line.get_color()) for line in right.get_lines()} == set(shown.values())
-
-    figures.curves(connect_readonly(many_runs_db), tmp_path / "many.png")  # 13 runs: by schedule
-    colors = {to_hex(line.get_color()) for line in drawn[1].axes[0].get_lines()}
-    assert colors == {to_hex(figures.SCHEDULE_COLORS[s]) for s in ("dense", "fixed", "stagger")}
-
-
 @pytest.mark.parametrize("name", list(figures.FIGURES))
 def test_figure_no_title_leaves_the_title_to_a_papers_caption(db, tmp_path, monkeypatch, name):
     titles, save = [], figures._save
@@ -308,3 +278,134 @@ def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_st
         {ax.get_title(): ax.get_xlabel() for ax in fig.axes if ax.get_title()}) or save(fig, out))
     figures.alphas(connect_readonly(path), tmp_path / "a.png")
     assert labels == {"s": "layer (set by the schedule)", "l": "layer (step 250)"}
+
+
+# --- a reader of the printed page: greyscale, one colour per schedule, readable ticks -----
+
+def _lightness(color) -> float:
+    """CIE L* (0 black, 100 white): what is left of a colour printed in greyscale."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = [v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4 for v in to_rgb(color)]
+    y = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    return 116 * y ** (1 / 3) - 16 if y > 0.008856 else 903.3 * y
+
+
+def _apart_in_greyscale(a, b) -> bool:
+    """Two drawn lines a reader of a greyscale print can tell apart: by marker, line style,
+    hollow or filled marker, or a grey at least 15 L* lighter or darker."""
+    from matplotlib.colors import to_hex
+
+    def look(line):
+        return line.get_marker(), line.get_linestyle(), to_hex(line.get_markerfacecolor()) == "#ffffff"
+    return look(a) != look(b) or abs(_lightness(a.get_color()) - _lightness(b.get_color())) >= 15
+
+
+def test_the_schedules_lines_stay_apart_in_greyscale(db, drawn, tmp_path):
+    """fixed's blue and stagger's green print as one grey (L* 46 and 58), and at the same base
+    and W they share marker and line: posloss, the study's fixed-vs-stagger figure, drew two
+    identical grey lines. Every pair of schedules now differs in grey or in marker fill."""
+    from itertools import combinations
+
+    from matplotlib.lines import Line2D
+
+    for a, b in combinations(figures.SCHEDULES, 2):
+        assert _apart_in_greyscale(Line2D([], [], **figures.run_style(a, "fib", 8)),
+                                   Line2D([], [], **figures.run_style(b, "fib", 8))), (a, b)
+    _draw_every_figure(db, tmp_path)
+    for fig in drawn:
+        for ax in fig.axes:
+            named = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+            for a, b in combinations(named, 2):
+                assert _apart_in_greyscale(a, b), (a.get_label(), b.get_label())
+
+
+@pytest.fixture(scope="module")
+def repeated_db(tmp_path_factory) -> str:
+    """Dense and fixed and stagger at W 6 and W 8, each trained (30 evaluations, 60 logged
+    steps) and evaluated at 1x..4x."""
+    path = str(tmp_path_factory.mktemp("repeated") / "results.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for name, schedule, w in (("dense", "dense", 8), ("fixed_w6", "fixed", 6), ("fixed_w8", "fixed", 8),
+                                  ("stagger_w6", "stagger", 6), ("stagger_w8", "stagger", 8)):
+            rid = add_run(conn, name, schedule, window=w)
+            for step in range(20, 620, 20):
+                add_eval(conn, rid, 128, 30 - step / 100 - w / 10, step=step)
+            for length, factor in ((256, 0.99), (512, 0.98)):
+                add_eval(conn, rid, length, (24 - w / 10) * factor)
+            conn.execute(insert(schema.TrainStep), [
+                dict(run_id=rid, step=step, loss=4 - step / 1000 - w / 100, lr=1e-3, grad_norm=1.0, tokens_per_s=1e3,
+                     elapsed_s=step) for step in range(10, 610, 10)])
+    engine.dispose()
+    return path
+
+
+def test_a_run_has_its_schedules_colour_in_every_figure(repeated_db, drawn, tmp_path):
+    """curves gave each of up to 8 runs a colour of its own when schedules repeated: fixed_w8
+    was orange there (learned's colour in every other figure) and blue in extrapolation. Colour
+    is the schedule in every figure; runs of one schedule differ by marker (W), in the training
+    panel too."""
+    from matplotlib.colors import to_hex
+
+    engine = connect_readonly(repeated_db)
+    figures.extrapolation(engine, tmp_path / "e.png")
+    figures.curves(engine, tmp_path / "c.png")
+    colors = [{line.get_label(): to_hex(line.get_color()) for line in fig.axes[0].get_lines()
+               if not line.get_label().startswith("_")} for fig in drawn]
+    assert colors[0] == colors[1] and len(colors[0]) == 5
+    for run, color in colors[0].items():
+        assert color == to_hex(figures.SCHEDULE_COLORS[run.split("_")[0]]), run
+    smoothed = [line for line in drawn[1].axes[1].get_lines() if line.get_alpha() is None]
+    looks = {(to_hex(line.get_color()), line.get_marker()) for line in smoothed}
+    assert len(looks) == len(smoothed) == 5
+
+
+def _markers_shown(line) -> int:
+    every = line.get_markevery()
+    start, step = (0, 1) if every is None else every if isinstance(every, tuple) else (0, every)
+    return len(range(start, len(line.get_xdata()), step))
+
+
+def test_a_long_curve_draws_a_few_markers_not_one_per_point(repeated_db, drawn, tmp_path):
+    """The study's runs are evaluated 26 times each: a marker at every evaluation of 31 runs
+    buried the curves under a band of markers. A line shows at most 10, enough to tell W."""
+    figures.curves(connect_readonly(repeated_db), tmp_path / "c.png")
+    for ax in drawn[0].axes:
+        for line in ax.get_lines():
+            if line.get_marker() not in ("", "None", None):
+                assert 3 <= _markers_shown(line) <= 10, line.get_label()
+
+
+def test_small_changes_with_length_are_read_on_a_linear_axis(tmp_path, drawn):
+    """Changes of -2 % to +1 % on the symmetric-log axis got two ticks (0 and -1) or only the
+    ends' (+0.044, -0.92, next to 0); within +-10 % the axis is linear, with several ticks."""
+    path = str(tmp_path / "small.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        rid = add_run(conn, "fib_stagger_w8", "stagger")
+        for length, ppl in ((128, 23.2), (256, 22.97), (512, 22.74), (1024, 23.43)):
+            add_eval(conn, rid, length, ppl)
+    engine.dispose()
+    figures.extrapolation(connect_readonly(path), tmp_path / "e.png")
+    right = drawn[0].axes[1]
+    lo, hi = right.get_ylim()
+    shown = [t for t in right.get_yticks() if lo <= t <= hi]
+    assert right.get_yscale() == "linear" and len(shown) >= 4
+    assert lo <= -2 and hi >= 1
+
+
+def test_no_axis_label_is_longer_than_its_axis(db, drawn, tmp_path):
+    """posloss's gap panel is a third of the figure: its two-line label 'fixed - stagger (nats)'
+    stood 1 in tall beside a 0.6 in panel and touched the loss panel's label. A label runs
+    along its own axis, no further."""
+    _draw_every_figure(db, tmp_path)
+    for fig in drawn:
+        renderer = _renderer(fig)
+        for ax in fig.axes:
+            box = ax.get_window_extent(renderer)
+            for label, length in ((ax.yaxis.label, box.height), (ax.xaxis.label, box.width)):
+                if label.get_visible() and label.get_text():
+                    extent = label.get_window_extent(renderer)
+                    along = extent.height if label is ax.yaxis.label else extent.width
+                    assert along <= length + 1, label.get_text()

@@ -3,9 +3,8 @@
 Each function reads the database by SQL (or, for coverage, the attention schedule itself),
 writes a PNG, PDF or SVG chosen by the file's extension, and returns the path. One visual
 language runs through all of them: colour is the schedule (Okabe-Ito, safe for colour-blind
-readers), line style the base (fib solid, pow2 dashed), marker the window W; only the training
-curves, where a run's line has no marker, give each of up to 8 runs its own colour when
-schedules repeat. Figures are drawn
+readers; learned and coprime, whose greys are near fixed's and stagger's, with hollow markers),
+line style the base (fib solid, pow2 dashed), marker the window W. Figures are drawn
 at their print size (a column or the text width of a two-column paper), so their 8-9 pt text
 stays 8-9 pt on the page; fonts are embedded as TrueType (venues reject Type 3), and the same
 data give the same bytes (no creation date in the PDF).
@@ -47,17 +46,21 @@ STYLE = {
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
 COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
-# colour = schedule, in the config's order, from Okabe & Ito's colour-blind-safe palette; dense
-# is black, the baseline everything is read against
-_PALETTE = ("black", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
-SCHEDULE_COLORS = dict(zip(SCHEDULES, _PALETTE))
-# a run each, where up to RUN_LEGEND_MAX runs are compared and schedules repeat: the whole
-# Okabe-Ito palette, black last (dense's, when a dense run is among them), yellow late (faint)
-RUN_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#F0E442", "black")
+# colour = schedule, from Okabe & Ito's colour-blind-safe palette; dense is black, the baseline
+# everything is read against. Printed in grey the palette keeps few levels apart: fixed and
+# stagger, the study's comparison, take two far apart (blue L* 46, orange 71); learned and
+# coprime (vermillion 54, sky blue 70), each near one of them, have hollow markers
+SCHEDULE_COLORS = {"dense": "black", "fixed": "#0072B2", "learned": "#D55E00", "stagger": "#E69F00",
+                   "coprime": "#56B4E9"}
+HOLLOW_SCHEDULES = {"learned", "coprime"}
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
 RUN_LEGEND_MAX = 8
+# markers on a line of many points (a run's evaluations, its logged steps): enough to tell W
+MARKERS_PER_LINE = 8
+# changes with length (in %) all within this are drawn on a linear axis, not a symmetric-log one
+CHANGE_LINEAR_MAX = 10
 # a point above this multiple of the median run at its length is drawn off the top, labelled
 OUTLIER_FACTOR = 1.5
 
@@ -129,22 +132,19 @@ def _title(fig: Figure, title: str) -> None:
 def run_style(schedule: str, base, window) -> dict:
     """Line properties of a run: colour by schedule, line style by base, marker by W."""
     dense = schedule == "dense"
-    return dict(color=SCHEDULE_COLORS.get(schedule, "tab:gray"),
+    hollow = {"markerfacecolor": "white"} if schedule in HOLLOW_SCHEDULES else {}
+    return hollow | dict(color=SCHEDULE_COLORS.get(schedule, "tab:gray"),
                 linestyle="-" if dense else BASE_STYLES.get(base, ":"),
                 marker="*" if dense else WINDOW_MARKERS.get(int(window) if pd.notna(window) else -1, "^"),
                 linewidth=2.2 if dense else 1.3, markersize=6 if dense else 4.5, zorder=3 if dense else 2)
 
 
-def run_colors(schedules: dict[str, str]) -> dict[str, str]:
-    """Each run's colour: its schedule's, unless two of at most RUN_LEGEND_MAX runs share a
-    schedule (fixed at W 6 and W 8, say), which their curves alone could not tell apart; then
-    each run has a colour of its own, dense keeping black."""
-    colors = {run: SCHEDULE_COLORS.get(s, "tab:gray") for run, s in schedules.items()}
-    if len(schedules) > RUN_LEGEND_MAX or len(set(colors.values())) == len(colors):
-        return colors
-    dense = [run for run, s in schedules.items() if s == "dense"][:1]
-    free = iter(c for c in RUN_COLORS if not (dense and c == "black"))
-    return {run: "black" if run in dense else next(free) for run in schedules}
+def markevery(points: int, nth: int, lines: int) -> tuple[int, int]:
+    """Every how many points line `nth` of `lines` draws a marker: at most about
+    MARKERS_PER_LINE (26 evaluations of 31 runs, each marked, buried the curves), and the runs'
+    markers at different steps so that they do not cover each other."""
+    every = max(1, math.ceil(points / MARKERS_PER_LINE))
+    return nth * every // max(lines, 1), every
 
 
 def run_label(run: str, schedule: str) -> str:
@@ -189,8 +189,8 @@ def _style_key(styles: list[dict]) -> tuple[list, list[str], int]:
     schedules = sorted({s["schedule"] for s in styles}, key=lambda s: (SCHEDULES + (s,)).index(s))
     bases = sorted({s["base"] for s in styles if s["schedule"] != "dense" and s["base"]})
     windows = sorted({int(s["window"]) for s in styles if s["schedule"] != "dense" and pd.notna(s["window"])})
-    rows = [[(Line2D([], [], **{**run_style(s, "fib", None), "marker": "*" if s == "dense" else None}),
-              "dense" if s == "dense" else f"{s} schedule") for s in schedules],
+    rows = [[(Line2D([], [], **{**run_style(s, "fib", None), "marker": "*" if s == "dense" else "o"}),
+              "dense" if s == "dense" else f"{s} schedule") for s in schedules],  # "o": hollow or not
             [(Line2D([], [], color="0.3", linestyle=BASE_STYLES.get(b, ":"), linewidth=1.3), f"{b} base")
              for b in bases],
             [(Line2D([], [], color="0.3", linestyle="", marker=WINDOW_MARKERS.get(w, "^"), markersize=4.5),
@@ -242,13 +242,15 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     fig = _figure(TEXT_WIDTH, 3.6)
     left, right = fig.subplots(1, 2)
     by_length: dict[int, list[tuple[float, str]]] = {}
+    changes = []
     for _, row in frame.iterrows():
         points = [(int(n), float(row[n])) for n in lengths if pd.notna(row[n])]
         style = run_style(row["schedule"], row["base"], row["window"])
         x, y = zip(*points)
         left.plot(x, y, label=run_label(row["run"], row["schedule"]), **style)
         ref = dict(points).get(trained.get(row["run"]), y[0])  # the training length, else the shortest
-        right.plot(x, [(v / ref - 1) * 100 for v in y], **style)
+        changes += [(v / ref - 1) * 100 for v in y]
+        right.plot(x, changes[-len(y):], **style)
         for n, v in points:
             by_length.setdefault(n, []).append((v, style["color"]))
     if not any(math.isfinite(v) for vs in by_length.values() for v, _ in vs):  # no limits a log axis can take
@@ -263,13 +265,21 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     _clip_outliers(left, by_length)
     _plain_log_axis(left.yaxis)
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
-    right.set_yscale("symlog", linthresh=2)
-    right.yaxis.set_major_formatter(FuncFormatter(percent_tick))
+    _change_axis(right, changes)
     right.axhline(0, color="black", linewidth=0.6)
     right.set_ylabel("change vs. training length (%)")
     _title(fig, table.title.replace("Table 3: ", ""))
     _runs_legend(fig, left, frame[["schedule", "base", "window"]].to_dict("records"))
     return _save(fig, path)
+
+
+def _change_axis(ax, changes: list[float]) -> None:
+    """Symmetric-log when the changes span orders of magnitude (a dense run's +150 % beside the
+    sparse runs' 1 %: both read); linear when every one is within CHANGE_LINEAR_MAX %, where a
+    symmetric-log axis keeps one or two of its decade ticks."""
+    if max((abs(c) for c in changes if math.isfinite(c)), default=0) > CHANGE_LINEAR_MAX:
+        ax.set_yscale("symlog", linthresh=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(percent_tick))
 
 
 def percent_tick(value: float, _position=None) -> str:
@@ -288,7 +298,7 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix)
     frame = table.frame.set_index("Row")
     bins = [c for c in frame.columns if c != "Run"]
-    fig = _figure(COLUMN_WIDTH, 3.6)
+    fig = _figure(COLUMN_WIDTH, 4.0)  # the gap panel says which way it runs above it
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     for row in frame.index[:2]:
         top.plot(bins, frame.loc[row, bins].astype(float), label=f"{row} ({frame.loc[row, 'Run']})",
@@ -300,7 +310,10 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     # a bar in the colour of the schedule with the lower loss
     bottom.bar(bins, gap, color=[SCHEDULE_COLORS["stagger" if g > 0 else "fixed"] for g in gap])
     bottom.axhline(0, color="black", linewidth=0.8)
-    bottom.set_ylabel("fixed \u2212 stagger\n(nats)")
+    # which way the gap runs, above the panel: as its label it stood taller than the panel
+    bottom.set_title("fixed \u2212 stagger (> 0: stagger lower)")
+    bottom.set_ylabel("gap (nats)")
+    fig.align_ylabels([top, bottom])
     bottom.set_xlabel("predicted position (tokens)")
     bottom.tick_params(axis="x", labelrotation=45)
     for label in bottom.get_xticklabels():
@@ -314,7 +327,7 @@ def curves(engine: Engine, path: str | Path, *, dataset: str | None = None, seed
            matrix: str | None = None) -> Path:
     """Validation perplexity at the training length vs step (left; one line per run and token
     budget, since the light and full evaluations score different documents) and training loss
-    (right). Up to RUN_LEGEND_MAX runs each have a colour of their own (run_colors)."""
+    (right). Runs of one schedule share its colour and differ by marker, on both panels."""
     check_path(path)
     dataset = dataset or default_dataset(engine)
     seed_clause = "\n  AND r.seed = :seed" if seed is not None else ""
@@ -342,23 +355,24 @@ ORDER BY r.name, t.step""", **params)
     long["tokens"] = long["tokens"].fillna(-1)
     light_shown = False
     styles = []
-    colors = run_colors(long.groupby("run", sort=True)["schedule"].first().to_dict())
-    for run, points in long.groupby("run", sort=True):
+    runs = long.groupby("run", sort=True)
+    for nth, (run, points) in enumerate(runs):
         first = points.iloc[0]
         styles.append(first[["schedule", "base", "window"]].to_dict())
-        style = run_style(first["schedule"], first["base"], first["window"]) | {"color": colors[run]}
+        style = run_style(first["schedule"], first["base"], first["window"])
         budgets = sorted(points["tokens"].unique())
-        for tokens in budgets:  # the largest budget is the full evaluation
+        for tokens in budgets:  # the largest budget is the full evaluation; the light ones unmarked, behind
             line = points[points["tokens"] == tokens]
             full = tokens == budgets[-1]
             left.plot(line["step"], line["ppl"], label=run_label(run, first["schedule"]) if full else None,
-                      **(style if full else {**style, "linewidth": 0.8, "alpha": 0.5, "markersize": 2.5}))
+                      markevery=markevery(len(line), nth, runs.ngroups),
+                      **(style if full else {**style, "linewidth": 0.8, "alpha": 0.5, "marker": None}))
             light_shown |= not full
         mine = steps[steps["run"] == run]
         if right is not None and not mine.empty:  # raw values faint, a centred moving average on top
             right.plot(mine["step"], mine["loss"], color=style["color"], linewidth=0.6, alpha=0.25)
-            right.plot(mine["step"], smoothed(mine["loss"]), color=style["color"],
-                       linestyle=style["linestyle"], linewidth=1.2)
+            right.plot(mine["step"], smoothed(mine["loss"]), markevery=markevery(len(mine), nth, runs.ngroups),
+                       **{**style, "linewidth": min(style["linewidth"], 1.6)})
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
     left.set_xlabel("training step")
@@ -425,8 +439,9 @@ ORDER BY r.name, a.layer, a.step"""
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
     if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
-        fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
-                     label="layer depth (0 first, 1 last)", shrink=0.8)
+        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
+                           label="layer", shrink=0.8)
+        bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
     return _save(fig, path)
 
@@ -492,7 +507,7 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top
-    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the layer (rungs)",
+    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
                  shrink=0.8)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     return _save(fig, path)

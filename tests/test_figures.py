@@ -409,3 +409,65 @@ def test_no_axis_label_is_longer_than_its_axis(db, drawn, tmp_path):
                     extent = label.get_window_extent(renderer)
                     along = extent.height if label is ax.yaxis.label else extent.width
                     assert along <= length + 1, label.get_text()
+
+
+def _sweep_db(path: str, lrs: int) -> str:
+    """A dense run and `lrs` runs of fib fixed W8 (a learning-rate sweep: alike in schedule,
+    base and W), each trained and evaluated at 1x..4x."""
+    engine = connect(path)
+    with engine.begin() as conn:
+        for i, name in enumerate(["dense"] + [f"fixed_w8_lr{k}" for k in range(lrs)]):
+            rid = add_run(conn, name, "dense" if i == 0 else "fixed")
+            for step in range(20, 620, 20):
+                add_eval(conn, rid, 128, 30 - step / 100 - i / 10, step=step)
+            for length, factor in ((256, 0.99), (512, 0.98)):
+                add_eval(conn, rid, length, (24 - i / 10) * factor)
+            conn.execute(insert(schema.TrainStep), [
+                dict(run_id=rid, step=step, loss=4 - step / 1000 - i / 100, lr=1e-3, grad_norm=1.0,
+                     tokens_per_s=1e3, elapsed_s=step) for step in range(10, 610, 10)])
+    engine.dispose()
+    return path
+
+
+def test_a_sweeps_runs_alike_in_schedule_base_and_w_are_told_apart(tmp_path, drawn):
+    """A learning-rate sweep's runs share schedule, base and W: every one was drawn in fixed's
+    blue with the same marker and line, its legend names on identical lines. The first keeps
+    fixed's colour, the others the palette's other colours, the same in every figure."""
+    from matplotlib.colors import to_hex
+
+    engine = connect_readonly(_sweep_db(str(tmp_path / "sweep.db"), 4))
+    figures.extrapolation(engine, tmp_path / "e.png")
+    figures.curves(engine, tmp_path / "c.png")
+    looks = []
+    for fig in drawn:
+        named = [line for line in fig.axes[0].get_lines() if not line.get_label().startswith("_")]
+        looks.append({line.get_label(): (to_hex(line.get_color()), to_hex(line.get_markerfacecolor()))
+                      for line in named})
+        assert len(set(looks[-1].values())) == len(named) == 5, looks[-1]
+    assert looks[0] == looks[1]
+    assert looks[0]["fixed_w8_lr0"][0] == to_hex(figures.SCHEDULE_COLORS["fixed"])
+    assert looks[0]["dense"][0] == to_hex("black")
+    assert not {c for c, _ in looks[0].values()} & {to_hex(c) for s, c in figures.SCHEDULE_COLORS.items()
+                                                      if s not in ("fixed", "dense")}
+    smoothed = [line for line in drawn[1].axes[1].get_lines() if line.get_alpha() is None]
+    assert len({(to_hex(line.get_color()), to_hex(line.get_markerfacecolor())) for line in smoothed}) == 5
+
+
+def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, drawn):
+    """Ten runs alike in schedule, base and W once got a legend naming each, which took the
+    panels' room ('axes sizes collapsed'): the legend keys the encoding and says how many runs
+    are drawn alike; every text stays inside the figure, the legend off the panels."""
+    engine = connect_readonly(_sweep_db(str(tmp_path / "sweep.db"), 10))
+    for name in ("extrapolation", "curves"):
+        figures.FIGURES[name](engine, tmp_path / f"{name}.png")
+    for fig in drawn:
+        (legend,) = fig.legends
+        assert legend.get_title().get_text() == "11 runs; 9 drawn as another of their schedule, base and W"
+        assert sorted(t.get_text() for t in legend.get_texts() if t.get_text()) == ["W = 8", "dense", "fib base",
+                                                                                   "fixed schedule"]
+        renderer = _renderer(fig)
+        box = legend.get_window_extent(renderer)
+        assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+        for text, extent in _texts(fig):
+            assert fig.bbox.x0 - 1 <= extent.x0 and extent.x1 <= fig.bbox.x1 + 1, text.get_text()
+            assert fig.bbox.y0 - 1 <= extent.y0 and extent.y1 <= fig.bbox.y1 + 1, text.get_text()

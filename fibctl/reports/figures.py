@@ -4,7 +4,8 @@ Each function reads the database by SQL (or, for coverage, the attention schedul
 writes a PNG, PDF or SVG chosen by the file's extension, and returns the path. One visual
 language runs through all of them: colour is the schedule (Okabe-Ito, safe for colour-blind
 readers; learned and coprime, whose greys are near fixed's and stagger's, with hollow markers),
-line style the base (fib solid, pow2 dashed), marker the window W. Figures are drawn
+line style the base (fib solid, pow2 dashed), marker the window W; runs alike in all three (a
+sweep's) take the palette's other colours, where at most 8 runs are drawn. Figures are drawn
 at their print size (a column or the text width of a two-column paper), so their 8-9 pt text
 stays 8-9 pt on the page; fonts are embedded as TrueType (venues reject Type 3), and the same
 data give the same bytes (no creation date in the PDF).
@@ -53,6 +54,8 @@ COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
 SCHEDULE_COLORS = {"dense": "black", "fixed": "#0072B2", "learned": "#D55E00", "stagger": "#E69F00",
                    "coprime": "#56B4E9"}
 HOLLOW_SCHEDULES = {"learned", "coprime"}
+# the rest of the palette, for runs that share a schedule, base and W (run_styles)
+LOOK_ALIKE_COLORS = ("#009E73", "#CC79A7", "#F0E442", "#999999")
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
@@ -139,6 +142,23 @@ def run_style(schedule: str, base, window) -> dict:
                 linewidth=2.2 if dense else 1.3, markersize=6 if dense else 4.5, zorder=3 if dense else 2)
 
 
+def run_styles(runs: list[tuple[str, str, object, object]]) -> dict[str, dict]:
+    """Each run's line properties (run, schedule, base, W): `run_style`, except where runs of
+    one schedule, base and W are drawn together (a sweep's learning rates, say) among at most
+    RUN_LEGEND_MAX runs: the first keeps its schedule's colour, the others take the colours no
+    schedule has, their markers hollow and filled in turn, so that each line reads as its own."""
+    styles, seen = {}, {}
+    for run, schedule, base, window in sorted(runs, key=lambda r: r[0]):
+        key = (schedule, base if pd.notna(base) else None, window if pd.notna(window) else None)
+        nth = seen[key] = seen.get(key, -1) + 1
+        styles[run] = run_style(schedule, base, window)
+        if nth and len(runs) <= RUN_LEGEND_MAX:
+            hollow = (nth % 2 == 1) != (schedule in HOLLOW_SCHEDULES)
+            styles[run] |= {"color": LOOK_ALIKE_COLORS[(nth - 1) % len(LOOK_ALIKE_COLORS)],
+                            "markerfacecolor": "white" if hollow else None}
+    return styles
+
+
 def markevery(points: int, nth: int, lines: int) -> tuple[int, int]:
     """Every how many points line `nth` of `lines` draws a marker: at most about
     MARKERS_PER_LINE (26 evaluations of 31 runs, each marked, buried the curves), and the runs'
@@ -171,16 +191,20 @@ def _plain_log_axis(axis) -> None:
 
 def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
     """The runs drawn on `source`, as a legend below the panels. `styles` holds each run's
-    schedule, base and W: when there are more than RUN_LEGEND_MAX runs and these tell every run
-    apart, the legend keys them (a row each for schedule colours, base line styles and W
-    markers) rather than listing 20 look-alike entries."""
+    schedule, base and W: past RUN_LEGEND_MAX runs the legend keys them (a row each for
+    schedule colours, base line styles and W markers) rather than listing 20 entries, and says
+    how many runs are drawn alike (a sweep's, which fewer runs tell apart: run_styles)."""
     handles, labels = source.get_legend_handles_labels()
-    keys = {(s["schedule"], s["base"] or None, s["window"]) for s in styles}
-    if len(labels) > RUN_LEGEND_MAX and len(keys) == len(styles):
+    title = None
+    if len(labels) > RUN_LEGEND_MAX:
         handles, labels, ncol = _style_key(styles)
+        keys = {(s["schedule"], s["base"] or None, s["window"]) for s in styles}
+        if len(keys) < len(styles):  # a sweep's runs look alike: said, where 20 names broke the layout
+            title = f"{len(styles)} runs; {len(styles) - len(keys)} drawn as another of their schedule, base and W"
     else:  # as many columns as fit the width, at about 5 pt a character plus the line sample
         ncol = max(1, min(len(labels), int(fig.get_figwidth() * 72 / (5 * max(map(len, labels)) + 40))))
-    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False, title=title,
+               title_fontsize=8)
 
 
 def _style_key(styles: list[dict]) -> tuple[list, list[str], int]:
@@ -243,9 +267,10 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     left, right = fig.subplots(1, 2)
     by_length: dict[int, list[tuple[float, str]]] = {}
     changes = []
+    styles = run_styles(list(frame[["run", "schedule", "base", "window"]].itertuples(index=False, name=None)))
     for _, row in frame.iterrows():
         points = [(int(n), float(row[n])) for n in lengths if pd.notna(row[n])]
-        style = run_style(row["schedule"], row["base"], row["window"])
+        style = styles[row["run"]]
         x, y = zip(*points)
         left.plot(x, y, label=run_label(row["run"], row["schedule"]), **style)
         ref = dict(points).get(trained.get(row["run"]), y[0])  # the training length, else the shortest
@@ -356,10 +381,12 @@ ORDER BY r.name, t.step""", **params)
     light_shown = False
     styles = []
     runs = long.groupby("run", sort=True)
+    looks = run_styles(list(long[["run", "schedule", "base", "window"]].drop_duplicates("run")
+                            .itertuples(index=False, name=None)))
     for nth, (run, points) in enumerate(runs):
         first = points.iloc[0]
         styles.append(first[["schedule", "base", "window"]].to_dict())
-        style = run_style(first["schedule"], first["base"], first["window"])
+        style = looks[run]
         budgets = sorted(points["tokens"].unique())
         for tokens in budgets:  # the largest budget is the full evaluation; the light ones unmarked, behind
             line = points[points["tokens"] == tokens]

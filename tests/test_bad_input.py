@@ -168,6 +168,10 @@ CASES = [
     (["queue", "ls", "--db", "{tmp}/typo.db"], "no database at"),
     (["worker", "--db", "{tmp}/typo.db", "--data", "{data}", "--runs-dir", "{tmp}/runs"], "no database at"),
     (["queue", "retry", "run", "--db", "{tmp}/typo.db"], "no database at"),
+    # ... says where the database may be, and how one is made (it said only "no database at")
+    (["status", "--db", "{tmp}/typo.db"], "typo.db; name yours with --db or FIBCTL_DB (the demo's: fibctl-demo/"),
+    (["train", "run", "--db", "{tmp}/typo.db"], "or make one with `fibctl queue add MATRIX`"),
+    (["report", "table1", "--db", "{good_db}", "--compare", "{tmp}/typo.db"], "typo.db (--compare)"),
     # drivers and URLs
     (["queue", "ls", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),
     (["sql", "select 1", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),

@@ -191,6 +191,9 @@ CASES = [
     (["worker", "--db", "{good_db}", "--data", "{manifest_list}", "--runs-dir", "{tmp}/runs"], "not a valid data"),
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{manifest_nokey}"], "not a valid data"),
     (["worker", "--db", "{good_db}", "--data", "{bigids}", "--runs-dir", "{tmp}/runs"], "beyond the vocabulary"),
+    # a --data folder that is not there is named, with the recipe of the run's vocabulary
+    (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
+     "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
     # recipes: wrong types, names that would leave --out
     (["data", "prepare", "{sources_str}", "--out", "{tmp}/out"], "[[sources]] tables"),

@@ -82,6 +82,47 @@ def test_the_top_help_lists_every_command_once_in_the_order_of_the_work():
     assert len(out.splitlines()) < 60 and all(len(line) <= 80 for line in out.splitlines())
 
 
+def _leaf_commands():
+    """Every command a user runs (`queue add`, `report table1`, ...), as its path of names."""
+    import click
+    from typer.main import get_command
+
+    from fibctl.cli import app
+
+    def walk(group, path):
+        for name in group.list_commands(None):
+            command = group.get_command(None, name)
+            if isinstance(command, click.Group):
+                yield from walk(command, [*path, name])
+            else:
+                yield [*path, name], command
+
+    return list(walk(get_command(app), []))
+
+
+def test_every_command_with_options_shows_an_example_that_parses():
+    """`fibctl eval --help` (and most others) explained each option but never showed a command
+    line using them, which a user coming from nanoGPT or W&B looks for first. Each example fits
+    one line at 80 columns, for copying, and uses only options the command has (parsed with
+    --help after it, so nothing runs)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    for path, command in _leaf_commands():
+        if not [p for p in command.params if p.name != "help"]:  # `data recipes`: nothing to show
+            continue
+        line = next((line for line in help_text(*path).splitlines() if "Example: " in line), None)
+        assert line is not None, f"fibctl {' '.join(path)} --help shows no example"
+        example = line.split("Example: ", 1)[1].rstrip(" │")
+        words = shlex.split(example)
+        assert words[:1 + len(path)] == ["fibctl", *path], line  # whole on its line, this command
+        done = CliRunner().invoke(app, [*words[1:], "--help"], env={"COLUMNS": "80"})
+        assert done.exit_code == 0 and "Usage:" in done.output, (example, done.output)
+
+
 # ----------------------------------------------------------------------------- 80 columns
 
 REPO_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results.db.example")

@@ -184,7 +184,9 @@ def train_cmd(
     Under torchrun (`torchrun --nproc-per-node N -m fibctl train NAME`) each process trains its
     share of every step and rank 0 alone writes to the database and the checkpoints.
     Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
-    signal); a failed run exits 1, and bad input (its data included) 2, the run left queued."""
+    signal); a failed run exits 1, and bad input (its data included) 2, the run left queued.
+
+    Example: fibctl train fib_fixed_w8 --data data/demo --log-to tensorboard"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
     from fibctl.queue import NOT_QUEUED, check_named
     from fibctl.train.distributed import launched
@@ -245,7 +247,9 @@ def worker_cmd(
 
     Ctrl-C checkpoints and requeues. Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal: the
-    queue may not be finished)."""
+    queue may not be finished).
+
+    Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
     from fibctl.train.distributed import ENVIRONMENT, launched
 
@@ -380,7 +384,9 @@ def eval_cmd(
     threads: ThreadsOption = None,
     log_to: LogToOption = None,
 ) -> None:
-    """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
+    """Perplexity of trained runs at any length, from their final checkpoints, into the database.
+
+    Example: fibctl eval fib_fixed_w8 dense --length 256 --length 512 --positions"""
     log_to = check_loggers(log_to or ())
     from fibctl.db.engine import current_revision, head_revision
     from fibctl.device import setup_process

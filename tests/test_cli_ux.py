@@ -796,3 +796,25 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
     assert con.execute("select status, checkpoint_path like '%step_00000010.pt' from runs").fetchone() == ("queued", 1)
     assert con.execute("select count(*) from events where kind = 'released' "
                        "and message like 'stopped at step 10%'").fetchone() == (1,)
+
+
+def test_queue_ls_and_status_at_a_standstill_name_the_next_command(tmp_path, monkeypatch, capsys):
+    """An empty database listed empty tables, and queued runs with no worker read as a queue at
+    work: each now ends with the command that moves it on (none once a run is running)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    db = str(tmp_path / "r.db")
+    assert _in_process(capsys, monkeypatch, "db", "upgrade", "--db", db)[0] == 0
+    for command in (["queue", "ls"], ["status"]):
+        code, out, _ = _in_process(capsys, monkeypatch, *command, "--db", db)
+        assert code == 0 and out.splitlines()[-1] == ("no runs yet: queue some with `fibctl queue add MATRIX` "
+                                                      "(`fibctl matrix list`)"), out
+    assert _in_process(capsys, monkeypatch, "queue", "add", "demo", "--preset", "micro", "--db", db)[0] == 0
+    for command in (["queue", "ls"], ["status"]):
+        code, out, _ = _in_process(capsys, monkeypatch, *command, "--db", db)
+        assert code == 0 and out.splitlines()[-1] == "nothing is running: `fibctl worker` trains the queued runs"
+    from fibctl import queue
+    from fibctl.db.engine import connect
+
+    queue.claim_next(connect(db), "w:1")
+    code, out, _ = _in_process(capsys, monkeypatch, "status", "--db", db)
+    assert code == 0 and "fibctl worker" not in out and "1 running" in out

@@ -220,6 +220,18 @@ def queue_ls(db: DbOption = DEFAULT_DB,
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
                   + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
+    if hint := _next_step(counts):
+        console.print(plain(hint))
+
+
+def _next_step(counts: dict[str, int]) -> str | None:
+    """The command a user at a standstill runs next: one with no runs queues some, one whose
+    runs wait with none running starts a worker (a listing of empty tables told neither)."""
+    if not counts:
+        return "no runs yet: queue some with `fibctl queue add MATRIX` (`fibctl matrix list`)"
+    if counts.get("queued") and not counts.get("running"):
+        return "nothing is running: `fibctl worker` trains the queued runs"
+    return None
 
 
 @app.command("status")
@@ -271,6 +283,8 @@ def status_cmd(
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(
             f"{counts.get(s, 0)} {s}" for s in ("queued", "done", "failed", "cancelled"))))
+        if hint := _next_step(counts):
+            parts.append(plain(hint))
         return Group(*parts)
 
     if not watch:

@@ -791,7 +791,8 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"), "--plain")
     assert code == 141 and closed == [1], (code, closed, err)
-    assert err == "warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
+    assert err == ("warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
+                   "hint: queued again; run the same command to resume run from step 10\n")
     con = sqlite3.connect(db)
     assert con.execute("select status, checkpoint_path like '%step_00000010.pt' from runs").fetchone() == ("queued", 1)
     assert con.execute("select count(*) from events where kind = 'released' "

@@ -215,6 +215,7 @@ def train_cmd(
                                     RunDisplay(plain, stop=stop), stop)
     else:
         outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop), stop)
+    _resume_hint([outcome])
     _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -289,6 +290,7 @@ def worker_cmd(
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
     _summary(outcomes, db, opts.heartbeat_timeout_s)
+    _resume_hint(outcomes)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
@@ -310,6 +312,21 @@ def _summary(outcomes: list[Outcome], db: str, heartbeat_timeout_s: float) -> No
                      f"(taken back once its heartbeat is {heartbeat_timeout_s:g} s old; see fibctl status)")
     console.print(as_written(f"worker: {len(outcomes)} run(s): {said}"), highlight=False,
                   soft_wrap=not console.is_terminal)
+
+
+def _resume_hint(outcomes: list[Outcome]) -> None:
+    """After a stop, how training goes on: "released" alone left a user who pressed Ctrl-C to
+    guess. The same command line, whose --db and --data are the ones that trained it; a rank
+    under torchrun leaves it to the command that launched the group."""
+    from fibctl.train.distributed import launched
+
+    released = [o for o in outcomes if o.status == "released" and o.step is not None]
+    if released and not launched():
+        # one aborted by a second Ctrl-C (its error says so) goes back to its last checkpoint
+        said = ", ".join(f"{o.name} from " + ("its last checkpoint" if o.error else f"step {o.step}")
+                         for o in released)
+        err_console.print(as_written(f"hint: queued again; run the same command to resume {said}"),
+                          highlight=False, soft_wrap=not err_console.is_terminal)
 
 
 def _exit_after_signal(stop) -> None:

@@ -311,13 +311,18 @@ def compare_cmd(
                for run, at, final in zip(c.runs, c.trained["eval step"], c.trained["step"])
                if at is not None and at != final]
     if c.perplexity:
-        ppl = pd.DataFrame({"run": c.runs, **{f"{tables.dataset_label(d)} {n:,}": values
+        # one held-out set (the demo's, a sweep's) is said once, in the title: repeated in every
+        # header it wrapped some of them and pushed lengths into a continued table at 80 columns
+        sets = {d for d, _ in c.perplexity}
+        one = tables.dataset_label(next(iter(sets))) if len(sets) == 1 else None
+        ppl = pd.DataFrame({"run": c.runs, **{(f"{n:,}" if one else f"{tables.dataset_label(d)} {n:,}"): values
                                               for (d, n), values in c.perplexity.items()}})
         columns = [col for col in ppl.columns if col != "run"]
+        title = (f"Perplexity on {one} by evaluation length" if one else
+                 "Perplexity by held-out set and evaluation length") + " (the lowest in bold)"
         console.print(render.fitted(tables.Table(
-            "perplexity", "Perplexity by held-out set and evaluation length (the lowest in bold)", ppl, "",
-            formats={col: tables.ppl for col in columns}, best={col: "min" for col in columns}, notes=earlier),
-            console.width))
+            "perplexity", title, ppl, "", formats={col: tables.ppl for col in columns},
+            best={col: "min" for col in columns}, notes=earlier), console.width))
 
 
 def _setting(value) -> str:

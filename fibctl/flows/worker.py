@@ -50,6 +50,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.flops import peak_flops
+from fibctl.matrix import queue_again
 from fibctl.names import check_name
 from fibctl.provenance import provenance
 from fibctl.config import RunConfig
@@ -604,8 +605,8 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
         return lost
     hint = None
     if result.status == "diverged":  # resumed bit-exactly, a retry would diverge again at the same step
-        hint = (f"a retry repeats the same steps; train it again as a new run at a lower learning rate: "
-                f"fibctl queue add MATRIX --only {claimed.name} --set train.lr=LOWER --suffix _lowlr")
+        hint = ("a retry repeats the same steps; train it again as a new run at a lower learning rate: "
+                + queue_again(claimed.config, "_lowlr", lr="LOWER"))
     return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint, hint)
 
 

@@ -377,6 +377,29 @@ def _positive_timeout(seconds: float) -> float:
     return seconds
 
 
+def _results_tables(df, speed: bool, width: int) -> list:
+    """eval's measurements, a row each, then (with --speed) the inference speeds: no cell cut
+    with '…' at the terminal's width (a plain table cut run names and perplexities at 60
+    columns). Names fold within their column, numbers keep their width; tokens and step give
+    way first, said in a line below (the same in every row: its value)."""
+    from fibctl.cli.common import fitted_table, left_out
+
+    headers = ["run", "step", "dataset", "length", "tokens", "loss", "ppl"]
+    rows = [[r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
+             f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
+    table, dropped = fitted_table(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
+                                  right=("step", "length", "tokens", "loss", "ppl"))
+    shown = [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+    if speed:  # one measurement per run and length, whatever the held-out sets
+        headers = ["run", "step", "length", "batch", "tokens/s"]
+        rows = [[r.run, str(r.step), str(r.eval_length), str(r.speed_batch), f"{r.tokens_per_s:,.0f}"]
+                for r in df.drop_duplicates(["run", "eval_length"]).itertuples()]
+        table, dropped = fitted_table(headers, rows, width=width, names=("run",), optional=("step",),
+                                      right=headers[1:], title="inference speed")
+        shown += [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+    return shown
+
+
 @app.command("eval")
 def eval_cmd(
     names: Annotated[Optional[list[str]], typer.Argument(help="Run names (or --all).")] = None,
@@ -442,15 +465,5 @@ def eval_cmd(
     except OUTPUT_CLOSED:  # `fibctl eval ... | head -1`
         raise stopped_by_closed_output("the output's reader has gone: stopped; the results measured before it "
                                        "are recorded: run the same command again to finish") from None
-    table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
-    for r in df.itertuples():
-        table.add_row(as_written(r.run), str(r.step), as_written(r.dataset), str(r.eval_length), f"{r.tokens:,}",
-                      f"{r.loss:.4f}",
-                      f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf")
-    console.print(table)
-    if speed:  # one measurement per run and length, whatever the held-out sets
-        speeds = Table("run", "step", "length", "batch", "tokens/s", title="inference speed")
-        for r in df.drop_duplicates(["run", "eval_length"]).itertuples():
-            speeds.add_row(as_written(r.run), str(r.step), str(r.eval_length), str(r.speed_batch),
-                           f"{r.tokens_per_s:,.0f}")
-        console.print(speeds)
+    for table in _results_tables(df, speed, console.width):
+        console.print(table)

@@ -179,3 +179,13 @@ def test_eval_results_cut_no_name_or_number(columns):
     assert column(speeds, 0) == "fib_stagger_w8_lr1e-3" + RUNS[0]
     for number in ("164.848", "25.790", "5.1050", "4096", "123,456"):
         assert number in text, (number, text)
+
+
+@pytest.mark.parametrize("columns", [80, 60, 40])
+def test_data_recipes_cut_no_held_out_set_name(columns):
+    """`data recipes` drew a plain table: at 60 columns the paper's held-out sets, the names
+    `--dataset` takes, read `fineweb_e…`, `wikipedia…`. Whole now (folded at worst), one a line."""
+    done = fibctl("data", "recipes", columns=columns)
+    assert_fits(done, columns)
+    sets = column(done.stdout, 3)
+    assert "fineweb_edu_valwikipedia_valtinystories_valmath_val" in sets and "docs_val" in sets, done.stdout

@@ -145,10 +145,13 @@ def show_cmd(
 @data_app.command("recipes")
 def recipes_cmd() -> None:
     """List the recipes shipped with fibctl."""
-    table = Table("recipe", "vocab", "train tokens", "held-out sets", "description")
-    for name in shipped():
-        r = load_recipe(name)
-        table.add_row(name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", ", ".join(r.heldout), plain(r.description))
+    rows = [[name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", "\n".join(r.heldout), r.description]
+            for name, r in ((name, load_recipe(name)) for name in shipped())]
+    # held-out set names are what --dataset takes: whole at any width (a plain table cut them
+    # to 'fineweb_e…' at 60 columns), as are the numbers; the description folds
+    table, _ = fitted_table(["recipe", "vocab", "train tokens", "held-out sets", "description"], rows,
+                            width=console.width, names=("recipe", "held-out sets"), fold=("description",),
+                            right=("vocab", "train tokens"))
     console.print(table)
 
 

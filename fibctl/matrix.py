@@ -18,6 +18,7 @@ the runs table stores NULL for both.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import os
 import re
@@ -101,7 +102,11 @@ def parse_settings(settings: list[str]) -> dict:
         key, equals, value = setting.partition("=")
         field = key.strip().removeprefix("train.")
         if not equals or not key.startswith("train.") or field not in TRAIN_FIELDS:
-            raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of {', '.join(sorted(TRAIN_FIELDS))}")
+            # `lr=1e-3` (nanoGPT's spelling) or a typo: the setting meant, after the list
+            close = difflib.get_close_matches(field, sorted(TRAIN_FIELDS), n=1)
+            meant = f"; did you mean train.{close[0]}={value}?" if equals and close else ""
+            raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of "
+                              f"{', '.join(sorted(TRAIN_FIELDS))}{meant}")
         try:
             train[field] = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:

@@ -133,6 +133,9 @@ def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs
         (["--set", "train.lr=abc"], "error: run dense: train.lr = 'abc' must be a finite number"),
         (["--set", "lr=1"], "error: --set 'lr=1': give train.KEY=VALUE, KEY one of batch_size,"),
         (["--set", "train.bogus=1"], "error: --set 'train.bogus=1': give train.KEY=VALUE"),
+        # nanoGPT's spelling, or a typo: the setting meant is named
+        (["--set", "lr=1e-3"], "warmup_steps, weight_decay; did you mean train.lr=1e-3?"),
+        (["--set", "train.stpes=9"], "; did you mean train.steps=9?"),
         (["--set", "train.lr=[1]"], "error: --set 'train.lr=[1]': the value must be a number, true/false or a "
                                     "string"),
         (["--suffix", "/x"], "error: run name 'dense/x' is not allowed"),
@@ -140,7 +143,8 @@ def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs
          "error: already queued with a different config: dense_lr1e-3 differs in train.lr"),
     ]:
         code, out = fibctl("queue", "add", "demo", "--only", "dense", *args)
-        assert code == 2 and out.err.startswith(line) and len(out.err.splitlines()) == 1, out.err
+        said = out.err.rstrip("\n")  # where the line is said: its start, or (a hint) its end
+        assert code == 2 and (said.startswith(line) or said.endswith(line)) and len(out.err.splitlines()) == 1, out.err
     assert sqlite3.connect(tmp_path / "r.db").execute("SELECT count(*) FROM runs").fetchone() == (1,)
 
 

@@ -393,10 +393,13 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
     folder: list[Path] = []
     aside: list[Path] = []
+    kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)
 
     def check(recorded: str | None) -> None:  # before any row is deleted (checked again: it may have changed)
         if checkpoints:
             folder.append(folder_of(recorded))
+        else:
+            kept.append((runs_dir or Path(recorded or "runs")) / name)
 
     def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
         if folder and folder[0].exists():
@@ -428,6 +431,8 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         message += f"; deleted {folder[0]}"
     elif folder:
         message += f"; no checkpoint folder at {folder[0]}"
+    elif kept and kept[0].is_dir() and any(kept[0].glob("step_*.pt")):
+        message += f"; its checkpoints stay in {kept[0]} (--checkpoints deletes them)"
     console.print(plain(message), highlight=False)
 
 

@@ -18,6 +18,7 @@ the runs table stores NULL for both.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import os
 import re
@@ -101,7 +102,11 @@ def parse_settings(settings: list[str]) -> dict:
         key, equals, value = setting.partition("=")
         field = key.strip().removeprefix("train.")
         if not equals or not key.startswith("train.") or field not in TRAIN_FIELDS:
-            raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of {', '.join(sorted(TRAIN_FIELDS))}")
+            # `lr=1e-3` (nanoGPT's spelling) or a typo: the setting meant, after the list
+            close = difflib.get_close_matches(field, sorted(TRAIN_FIELDS), n=1)
+            meant = f"; did you mean train.{close[0]}={value}?" if equals and close else ""
+            raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of "
+                              f"{', '.join(sorted(TRAIN_FIELDS))}{meant}")
         try:
             train[field] = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:
@@ -109,6 +114,28 @@ def parse_settings(settings: list[str]) -> dict:
         if not isinstance(train[field], (bool, int, float, str)):
             raise FibctlError(f"--set {setting!r}: the value must be a number, true/false or a string")
     return train
+
+
+def queue_again(config: RunConfig, suffix: str, **train) -> str:
+    """The `fibctl queue add` line that queues `config` again as a new run named with `suffix`,
+    with `train` changed (e.g. lr="LOWER"): for a run of a shipped matrix, its entry (a sweep's
+    run is named ENTRY + its own suffix), its preset where the matrix's differs, and every
+    training setting it was queued with beyond the entry's; else a template naming the run (its
+    matrix file is not known here)."""
+    m = load_matrix(config.matrix) if config.matrix in shipped_matrices() else None
+    entries = [e for e in (m.entries if m else ()) if config.name.startswith(e.name)]
+    if m is None or not entries:
+        sets = "".join(f" --set train.{k}={v}" for k, v in train.items())
+        return f"fibctl queue add MATRIX --only {config.name}{sets} --suffix {suffix}"
+    entry = max(entries, key=lambda e: len(e.name))  # dense_lr1e-3's is dense
+    queued = dataclasses.asdict(config.train)
+    default = dataclasses.asdict(m._resolve(entry, config.preset).train)
+    # a setting left unset (None) has no --set spelling; the preset's default stands for it
+    sets = {k: v for k, v in queued.items() if v != default[k] and v is not None} | train
+    words = ["fibctl queue add", m.name, "--only", entry.name]
+    words += ["--preset", config.preset] if config.preset != m.preset else []
+    words += [f"--set train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items()]
+    return " ".join([*words, "--suffix", config.name[len(entry.name):] + suffix])
 
 
 def shipped_matrices() -> list[str]:

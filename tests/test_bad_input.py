@@ -168,6 +168,10 @@ CASES = [
     (["queue", "ls", "--db", "{tmp}/typo.db"], "no database at"),
     (["worker", "--db", "{tmp}/typo.db", "--data", "{data}", "--runs-dir", "{tmp}/runs"], "no database at"),
     (["queue", "retry", "run", "--db", "{tmp}/typo.db"], "no database at"),
+    # ... says where the database may be, and how one is made (it said only "no database at")
+    (["status", "--db", "{tmp}/typo.db"], "typo.db; name yours with --db or FIBCTL_DB (the demo's: fibctl-demo/"),
+    (["train", "run", "--db", "{tmp}/typo.db"], "or make one with `fibctl queue add MATRIX`"),
+    (["report", "table1", "--db", "{good_db}", "--compare", "{tmp}/typo.db"], "typo.db (--compare)"),
     # drivers and URLs
     (["queue", "ls", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),
     (["sql", "select 1", "--db", "postgresql+pg8000://fib:s3cret@localhost/fib"], "driver is not installed"),
@@ -187,6 +191,9 @@ CASES = [
     (["worker", "--db", "{good_db}", "--data", "{manifest_list}", "--runs-dir", "{tmp}/runs"], "not a valid data"),
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{manifest_nokey}"], "not a valid data"),
     (["worker", "--db", "{good_db}", "--data", "{bigids}", "--runs-dir", "{tmp}/runs"], "beyond the vocabulary"),
+    # a --data folder that is not there is named, with the recipe of the run's vocabulary
+    (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
+     "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
     # recipes: wrong types, names that would leave --out
     (["data", "prepare", "{sources_str}", "--out", "{tmp}/out"], "[[sources]] tables"),

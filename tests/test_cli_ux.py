@@ -82,6 +82,47 @@ def test_the_top_help_lists_every_command_once_in_the_order_of_the_work():
     assert len(out.splitlines()) < 60 and all(len(line) <= 80 for line in out.splitlines())
 
 
+def _leaf_commands():
+    """Every command a user runs (`queue add`, `report table1`, ...), as its path of names."""
+    import click
+    from typer.main import get_command
+
+    from fibctl.cli import app
+
+    def walk(group, path):
+        for name in group.list_commands(None):
+            command = group.get_command(None, name)
+            if isinstance(command, click.Group):
+                yield from walk(command, [*path, name])
+            else:
+                yield [*path, name], command
+
+    return list(walk(get_command(app), []))
+
+
+def test_every_command_with_options_shows_an_example_that_parses():
+    """`fibctl eval --help` (and most others) explained each option but never showed a command
+    line using them, which a user coming from nanoGPT or W&B looks for first. Each example fits
+    one line at 80 columns, for copying, and uses only options the command has (parsed with
+    --help after it, so nothing runs)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    for path, command in _leaf_commands():
+        if not [p for p in command.params if p.name != "help"]:  # `data recipes`: nothing to show
+            continue
+        line = next((line for line in help_text(*path).splitlines() if "Example: " in line), None)
+        assert line is not None, f"fibctl {' '.join(path)} --help shows no example"
+        example = line.split("Example: ", 1)[1].rstrip(" │")
+        words = shlex.split(example)
+        assert words[:1 + len(path)] == ["fibctl", *path], line  # whole on its line, this command
+        done = CliRunner().invoke(app, [*words[1:], "--help"], env={"COLUMNS": "80"})
+        assert done.exit_code == 0 and "Usage:" in done.output, (example, done.output)
+
+
 # ----------------------------------------------------------------------------- 80 columns
 
 REPO_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results.db.example")
@@ -750,8 +791,31 @@ def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_do
     code, out, err = _in_process(capsys, monkeypatch, "worker", "--db", str(db), "--data",
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"), "--plain")
     assert code == 141 and closed == [1], (code, closed, err)
-    assert err == "warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
+    assert err == ("warning: the output's reader has gone: stopping; the run checkpoints and is queued again\n"
+                   "hint: queued again; run the same command to resume run from step 10\n")
     con = sqlite3.connect(db)
     assert con.execute("select status, checkpoint_path like '%step_00000010.pt' from runs").fetchone() == ("queued", 1)
     assert con.execute("select count(*) from events where kind = 'released' "
                        "and message like 'stopped at step 10%'").fetchone() == (1,)
+
+
+def test_queue_ls_and_status_at_a_standstill_name_the_next_command(tmp_path, monkeypatch, capsys):
+    """An empty database listed empty tables, and queued runs with no worker read as a queue at
+    work: each now ends with the command that moves it on (none once a run is running)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    db = str(tmp_path / "r.db")
+    assert _in_process(capsys, monkeypatch, "db", "upgrade", "--db", db)[0] == 0
+    for command in (["queue", "ls"], ["status"]):
+        code, out, _ = _in_process(capsys, monkeypatch, *command, "--db", db)
+        assert code == 0 and out.splitlines()[-1] == ("no runs yet: queue some with `fibctl queue add MATRIX` "
+                                                      "(`fibctl matrix list`)"), out
+    assert _in_process(capsys, monkeypatch, "queue", "add", "demo", "--preset", "micro", "--db", db)[0] == 0
+    for command in (["queue", "ls"], ["status"]):
+        code, out, _ = _in_process(capsys, monkeypatch, *command, "--db", db)
+        assert code == 0 and out.splitlines()[-1] == "nothing is running: `fibctl worker` trains the queued runs"
+    from fibctl import queue
+    from fibctl.db.engine import connect
+
+    queue.claim_next(connect(db), "w:1")
+    code, out, _ = _in_process(capsys, monkeypatch, "status", "--db", db)
+    assert code == 0 and "fibctl worker" not in out and "1 running" in out

@@ -24,6 +24,9 @@ def test_quick_demo_runs_the_whole_pipeline(quick_demo):
     for heading in ("Table 1", "Table 3", "Table 4", "total time"):
         assert heading in log
     assert f"all of them on one page: {out / 'report' / 'index.html'}" in " ".join(log.split())
+    # how to go on from this shell: other commands read ./results.db unless told
+    assert log.splitlines()[-4:-1] == [f"  export FIBCTL_DB={out / 'results.db'}", f"  export FIBCTL_DATA={out / 'data'}",
+                                       f"  export FIBCTL_RUNS_DIR={out / 'runs'}"], log
     db = sqlite3.connect(out / "results.db")
     runs = dict(db.execute("SELECT name, status FROM runs"))
     assert runs == {n: "done" for n in ("dense", "fib_fixed_w8", "fib_stagger_w8")}

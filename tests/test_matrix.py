@@ -133,6 +133,9 @@ def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs
         (["--set", "train.lr=abc"], "error: run dense: train.lr = 'abc' must be a finite number"),
         (["--set", "lr=1"], "error: --set 'lr=1': give train.KEY=VALUE, KEY one of batch_size,"),
         (["--set", "train.bogus=1"], "error: --set 'train.bogus=1': give train.KEY=VALUE"),
+        # nanoGPT's spelling, or a typo: the setting meant is named
+        (["--set", "lr=1e-3"], "warmup_steps, weight_decay; did you mean train.lr=1e-3?"),
+        (["--set", "train.stpes=9"], "; did you mean train.steps=9?"),
         (["--set", "train.lr=[1]"], "error: --set 'train.lr=[1]': the value must be a number, true/false or a "
                                     "string"),
         (["--suffix", "/x"], "error: run name 'dense/x' is not allowed"),
@@ -140,5 +143,39 @@ def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs
          "error: already queued with a different config: dense_lr1e-3 differs in train.lr"),
     ]:
         code, out = fibctl("queue", "add", "demo", "--only", "dense", *args)
-        assert code == 2 and out.err.startswith(line) and len(out.err.splitlines()) == 1, out.err
+        said = out.err.rstrip("\n")  # where the line is said: its start, or (a hint) its end
+        assert code == 2 and (said.startswith(line) or said.endswith(line)) and len(out.err.splitlines()) == 1, out.err
     assert sqlite3.connect(tmp_path / "r.db").execute("SELECT count(*) FROM runs").fetchone() == (1,)
+
+
+def test_the_line_that_queues_a_run_again_keeps_its_settings(tmp_path, monkeypatch, capsys):
+    """A diverged run's hint said `fibctl queue add MATRIX --only NAME --set train.lr=LOWER`: for
+    a sweep's run (dense_boom, queued with --preset micro --set train.steps=40 --suffix _boom)
+    --only matched no run of the matrix, and the preset and steps were lost. The line for a
+    shipped matrix's run, run as given, queues its config again with only the lr changed."""
+    import json
+    import shlex
+    import sqlite3
+    import sys
+
+    from fibctl.cli import main
+    from fibctl.matrix import queue_again
+
+    [boom] = load_matrix("demo").resolve("micro", "dense", {"lr": 1e4, "steps": 40, "optimizer": "adamw"}, "_boom")
+    line = queue_again(boom, "_lowlr", lr="1e-4")
+    assert line == ("fibctl queue add demo --only dense --preset micro --set train.steps=40 --set train.lr=1e-4 "
+                    "--suffix _boom_lowlr")  # optimizer: the micro preset's own
+    monkeypatch.setattr(sys, "argv", [*shlex.split(line), "--db", str(tmp_path / "r.db")])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0, capsys.readouterr()
+    name, config = sqlite3.connect(tmp_path / "r.db").execute("SELECT name, config_json FROM runs").fetchone()
+    again = json.loads(config)
+    assert name == "dense_boom_lowlr" and again["train"] == {**boom.to_dict()["train"], "lr": 1e-4}
+    assert {k: v for k, v in again.items() if k not in ("name", "train")} == \
+        {k: v for k, v in boom.to_dict().items() if k not in ("name", "train")}
+    # a run of a matrix file (not known here): the template, with the run's name
+    [own] = load_matrix("demo").resolve(None, "dense")
+    own = own.__class__(**{**own.__dict__, "matrix": "mine"})
+    assert queue_again(own, "_lowlr", lr="LOWER") == \
+        "fibctl queue add MATRIX --only dense --set train.lr=LOWER --suffix _lowlr"

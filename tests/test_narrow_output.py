@@ -170,3 +170,41 @@ def test_data_prepares_progress_lines_fit_the_terminal(monkeypatch, width):
     lines = data.err_console.file.getvalue().splitlines()
     assert len(lines) == 3 and max(map(len, lines)) <= width, lines
     assert "123M tokens/s" in lines[0] and "2.5G chars/s" in lines[1] and "0.5 packages/s" in lines[2]
+
+
+@pytest.mark.parametrize("columns", [80, 60, 40])
+def test_eval_results_cut_no_name_or_number(columns):
+    """`fibctl eval` drew a plain table: at 60 columns it showed `fib_s…` for the run and `164.…`
+    for its perplexity. Every run name and number is whole now, and every line fits."""
+    import io
+
+    import pandas as pd
+    from rich.console import Console
+
+    from fibctl.cli.train import _results_tables
+
+    df = pd.DataFrame({"run": ["fib_stagger_w8_lr1e-3", RUNS[0]], "step": [200, 13_000],
+                       "dataset": ["docs_val", "fineweb_edu_val"], "eval_length": [64, 4096],
+                       "tokens": [4096, 1_048_576], "loss": [5.105, 3.25], "ppl": [164.848, 25.79],
+                       "speed_batch": [8, 8], "tokens_per_s": [95_470.0, 123_456.0]})
+    out = io.StringIO()
+    console = Console(file=out, width=columns, color_system=None)
+    for part in _results_tables(df, True, columns):
+        console.print(part)
+    text = out.getvalue()
+    assert "…" not in text and all(len(line) <= columns for line in text.splitlines()), text
+    results, speeds = text.split("inference speed")
+    assert column(results, 0) == "fib_stagger_w8_lr1e-3" + RUNS[0]
+    assert column(speeds, 0) == "fib_stagger_w8_lr1e-3" + RUNS[0]
+    for number in ("164.848", "25.790", "5.1050", "4096", "123,456"):
+        assert number in text, (number, text)
+
+
+@pytest.mark.parametrize("columns", [80, 60, 40])
+def test_data_recipes_cut_no_held_out_set_name(columns):
+    """`data recipes` drew a plain table: at 60 columns the paper's held-out sets, the names
+    `--dataset` takes, read `fineweb_e…`, `wikipedia…`. Whole now (folded at worst), one a line."""
+    done = fibctl("data", "recipes", columns=columns)
+    assert_fits(done, columns)
+    sets = column(done.stdout, 3)
+    assert "fineweb_edu_valwikipedia_valtinystories_valmath_val" in sets and "docs_val" in sets, done.stdout

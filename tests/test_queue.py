@@ -487,6 +487,26 @@ def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
     assert text_.count("40/100") >= 3 and "\x1b" not in text_
 
 
+def test_queue_rm_without_checkpoints_says_where_they_stay(db, tmp_path, monkeypatch, capsys):
+    """Removing a run's rows left its checkpoints silently: the same name queued again was then
+    refused by the worker (its folder holds checkpoints the database does not know). The line
+    says where they stay, and how to delete them; a run with none says nothing of them."""
+    from fibctl.cli import main
+
+    queue.add_runs(connect(db), _configs(2))
+    (tmp_path / "runs" / "r000").mkdir(parents=True)
+    (tmp_path / "runs" / "r000" / "step_00000010.pt").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)  # the default runs folder, ./runs
+    for name, said in (("r000", "removed run r000 (queued) and 0 metric and event row(s); its checkpoints stay "
+                                "in runs/r000 (--checkpoints deletes them)"),
+                       ("r001", "removed run r001 (queued) and 0 metric and event row(s)")):
+        monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "rm", name, "--db", db])
+        with pytest.raises(SystemExit) as done:
+            main()
+        assert done.value.code == 0 and " ".join(capsys.readouterr().out.split()) == said
+    assert (tmp_path / "runs" / "r000" / "step_00000010.pt").is_file()
+
+
 def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_path, monkeypatch, capsys):
     """The rows were deleted first, then the folder failed to go: exit 2 said nothing of the
     rows, gone. Now a folder that cannot be moved keeps the run and its rows; one that moved

@@ -287,7 +287,10 @@ def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, caps
     with engine.begin() as conn:  # one matrix, one configuration under two names: --matrix cannot help
         add_eval(conn, add_run(conn, "fixed_again", "fixed", window=4), 128, 25.0)
     engine.dispose()
-    with pytest.raises(FibctlError, match=r"2 runs \(fixed_again, fixed_w4_s42\) for one cell; keep one of them"):
+    # the way to read them that keeps both first: `queue rm` alone was the advice, deleting results
+    with pytest.raises(FibctlError, match=r"2 runs \(fixed_again, fixed_w4_s42\) for one cell; see them side by "
+                                          r"side with `fibctl compare fixed_again fixed_w4_s42`, or keep one per "
+                                          r"cell in this database \(`fibctl queue rm NAME` deletes a run and"):
         tables.table5(ro(db), window=4, matrix="demo")
 
 

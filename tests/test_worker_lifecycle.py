@@ -109,6 +109,8 @@ def test_ctrl_c_checkpoints_requeues_and_exits_130(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in out, out
     status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
     assert status == "queued" and "run: released at step" in out, out
+    # and how training goes on, which "released" alone left to guess
+    assert "hint: queued again; run the same command to resume run from step" in out, out
     assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 10
 
 

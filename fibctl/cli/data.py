@@ -64,7 +64,9 @@ def prepare_cmd(
     plain: Annotated[bool, typer.Option(
         "--plain", "--quiet", "-q", help="No progress bars: the summary only (--quiet, -q: older names).")] = False,
 ) -> None:
-    """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date)."""
+    """Train the recipe's tokenizer and write its token streams and manifest (reused when up to date).
+
+    Example: fibctl data prepare demo --data data/demo"""
     from fibctl.data.prepare import data_folder, prepare  # tokenizers and datasets load when a recipe is prepared
 
     r = load_recipe(recipe)
@@ -125,7 +127,9 @@ def show_cmd(
 ) -> None:
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
     tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,
-    is an error (exit 2)."""
+    is an error (exit 2).
+
+    Example: fibctl data show data/demo"""
     if data_dir.exists() and not data_dir.is_dir():  # load_manifest's hint, `--data` it, would be refused in turn
         recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
             if data_dir.suffix == ".toml" else ""
@@ -141,10 +145,13 @@ def show_cmd(
 @data_app.command("recipes")
 def recipes_cmd() -> None:
     """List the recipes shipped with fibctl."""
-    table = Table("recipe", "vocab", "train tokens", "held-out sets", "description")
-    for name in shipped():
-        r = load_recipe(name)
-        table.add_row(name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", ", ".join(r.heldout), plain(r.description))
+    rows = [[name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", "\n".join(r.heldout), r.description]
+            for name, r in ((name, load_recipe(name)) for name in shipped())]
+    # held-out set names are what --dataset takes: whole at any width (a plain table cut them
+    # to 'fineweb_e…' at 60 columns), as are the numbers; the description folds
+    table, _ = fitted_table(["recipe", "vocab", "train tokens", "held-out sets", "description"], rows,
+                            width=console.width, names=("recipe", "held-out sets"), fold=("description",),
+                            right=("vocab", "train tokens"))
     console.print(table)
 
 

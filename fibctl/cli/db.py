@@ -64,7 +64,9 @@ NameArg = Annotated[str, typer.Argument(help="Run name, as shown by `fibctl queu
 
 @db_app.command("upgrade")
 def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
-    """Create the database if needed and bring its schema to the latest revision."""
+    """Create the database if needed and bring its schema to the latest revision.
+
+    Example: fibctl db upgrade --db results.db"""
     before, after = db_engine.upgrade(db)
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
@@ -86,7 +88,8 @@ def db_copy(
     queued), or with results the source lacks, the target's run stays as it is and only
     metrics it lacks are added; nothing in the target is deleted. The summary says how
     many runs were kept so, and why.
-    """
+
+    Example: fibctl db copy --from results.db --to postgresql://me@host/fib"""
     from fibctl.db.copy import check_copy, copy_database, counts
     from fibctl.db.whole import created_whole
 
@@ -118,7 +121,9 @@ def db_copy(
 
 @db_app.command("current")
 def db_current(db: DbOption = DEFAULT_DB) -> None:
-    """Show the database's schema revision and the latest one this fibctl knows."""
+    """Show the database's schema revision and the latest one this fibctl knows.
+
+    Example: fibctl db current --db results.db"""
     engine = db_engine.connect_readonly(db, current=False)
     rev, head = db_engine.current_revision(engine), db_engine.head_revision()
     engine.dispose()
@@ -142,7 +147,9 @@ def matrix_list() -> None:
 def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                 only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob.")] = None,
                 ) -> None:
-    """Show each run of a matrix with its resolved settings and config hash."""
+    """Show each run of a matrix with its resolved settings and config hash.
+
+    Example: fibctl matrix show demo --preset micro"""
     m = load_matrix(matrix)
     configs = m.resolve(preset, only)
     headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "batch", "config hash"]
@@ -171,8 +178,10 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
               ) -> None:
     """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped.
 
-    A sweep from the command line: `fibctl queue add demo --only dense --set train.lr=1e-3
-    --suffix _lr1e-3` queues dense_lr1e-3, the demo's dense run at that learning rate."""
+    A sweep from the command line: the example queues the demo's runs again at another
+    learning rate, as dense_lr1e-3 and so on, beside the matrix's own.
+
+    Example: fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3"""
     configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix)
     engine = db_engine.connect(db, check=queue.check_add(configs))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs)
@@ -184,7 +193,9 @@ def queue_ls(db: DbOption = DEFAULT_DB,
              status: Annotated[str | None, typer.Option(help="Only runs with this status: queued, running, done, failed, cancelled.")] = None,
              json_out: JsonOption = False,
              ) -> None:
-    """List runs in queue order with their status, attempts and worker."""
+    """List runs in queue order with their status, attempts and worker.
+
+    Example: fibctl queue ls --status failed"""
     engine = db_engine.connect_readonly(db)  # a listing never creates, upgrades or locks the database
     runs = queue.list_runs(engine, status)
     if json_out:
@@ -199,6 +210,18 @@ def queue_ls(db: DbOption = DEFAULT_DB,
     counts = queue.status_counts(engine)
     console.print(f"{len(runs)} run(s) listed; in the database: "
                   + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"), highlight=False)
+    if hint := _next_step(counts):
+        console.print(plain(hint))
+
+
+def _next_step(counts: dict[str, int]) -> str | None:
+    """The command a user at a standstill runs next: one with no runs queues some, one whose
+    runs wait with none running starts a worker (a listing of empty tables told neither)."""
+    if not counts:
+        return "no runs yet: queue some with `fibctl queue add MATRIX` (`fibctl matrix list`)"
+    if counts.get("queued") and not counts.get("running"):
+        return "nothing is running: `fibctl worker` trains the queued runs"
+    return None
 
 
 @app.command("status")
@@ -212,7 +235,9 @@ def status_cmd(
     json_out: JsonOption = False,
 ) -> None:
     """What is running where: each running run's host, device, step, last training loss,
-    tokens/s, ETA and last heartbeat, then the queue's counts."""
+    tokens/s, ETA and last heartbeat, then the queue's counts.
+
+    Example: fibctl status --watch --every 10"""
     import time
 
     from rich.console import Group
@@ -243,6 +268,8 @@ def status_cmd(
         counts = queue.status_counts(engine)
         parts.append(plain(f"{len(rows)} running; " + ", ".join(
             f"{counts.get(s, 0)} {s}" for s in ("queued", "done", "failed", "cancelled"))))
+        if hint := _next_step(counts):
+            parts.append(plain(hint))
         return Group(*parts)
 
     if not watch:
@@ -261,7 +288,9 @@ def status_cmd(
 
 @queue_app.command("cancel")
 def queue_cancel(name: NameArg, db: DbOption = DEFAULT_DB) -> None:
-    """Cancel a queued or running run (a running worker stops at its next heartbeat)."""
+    """Cancel a queued or running run (a running worker stops at its next heartbeat).
+
+    Example: fibctl queue cancel fib_fixed_w8"""
     queue.cancel(db_engine.connect(db, must_exist=True, check=queue.check_cancel(name)), name)
     console.print(plain(f"cancelled {name}"))
 
@@ -279,7 +308,9 @@ def queue_retry(ctx: typer.Context,
                          "else runs).")] = None,
                 db: DbOption = DEFAULT_DB) -> None:
     """Queue a failed or cancelled run (or, with --all-failed, every failed one) again, attempts reset;
-    it resumes from its newest checkpoint that loads, or with --from-start trains from step 0."""
+    it resumes from its newest checkpoint that loads, or with --from-start trains from step 0.
+
+    Example: fibctl queue retry --all-failed"""
     if (name is None) == (not all_failed):
         raise FibctlError("name a run, or pass --all-failed (not both)")
     if from_start and all_failed:
@@ -332,7 +363,9 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
                  help="With --checkpoints: the runs folder (default: the one the run last trained in, else runs).")]
              = None) -> None:
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
-    its checkpoint folder inside the runs folder). A running run is refused."""
+    its checkpoint folder inside the runs folder). A running run is refused.
+
+    Example: fibctl queue rm dense_lr1e-3 --checkpoints"""
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
     if checkpoints and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
@@ -345,10 +378,13 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
     folder: list[Path] = []
     aside: list[Path] = []
+    kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)
 
     def check(recorded: str | None) -> None:  # before any row is deleted (checked again: it may have changed)
         if checkpoints:
             folder.append(folder_of(recorded))
+        else:
+            kept.append((runs_dir or Path(recorded or "runs")) / name)
 
     def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
         if folder and folder[0].exists():
@@ -380,6 +416,8 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         message += f"; deleted {folder[0]}"
     elif folder:
         message += f"; no checkpoint folder at {folder[0]}"
+    elif kept and kept[0].is_dir() and any(kept[0].glob("step_*.pt")):
+        message += f"; its checkpoints stay in {kept[0]} (--checkpoints deletes them)"
     console.print(plain(message), highlight=False)
 
 
@@ -404,7 +442,9 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
                                                    help="How many of its newest events to list.")] = 10,
                json_out: JsonOption = False) -> None:
     """One run at a glance: its status, config, where and how long it trained, its last logged
-    step, the perplexities of its last evaluation and its newest events."""
+    step, the perplexities of its last evaluation and its newest events.
+
+    Example: fibctl queue show fib_fixed_w8 --events 20"""
     from fibctl.reports.overview import overview
 
     engine = db_engine.connect_readonly(db)

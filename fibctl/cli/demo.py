@@ -73,7 +73,8 @@ def demo_cmd(
     Runs one after the other in one worker, with 1 thread or every core, whichever a short
     measurement finds faster. Running it again resumes: finished runs are skipped and an
     interrupted one continues from its checkpoint.
-    """
+
+    Example: fibctl demo --quick --out demo-quick"""
     from fibctl.flows.demo import run_demo  # torch, pandas and matplotlib load here
 
     if not out.strip():  # Path('') is the current folder

@@ -41,7 +41,9 @@ def _attention(schedule: str, base: str, window: int) -> str:
 @app.command("model")
 def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base = "fib",
               window: Window = 8, length: Length = None) -> None:
-    """Print a model's parameter breakdown and, per layer, alpha and the attended distances."""
+    """Print a model's parameter breakdown and, per layer, alpha and the attended distances.
+
+    Example: fibctl model --preset paper --schedule stagger --window 12"""
     import torch
 
     from fibctl.model import FibLM
@@ -87,7 +89,9 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
 def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Window = 8,
                  layers: Annotated[int, typer.Option(help="Number of layers L.")] = 16,
                  length: Annotated[int, typer.Option(help="Sequence length T.")] = 1024) -> None:
-    """Count the distinct distances each layer reaches, and their union over layers."""
+    """Count the distinct distances each layer reaches, and their union over layers.
+
+    Example: fibctl coverage --schedule stagger --window 8 --length 1024"""
     if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
         raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
     if layers * length > MAX_LISTED:
@@ -136,7 +140,8 @@ def bench_attention_cmd(
     where it runs (forward only on the CPU: - for fwd+bwd); on CUDA also learned-flex, the
     fractional offsets through FlexAttention. In the precision training gives the attention:
     bf16 on CUDA, fp32 on the CPU. Ratios are to dense in the same run.
-    """
+
+    Example: fibctl bench attention --length 1024 --threads 1"""
     import torch
 
     from fibctl.device import check_threads, resolve_device
@@ -201,7 +206,8 @@ def bench_train_cmd(
     CUDA's peak allocation on a GPU, else the process's peak RSS (torch included). TFLOP/s
     counts model FLOPs; MFU divides them by the GPU's peak (FIBCTL_PEAK_TFLOPS for a GPU fibctl
     does not know, or the CPU).
-    """
+
+    Example: fibctl bench train --preset micro --steps 3 --schedule fixed"""
     import datetime
     import json
 
@@ -249,7 +255,9 @@ def bench_probe_cmd(
 ) -> None:
     """Time forward+backward of the probe's blur attention (one probe layer: 4 query heads, 2 kv
     heads, dim 64, alpha 1) and its memory, reference against the fast path, each in a fresh
-    process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference."""
+    process. Memory is the process's peak RSS growth over the calls. Ratios: fast / reference.
+
+    Example: fibctl bench probe --length 128 --width 10 --repeats 1"""
     from fibctl.flows.bench import ProbeBench, bench_probe, check_counts
 
     check_length(length)
@@ -278,7 +286,9 @@ def bench_queue_cmd(
     runs: Annotated[int, typer.Option("--runs", help="Runs queued and claimed.")] = 400,
 ) -> None:
     """Claims per second with several claiming processes, against a plain UPDATE ... RETURNING
-    loop measured in the same run, and one claim against one `micro` training step."""
+    loop measured in the same run, and one claim against one `micro` training step.
+
+    Example: fibctl bench queue --processes 4 --runs 100"""
     from fibctl.flows.bench_queue import bench_queue
 
     with on_interrupt(NOTHING_KEPT), console.status("benchmarking claims"):

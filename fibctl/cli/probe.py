@@ -39,7 +39,9 @@ def probe_cmd(
     Each depth x init x seed is one run in matrix
     `probe`; `fibctl worker` trains them (no --data needed: the task makes its own), and
     `fibctl report table2` and `fibctl figure alphas` read the results. Idempotent: runs
-    already queued with the same config are skipped."""
+    already queued with the same config are skipped.
+
+    Example: fibctl probe --quick --db probe.db"""
     from fibctl import queue
     from fibctl.probe.cells import DEPTHS, QUICK_STEPS, SEEDS, probe_runs
 

@@ -102,6 +102,16 @@ TABLE_OPTIONS = {
 }
 
 
+# Each table's line of help that shows it at work (`fibctl report tableN --help`)
+TABLE_EXAMPLES = {
+    "table1": "fibctl report table1 --dense --format md",
+    "table2": "fibctl report table2 --db probe.db",
+    "table3": "fibctl report table3 --all-runs --show-sql",
+    "table4": "fibctl report table4 --window 8 --matrix demo",
+    "table5": "fibctl report table5 --window 12 --format csv",
+}
+
+
 def _table_command(name: str, build):
     """`fibctl report NAME`: the table function's options, its docstring's first line as help."""
     accepted = [p for p in inspect.signature(build).parameters.values()
@@ -124,7 +134,8 @@ def _table_command(name: str, build):
     command.__annotations__ = {p.name: p.annotation for p in params}
     command.__name__ = f"report_{name}"
     summary = " ".join((build.__doc__ or name).strip().split("\n\n")[0].split())
-    report_app.command(name, help=f"{name[:5].title()} {name[5:]}: {summary}")(command)
+    example = f"\n\nExample: {TABLE_EXAMPLES[name]}" if name in TABLE_EXAMPLES else ""
+    report_app.command(name, help=f"{name[:5].title()} {name[5:]}: {summary}{example}")(command)
 
 
 for _name, _build in tables.TABLES.items():
@@ -144,7 +155,9 @@ def report_all(
 ) -> None:
     """Write every table in every format (.txt .md .tex .csv .json, and its .sql) plus every
     figure. A table or figure of an earlier report that lacks its data now is removed, so the
-    folder holds one report."""
+    folder holds one report.
+
+    Example: fibctl report all --out report/ --all-runs"""
     from fibctl.reports import export
 
     out = _output(out, folder=True)
@@ -224,7 +237,9 @@ def figure(
 ) -> None:
     """Draw one of the study's figures from the database.
 
-    Every figure reads the results database but coverage, which is drawn from the schedule itself."""
+    Every figure reads the results database but coverage, which is drawn from the schedule itself.
+
+    Example: fibctl figure extrapolation --out extrap.pdf"""
     if name not in figures.FIGURES:
         raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
     _check_figure_options(ctx, name)
@@ -264,7 +279,9 @@ def compare_cmd(
 
     The settings that differ (--all: every one), then how each run trained (status, step,
     tokens, time, the last logged loss and tokens/s) and its perplexity by held-out set and
-    length at its final evaluation (the newest, if it has not finished)."""
+    length at its final evaluation (the newest, if it has not finished).
+
+    Example: fibctl compare fib_fixed_w8 fib_stagger_w8 dense"""
     from fibctl.cli.db import print_json
     from fibctl.db.engine import connect_readonly
     from fibctl.reports.compare import compare
@@ -294,13 +311,18 @@ def compare_cmd(
                for run, at, final in zip(c.runs, c.trained["eval step"], c.trained["step"])
                if at is not None and at != final]
     if c.perplexity:
-        ppl = pd.DataFrame({"run": c.runs, **{f"{tables.dataset_label(d)} {n:,}": values
+        # one held-out set (the demo's, a sweep's) is said once, in the title: repeated in every
+        # header it wrapped some of them and pushed lengths into a continued table at 80 columns
+        sets = {d for d, _ in c.perplexity}
+        one = tables.dataset_label(next(iter(sets))) if len(sets) == 1 else None
+        ppl = pd.DataFrame({"run": c.runs, **{(f"{n:,}" if one else f"{tables.dataset_label(d)} {n:,}"): values
                                               for (d, n), values in c.perplexity.items()}})
         columns = [col for col in ppl.columns if col != "run"]
+        title = (f"Perplexity on {one} by evaluation length" if one else
+                 "Perplexity by held-out set and evaluation length") + " (the lowest in bold)"
         console.print(render.fitted(tables.Table(
-            "perplexity", "Perplexity by held-out set and evaluation length (the lowest in bold)", ppl, "",
-            formats={col: tables.ppl for col in columns}, best={col: "min" for col in columns}, notes=earlier),
-            console.width))
+            "perplexity", title, ppl, "", formats={col: tables.ppl for col in columns},
+            best={col: "min" for col in columns}, notes=earlier), console.width))
 
 
 def _setting(value) -> str:
@@ -350,7 +372,9 @@ def sql(
     """Run a read-only SQL query on the results database.
 
     Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
-    returns them: NULL as NULL, integers as integers."""
+    returns them: NULL as NULL, integers as integers.
+
+    Example: fibctl sql "SELECT name, status FROM runs" --format csv"""
     from fibctl.reports.sql import csv_lines, json_lines
 
     if fmt is not None and fmt not in SQL_FORMATS:
@@ -441,7 +465,9 @@ def import_study(
     = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
-    """Load the published study into the database (matrix 'paper'); importing twice changes nothing."""
+    """Load the published study into the database (matrix 'paper'); importing twice changes nothing.
+
+    Example: fibctl import-study fib.db --posloss posloss.json --db study.db"""
     check_inputs(fib_db, lenextrap, posloss)  # as typed ('' is not the current folder), before `connect`
     fib_db, lenextrap, posloss = (None if p is None else Path(p) for p in (fib_db, lenextrap, posloss))
     with created_whole(db) as into:  # a new SQLite file appears only whole

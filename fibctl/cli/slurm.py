@@ -48,7 +48,9 @@ def submit_cmd(
 ) -> None:
     """Submit a SLURM job whose tasks each run a worker against the database until the queue is
     empty. Before the time limit or on preemption each worker checkpoints and puts its run back
-    in the queue, and the job requeues itself."""
+    in the queue, and the job requeues itself.
+
+    Example: fibctl slurm submit --gpus-per-node 8 --time 04:00:00 --dry-run"""
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
 
     # the checks of `fibctl worker`: here, before a job whose every task would refuse them
@@ -69,7 +71,9 @@ def submit_cmd(
 @slurm_app.command("status")
 def status_cmd(db: DbOption = DEFAULT_DB) -> None:
     """fibctl's SLURM jobs (squeue; sacct where accounting is on) with the runs each trains or
-    trained, then the queue's counts."""
+    trained, then the queue's counts.
+
+    Example: fibctl slurm status --db results.db"""
     from fibctl.db.engine import connect_readonly
     from fibctl.flows.slurm import jobs, require_slurm
 

@@ -184,7 +184,9 @@ def train_cmd(
     Under torchrun (`torchrun --nproc-per-node N -m fibctl train NAME`) each process trains its
     share of every step and rank 0 alone writes to the database and the checkpoints.
     Ctrl-C or SIGTERM checkpoints and requeues the run, then exits 130 or 143 (128 + the
-    signal); a failed run exits 1, and bad input (its data included) 2, the run left queued."""
+    signal); a failed run exits 1, and bad input (its data included) 2, the run left queued.
+
+    Example: fibctl train fib_fixed_w8 --data data/demo --log-to tensorboard"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
     from fibctl.queue import NOT_QUEUED, check_named
     from fibctl.train.distributed import launched
@@ -213,6 +215,7 @@ def train_cmd(
                                     RunDisplay(plain, stop=stop), stop)
     else:
         outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop), stop)
+    _resume_hint([outcome])
     _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -245,7 +248,9 @@ def worker_cmd(
 
     Ctrl-C checkpoints and requeues. Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
     or database is at fault, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal: the
-    queue may not be finished)."""
+    queue may not be finished).
+
+    Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
     from fibctl.train.distributed import ENVIRONMENT, launched
 
@@ -285,6 +290,7 @@ def worker_cmd(
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
     _summary(outcomes, db, opts.heartbeat_timeout_s)
+    _resume_hint(outcomes)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
@@ -306,6 +312,21 @@ def _summary(outcomes: list[Outcome], db: str, heartbeat_timeout_s: float) -> No
                      f"(taken back once its heartbeat is {heartbeat_timeout_s:g} s old; see fibctl status)")
     console.print(as_written(f"worker: {len(outcomes)} run(s): {said}"), highlight=False,
                   soft_wrap=not console.is_terminal)
+
+
+def _resume_hint(outcomes: list[Outcome]) -> None:
+    """After a stop, how training goes on: "released" alone left a user who pressed Ctrl-C to
+    guess. The same command line, whose --db and --data are the ones that trained it; a rank
+    under torchrun leaves it to the command that launched the group."""
+    from fibctl.train.distributed import launched
+
+    released = [o for o in outcomes if o.status == "released" and o.step is not None]
+    if released and not launched():
+        # one aborted by a second Ctrl-C (its error says so) goes back to its last checkpoint
+        said = ", ".join(f"{o.name} from " + ("its last checkpoint" if o.error else f"step {o.step}")
+                         for o in released)
+        err_console.print(as_written(f"hint: queued again; run the same command to resume {said}"),
+                          highlight=False, soft_wrap=not err_console.is_terminal)
 
 
 def _exit_after_signal(stop) -> None:
@@ -356,6 +377,29 @@ def _positive_timeout(seconds: float) -> float:
     return seconds
 
 
+def _results_tables(df, speed: bool, width: int) -> list:
+    """eval's measurements, a row each, then (with --speed) the inference speeds: no cell cut
+    with '…' at the terminal's width (a plain table cut run names and perplexities at 60
+    columns). Names fold within their column, numbers keep their width; tokens and step give
+    way first, said in a line below (the same in every row: its value)."""
+    from fibctl.cli.common import fitted_table, left_out
+
+    headers = ["run", "step", "dataset", "length", "tokens", "loss", "ppl"]
+    rows = [[r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
+             f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
+    table, dropped = fitted_table(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
+                                  right=("step", "length", "tokens", "loss", "ppl"))
+    shown = [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+    if speed:  # one measurement per run and length, whatever the held-out sets
+        headers = ["run", "step", "length", "batch", "tokens/s"]
+        rows = [[r.run, str(r.step), str(r.eval_length), str(r.speed_batch), f"{r.tokens_per_s:,.0f}"]
+                for r in df.drop_duplicates(["run", "eval_length"]).itertuples()]
+        table, dropped = fitted_table(headers, rows, width=width, names=("run",), optional=("step",),
+                                      right=headers[1:], title="inference speed")
+        shown += [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+    return shown
+
+
 @app.command("eval")
 def eval_cmd(
     names: Annotated[Optional[list[str]], typer.Argument(help="Run names (or --all).")] = None,
@@ -380,7 +424,9 @@ def eval_cmd(
     threads: ThreadsOption = None,
     log_to: LogToOption = None,
 ) -> None:
-    """Perplexity of trained runs at any length, from their final checkpoints, into the database."""
+    """Perplexity of trained runs at any length, from their final checkpoints, into the database.
+
+    Example: fibctl eval fib_fixed_w8 dense --length 256 --length 512 --positions"""
     log_to = check_loggers(log_to or ())
     from fibctl.db.engine import current_revision, head_revision
     from fibctl.device import setup_process
@@ -419,15 +465,5 @@ def eval_cmd(
     except OUTPUT_CLOSED:  # `fibctl eval ... | head -1`
         raise stopped_by_closed_output("the output's reader has gone: stopped; the results measured before it "
                                        "are recorded: run the same command again to finish") from None
-    table = Table("run", "step", "dataset", "length", "tokens", "loss", "ppl")
-    for r in df.itertuples():
-        table.add_row(as_written(r.run), str(r.step), as_written(r.dataset), str(r.eval_length), f"{r.tokens:,}",
-                      f"{r.loss:.4f}",
-                      f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf")
-    console.print(table)
-    if speed:  # one measurement per run and length, whatever the held-out sets
-        speeds = Table("run", "step", "length", "batch", "tokens/s", title="inference speed")
-        for r in df.drop_duplicates(["run", "eval_length"]).itertuples():
-            speeds.add_row(as_written(r.run), str(r.step), str(r.eval_length), str(r.speed_batch),
-                           f"{r.tokens_per_s:,.0f}")
-        console.print(speeds)
+    for table in _results_tables(df, speed, console.width):
+        console.print(table)

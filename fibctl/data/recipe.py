@@ -171,6 +171,12 @@ def shipped() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
 
 
+def shipped_for_vocab(vocab_size: int) -> str | None:
+    """The shipped recipe whose tokenizer a run of this vocabulary trains on (the presets'
+    vocabularies are the recipes': micro quick, tiny demo, paper paper), or None."""
+    return next((name for name in shipped() if load_recipe(name).vocab_size == vocab_size), None)
+
+
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """A shipped recipe by name (`demo`) or a TOML file by path."""
     path = Path(name_or_path)

@@ -140,9 +140,10 @@ def release() -> None:
     _opened.clear()
 
 
-def check_sqlite_file(path: Path, *, must_exist: bool) -> None:
+def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None) -> None:
     """Refuse, in one line, a path SQLite cannot use: a folder, a file of another kind, a
-    missing database (`must_exist`), or a new one whose folder is not there."""
+    missing database (`must_exist`), or a new one whose folder is not there. `option`: the
+    option that named a missing one, said with the way out (--db: the results database)."""
     if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
         raise FibctlError(f"{path} is a directory, not a database file")
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
@@ -150,7 +151,7 @@ def check_sqlite_file(path: Path, *, must_exist: bool) -> None:
         raise FibctlError(f"{path} is not a regular file, not a database file")
     if not path.exists():
         if must_exist:
-            raise FibctlError(f"no database at {path}")
+            raise FibctlError(f"no database at {path}{_missing_hint(option)}")
         if path.parent.exists() and not path.parent.is_dir():
             raise FibctlError(f"cannot create database {path}: {path.parent} is not a directory")
         if not path.parent.is_dir():
@@ -160,6 +161,15 @@ def check_sqlite_file(path: Path, *, must_exist: bool) -> None:
         header = f.read(len(SQLITE_HEADER))
     if header and header != SQLITE_HEADER:  # an empty file is an empty SQLite database
         raise FibctlError(f"{path} is not a SQLite database")
+
+
+def _missing_hint(option: str | None) -> str:
+    """The way out of a missing database: a new user's first command (or a typo, or a shell
+    without the FIBCTL_DB of the one that made it) reaches for the default results.db."""
+    if option == "--db":
+        return ("; name yours with --db or FIBCTL_DB (the demo's: fibctl-demo/results.db), or make "
+                "one with `fibctl queue add MATRIX`")
+    return f" ({option})" if option else ""
 
 
 def check_writable(path: Path) -> None:
@@ -424,11 +434,11 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None and must_exist:
-        check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True, option=option)
     # a new file has nothing to check yet; another dialect is refused below as it always was
     if check is not None and url.get_backend_name() in ("sqlite", "postgresql") and (path is None or path.exists()):
         if path is not None:
-            check_sqlite_file(path, must_exist=True)
+            check_sqlite_file(path, must_exist=True, option=option)
             check_writable(path)  # refused for what it is before a check that reads it
         reader = connect_readonly(db, current=False, option=option)
         try:
@@ -438,7 +448,7 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     if create:
         upgrade(db, option=option)
     elif path is not None:
-        check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True, option=option)
     engine = _engine(url, option, db)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
@@ -456,7 +466,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
-        check_sqlite_file(path, must_exist=True)
+        check_sqlite_file(path, must_exist=True, option=option)
         engine = _create_engine(make_url(_readonly_sqlite_url(path)), option, db)
 
         @event.listens_for(engine, "connect")

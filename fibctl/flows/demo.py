@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -356,6 +357,17 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     else:
         for line in describe(headline(engine, tables.default_dataset(engine), p.train_length)):
             view.line(line)
+    for line in _going_on(out):
+        view.line(line)
     view.line(f"total time: {duration(time.perf_counter() - started)}")
     _stop_if_noted(noted)
     return 0
+
+
+def _going_on(out: Path) -> list[str]:
+    """How to go on from the demo's folder in this shell: every other command reads results.db,
+    data and runs from the current folder unless told (a first `fibctl queue ls` after the demo
+    said there was no database). One setting a line, each short enough not to wrap."""
+    return ["to go on from here (fibctl queue ls, compare, eval, queue add and worker):",
+            *(f"  export {name}={shlex.quote(str(out / part))}" for name, part in
+              (("FIBCTL_DB", "results.db"), ("FIBCTL_DATA", "data"), ("FIBCTL_RUNS_DIR", "runs")))]

@@ -50,6 +50,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.flops import peak_flops
+from fibctl.matrix import queue_again
 from fibctl.names import check_name
 from fibctl.provenance import provenance
 from fibctl.config import RunConfig
@@ -218,7 +219,7 @@ def train_named(engine: Engine, run_name: str, opts: WorkerOptions, display: Dis
     with stop_on_signals(stop):
         claimed = queue.claim_named(engine, run_name, name, socket.gethostname(), describe(device),
                               opts.heartbeat_timeout_s,
-                              check=lambda cfg: check_data(cfg, manifest))
+                              check=lambda cfg: check_data(cfg, manifest, opts.data_dir))
         return train_claimed(engine, claimed, opts, manifest, device, name, display, stop)
 
 
@@ -234,7 +235,7 @@ def train_distributed(connect: Callable[[], Engine], run_name: str, opts: Worker
     def claim(engine: Engine, worker: str, describe_as: str, manifest: DataManifest, world: int):
         return queue.claim_named(engine, run_name, worker, socket.gethostname(), describe_as,
                                  opts.heartbeat_timeout_s,
-                                 check=lambda cfg: check_group_run(cfg, manifest, world))
+                                 check=lambda cfg: check_group_run(cfg, manifest, world, opts.data_dir))
 
     return _distributed(connect, claim, dataclasses.replace(opts, max_runs=1), display, stop)[0]
 
@@ -253,7 +254,7 @@ def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display
                                    on_failed=_failed_at_claim(display, failed))
         if claimed is not None:
             try:
-                check_group_run(claimed.config, manifest, world)
+                check_group_run(claimed.config, manifest, world, opts.data_dir)
             except FibctlError as e:
                 queue.unclaim(engine, claimed.id, str(e))
                 raise WorkerError(f"{e}; it is queued again") from None
@@ -263,13 +264,14 @@ def work_distributed(connect: Callable[[], Engine], opts: WorkerOptions, display
     return failed + trained  # rank 0's: the other ranks claim nothing
 
 
-def check_group_run(config: RunConfig, manifest: DataManifest | None, world: int) -> None:
+def check_group_run(config: RunConfig, manifest: DataManifest | None, world: int,
+                    data_dir: Path | None = None) -> None:
     """A run a group of `world` processes can train: not a probe run (those train in one
     process), data that fits, and grad_accum micro-batches the ranks can share."""
     if config.probe is not None:
         raise WorkerError(f"run {config.name!r} is a probe run: it trains in one process "
                           "(fibctl worker, or fibctl train without --nproc)")
-    check_data(config, manifest)
+    check_data(config, manifest, data_dir)
     check_split(config.train.grad_accum, world, config.name)
 
 
@@ -406,7 +408,7 @@ def check_ddp(engine: Engine, run_name: str, nproc: int, opts: WorkerOptions) ->
     if config.probe is not None:
         raise FibctlError(f"run {run_name!r} is a probe run: it trains in one process; drop --nproc")
     check_split(config.train.grad_accum, check_nproc(nproc, opts.device), run_name)
-    check_data(config, check_environment(opts, resolve_device(opts.device)))
+    check_data(config, check_environment(opts, resolve_device(opts.device)), opts.data_dir)
 
 
 def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = None) -> int:
@@ -447,7 +449,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
     try:
         # data that cannot train or evaluate this run is the worker's fault: back to the queue
         # (WorkerError below) before a logger or checkpoint writes anything of it
-        data = check_data(claimed.config, manifest)
+        data = check_data(claimed.config, manifest, opts.data_dir)
         run_dir = _run_dir(engine, claimed, opts)
         recorded = recorded or _recorded(engine, claimed)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
@@ -603,8 +605,8 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
         return lost
     hint = None
     if result.status == "diverged":  # resumed bit-exactly, a retry would diverge again at the same step
-        hint = (f"a retry repeats the same steps; train it again as a new run at a lower learning rate: "
-                f"fibctl queue add MATRIX --only {claimed.name} --set train.lr=LOWER --suffix _lowlr")
+        hint = ("a retry repeats the same steps; train it again as a new run at a lower learning rate: "
+                + queue_again(claimed.config, "_lowlr", lr="LOWER"))
     return Outcome(claimed.name, "failed", result.step, result.error, result.checkpoint, hint)
 
 

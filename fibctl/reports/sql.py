@@ -64,7 +64,7 @@ def open_for_reports(db: str, option: str = "--db", **named: str | None) -> Engi
     would read as "every run"), would report nothing."""
     if not db.strip():
         raise FibctlError(f"{option} is empty; name a database")
-    engine = connect_readonly(db)
+    engine = connect_readonly(db, option=option)
     found = schema_of(engine)
     tables = set(found.get_table_names())
     missing = [f"table {t.name}" for t in schema.Base.metadata.sorted_tables if t.name not in tables]

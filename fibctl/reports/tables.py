@@ -605,10 +605,14 @@ def _one_run_each(long: pd.DataFrame, keys: list[str], cell: Callable[[dict], st
     number (or not fit), so they are an error naming them; `cell` says which cell."""
     for key, group in long.drop_duplicates("run").groupby(keys, dropna=False):
         if len(group) > 1:
-            names = ", ".join(sorted(group["run"])[:4]) + (", ..." if len(group) > 4 else "")
+            runs = sorted(group["run"])[:4]
+            names = ", ".join(runs) + (", ..." if len(group) > 4 else "")
             matrices = sorted(group["matrix"].unique())
+            # a sweep's runs (queue add --suffix) share a matrix: the way to read them is compare;
+            # removing one to draw the table deletes its results, which the line says
             fix = (f"choose one with --matrix ({', '.join(matrices)})" if matrix is None and len(matrices) > 1
-                   else "keep one of them in this database (`fibctl queue rm NAME`)")
+                   else f"see them side by side with `fibctl compare {' '.join(runs)}`, or keep one per cell "
+                        "in this database (`fibctl queue rm NAME` deletes a run and its results)")
             said = cell(dict(zip(keys, key if isinstance(key, tuple) else (key,))))
             raise FibctlError(f"{said}: {len(group)} runs ({names}) for one cell; {fix}")
 

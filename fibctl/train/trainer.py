@@ -106,15 +106,16 @@ class TrainResult:
     error: str | None = None
 
 
-def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest | None:
+def check_data(config: RunConfig, manifest: DataManifest | None,
+               data_dir: Path | None = None) -> DataManifest | None:
     """The data manifest, after checking it fits the run: its vocabulary, held-out sets to
     evaluate on, and a window of the run's length in every stream (raises WorkerError
-    otherwise: the data folder given is at fault, not the run). A probe run makes its own data."""
+    otherwise: the data folder given is at fault, not the run). A probe run makes its own data.
+    `data_dir`: the --data folder, named where it does not exist (a typo, or no FIBCTL_DATA)."""
     if config.probe is not None:
         return manifest
     if manifest is None:
-        raise WorkerError(f"run {config.name!r} trains on text, and this worker's --data folder does not exist: "
-                          "give a prepared one (fibctl data prepare makes one)")
+        raise WorkerError(_no_data(config, data_dir))
     if manifest.vocab_size != config.model.vocab_size:
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
                           f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "
@@ -134,6 +135,19 @@ def check_data(config: RunConfig, manifest: DataManifest | None) -> DataManifest
                               f"{manifest.tokens[split]:,} tokens; seq_len {config.model.seq_len:,} needs at least "
                               f"{need:,}: prepare more data")
     return manifest
+
+
+def _no_data(config: RunConfig, data_dir: Path | None) -> str:
+    """What to do when the --data folder does not exist: prepare it with the recipe of the
+    run's vocabulary, the command to paste."""
+    from fibctl.data.recipe import shipped_for_vocab
+
+    if data_dir is None:
+        return (f"run {config.name!r} trains on text, and the --data folder does not exist: give a prepared one "
+                "(fibctl data prepare makes one)")
+    recipe = shipped_for_vocab(config.model.vocab_size) or "RECIPE"
+    return (f"run {config.name!r} trains on text, and the --data folder {data_dir} does not exist: prepare it "
+            f"(`fibctl data prepare {recipe} --data {data_dir}`) or give the one you prepared (--data, FIBCTL_DATA)")
 
 
 class Trainer:

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.markup import escape
 from rich.text import Text
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.cells import cell_len
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output, stopped_by_closed_output
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_dir_value

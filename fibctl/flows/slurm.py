@@ -98,7 +98,9 @@ class JobSpec:
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
-    max_requeues: int = 100  # after reaching the time limit (preemptions do not count): submitit's max_num_timeout
+    # after reaching the time limit: submitit's max_num_timeout. A preemption does not count unless
+    # it comes late: submitit takes any USR2 after min(80 %, limit - 10 min) of --time for the limit
+    max_requeues: int = 100
     signal_delay_s: int = SIGNAL_DELAY_S
 
     def tasks(self) -> int:

@@ -469,6 +469,18 @@ def test_passwords_are_masked_in_messages_and_kept_off_command_lines(monkeypatch
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["0", "1"]
 
 
+def test_a_password_in_the_urls_query_is_masked_too():
+    """libpq takes the password in the query as well (?password=, ?sslpassword= for a key's):
+    SQLAlchemy's masking knew only user:password@, and messages printed these in clear."""
+    from fibctl.db.engine import has_password, resolve_url, shown
+
+    url = "postgresql+psycopg://fib@db.example/fib?password=s3cret&sslpassword=s3cret2&connect_timeout=5"
+    assert shown(url) == ("postgresql+psycopg://fib@db.example/fib?connect_timeout=5&password=***"
+                          "&sslpassword=***")
+    assert has_password(resolve_url(url)) and not has_password(resolve_url("postgresql://fib@db.example/fib"))
+    assert shown("postgresql://fib:s3cret@h/fib?password=s3cret") == "postgresql://fib:***@h/fib?password=***"
+
+
 def test_markup_in_input_and_data_is_printed_as_it_is(tmp_path, capsys, monkeypatch):
     from fibctl.cli import common, main
 

@@ -117,3 +117,18 @@ def test_a_server_restart_mid_run_loses_no_metric_row(pg_alone, data, tmp_path):
         steps = [s for (s,) in conn.execute(text("SELECT step FROM train_steps ORDER BY step"))]
     engine.dispose()
     assert steps == list(range(2, 301, 2))  # every logged step, the restart notwithstanding
+
+
+def test_probe_names_the_database_it_queued_into_with_the_password_masked(pg, tmp_path):
+    """`fibctl probe` ends with the command that trains its runs, naming --db: it printed the URL
+    as given, password and all, to a terminal (and any log of it)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg)
+    secret = url.password or "s3cret-unused"  # the test server trusts its clients: any will do
+    url = url.set(password=secret).render_as_string(hide_password=False)
+    done = subprocess.run([sys.executable, "-m", "fibctl", "probe", "--quick", "--steps", "2", "--db", url],
+                          cwd=tmp_path, env={**os.environ, "COLUMNS": "300"},  # the URL on one line
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "queued 2 probe run(s)" in done.stdout, done.stderr[-2000:]
+    assert secret not in done.stdout + done.stderr and "fibctl worker --db" in done.stdout

@@ -52,4 +52,4 @@ def probe_cmd(
                          steps, tuple(distance) if distance else None, length, vocab, eval_sequences)
     added, present = queue.add_runs(db_engine.connect(db), configs)
     console.print(f"queued {len(added)} probe run(s); {len(present)} already present. "
-                  f"Train them with: fibctl worker --db {db}", highlight=False, markup=False)
+                  f"Train them with: fibctl worker --db {db_engine.shown(db)}", highlight=False, markup=False)

@@ -36,7 +36,8 @@ def submit_cmd(
     account: Annotated[Optional[str], typer.Option("--account", help="SLURM account to charge.")] = None,
     max_requeues: Annotated[int, typer.Option(
         "--max-requeues", help="How often the job requeues itself after reaching its time limit before it gives up "
-        "(requeues after a preemption do not count).")] = 100,
+        "(requeues after a preemption do not count, unless it comes late in --time, where submitit "
+        "takes it for the limit: docs/cluster.md).")] = 100,
     max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Each worker stops after this many runs.")] = None,
     max_attempts: Annotated[int, typer.Option("--max-attempts", help="Claims before an abandoned run fails.")] = 3,
     threads: ThreadsOption = None,

@@ -5,7 +5,7 @@
 A file that is not a database, or a database written by a newer fibctl, is refused with a
 `FibctlError` before anything is written to it (WAL mode included); so is an in-memory
 SQLite database, which would be gone when the command ends. Messages name a database by
-`shown(db)`: its URL with any password masked; `option` is the one the user gave it with
+`shown(db)`: its URL with any password masked (libpq's `?password=` too); `option` is the one the user gave it with
 (--db, or `db copy`'s --from and --to). A PostgreSQL server gets CONNECT_TIMEOUT_S to
 answer, so that one that accepts a connection and never answers fails instead of hanging.
 """
@@ -38,6 +38,10 @@ BUSY_TIMEOUT_MS = 30_000
 CONNECT_TIMEOUT_S = 10  # unless the URL's connect_timeout or PGCONNECT_TIMEOUT says otherwise
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
 UPGRADE_LOCK = 0x0F1BC7  # the PostgreSQL advisory lock schema upgrades hold
+# libpq takes these in a URL's query as well as before the '@' (postgresql://u@h/db?password=...);
+# SQLAlchemy's own masking knows only the latter
+SECRET_PARAMS = ("password", "sslpassword")
+MASKED = "***"
 
 
 # the extra to install for a dialect whose driver is missing
@@ -62,7 +66,7 @@ def resolve_url(db: str, option: str = "--db") -> URL:
             raise FibctlError(f"{option} {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
                               "postgresql://user@host/db) or a file path") from None
     if _in_memory(url):
-        raise FibctlError(f"{option} {db if url.password is None else shown(url)} is an in-memory database: "
+        raise FibctlError(f"{option} {shown(url) if has_password(url) else db} is an in-memory database: "
                           "it keeps nothing between commands; name a file (e.g. results.db)")
     return url
 
@@ -75,14 +79,24 @@ def _in_memory(url: URL) -> bool:
         or (name.startswith("file:") and url.query.get("mode") == "memory"))
 
 
+def has_password(url: URL) -> bool:
+    """Whether the URL holds a secret: a password before the '@' or in its query."""
+    return url.password is not None or any(key in url.query for key in SECRET_PARAMS)
+
+
 def shown(db: str | URL) -> str:
-    """The database as messages show it: a URL's password masked."""
+    """The database as messages show it: a URL's password masked, in its query too."""
     if isinstance(db, str) and "://" not in db:
         return db
     try:
-        return make_url(db).render_as_string(hide_password=True)
+        url = make_url(db)
     except (ArgumentError, ValueError):
         return "(an unparsable URL)"
+    # a placeholder of URL-safe letters, swapped after rendering: '***' itself would be escaped there
+    placeholder = "fibctlmaskedsecret"
+    secrets = {key: placeholder for key in SECRET_PARAMS if key in url.query}
+    rendered = url.update_query_dict(secrets).render_as_string(hide_password=True)
+    return rendered.replace(placeholder, MASKED)
 
 
 def same_database(a: str, b: str) -> bool:

@@ -39,7 +39,7 @@ from sqlalchemy.engine import Engine
 from fibctl import queue
 from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
-from fibctl.db.engine import connect, connect_readonly, resolve_url, shown
+from fibctl.db.engine import connect, connect_readonly, has_password, resolve_url, shown
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError
@@ -98,7 +98,9 @@ class JobSpec:
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
-    max_requeues: int = 100  # after reaching the time limit (preemptions do not count): submitit's max_num_timeout
+    # after reaching the time limit: submitit's max_num_timeout. A preemption does not count unless
+    # it comes late: submitit takes any USR2 after min(80 %, limit - 10 min) of --time for the limit
+    max_requeues: int = 100
     signal_delay_s: int = SIGNAL_DELAY_S
 
     def tasks(self) -> int:
@@ -267,8 +269,9 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
         return Submission(None, _make_sbatch_string(command=command, folder=folder / "%j", **params), folder,
                           spec.nodes * spec.tasks(), queued)
     # the pickled task holds the database URL: one with a password is for this user's eyes only,
-    # in the files submitted and in those the job writes (SLURM gives it the umask submitted with)
-    umask = os.umask(0o077) if resolve_url(db).password is not None else None
+    # in the files submitted and in those the job writes (SLURM gives it the umask submitted with);
+    # a password in the URL's query (?password=) is one too
+    umask = os.umask(0o077) if has_password(resolve_url(db)) else None
     try:
         job = _submit(submitit, task, params, folder, spec.max_requeues)
     finally:

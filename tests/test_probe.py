@@ -495,6 +495,11 @@ def test_quick_probe_queues_depth_2_both_inits_seed_0_for_200_steps(tmp_path):
     (["--eval-sequences", "0"], "--eval-sequences 0 must be from 1 to 1,000,000"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
     (["--quick", "--steps", "0"], "--steps 0 must be >= 1"),  # not replaced by --quick's 200
+    # each within its own bound, but not together: queued, they ran the worker out of memory
+    (["--depth", "8", "--length", "65536"], "depth 8 at length 65,536 and vocab 512 needs about 79 GiB while "
+                                            "training, more than the 64 GiB a probe run may use"),
+    (["--depth", "2", "--length", "65536", "--vocab", "65536"], "while scoring 16 held-out sequences"),
+    (["--length", "65536", "--eval-sequences", "1000000"], "while scoring 1,000,000 held-out sequences"),
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, monkeypatch, capsys, args, message):
     assert message in _refused(tmp_path, monkeypatch, capsys, "probe", "--db", "r.db", *args)

@@ -355,6 +355,35 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
     assert metrics["task"] == f"length {run.model.seq_len}, vocab {run.model.vocab_size}, distances 20/35"
 
 
+def test_scoring_heartbeats_and_stops_when_the_run_is_taken_over(tmp_path, monkeypatch):
+    """Scoring many held-out sequences sent no heartbeat: past worker --heartbeat-timeout
+    (600 s: from about 20,000 sequences at depth 2 on one CPU core) another worker took the
+    run over as abandoned while this one still scored it."""
+    from fibctl.probe import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "SCORE_HEARTBEAT_S", 0.0)  # a heartbeat every batch
+    [run] = small_runs(steps=1)[:1]
+    run = dataclasses.replace(run, probe=dataclasses.replace(run.probe, eval_sequences=12))  # 3 batches
+    beats, logged = [], []
+
+    class Count(NullReporter):
+        ours = True
+
+        def heartbeat(self):
+            beats.append(1)
+            return self.ours
+
+        def log_metric(self, name, metric, value=None, text=None):
+            logged.append(metric)
+
+    reporter = Count()
+    trainer = ProbeTrainer(run, tmp_path, reporter)
+    assert trainer.score()["eval_sequences"] == 12 and len(beats) >= 2
+    beats.clear(), logged.clear()
+    reporter.ours = False  # taken over: scoring stops at the next heartbeat, records nothing
+    assert trainer.score() is None and trainer.lost and beats == [1] and logged == []
+
+
 def test_blur_centres_follow_the_trained_alphas(tmp_path):
     """The probe's fused AdamW writes theta without bumping its version; each band must still
     be centred on round(alpha * b_k) of the alpha just trained, not of the starting one."""

@@ -594,3 +594,40 @@ def test_bench_probe_times_both_paths_in_one_run_and_refuses_bad_input(tmp_path,
     assert list(df.impl) == ["reference", "fast"] and df.time_vs_reference.iloc[0] == 1.0
     assert (df.fwd_bwd_ms > 0).all() and df.rungs.iloc[0] == 4  # 13, 21, 34 and 55
     assert "--width 0 must be > 0" in _refused(tmp_path, monkeypatch, capsys, "bench", "probe", "--width", "0")
+
+
+def test_alphas_figure_keeps_each_probe_runs_name_inside_its_panel(tmp_path, monkeypatch):
+    """Four probe runs of 300 steps: each panel's title (probe_d2_staggered_s0_300steps) was
+    wider than its panel and ran into the next one's."""
+    from sqlalchemy import insert
+
+    from fibctl.db import schema
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports import figures
+    from test_reports import add_run
+
+    path = str(tmp_path / "a.db")
+    engine = connect(path)
+    names = [f"probe_d2_{init}_s{seed}_300steps" for init in ("staggered", "uniform") for seed in (0, 1)]
+    with engine.begin() as conn:
+        for name in names:
+            rid = add_run(conn, name, "learned")
+            conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=step, layer=layer, alpha=0.55 + 0.9 * layer)
+                                                for step in (0, 100, 200, 300) for layer in (0, 1)])
+    engine.dispose()
+    seen = []
+    save = figures._save
+
+    def check(fig, out):
+        panels = [ax for ax in fig.axes if ax.get_title()]
+        for ax in panels:
+            box, title = ax.get_window_extent(), ax.title.get_window_extent()
+            seen.append(ax.get_title().replace("\n", ""))
+            assert title.width <= box.width, ax.get_title()
+        boxes = [ax.title.get_window_extent() for ax in panels]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        return save(fig, out)
+
+    monkeypatch.setattr(figures, "_save", check)
+    figures.alphas(connect_readonly(path), tmp_path / "a.png")
+    assert sorted(seen) == sorted(names)  # broken into lines, never cut

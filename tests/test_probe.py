@@ -355,6 +355,35 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
     assert metrics["task"] == f"length {run.model.seq_len}, vocab {run.model.vocab_size}, distances 20/35"
 
 
+def test_scoring_heartbeats_and_stops_when_the_run_is_taken_over(tmp_path, monkeypatch):
+    """Scoring many held-out sequences sent no heartbeat: past worker --heartbeat-timeout
+    (600 s: from about 20,000 sequences at depth 2 on one CPU core) another worker took the
+    run over as abandoned while this one still scored it."""
+    from fibctl.probe import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "SCORE_HEARTBEAT_S", 0.0)  # a heartbeat every batch
+    [run] = small_runs(steps=1)[:1]
+    run = dataclasses.replace(run, probe=dataclasses.replace(run.probe, eval_sequences=12))  # 3 batches
+    beats, logged = [], []
+
+    class Count(NullReporter):
+        ours = True
+
+        def heartbeat(self):
+            beats.append(1)
+            return self.ours
+
+        def log_metric(self, name, metric, value=None, text=None):
+            logged.append(metric)
+
+    reporter = Count()
+    trainer = ProbeTrainer(run, tmp_path, reporter)
+    assert trainer.score()["eval_sequences"] == 12 and len(beats) >= 2
+    beats.clear(), logged.clear()
+    reporter.ours = False  # taken over: scoring stops at the next heartbeat, records nothing
+    assert trainer.score() is None and trainer.lost and beats == [1] and logged == []
+
+
 def test_blur_centres_follow_the_trained_alphas(tmp_path):
     """The probe's fused AdamW writes theta without bumping its version; each band must still
     be centred on round(alpha * b_k) of the alpha just trained, not of the starting one."""
@@ -495,6 +524,11 @@ def test_quick_probe_queues_depth_2_both_inits_seed_0_for_200_steps(tmp_path):
     (["--eval-sequences", "0"], "--eval-sequences 0 must be from 1 to 1,000,000"),
     (["--seed", "4294967296"], "--seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
     (["--quick", "--steps", "0"], "--steps 0 must be >= 1"),  # not replaced by --quick's 200
+    # each within its own bound, but not together: queued, they ran the worker out of memory
+    (["--depth", "8", "--length", "65536"], "depth 8 at length 65,536 and vocab 512 needs about 79 GiB while "
+                                            "training, more than the 64 GiB a probe run may use"),
+    (["--depth", "2", "--length", "65536", "--vocab", "65536"], "while scoring 16 held-out sequences"),
+    (["--length", "65536", "--eval-sequences", "1000000"], "while scoring 1,000,000 held-out sequences"),
 ])
 def test_probe_bad_input_is_one_line_and_queues_nothing(tmp_path, monkeypatch, capsys, args, message):
     assert message in _refused(tmp_path, monkeypatch, capsys, "probe", "--db", "r.db", *args)
@@ -560,3 +594,40 @@ def test_bench_probe_times_both_paths_in_one_run_and_refuses_bad_input(tmp_path,
     assert list(df.impl) == ["reference", "fast"] and df.time_vs_reference.iloc[0] == 1.0
     assert (df.fwd_bwd_ms > 0).all() and df.rungs.iloc[0] == 4  # 13, 21, 34 and 55
     assert "--width 0 must be > 0" in _refused(tmp_path, monkeypatch, capsys, "bench", "probe", "--width", "0")
+
+
+def test_alphas_figure_keeps_each_probe_runs_name_inside_its_panel(tmp_path, monkeypatch):
+    """Four probe runs of 300 steps: each panel's title (probe_d2_staggered_s0_300steps) was
+    wider than its panel and ran into the next one's."""
+    from sqlalchemy import insert
+
+    from fibctl.db import schema
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports import figures
+    from test_reports import add_run
+
+    path = str(tmp_path / "a.db")
+    engine = connect(path)
+    names = [f"probe_d2_{init}_s{seed}_300steps" for init in ("staggered", "uniform") for seed in (0, 1)]
+    with engine.begin() as conn:
+        for name in names:
+            rid = add_run(conn, name, "learned")
+            conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=step, layer=layer, alpha=0.55 + 0.9 * layer)
+                                                for step in (0, 100, 200, 300) for layer in (0, 1)])
+    engine.dispose()
+    seen = []
+    save = figures._save
+
+    def check(fig, out):
+        panels = [ax for ax in fig.axes if ax.get_title()]
+        for ax in panels:
+            box, title = ax.get_window_extent(), ax.title.get_window_extent()
+            seen.append(ax.get_title().replace("\n", ""))
+            assert title.width <= box.width, ax.get_title()
+        boxes = [ax.title.get_window_extent() for ax in panels]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        return save(fig, out)
+
+    monkeypatch.setattr(figures, "_save", check)
+    figures.alphas(connect_readonly(path), tmp_path / "a.png")
+    assert sorted(seen) == sorted(names)  # broken into lines, never cut

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +27,9 @@ from fibctl.train.optim import EPS, marks_writes
 from fibctl.train.trainer import Reporter, Trainer
 
 SCORE_BATCH = 4  # held-out sequences per forward pass when scoring
+# seconds between heartbeats while scoring: a long scoring (many --eval-sequences) must not
+# look abandoned to other workers (worker --heartbeat-timeout, default 600 s)
+SCORE_HEARTBEAT_S = 30.0
 
 
 def set_alphas(model, alphas: list[float]) -> None:
@@ -77,21 +81,29 @@ class ProbeTrainer(Trainer):
         if log:
             self.reporter.log_alphas(self.step, alphas)
             self._heartbeat()
-        if final:
-            self.score()
+        if final and self.score() is None:  # the run was taken over while it scored
+            return None, None
         return (self.save() if save else None), None
 
-    def score(self) -> dict[str, float]:
+    def score(self) -> dict[str, float] | None:
         """Accuracy (argmax = target) at each distance over `eval_sequences` held-out sequences,
-        at the last step's width; recorded with the depth, the init and the held-out loss."""
+        at the last step's width; recorded with the depth, the init and the held-out loss.
+        Heartbeats every SCORE_HEARTBEAT_S seconds while it scores; None, nothing recorded,
+        when a heartbeat finds the run no longer ours."""
         n = self.probe.eval_sequences
         x, y = self.task.sample(n, heldout_generator(self.config.data_seed))
         self.model.set_blur_width(self.probe.width_at(self.tc.steps - 1, self.tc.steps))
         distances = self.probe.distances
         correct, total = [0] * len(distances), [0] * len(distances)  # exact counts at any size
         loss_sum, loss_n = 0.0, 0
+        beat = time.monotonic()
         with torch.no_grad():
             for s in range(0, n, SCORE_BATCH):
+                if time.monotonic() - beat >= SCORE_HEARTBEAT_S:
+                    self._heartbeat()
+                    if self.lost:
+                        return None
+                    beat = time.monotonic()
                 xb, yb = x[s:s + SCORE_BATCH].to(self.device), y[s:s + SCORE_BATCH].to(self.device)
                 with autocast(self.device):
                     logits = self.model(xb).float()

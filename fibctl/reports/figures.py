@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -470,7 +471,28 @@ ORDER BY r.name, a.layer, a.step"""
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
+    _fit_titles(fig, axes.ravel()[:len(runs)])
     return _save(fig, path)
+
+
+def _fit_titles(fig: Figure, axes) -> None:
+    """Each panel's title (a run's name) broken after its underscores into lines no wider than
+    its panel: a probe run's name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
+    fig.draw_without_rendering()  # lays the panels out: their widths as saved
+    for ax in axes:
+        title, room = ax.title, ax.get_window_extent().width
+        name = title.get_text()
+        if title.get_window_extent().width <= room:
+            continue
+        lines, line = [], ""
+        for part in re.findall(r"[^_]+_?|_", name):  # a name's pieces, each keeping its underscore
+            title.set_text(line + part)
+            if line and title.get_window_extent().width > room:
+                lines.append(line)
+                line = part
+            else:
+                line += part
+        title.set_text("\n".join(lines + [line]))
 
 
 def _alpha_panel(ax, points: pd.DataFrame, name: str) -> None:

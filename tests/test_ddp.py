@@ -202,8 +202,10 @@ def test_a_dead_rank_stops_the_group_and_a_killed_group_resumes_equal_to_an_unin
     # the whole group killed: the run stays `running` until its heartbeat is stale
     proc = start(killed_group / "r.db", killed_group / "runs", data, tmp_path)
     wait_for(killed_group / "runs" / "run" / "step_00000010.pt", proc)
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        os.kill(pid, signal.SIGKILL)
+    group = [proc.pid, *descendants(proc.pid)]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # all frozen first: a launcher killed before its ranks
+        for pid in group:                         # sent them SIGTERM, and rank 0 once requeued the run
+            os.kill(pid, sig)
     proc.communicate(timeout=30)
     assert sqlite3.connect(killed_group / "r.db").execute("select status from runs").fetchone() == ("running",)
     time.sleep(1.5)

@@ -57,12 +57,16 @@ def _refuse_conflicts(conn: Connection, configs: Sequence[RunConfig]) -> dict:
     Reads runs.name, config_json and source only: every schema revision has them."""
     existing = {r.name: r for r in conn.execute(
         select(Run.name, Run.config_json, Run.source).where(Run.name.in_([c.name for c in configs])))}
-    conflicts = [_conflict(c, existing[c.name]) for c in configs if c.name in existing]
-    conflicts = [c for c in conflicts if c]
+    conflicts = [(c, _conflict(c, existing[c.name])) for c in configs if c.name in existing]
+    conflicts = [(c, said) for c, said in conflicts if said]
     if conflicts:
         more = f" (and {len(conflicts) - 1} more run(s))" if len(conflicts) > 1 else ""
-        raise FibctlError(f"already queued with a different config: {conflicts[0]}{more}; runs of other "
-                          "settings need other names (queue add --suffix)")
+        # a probe's run names hold its depth, init, seed and steps, not its task's other
+        # settings, and `fibctl probe` has no --suffix: another database holds such a probe
+        way_out = ("a probe of other settings goes in another database (--db), or `fibctl queue rm` these runs first"
+                   if all(c.probe is not None for c, _ in conflicts)
+                   else "runs of other settings need other names (queue add --suffix)")
+        raise FibctlError(f"already queued with a different config: {conflicts[0][1]}{more}; {way_out}")
     return existing
 
 

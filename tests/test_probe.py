@@ -512,6 +512,21 @@ def test_quick_probe_queues_depth_2_both_inits_seed_0_for_200_steps(tmp_path):
     assert runs == [("probe_d2_uniform_s0_200steps",), ("probe_d2_staggered_s0_200steps",)]
 
 
+def test_a_probe_of_other_task_settings_under_the_same_names_says_a_way_out_probe_has(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """The run names hold depth, init, seed and steps, not --eval-sequences: the refusal sent
+    the user to `queue add --suffix`, which `fibctl probe` does not have."""
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    assert CliRunner().invoke(app, ["probe", "--quick", "--db", str(tmp_path / "r.db")]).exit_code == 0
+    said = " ".join(_refused(tmp_path, monkeypatch, capsys, "probe", "--quick", "--eval-sequences", "32",
+                             "--db", "r.db").split())
+    assert "differs in probe.eval_sequences" in said and "another database (--db)" in said, said
+    assert "--suffix" not in said
+
+
 @pytest.mark.parametrize("args, message", [
     (["--depth", "0"], "--depth 0 must be from 1 to 1024"),
     (["--steps", "0"], "--steps 0 must be >= 1"),

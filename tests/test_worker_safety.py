@@ -22,7 +22,7 @@ from fibctl.db import store
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.trainer import Trainer
-from fibctl.flows.worker import WorkerOptions, work
+from fibctl.flows.worker import UNRELEASED, WorkerOptions, work
 from train_helpers import HELDOUT, NullReporter, Quiet, micro_run, queued_db, write_data
 
 torch.set_num_threads(1)
@@ -466,8 +466,11 @@ def test_a_database_that_keeps_refusing_writes_checkpoints_and_requeues_the_run(
         if full.is_set() and statement.startswith(("INSERT", "UPDATE", "DELETE")):
             raise sqlite3.OperationalError("database or disk is full")
 
+    display = Quiet(lambda p: p.step == 12 and full.set())
     with pytest.raises(FibctlError) as e:
-        work(engine, opts(data, tmp_path / "runs"), Quiet(lambda p: p.step == 12 and full.set()))
+        work(engine, opts(data, tmp_path / "runs"), display)
+    # not "released" (it was not): the display said so where the run stayed marked running
+    assert [(o.status, o.error) for o in display.outcomes] == [("lost", UNRELEASED)]
     # step 15's train step was refused: not checkpointed, as a resume would train on past its row
     assert "database or disk is full" in str(e.value) and ("step 15's rows were not all written, so it was not "
                                                            "checkpointed: the run resumes from its checkpoint "

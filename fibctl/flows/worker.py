@@ -66,7 +66,8 @@ from fibctl.train.trainer import Progress, Recorded, Trainer, TrainResult, check
 @dataclass
 class Outcome:
     name: str
-    status: str  # done | failed | released | lost (cancelled, taken over or removed meanwhile)
+    status: str  # done | failed | released | lost (cancelled, taken over or removed meanwhile, or
+    #              given up where the database could not be reached to put it back)
     step: int | None  # None: it failed while starting (building the model, resuming), before any step
     error: str | None = None
     checkpoint: Path | None = None
@@ -488,9 +489,10 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             pass
         raise
     except DatabaseUnavailable as e:
-        error = _requeue_after_database_failure(engine, claimed, trainer, e, worker)
+        error, released = _requeue_after_database_failure(engine, claimed, trainer, e, worker)
         # the progress display ends here; the error the worker stops with says why
-        display.finish(Outcome(claimed.name, "released", trainer.step if trainer else None))
+        display.finish(Outcome(claimed.name, "released", trainer.step if trainer else None) if released else
+                       Outcome(claimed.name, "lost", trainer.step if trainer else None, UNRELEASED))
         raise error from None
     except WorkerError as e:
         queue.unclaim(engine, claimed.id, str(e), worker)
@@ -560,9 +562,9 @@ def _refuse_link(own: Path) -> None:
 
 
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,
-                                    e: DatabaseUnavailable, worker: str) -> FibctlError:
+                                    e: DatabaseUnavailable, worker: str) -> tuple[FibctlError, bool]:
     """Checkpoint the step in progress if the database got its every row, put the run back in
-    the queue; the error to stop with. A step whose rows were refused is not checkpointed: a
+    the queue; the error to stop with, and whether the run could be put back. A step whose rows were refused is not checkpointed: a
     resume would train on past them, and the run finish with them missing (its final
     evaluation, say); the run resumes from its last checkpoint instead, redoing the steps."""
     saved = ""
@@ -576,10 +578,13 @@ def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, t
                      + (f"resumes from its checkpoint {older[-1].name}" if older else "starts again from step 0"))
     try:
         queue.release(engine, claimed.id, f"released: {e}", worker)
-        where = "it is queued again"
     except DatabaseUnavailable:
-        where = "it stays marked running until its heartbeat is stale, then the next worker resumes it"
-    return FibctlError(f"run {claimed.name!r}: {e}{saved}; {where}")
+        return FibctlError(f"run {claimed.name!r}: {e}{saved}; {UNRELEASED}"), False
+    return FibctlError(f"run {claimed.name!r}: {e}{saved}; it is queued again"), True
+
+
+# a run given up while the database cannot be reached: it cannot be put back in the queue
+UNRELEASED = "it stays marked running until its heartbeat is stale, then the next worker resumes it"
 
 
 def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, opts: WorkerOptions,

@@ -160,6 +160,26 @@ def test_table2_of_a_half_trained_probe_matrix_shows_the_cells_it_has(tmp_path):
     assert done.exit_code == 0, done.output
 
 
+def test_table2_says_an_accuracy_averaged_over_fewer_seeds_than_its_row_counts(tmp_path):
+    """A model whose held-out sequences held no position at a distance records no accuracy
+    there (NULL): the mean is over the other seeds, while Seeds counts every model."""
+    db = str(tmp_path / "fewer.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for seed, acc_350 in ((0, 0.25), (1, None)):
+            run_id = add_run(conn, f"probe_s{seed}", "learned", matrix="probe", seed=seed)
+            metrics = {"depth": 2, "staggered_init": 0, "acc_d200": 0.5, "acc_d350": acc_350, "eval_sequences": 2}
+            conn.execute(insert(schema.AuxMetric), [dict(run_id=run_id, name="marked_retrieval", metric=m, value=v)
+                                                   for m, v in metrics.items()])
+            conn.execute(insert(schema.Alpha), [dict(run_id=run_id, step=200, layer=0, alpha=1.0)])
+    engine.dispose()
+    t = tables.table2(ro(db))
+    assert t.frame["Seeds"].tolist() == [2] and t.frame["acc d=350"].tolist() == [0.25]
+    assert [n for n in t.notes if n.startswith("Fewer seeds")] == [
+        "Fewer seeds: depth 2 uniform's acc d=350 is the mean over 1 of its 2 models (the others scored no "
+        "position at that distance)."]
+
+
 def test_table2_keeps_the_scores_of_different_tasks_apart(tmp_path):
     """Depth 2, uniform, two seeds on the study's task and one on a shorter task with other
     distances: two rows, each averaging only its own task's models, named by letter."""

@@ -357,8 +357,13 @@ SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'scored', MIN(p.scored)
 FROM probe p
 GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered
 UNION ALL
--- accuracy at each distance (metric acc_d<distance>), mean over seeds
+-- accuracy at each distance (metric acc_d<distance>), mean over seeds, and over how many
 SELECT p.origin, p.steps, p.task, p.depth, p.staggered, m.metric, AVG(m.value)
+FROM probe p JOIN aux_metrics m ON m.run_id = p.run_id AND m.name = 'marked_retrieval'
+WHERE m.metric LIKE 'acc_d%'
+GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric
+UNION ALL
+SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'n_' || m.metric, COUNT(m.value)
 FROM probe p JOIN aux_metrics m ON m.run_id = p.run_id AND m.name = 'marked_retrieval'
 WHERE m.metric LIKE 'acc_d%'
 GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric"""
@@ -402,7 +407,23 @@ GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric"""
         [f"Task {letter[t]}: marked copy at {t}." for t in tasks]
     return Table("table2", title, frame, sql_text, formats,
                  notes=described + ["Scored: held-out sequences per model (the study scored 2); accuracy is the mean "
-                                    "over seeds; α min / max range over layers and seeds at the last step."])
+                                    "over seeds; α min / max range over layers and seeds at the last step."]
+                 + _fewer_scored(wide, accs))
+
+
+def _fewer_scored(wide: pd.DataFrame, accs: list[str]) -> list[str]:
+    """A note for each accuracy that is a mean over fewer seeds than its row counts: a model
+    whose held-out sequences held no position at that distance recorded none (NULL)."""
+    notes = []
+    for _, row in wide.iterrows():
+        for c in accs:
+            n = row.get(f"n_{c}")
+            if pd.notna(n) and int(n) < int(row["seeds"]):
+                init = {0: "uniform", 1: "staggered"}.get(row["staggered"], row["staggered"])
+                notes.append(f"Fewer seeds: depth {int(row['depth'])} {init}'s acc d={c[5:]} is the mean over "
+                             f"{int(n)} of its {int(row['seeds'])} models (the others scored no position at that "
+                             "distance).")
+    return notes
 
 
 def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SEED,

@@ -5,8 +5,8 @@
 A file that is not a database, or a database written by a newer fibctl, is refused with a
 `FibctlError` before anything is written to it (WAL mode included); so is an in-memory
 SQLite database, which would be gone when the command ends. Messages name a database by
-`shown(db)`: its URL with any password masked (libpq's `?password=` too); `option` is the one the user gave it with
-(--db, or `db copy`'s --from and --to). A PostgreSQL server gets CONNECT_TIMEOUT_S to
+`shown(db)`: its URL with any password masked (libpq's `?password=` too); `option` is the
+one the user gave it with (--db, or `db copy`'s --from and --to). A PostgreSQL server gets CONNECT_TIMEOUT_S to
 answer, so that one that accepts a connection and never answers fails instead of hanging.
 """
 

@@ -246,10 +246,10 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
     return table, dropped
 
 
-def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], **fit) -> Group:
-    """What to print for `rows` at the terminal's width: the `fitted_table` and a line naming
+def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], *, width: int | None = None, **fit) -> Group:
+    """What to print for `rows` at `width` (the terminal's): the `fitted_table` and a line naming
     the columns it left out, or, where even that would fold numbers, the rows as `records`."""
-    table, dropped = fitted_table(headers, rows, width=console.width, **fit)
+    table, dropped = fitted_table(headers, rows, width=width or console.width, **fit)
     if not table.cells_whole:  # a very narrow terminal: a field a line
         title = [plain(str(fit["title"]))] if fit.get("title") is not None else []
         return Group(*title, *([records(headers, rows)] if rows else []))

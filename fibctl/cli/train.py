@@ -381,21 +381,19 @@ def _results_tables(df, speed: bool, width: int) -> list:
     with '…' at the terminal's width (a plain table cut run names and perplexities at 60
     columns). Names fold within their column, numbers keep their width; tokens and step give
     way first, said in a line below (the same in every row: its value)."""
-    from fibctl.cli.common import fitted_table, left_out
+    from fibctl.cli.common import fitted_view
 
     headers = ["run", "step", "dataset", "length", "tokens", "loss", "ppl"]
     rows = [[r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
              f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
-    table, dropped = fitted_table(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
-                                  right=("step", "length", "tokens", "loss", "ppl"))
-    shown = [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+    shown = [fitted_view(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
+                         right=("step", "length", "tokens", "loss", "ppl"))]
     if speed:  # one measurement per run and length, whatever the held-out sets
         headers = ["run", "step", "length", "batch", "tokens/s"]
         rows = [[r.run, str(r.step), str(r.eval_length), str(r.speed_batch), f"{r.tokens_per_s:,.0f}"]
                 for r in df.drop_duplicates(["run", "eval_length"]).itertuples()]
-        table, dropped = fitted_table(headers, rows, width=width, names=("run",), optional=("step",),
-                                      right=headers[1:], title="inference speed")
-        shown += [table] + ([as_written(note)] if (note := left_out(headers, dropped, rows)) else [])
+        shown.append(fitted_view(headers, rows, width=width, names=("run",), optional=("step",),
+                                 right=headers[1:], title="inference speed"))
     return shown
 
 

@@ -564,9 +564,10 @@ def _refuse_link(own: Path) -> None:
 def _requeue_after_database_failure(engine: Engine, claimed: queue.ClaimedRun, trainer: Trainer | None,
                                     e: DatabaseUnavailable, worker: str) -> tuple[FibctlError, bool]:
     """Checkpoint the step in progress if the database got its every row, put the run back in
-    the queue; the error to stop with, and whether the run could be put back. A step whose rows were refused is not checkpointed: a
-    resume would train on past them, and the run finish with them missing (its final
-    evaluation, say); the run resumes from its last checkpoint instead, redoing the steps."""
+    the queue; the error to stop with, and whether the run could be put back. A step whose
+    rows were refused is not checkpointed: a resume would train on past them, and the run
+    finish with them missing (its final evaluation, say); the run resumes from its last
+    checkpoint instead, redoing the steps."""
     saved = ""
     if trainer is not None and trainer.step > 0:
         path = ckpt.checkpoint_path(trainer.run_dir, trainer.step)

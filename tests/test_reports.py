@@ -128,6 +128,9 @@ def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):
         tables.table1(ro(study), compare=ro(other), compare_label="mine")
     t = tables.table1(ro(study), compare=ro(other), compare_label="mine", matrix="paper")
     assert len(t.frame) == len(tables.table1(ro(study), matrix="paper").frame)
+    # --only's names are this database's: the other's runs are still matched by what they are
+    t = tables.table1(ro(study), compare=ro(other), compare_label="mine", matrix="paper", only="*fib_stagger_w12")
+    assert t.frame[["Base", "Schedule", "W", "FineWeb-Edu (mine)"]].values.tolist() == [["fib", "stagger", 12, 41.0]]
 
 
 def test_table2_probe_alpha_range_and_mean_accuracy(study):
@@ -307,11 +310,60 @@ def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, caps
     with engine.begin() as conn:  # one matrix, one configuration under two names: --matrix cannot help
         add_eval(conn, add_run(conn, "fixed_again", "fixed", window=4), 128, 25.0)
     engine.dispose()
-    # the way to read them that keeps both first: `queue rm` alone was the advice, deleting results
-    with pytest.raises(FibctlError, match=r"2 runs \(fixed_again, fixed_w4_s42\) for one cell; see them side by "
-                                          r"side with `fibctl compare fixed_again fixed_w4_s42`, or keep one per "
-                                          r"cell in this database \(`fibctl queue rm NAME` deletes a run and"):
+    # ways to read them that keep both: `queue rm` alone was the advice, deleting results
+    with pytest.raises(FibctlError, match=r"2 runs \(fixed_again, fixed_w4_s42\) for one cell; pick one per cell "
+                                          r"by name with --only GLOB, or see them side by side with "
+                                          r"`fibctl compare fixed_again fixed_w4_s42`$"):
         tables.table5(ro(db), window=4, matrix="demo")
+
+
+def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypatch, capsys):
+    """A sweep (`queue add --suffix _lr1e-3`) shares its matrix with the runs it varies: Tables 4
+    and 5 refused both, and --matrix could not pick either. --only picks runs by name."""
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
+    engine = connect(db)
+    with engine.begin() as conn:
+        for seed in (42, 43):
+            for schedule in ("fixed", "stagger"):
+                rid = add_run(conn, f"{schedule}_w4_s{seed}_lr1e-3", schedule, window=4, seed=seed, lr=1e-3)
+                for length, ppl in ((128, 30.0), (512, 31.0)):
+                    add_eval(conn, rid, length, ppl + seed / 100 + (schedule == "fixed"))
+                conn.execute(insert(schema.PositionLoss), [
+                    dict(run_id=rid, step=600, dataset="docs_val", eval_length=128, position=p,
+                         mean_loss=5.0 + p / 1000 + (schedule == "fixed"), windows=4) for p in range(127)])
+    engine.dispose()
+    with pytest.raises(FibctlError, match=r"^table4: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, "
+                                          r"fixed_w4_s42_lr1e-3\) for one cell; pick one per cell by name with "
+                                          r"--only GLOB \(--only '\*_lr1e-3' reads the runs so named\)"):
+        tables.table4(ro(db), window=4)
+    t4 = tables.table4(ro(db), window=4, only="*_lr1e-3")
+    assert list(t4.frame["Run"])[:2] == ["fixed_w4_s42_lr1e-3", "stagger_w4_s42_lr1e-3"]
+    assert t4.frame.set_index("Row").loc["gap"].iloc[1:].astype(float).round(6).eq(1.0).all()
+    assert tables.table4(ro(db), window=4, only="*_s42").frame["Run"].tolist()[:2] == ["fixed_w4_s42",
+                                                                                      "stagger_w4_s42"]
+    t5 = tables.table5(ro(db), window=4, only="*_lr1e-3")
+    assert t5.frame["Schedule"].tolist() == ["stagger", "fixed"] and t5.frame["Mean"].tolist() == [30.425, 31.425]
+    assert "'fixed_w4_s42_lr1e-3'" in t5.sql and run_query(db, t5.sql)["ppl"].count() == 4  # runnable as shown
+    assert tables.table1(ro(db), only="stagger_*").frame["Run"].tolist() == ["stagger_w4_s42",
+                                                                             "stagger_w4_s42_lr1e-3"]
+    t3 = tables.table3(ro(db), only="*_lr1e-3", all_runs=True)
+    assert sorted(t3.frame["Run"]) == ["fixed_w4_s42_lr1e-3", "stagger_w4_s42_lr1e-3"]
+    with pytest.raises(FibctlError, match=r"^table5: no configuration at W=4 on docs_val named 'dense\*' has"):
+        tables.table5(ro(db), window=4, only="dense*")
+    # the CLI: the tables, a figure, and a glob that matches no run (one line, exit 2, nothing written)
+    r = runner.invoke(app, ["report", "table4", "--db", db, "--window", "4", "--only", "*_lr1e-3", "-f", "csv"])
+    assert r.exit_code == 0 and "fixed_w4_s42_lr1e-3" in r.output and "fixed_w4_s42," not in r.output
+    png = tmp_path / "p.png"
+    r = runner.invoke(app, ["figure", "posloss", "--db", db, "--window", "4", "--only", "*_lr1e-3", "-o", str(png)])
+    assert r.exit_code == 0 and png.is_file()
+    fails_in_one_line(["report", "table5", "--db", db, "--window", "4", "--only", "*_lr1e3"], tmp_path,
+                      "--only '*_lr1e3': no run whose name matches that glob in", monkeypatch, capsys)
+    fails_in_one_line(["report", "all", "--db", db, "--only", "*_LR1e-3", "--out", str(tmp_path / "rep")],
+                      tmp_path, "--only '*_LR1e-3': no run whose name matches that glob", monkeypatch, capsys)
+    r = runner.invoke(app, ["report", "all", "--db", db, "--window", "4", "--only", "*_lr1e-3",
+                            "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 0, r.output
+    assert "fixed_w4_s42," not in (tmp_path / "rep" / "table4.csv").read_text()
 
 
 def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path, monkeypatch, capsys):

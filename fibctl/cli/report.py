@@ -41,6 +41,8 @@ ShowSqlOption = Annotated[bool, typer.Option(
     "--show-sql", help="Print the SQL behind the table first (runnable with `fibctl sql`).")]
 MatrixOption = Annotated[str | None, typer.Option(
     "--matrix", help="Only runs of this matrix (e.g. paper, demo); default: every run.")]
+OnlyOption = Annotated[str | None, typer.Option(
+    "--only", help="Only runs whose name matches this glob (e.g. '*_lr1e-3': a sweep's runs).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the runs to report.", callback=seed_value)]
 DatasetOption = Annotated[str | None, typer.Option(
     "--dataset", help="Held-out set; default fineweb_edu_val when present, else the first one.")]
@@ -91,6 +93,7 @@ def _show(table: tables.Table, fmt: str, show_sql: bool) -> None:
 TABLE_OPTIONS = {
     "seed": SeedOption,
     "matrix": MatrixOption,
+    "only": OnlyOption,
     "dataset": DatasetOption,
     "window": Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="Window W of the runs shown.")],
     "dense": Annotated[bool, typer.Option("--dense", help="Include the dense baseline (first row).")],
@@ -147,7 +150,7 @@ def report_all(
     out: Annotated[str, typer.Option("--out", "-o", metavar="<path>",
                                      help="Folder to write the tables and figures into.")],
     db: DbOption = DEFAULT_DB, seed: SeedOption = DEFAULT_SEED, matrix: MatrixOption = None,
-    dataset: DatasetOption = None,
+    only: OnlyOption = None, dataset: DatasetOption = None,
     window: Annotated[Optional[int], typer.Option(
         "--window", "-w", callback=sqlite_int, help="Window W of Tables 4 and 5 and the position and coverage "
         "figures (default: the paper's, 8 for Table 4 and the figures, 12 for Table 5).")] = None,
@@ -161,12 +164,12 @@ def report_all(
     from fibctl.reports import export
 
     out = _output(out, folder=True)
-    engine = open_for_reports(db, matrix=matrix, dataset=dataset)
+    engine = open_for_reports(db, matrix=matrix, only=only, dataset=dataset)
     chosen = {**({"window": window} if window is not None else {}), **({"all_runs": True} if all_runs else {})}
     try:
         with _reading(), ExitStack() as held:
             written, skipped = export.write_all(
-                engine, out, seed=seed, matrix=matrix, dataset=dataset, **chosen, source=export.made_from(db),
+                engine, out, seed=seed, matrix=matrix, only=only, dataset=dataset, **chosen, source=export.made_from(db),
                 track=lambda jobs: track(_stopping_at_a_ctrl_c(jobs, held), description="Writing tables and figures",
                                           console=err_console, transient=True,
                                           disable=not err_console.is_terminal))  # errors stand alone
@@ -222,7 +225,7 @@ def figure(
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="<path>", help="Image file, PNG, PDF or SVG by extension; default NAME.png.")] = None,
     db: DbOption = DEFAULT_DB, dataset: DatasetOption = None, seed: SeedOption = DEFAULT_SEED,
-    matrix: MatrixOption = None,
+    matrix: MatrixOption = None, only: OnlyOption = None,
     window: Annotated[int, typer.Option("--window", "-w", callback=sqlite_int, help="posloss, coverage: window W.")] = 8,
     run: Annotated[str | None, typer.Option("--run", help="alphas: only this run.")] = None,
     schedule: Annotated[list[str] | None, typer.Option(
@@ -257,9 +260,9 @@ def figure(
                                  n_layers=layers or model.n_layers, seq_len=length or model.seq_len)
             else:
                 draw = figures.FIGURES[name]
-                engine = open_for_reports(db, matrix=matrix, dataset=dataset, run=run)
+                engine = open_for_reports(db, matrix=matrix, only=only, dataset=dataset, run=run)
                 with _reading():
-                    draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix,
+                    draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix, only=only,
                                                             window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None

@@ -34,13 +34,13 @@ def options_for(function, **options) -> dict:
 
 
 def jobs(engine: Engine, out: Path, *, seed: int = DEFAULT_SEED, matrix: str | None = None,
-         dataset: str | None = None, built: Built | None = None, **chosen) -> list[Job]:
+         only: str | None = None, dataset: str | None = None, built: Built | None = None, **chosen) -> list[Job]:
     """One job per registered table and figure; each returns the files it wrote. `chosen`:
     options given for those that take them (window, all_runs); the others keep their defaults."""
     built = built or Built()
     preset = get_preset(figures.preset_in_use(engine)).model
     # coverage draws the shape of the preset most runs use; the other figures read the database
-    shared = dict(seed=seed, matrix=matrix, dataset=dataset, n_layers=preset.n_layers, seq_len=preset.seq_len,
+    shared = dict(seed=seed, matrix=matrix, only=only, dataset=dataset, n_layers=preset.n_layers, seq_len=preset.seq_len,
                   **chosen)
 
     def table_job(name: str, build):

@@ -30,7 +30,7 @@ from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_l
 from fibctl.errors import FibctlError
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
-    dataset_label, default_dataset, in_matrix, matrix_clause, matrix_params, read_sql, table3, table4,
+    dataset_label, default_dataset, pick_runs, read_sql, table3, table4,
 )
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
@@ -254,12 +254,12 @@ def _train_lengths(engine: Engine) -> dict[str, int]:
 
 @styled
 def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = None, seed: int = DEFAULT_SEED,
-                  matrix: str | None = None) -> Path:
+                  matrix: str | None = None, only: str | None = None) -> Path:
     """Perplexity vs evaluation length (left) and its change from the training length in
     percent (right, symmetric-log so that 1 % and 100 % both read), one line per run."""
     check_path(path)
     dataset = dataset or default_dataset(engine)
-    table = table3(engine, dataset=dataset, seed=seed, matrix=matrix, all_runs=True)
+    table = table3(engine, dataset=dataset, seed=seed, matrix=matrix, only=only, all_runs=True)
     frame = table.frame.rename(columns={"Run": "run", "Base": "base", "Schedule": "schedule", "W": "window"})
     frame["base"] = frame["base"].replace("-", None)
     lengths = [c for c in frame.columns if c.isdigit()]
@@ -318,10 +318,10 @@ def percent_tick(value: float, _position=None) -> str:
 
 @styled
 def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, window: int = 8,
-            seed: int = DEFAULT_SEED, matrix: str | None = None) -> Path:
+            seed: int = DEFAULT_SEED, matrix: str | None = None, only: str | None = None) -> Path:
     """Loss by position bin for fib fixed and stagger at window W, and the gap between them."""
     check_path(path)
-    table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix)
+    table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix, only=only)
     frame = table.frame.set_index("Row")
     bins = [c for c in frame.columns if c != "Run"]
     fig = _figure(COLUMN_WIDTH, 4.0)  # the gap panel says which way it runs above it
@@ -350,15 +350,16 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
 
 @styled
 def curves(engine: Engine, path: str | Path, *, dataset: str | None = None, seed: int | None = None,
-           matrix: str | None = None) -> Path:
+           matrix: str | None = None, only: str | None = None) -> Path:
     """Validation perplexity at the training length vs step (left; one line per run and token
     budget, since the light and full evaluations score different documents) and training loss
     (right). Runs of one schedule share its colour and differ by marker, on both panels."""
     check_path(path)
+    runs = pick_runs(engine, matrix, only)
     dataset = dataset or default_dataset(engine)
     seed_clause = "\n  AND r.seed = :seed" if seed is not None else ""
-    where = f"{seed_clause}{matrix_clause(matrix)}"
-    params = matrix_params(matrix, dataset=dataset, **({"seed": seed} if seed is not None else {}))
+    where = f"{seed_clause}{runs.clause()}"
+    params = runs.params(dataset=dataset, **({"seed": seed} if seed is not None else {}))
     sql = f"""SELECT r.name AS run, r.schedule, r.base, r."window" AS "window", e.step, e.tokens, e.ppl
 FROM evaluations e
 JOIN runs r ON r.id = e.run_id
@@ -367,7 +368,7 @@ ORDER BY r.name, e.step"""
     long, _ = read_sql(engine, sql, **params)
     if long.empty:
         of = f" of seed-{seed} runs" if seed is not None else ""
-        raise FibctlError(f"curves: no evaluations{of} on {dataset}{in_matrix(matrix)}; runs record "
+        raise FibctlError(f"curves: no evaluations{of} on {dataset}{runs.said()}; runs record "
                           "them every eval_interval steps while training (`fibctl train`)")
     params.pop("dataset")
     steps, _ = read_sql(engine, f"""SELECT r.name AS run, t.step, t.loss
@@ -436,23 +437,25 @@ def smoothed(loss: pd.Series) -> pd.Series:
 
 
 @styled
-def alphas(engine: Engine, path: str | Path, *, run: str | None = None, matrix: str | None = None) -> Path:
+def alphas(engine: Engine, path: str | Path, *, run: str | None = None, matrix: str | None = None,
+           only: str | None = None) -> Path:
     """Alpha of every layer: learned runs over training, static schedules (recorded once) by layer."""
     check_path(path)
+    runs = pick_runs(engine, matrix, only)
     run_clause = "\n  AND r.name = :run" if run else ""
     sql = f"""SELECT r.name AS run, r.schedule, a.step, a.layer, a.alpha
 FROM alphas a
 JOIN runs r ON r.id = a.run_id
-WHERE r.schedule <> 'dense'{run_clause}{matrix_clause(matrix)}
+WHERE r.schedule <> 'dense'{run_clause}{runs.clause()}
 ORDER BY r.name, a.layer, a.step"""
-    long, _ = read_sql(engine, sql, **matrix_params(matrix, **({"run": run} if run else {})))
+    long, _ = read_sql(engine, sql, **runs.params(**({"run": run} if run else {})))
     if long.empty:
         with engine.connect() as conn:
             schedule = conn.execute(text("SELECT schedule FROM runs WHERE name = :run"), {"run": run}).scalar() \
                 if run else None
         if schedule == "dense":
             raise FibctlError(f"alphas: run {run!r} is dense: it has no alpha (no rungs to scale)")
-        what = f"run {run!r}" if run else f"sparse runs{in_matrix(matrix)}"
+        what = f"run {run!r}" if run else f"sparse runs{runs.said()}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
     runs = sorted(long["run"].unique())

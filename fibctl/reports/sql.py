@@ -11,6 +11,7 @@ reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetc
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import signal
 import sqlite3
@@ -52,9 +53,10 @@ _SCHEMA_TABLES = {"sqlite_master", "sqlite_schema", "sqlite_temp_master", "sqlit
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit"}
 
 
-# what a --matrix, --dataset or --run names: (table, column, what a row of it is)
+# what a --matrix, --dataset, --run or --only (a glob) names: (table, column, what a row of it is)
 NAMED = {"matrix": ("runs", "matrix", "runs of that matrix"), "dataset": ("evaluations", "dataset",
-          "evaluations on that set"), "run": ("runs", "name", "run of that name")}
+          "evaluations on that set"), "run": ("runs", "name", "run of that name"),
+         "only": ("runs", "name", "run whose name matches that glob")}
 
 
 def open_for_reports(db: str, option: str = "--db", **named: str | None) -> Engine:
@@ -77,7 +79,7 @@ def open_for_reports(db: str, option: str = "--db", **named: str | None) -> Engi
         table, column, what = NAMED[name]
         with engine.connect() as conn:
             known = conn.execute(text(f"SELECT DISTINCT {column} FROM {table} ORDER BY 1")).scalars().all()
-        if value not in known:
+        if not (any(fnmatch.fnmatchcase(k, value) for k in known) if name == "only" else value in known):
             listed = ", ".join(map(repr, known[:5])) + (", ..." if len(known) > 5 else "") or "none"
             raise FibctlError(f"--{name} {value!r}: no {what} in {shown(db)} (it has: {listed})")
     return engine

@@ -3,11 +3,13 @@
 A table function takes an engine and returns a `Table`: the DataFrame, the SQL that
 produced its numbers (with the values bound, so it can be pasted into `fibctl sql`), and
 how to format and which cells to bold. Runs are chosen by what they are (base, schedule,
-window, seed), never by name; each run is read at its final step.
+window, seed), never by name (a user narrows them by name with --only); each run is read at
+its final step.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from fibctl.lazy import pandas as pd
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, differing, flatten
@@ -104,24 +106,51 @@ def default_dataset(engine: Engine) -> str:
 def read_sql(engine: Engine, sql: str, **params) -> tuple[pd.DataFrame, str]:
     """The rows of `sql` and its text with the values bound (what --show-sql prints). A column
     named after a number column of the schema (ppl, loss, ...) is read as that column is: a
-    perplexity stored as the text 'inf' is inf, not a string (fibctl/db/stored.py)."""
-    query = text(sql).bindparams(**params).columns(**NUMBERS)
+    perplexity stored as the text 'inf' is inf, not a string (fibctl/db/stored.py). A tuple is
+    a list of values (`IN :names`)."""
+    query = text(sql).bindparams(*(bindparam(k, list(v), expanding=True) if isinstance(v, tuple)
+                                   else bindparam(k, v) for k, v in params.items())).columns(**NUMBERS)
     with engine.connect() as conn:
         frame = pd.read_sql(query, conn)
     literal = query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
     return frame, str(literal).strip() + ";"
 
 
-def matrix_clause(matrix: str | None) -> str:
-    return "\n  AND r.matrix = :matrix" if matrix else ""
+@dataclass(frozen=True)
+class Runs:
+    """The runs a table or figure reads: those of `matrix` whose names match the glob `only`
+    (either None: no restriction). The glob is matched here, case-sensitively as `queue add
+    --only`, and the names bound into the SQL, which then reads the same on SQLite and
+    PostgreSQL (their LIKE differ in case) and runs as printed by --show-sql."""
+
+    matrix: str | None = None
+    only: str | None = None
+    names: tuple[str, ...] | None = None
+
+    def clause(self) -> str:
+        return (("\n  AND r.matrix = :matrix" if self.matrix else "")
+                + ("\n  AND r.name IN :only_names" if self.names is not None else ""))
+
+    def params(self, **params) -> dict:
+        return {**params, **({"matrix": self.matrix} if self.matrix else {}),
+                **({"only_names": self.names} if self.names is not None else {})}
+
+    def said(self) -> str:
+        return ((f" in matrix {self.matrix!r}" if self.matrix else "")
+                + (f" named {self.only!r}" if self.only is not None else ""))
 
 
-def matrix_params(matrix: str | None, **params) -> dict:
-    return {**params, **({"matrix": matrix} if matrix else {})}
-
-
-def in_matrix(matrix: str | None) -> str:
-    return f" in matrix {matrix!r}" if matrix else ""
+def pick_runs(engine: Engine, matrix: str | None = None, only: str | None = None) -> Runs:
+    """`Runs` with the glob matched against the database's run names; a glob that matches no
+    run is an error (a typo would otherwise read as "no data")."""
+    if only is None:
+        return Runs(matrix)
+    with engine.connect() as conn:
+        names = tuple(n for n in conn.execute(text("SELECT name FROM runs ORDER BY name")).scalars()
+                      if fnmatch.fnmatchcase(n, only))
+    if not names:
+        raise FibctlError(f"--only {only!r} matches no run in the database (`fibctl queue ls` lists them)")
+    return Runs(matrix, only, names)
 
 
 def deviation_notes(engine: Engine, runs) -> list[str]:
@@ -246,47 +275,50 @@ def _run_labels(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def table1(engine: Engine, *, seed: int = DEFAULT_SEED, matrix: str | None = None, dense: bool = False,
-           compare: Engine | None = None, compare_label: str = "other") -> Table:
+def table1(engine: Engine, *, seed: int = DEFAULT_SEED, matrix: str | None = None, only: str | None = None,
+           dense: bool = False, compare: Engine | None = None, compare_label: str = "other") -> Table:
     """Final-step perplexity at the training length on every held-out set, sparse runs of one seed
     (and, with --dense, the dense baseline first; the paper's Table 1 leaves it out)."""
-    sql = f"""WITH {FINAL_STEP}
+    def sql(runs: Runs) -> str:
+        return f"""WITH {FINAL_STEP}
 SELECT r.name AS run, r.base, r.schedule, r."window" AS "window", e.dataset, e.ppl,
        e.eval_length, e.tokens, {MOST_TOKENS}
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
-WHERE {"" if dense else "r.schedule <> 'dense' AND "}r.seed = :seed{matrix_clause(matrix)}
+WHERE {"" if dense else "r.schedule <> 'dense' AND "}r.seed = :seed{runs.clause()}
 ORDER BY r.name, e.dataset"""
-    params = matrix_params(matrix, seed=seed)
-    frame, sql_text, budgets = _table1_frame(engine, sql, params, seed, matrix)
+
+    runs = pick_runs(engine, matrix, only)
+    frame, sql_text, budgets = _table1_frame(engine, sql(runs), runs.params(seed=seed), seed, runs)
     cols = [c for c in frame.columns if c not in ("Run", "Base", "Schedule", "W")]
     title = f"Table 1: final perplexity at the training length (seed {seed})"
     formats = {c: ppl for c in cols}
-    if compare is not None:
-        other, _, _ = _table1_frame(compare, sql, params, seed, matrix)
+    if compare is not None:  # matched by what the runs are: --only's names are this database's
+        theirs = Runs(matrix)
+        other, _, _ = _table1_frame(compare, sql(theirs), theirs.params(seed=seed), seed, theirs)
         frame, extra = _beside(frame, other, cols, compare_label)
         formats.update(extra)
         title += f", beside {compare_label}"
     notes = (deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"]) if "Run" in frame
              else []) + budgets
-    if not dense and _has_dense(engine, seed, matrix):  # said, or the reader looks for it in vain
+    if not dense and _has_dense(engine, seed, runs):  # said, or the reader looks for it in vain
         notes.append("the dense baseline is left out, as in the paper; --dense adds it")
     return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
 
 
-def _has_dense(engine: Engine, seed: int, matrix: str | None) -> bool:
-    sql = f"SELECT count(*) AS n FROM runs r WHERE r.schedule = 'dense' AND r.seed = :seed{matrix_clause(matrix)}"
-    frame, _ = read_sql(engine, sql, **matrix_params(matrix, seed=seed))
+def _has_dense(engine: Engine, seed: int, runs: Runs) -> bool:
+    sql = f"SELECT count(*) AS n FROM runs r WHERE r.schedule = 'dense' AND r.seed = :seed{runs.clause()}"
+    frame, _ = read_sql(engine, sql, **runs.params(seed=seed))
     return bool(frame["n"].iloc[0])
 
 
 def _table1_frame(engine: Engine, sql: str, params: dict, seed: int,
-                  matrix: str | None) -> tuple[pd.DataFrame, str, list[str]]:
+                  runs: Runs) -> tuple[pd.DataFrame, str, list[str]]:
     long, sql_text = read_sql(engine, sql, **params)
     if long.empty:
         raise FibctlError(
-            f"table1: no seed-{seed} sparse runs{in_matrix(matrix)} have a final evaluation at "
+            f"table1: no seed-{seed} sparse runs{runs.said()} have a final evaluation at "
             "their training length; train runs (`fibctl worker`), evaluate them (`fibctl eval NAME "
             "--length T`) or import the study (`fibctl import-study fib.db`)")
     wide = _wide(long, "dataset", "ppl", ["base", "schedule", "window"])
@@ -427,13 +459,14 @@ def _fewer_scored(wide: pd.DataFrame, accs: list[str]) -> list[str]:
 
 
 def table3(engine: Engine, *, dataset: str | None = None, seed: int = DEFAULT_SEED,
-           matrix: str | None = None, all_runs: bool = False) -> Table:
+           matrix: str | None = None, only: str | None = None, all_runs: bool = False) -> Table:
     """Perplexity of the same weights at every evaluated length, and the change at 4x.
 
     Rows: the paper's (docs/method.md) that are present, else (or with `all_runs`) every run
     evaluated at more than one length. Where per-position losses at 4x the training length
     exist, the mean loss over the positions past the training length is shown too.
     """
+    runs = pick_runs(engine, matrix, only)
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP},
 beyond AS (
@@ -452,13 +485,13 @@ FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step
 LEFT JOIN beyond b ON b.run_id = r.id
-WHERE e.dataset = :dataset AND r.seed = :seed{matrix_clause(matrix)}
+WHERE e.dataset = :dataset AND r.seed = :seed{runs.clause()}
 ORDER BY r.name, e.eval_length"""
-    long, sql_text = read_sql(engine, sql, **matrix_params(matrix, dataset=dataset, seed=seed))
+    long, sql_text = read_sql(engine, sql, **runs.params(dataset=dataset, seed=seed))
     counts = long.groupby("run")["eval_length"].nunique()
     multi = long[long["run"].isin(counts[counts > 1].index)]
     if multi.empty:
-        raise FibctlError(_table3_missing(long, dataset, seed, matrix))
+        raise FibctlError(_table3_missing(long, dataset, seed, runs))
     wide = _wide(multi, "eval_length", "ppl", ["base", "schedule", "window", "train_length", "loss_beyond"])
     wide, left_out = _table3_rows(wide, all_runs)
     lengths = sorted(multi["eval_length"].unique())
@@ -506,9 +539,9 @@ def _table3_rows(wide: pd.DataFrame, all_runs: bool) -> tuple[pd.DataFrame, list
         .drop(columns="_rank").reset_index(drop=True), note
 
 
-def _table3_missing(long: pd.DataFrame, dataset: str, seed: int, matrix: str | None) -> str:
+def _table3_missing(long: pd.DataFrame, dataset: str, seed: int, runs: Runs) -> str:
     if long.empty:
-        return (f"table3: no seed-{seed} runs{in_matrix(matrix)} have final evaluations on "
+        return (f"table3: no seed-{seed} runs{runs.said()} have final evaluations on "
                 f"{dataset}; evaluate runs (`fibctl eval NAME --length T --length 4T`) or import the study")
     first = long.iloc[0]
     names = ", ".join(sorted(long["run"].unique())[:5])
@@ -517,8 +550,9 @@ def _table3_missing(long: pd.DataFrame, dataset: str, seed: int, matrix: str | N
 
 
 def table4(engine: Engine, *, dataset: str | None = None, window: int = 8, seed: int = DEFAULT_SEED,
-           matrix: str | None = None) -> Table:
+           matrix: str | None = None, only: str | None = None) -> Table:
     """Mean loss by position bin (8 bins of the training window): fib fixed vs stagger, and the gap."""
+    runs = pick_runs(engine, matrix, only)
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP},
 n AS (
@@ -538,22 +572,22 @@ JOIN n ON n.run_id = p.run_id AND n.step = p.step AND n.dataset = p.dataset
       AND n.eval_length = p.eval_length
 WHERE p.dataset = :dataset AND p.eval_length = r.train_length
   AND r.base = 'fib' AND r."window" = :window AND r.schedule IN ('fixed', 'stagger')
-  AND r.seed = :seed{matrix_clause(matrix)}
+  AND r.seed = :seed{runs.clause()}
 GROUP BY r.name, r.matrix, r.schedule, ({N_BINS} * (p.position + 1) - 1) / n.n_positions
 ORDER BY r.schedule, bin"""
-    long, sql_text = read_sql(engine, sql, **matrix_params(matrix, dataset=dataset, window=window, seed=seed))
+    long, sql_text = read_sql(engine, sql, **runs.params(dataset=dataset, window=window, seed=seed))
     missing = [s for s in ("fixed", "stagger") if s not in set(long["schedule"])]
     if missing:
         elsewhere = _windows_with(engine, f"""SELECT r."window" FROM position_losses p JOIN runs r ON r.id = p.run_id
 WHERE p.dataset = :dataset AND p.eval_length = r.train_length AND r.base = 'fib'
-  AND r.schedule IN ('fixed', 'stagger') AND r.seed = :seed{matrix_clause(matrix)}
-GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", matrix_params(matrix, dataset=dataset, seed=seed))
+  AND r.schedule IN ('fixed', 'stagger') AND r.seed = :seed{runs.clause()}
+GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", runs.params(dataset=dataset, seed=seed))
         raise FibctlError(
             f"table4: no per-position losses on {dataset} at the training length for seed-{seed} "
-            f"fib {' and '.join(missing)} W{window}{in_matrix(matrix)}; "
+            f"fib {' and '.join(missing)} W{window}{runs.said()}; "
             + (f"fixed and stagger have them at {elsewhere}" if elsewhere else
                "record them with `fibctl eval NAME --length T --positions` or import the study's posloss.json"))
-    _one_run_each(long, ["schedule"], lambda k: f"table4: fib {k['schedule']} W{window} seed {seed}", matrix)
+    _one_run_each(long, ["schedule"], lambda k: f"table4: fib {k['schedule']} W{window} seed {seed}", runs)
     bins = long.drop_duplicates("bin").sort_values("bin")
     labels = {b: f"{f}-{l}" for b, f, l in zip(bins["bin"], bins["first_position"], bins["last_position"])}
     wide = long.pivot(index="schedule", columns="bin", values="mean_loss").rename(columns=labels)
@@ -570,8 +604,9 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", matrix_params(matr
 
 
 def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
-           matrix: str | None = None) -> Table:
+           matrix: str | None = None, only: str | None = None) -> Table:
     """Per-seed final perplexity at window W, with mean and population std (ddof 0)."""
+    runs = pick_runs(engine, matrix, only)
     dataset = dataset or default_dataset(engine)
     sql = f"""WITH {FINAL_STEP}
 SELECT r.name AS run, r.matrix, r.base, r.schedule, r."window" AS "window", r.seed, r.init_seed, r.data_seed, e.ppl,
@@ -579,9 +614,9 @@ SELECT r.name AS run, r.matrix, r.base, r.schedule, r."window" AS "window", r.se
 FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
-WHERE e.dataset = :dataset AND r."window" = :window AND r.schedule <> 'dense'{matrix_clause(matrix)}
+WHERE e.dataset = :dataset AND r."window" = :window AND r.schedule <> 'dense'{runs.clause()}
 ORDER BY r.base, r.schedule, r.seed"""
-    long, sql_text = read_sql(engine, sql, **matrix_params(matrix, dataset=dataset, window=window))
+    long, sql_text = read_sql(engine, sql, **runs.params(dataset=dataset, window=window))
     long["config"] = long["base"] + " " + long["schedule"]
     n_seeds = long.groupby("config")["seed"].nunique()
     long = long[long["config"].isin(n_seeds[n_seeds > 1].index)]
@@ -590,14 +625,14 @@ ORDER BY r.base, r.schedule, r.seed"""
 SELECT r."window" FROM runs r
 JOIN final f ON f.run_id = r.id
 JOIN evaluations e ON e.run_id = r.id AND e.step = f.step AND e.eval_length = r.train_length
-WHERE e.dataset = :dataset AND r.schedule <> 'dense'{matrix_clause(matrix)}
-GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", matrix_params(matrix, dataset=dataset))
+WHERE e.dataset = :dataset AND r.schedule <> 'dense'{runs.clause()}
+GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", runs.params(dataset=dataset))
         raise FibctlError(
-            f"table5: no configuration at W={window} on {dataset}{in_matrix(matrix)} has "
+            f"table5: no configuration at W={window} on {dataset}{runs.said()} has "
             "final evaluations for two or more seeds; "
             + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs"))
     _one_run_each(long, ["base", "schedule", "seed"],
-                  lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", matrix)
+                  lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", runs)
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()
     seeds = [c for c in per_seed.columns if c not in ("base", "schedule")]
     values = per_seed[seeds]
@@ -620,22 +655,30 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ma
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
 
 
-def _one_run_each(long: pd.DataFrame, keys: list[str], cell: Callable[[dict], str], matrix: str | None) -> None:
+def _one_run_each(long: pd.DataFrame, keys: list[str], cell: Callable[[dict], str], runs: Runs) -> None:
     """Tables 4 and 5 hold one run per cell (a schedule; a configuration and seed): two runs
     there, from two matrices or two names for one configuration, would be averaged into one
     number (or not fit), so they are an error naming them; `cell` says which cell."""
     for key, group in long.drop_duplicates("run").groupby(keys, dropna=False):
         if len(group) > 1:
-            runs = sorted(group["run"])[:4]
-            names = ", ".join(runs) + (", ..." if len(group) > 4 else "")
+            shown = sorted(group["run"])[:4]
+            names = ", ".join(shown) + (", ..." if len(group) > 4 else "")
             matrices = sorted(group["matrix"].unique())
-            # a sweep's runs (queue add --suffix) share a matrix: the way to read them is compare;
-            # removing one to draw the table deletes its results, which the line says
-            fix = (f"choose one with --matrix ({', '.join(matrices)})" if matrix is None and len(matrices) > 1
-                   else f"see them side by side with `fibctl compare {' '.join(runs)}`, or keep one per cell "
-                        "in this database (`fibctl queue rm NAME` deletes a run and its results)")
+            if runs.matrix is None and len(matrices) > 1:
+                fix = f"choose one with --matrix ({', '.join(matrices)})"
+            else:  # a sweep's runs (queue add --suffix) share a matrix and differ in name
+                fix = (f"pick one per cell by name with --only GLOB{_suffix_example(shown)}, or see them "
+                       f"side by side with `fibctl compare {' '.join(shown)}`")
             said = cell(dict(zip(keys, key if isinstance(key, tuple) else (key,))))
             raise FibctlError(f"{said}: {len(group)} runs ({names}) for one cell; {fix}")
+
+
+def _suffix_example(names: list[str]) -> str:
+    """' (--only '*_lr1e-3' reads the runs so named)' where the others are the shortest name with
+    a suffix, as `queue add --suffix` names a sweep's runs; else ''."""
+    first, *rest = sorted(names, key=len)
+    suffixes = [n[len(first):] for n in rest if n.startswith(first) and len(n) > len(first)]
+    return f" (--only '*{suffixes[0]}' reads the runs so named)" if suffixes else ""
 
 
 def _windows_with(engine: Engine, sql: str, params: dict) -> str:

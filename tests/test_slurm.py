@@ -309,6 +309,32 @@ def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
     assert runs(inputs["db"]) == [("a", "queued", None, None)]
 
 
+def held_job(*extra: str) -> str:
+    """A job named as fibctl's, held: it never runs (the caller cancels it)."""
+    done = subprocess.run(["sbatch", "--parsable", "--hold", "--job-name", "fibctl-worker", "--chdir", "/",
+                           "--output", "/dev/null", *extra, "--wrap", "true"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+@needs_cluster
+def test_status_lists_this_users_jobs_only(inputs):
+    """On a shared cluster `slurm status` listed every user's fibctl-worker jobs (squeue and
+    sacct were asked for the name only), and joined them with this database's runs."""
+    if os.geteuid() != 0:
+        pytest.skip("a job of another user is submitted with sbatch --uid, which needs root")
+    other = held_job("--uid", "nobody")
+    mine = held_job()
+    try:
+        status = fibctl("slurm", "status", "--db", str(inputs["db"]))
+    finally:
+        subprocess.run(["scancel", other, mine], timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert any(f" {mine} " in line for line in status.stdout.splitlines()), status.stdout
+    assert not any(f" {other} " in line for line in status.stdout.splitlines()), status.stdout
+
+
 @needs_cluster
 @pytest.mark.parametrize("where", ["userinfo", "query"])
 def test_a_job_given_a_password_keeps_its_files_to_this_user(data, tmp_path, where):

@@ -472,15 +472,19 @@ class WorkerTask(Checkpointable):
 
 
 def squeue_jobs() -> list[dict]:
-    """fibctl's jobs that SLURM knows: squeue (pending, running), then sacct where accounting is on."""
+    """This user's fibctl jobs that SLURM knows: squeue (pending, running), then sacct where
+    accounting is on."""
     require_slurm("squeue")
     jobs: dict[str, dict] = {}
-    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, "-o", "%i|%T|%M|%l|%D|%R"])
+    # another user's job of the same name is not this queue's: squeue lists every user's jobs,
+    # and so does sacct run by root. A uid, not squeue's --me, which sacct (22.05) lacks
+    mine = ["--user", str(os.getuid())]
+    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, *mine, "-o", "%i|%T|%M|%l|%D|%R"])
     for line in out or []:
         job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
         jobs[job_id] = dict(job_id=job_id, state=state, elapsed=elapsed, limit=limit, nodes=nodes, where=where)
     if shutil.which("sacct"):
-        for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME,
+        for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME, *mine,
                                   "-o", "JobID,State,Elapsed,Timelimit,NNodes,NodeList"]) or []:
             job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
             jobs.setdefault(job_id, dict(job_id=job_id, state=state.split()[0] if state else "", elapsed=elapsed,

@@ -6,9 +6,11 @@ then sets FIBCTL_TEST_SLURM=1; without it they skip, saying so. The refusals nee
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -307,6 +309,29 @@ def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["earlier"]
     assert not (tmp_path / "new-jobs").exists()
     assert runs(inputs["db"]) == [("a", "queued", None, None)]
+
+
+NEVER = [(["--nodes", "2"], "PartitionNodeLimit", "--nodes"),  # one node: a server database, not SQLite
+         (["--cpus-per-task", "9999"], "PartitionConfig", "--cpus-per-task")]
+
+
+@needs_cluster
+@pytest.mark.parametrize("extra, reason, option", NEVER, ids=[" ".join(e) for e, _, _ in NEVER])
+def test_a_job_slurm_would_never_start_is_cancelled_and_refused_in_one_line(data, tmp_path, extra, reason, option):
+    """sbatch queues a job its partition can never run (EnforcePartLimits=NO, SLURM's default):
+    `submit` said it was submitted, and it pended forever."""
+    from conftest import NO_PG, PG_SERVER, pg_database
+
+    if "--nodes" in extra and not PG_SERVER:
+        pytest.skip(NO_PG)
+    with pg_database() if "--nodes" in extra else contextlib.nullcontext(str(tmp_path / "r.db")) as db:
+        queued_db(db, micro_run("a", steps=4)).dispose()
+        done = fibctl("slurm", "submit", "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                      "--folder", str(tmp_path / "jobs"), "--time", "00:10:00", *extra)
+        one_line_error(done, "can never start in partition ", reason, option, "the job was cancelled")
+        job = re.search(r"SLURM job (\d+) ", done.stderr)[1]
+        assert squeue_state(job) == "CANCELLED"
+        assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
 
 
 def held_job(*extra: str) -> str:

@@ -190,6 +190,18 @@ def test_what_a_worker_accepts_is_accepted(inputs, tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.db"]  # a dry run makes no folder
 
 
+def test_only_reasons_that_never_clear_cancel_a_job():
+    """A job waiting for nodes that are down or reserved, for a busy cluster or for a limit
+    on the user's running jobs starts in time: only a request above a fixed limit is refused."""
+    from fibctl.flows.slurm import never_clears
+
+    never = ["PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
+             "QOSMaxNodePerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob"]
+    waits = ["None", "Priority", "Resources", "ReqNodeNotAvail", "PartitionDown", "NodeDown", "JobHeldUser",
+             "QOSMaxJobsPerUserLimit", "AssocMaxJobsLimit", "QOSGrpNodeLimit", "BeginTime", "Dependency"]
+    assert [r for r in never + waits if never_clears(r)] == never
+
+
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path, monkeypatch, capsys):
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
     db = tmp_path / "r.db"
@@ -328,10 +340,13 @@ def test_a_job_slurm_would_never_start_is_cancelled_and_refused_in_one_line(data
         queued_db(db, micro_run("a", steps=4)).dispose()
         done = fibctl("slurm", "submit", "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
                       "--folder", str(tmp_path / "jobs"), "--time", "00:10:00", *extra)
+    jobs = re.findall(r"SLURM job (\d+)", done.stdout + done.stderr)
+    try:
         one_line_error(done, "can never start in partition ", reason, option, "the job was cancelled")
-        job = re.search(r"SLURM job (\d+) ", done.stderr)[1]
-        assert squeue_state(job) == "CANCELLED"
-        assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
+        assert [squeue_state(job) for job in jobs] == ["CANCELLED"]
+    finally:  # not left pending forever when the test fails
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+    assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
 
 
 def held_job(*extra: str) -> str:

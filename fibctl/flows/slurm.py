@@ -300,6 +300,11 @@ _PER_JOB_LIMIT = re.compile(r"^(?:QOS|Assoc)Max\w*PerJob")  # QOSMaxNodePerJobLi
 WATCH_S = 3.0  # how long a job SLURM has not yet looked at is watched after sbatch
 
 
+def never_clears(reason: str) -> bool:
+    """Whether a pending job's reason (squeue's %r) keeps it from ever starting."""
+    return reason in NEVER_STARTS or bool(_PER_JOB_LIMIT.match(reason))
+
+
 def _never_hint(reason: str) -> str:
     return NEVER_STARTS.get(reason) or "above a per-job limit of the account or QOS"
 
@@ -317,7 +322,7 @@ def never_starts(job_id: str, watch_s: float = WATCH_S, poll_s: float = 0.25) ->
         state, reason, partition = ((lines or [""])[0].split("|") + ["", ""])[:3]
         if state != "PENDING":
             return None
-        never = reason in NEVER_STARTS or bool(_PER_JOB_LIMIT.match(reason))
+        never = never_clears(reason)
         # SLURM's first word may be its generic PartitionConfig, which its next pass names
         # (PartitionNodeLimit); "None": not yet looked at
         if never and reason != "PartitionConfig":

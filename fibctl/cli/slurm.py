@@ -49,7 +49,8 @@ def submit_cmd(
 ) -> None:
     """Submit a SLURM job whose tasks each run a worker against the database until the queue is
     empty. Before the time limit or on preemption each worker checkpoints and puts its run back
-    in the queue, and the job requeues itself.
+    in the queue, and the job requeues itself. A job SLURM queues but would never start
+    (beyond its partition's limits: squeue's reason) is cancelled and refused.
 
     Example: fibctl slurm submit --gpus-per-node 8 --time 04:00:00 --dry-run"""
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit

@@ -134,6 +134,8 @@ BAD_OPTIONS = [
     (["--data", "{root}/vocab600"], ["--data", "vocab 512", "600"]),
     (["--runs-dir", "{root}/r.db"], ["--runs-dir", "not a folder"]),
     (["--runs-dir", "{root}/r.db/runs"], ["--runs-dir", "not a folder"]),
+    (["--runs-dir", "/proc/x"], ["--runs-dir /proc/x", "/proc is on proc"]),  # os.access: root may write there
+    (["--runs-dir", "/sys/x/y"], ["--runs-dir /sys/x/y", "/sys is on sysfs"]),
     (["--db", "{root}/none.db"], ["no database", "none.db"]),
     (["--db", "{root}/foreign.db"], ["foreign.db", "not a fibctl database"]),
     (["--nodes", "0"], ["--nodes 0"]),

@@ -219,8 +219,34 @@ def check_runs_dir(runs_dir: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not a folder")
+    kind = filesystem_type(existing)
+    if kind in PSEUDO_FILESYSTEMS:  # os.access says root may write to /proc, where nothing can be made
+        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is on {kind}, "
+                          "a pseudo filesystem of the kernel's")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not writable")
+
+
+# the kernel's own filesystems, which hold no files (a folder made in cgroup is a control group)
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
+                      "configfs", "efivarfs", "devpts", "mqueue", "binfmt_misc", "fusectl", "selinuxfs", "nsfs"}
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem `path` is on: the mount of its device in Linux's
+    /proc/self/mountinfo (read, nothing written); None where that does not say."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in mounts:  # ID PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS... - TYPE SOURCE OPTIONS
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[2:3] == [device] and rest:
+            return rest.split()[0]
+    return None
 
 
 @dataclass

@@ -6,9 +6,11 @@ then sets FIBCTL_TEST_SLURM=1; without it they skip, saying so. The refusals nee
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -132,6 +134,8 @@ BAD_OPTIONS = [
     (["--data", "{root}/vocab600"], ["--data", "vocab 512", "600"]),
     (["--runs-dir", "{root}/r.db"], ["--runs-dir", "not a folder"]),
     (["--runs-dir", "{root}/r.db/runs"], ["--runs-dir", "not a folder"]),
+    (["--runs-dir", "/proc/x"], ["--runs-dir /proc/x", "/proc is on proc"]),  # os.access: root may write there
+    (["--runs-dir", "/sys/x/y"], ["--runs-dir /sys/x/y", "/sys is on sysfs"]),
     (["--db", "{root}/none.db"], ["no database", "none.db"]),
     (["--db", "{root}/foreign.db"], ["foreign.db", "not a fibctl database"]),
     (["--nodes", "0"], ["--nodes 0"]),
@@ -186,6 +190,18 @@ def test_what_a_worker_accepts_is_accepted(inputs, tmp_path, monkeypatch, capsys
                          "--data", str(tmp_path / "no-data"))
     assert code == 0 and "#SBATCH" in out, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.db"]  # a dry run makes no folder
+
+
+def test_only_reasons_that_never_clear_cancel_a_job():
+    """A job waiting for nodes that are down or reserved, for a busy cluster or for a limit
+    on the user's running jobs starts in time: only a request above a fixed limit is refused."""
+    from fibctl.flows.slurm import never_clears
+
+    never = ["PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
+             "QOSMaxNodePerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob"]
+    waits = ["None", "Priority", "Resources", "ReqNodeNotAvail", "PartitionDown", "NodeDown", "JobHeldUser",
+             "QOSMaxJobsPerUserLimit", "AssocMaxJobsLimit", "QOSGrpNodeLimit", "BeginTime", "Dependency"]
+    assert [r for r in never + waits if never_clears(r)] == never
 
 
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path, monkeypatch, capsys):
@@ -307,6 +323,58 @@ def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["earlier"]
     assert not (tmp_path / "new-jobs").exists()
     assert runs(inputs["db"]) == [("a", "queued", None, None)]
+
+
+NEVER = [(["--nodes", "2"], "PartitionNodeLimit", "--nodes"),  # one node: a server database, not SQLite
+         (["--cpus-per-task", "9999"], "PartitionConfig", "--cpus-per-task")]
+
+
+@needs_cluster
+@pytest.mark.parametrize("extra, reason, option", NEVER, ids=[" ".join(e) for e, _, _ in NEVER])
+def test_a_job_slurm_would_never_start_is_cancelled_and_refused_in_one_line(data, tmp_path, extra, reason, option):
+    """sbatch queues a job its partition can never run (EnforcePartLimits=NO, SLURM's default):
+    `submit` said it was submitted, and it pended forever."""
+    from conftest import NO_PG, PG_SERVER, pg_database
+
+    if "--nodes" in extra and not PG_SERVER:
+        pytest.skip(NO_PG)
+    with pg_database() if "--nodes" in extra else contextlib.nullcontext(str(tmp_path / "r.db")) as db:
+        queued_db(db, micro_run("a", steps=4)).dispose()
+        done = fibctl("slurm", "submit", "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                      "--folder", str(tmp_path / "jobs"), "--time", "00:10:00", *extra)
+    jobs = re.findall(r"SLURM job (\d+)", done.stdout + done.stderr)
+    try:
+        one_line_error(done, "can never start in partition ", reason, option, "the job was cancelled")
+        assert [squeue_state(job) for job in jobs] == ["CANCELLED"]
+    finally:  # not left pending forever when the test fails
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+    assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
+
+
+def held_job(*extra: str) -> str:
+    """A job named as fibctl's, held: it never runs (the caller cancels it)."""
+    done = subprocess.run(["sbatch", "--parsable", "--hold", "--job-name", "fibctl-worker", "--chdir", "/",
+                           "--output", "/dev/null", *extra, "--wrap", "true"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+@needs_cluster
+def test_status_lists_this_users_jobs_only(inputs):
+    """On a shared cluster `slurm status` listed every user's fibctl-worker jobs (squeue and
+    sacct were asked for the name only), and joined them with this database's runs."""
+    if os.geteuid() != 0:
+        pytest.skip("a job of another user is submitted with sbatch --uid, which needs root")
+    other = held_job("--uid", "nobody")
+    mine = held_job()
+    try:
+        status = fibctl("slurm", "status", "--db", str(inputs["db"]))
+    finally:
+        subprocess.run(["scancel", other, mine], timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert any(f" {mine} " in line for line in status.stdout.splitlines()), status.stdout
+    assert not any(f" {other} " in line for line in status.stdout.splitlines()), status.stdout
 
 
 @needs_cluster

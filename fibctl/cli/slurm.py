@@ -49,7 +49,8 @@ def submit_cmd(
 ) -> None:
     """Submit a SLURM job whose tasks each run a worker against the database until the queue is
     empty. Before the time limit or on preemption each worker checkpoints and puts its run back
-    in the queue, and the job requeues itself.
+    in the queue, and the job requeues itself. A job SLURM queues but would never start
+    (beyond its partition's limits: squeue's reason) is cancelled and refused.
 
     Example: fibctl slurm submit --gpus-per-node 8 --time 04:00:00 --dry-run"""
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
@@ -71,8 +72,8 @@ def submit_cmd(
 
 @slurm_app.command("status")
 def status_cmd(db: DbOption = DEFAULT_DB) -> None:
-    """fibctl's SLURM jobs (squeue; sacct where accounting is on) with the runs each trains or
-    trained, then the queue's counts.
+    """Your fibctl SLURM jobs (squeue; sacct where accounting is on; other users' jobs are
+    not listed) with the runs each trains or trained, then the queue's counts.
 
     Example: fibctl slurm status --db results.db"""
     from fibctl.db.engine import connect_readonly
@@ -96,7 +97,7 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
                                 width=console.width, fold=("running", "other runs"), optional=("nodes",))
         console.print(table)
     else:
-        console.print(plain("no fibctl SLURM jobs known to squeue or sacct"))
+        console.print(plain("no fibctl SLURM jobs of yours known to squeue or sacct"))
     console.print(plain(", ".join(f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed",
                                                                       "cancelled"))))
 

@@ -219,8 +219,34 @@ def check_runs_dir(runs_dir: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not a folder")
+    kind = filesystem_type(existing)
+    if kind in PSEUDO_FILESYSTEMS:  # os.access says root may write to /proc, where nothing can be made
+        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is on {kind}, "
+                          "a pseudo filesystem of the kernel's")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not writable")
+
+
+# the kernel's own filesystems, which hold no files (a folder made in cgroup is a control group)
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
+                      "configfs", "efivarfs", "devpts", "mqueue", "binfmt_misc", "fusectl", "selinuxfs", "nsfs"}
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem `path` is on: the mount of its device in Linux's
+    /proc/self/mountinfo (read, nothing written); None where that does not say."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in mounts:  # ID PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS... - TYPE SOURCE OPTIONS
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[2:3] == [device] and rest:
+            return rest.split()[0]
+    return None
 
 
 @dataclass
@@ -281,23 +307,95 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     return Submission(str(job.job_id), script, folder, spec.nodes * spec.tasks(), queued)
 
 
+# pending reasons that never clear by themselves: the job asks for more than the partition, its
+# nodes or a per-job limit of the account or QOS will ever give, or for what it may not use; only
+# an administrator changes that. Any other reason (Resources, Priority; ReqNodeNotAvail and
+# PartitionDown: nodes or a partition down or reserved, for now) clears, and the job waits
+NEVER_STARTS = {
+    "PartitionNodeLimit": "more nodes than the partition has or allows: --nodes",
+    "PartitionTimeLimit": "a longer --time than the partition allows",
+    "PartitionConfig": "more than the partition or its nodes allow: --nodes, --cpus-per-task, --gpus-per-node, "
+                       "--tasks-per-node",
+    "BadConstraints": "what no node of the partition has",
+    "InvalidAccount": "no such account: --account",
+    "InvalidQOS": "no such QOS",
+    "AccountNotAllowed": "the partition does not take this account",
+    "QOSNotAllowed": "the partition or account does not take this QOS",
+}
+_PER_JOB_LIMIT = re.compile(r"^(?:QOS|Assoc)Max\w*PerJob")  # QOSMaxNodePerJobLimit, AssocMaxWallDurationPerJobLimit
+WATCH_S = 3.0  # how long a job SLURM has not yet looked at is watched after sbatch
+
+
+def never_clears(reason: str) -> bool:
+    """Whether a pending job's reason (squeue's %r) keeps it from ever starting."""
+    return reason in NEVER_STARTS or bool(_PER_JOB_LIMIT.match(reason))
+
+
+def _never_hint(reason: str) -> str:
+    return NEVER_STARTS.get(reason) or "above a per-job limit of the account or QOS"
+
+
+def never_starts(job_id: str, watch_s: float = WATCH_S, poll_s: float = 0.25) -> tuple[str, str] | None:
+    """(reason, partition) when squeue says, within `watch_s`, that SLURM will never start the
+    pending job; None when it runs, ended, waits for a reason that clears, or squeue does not
+    tell. sbatch queues such a job (EnforcePartLimits=NO, SLURM's default), to pend forever."""
+    deadline = time.monotonic() + watch_s
+    while True:
+        try:
+            lines = _slurm_lines(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%P"])
+        except FibctlError:  # a job sbatch accepted stays submitted when squeue fails
+            lines = None
+        state, reason, partition = ((lines or [""])[0].split("|") + ["", ""])[:3]
+        if state != "PENDING":
+            return None
+        never = never_clears(reason)
+        # SLURM's first word may be its generic PartitionConfig, which its next pass names
+        # (PartitionNodeLimit); "None": not yet looked at
+        if never and reason != "PartitionConfig":
+            return reason, partition
+        if not never and reason != "None":
+            return None
+        if time.monotonic() >= deadline:
+            return (reason, partition) if never else None
+        time.sleep(poll_s)
+
+
 def _submit(submitit, task: "WorkerTask", params: dict, folder: Path, max_requeues: int):
-    """sbatch the task; a refusal is one line and leaves nothing in the job folder."""
+    """sbatch the task; a refusal is one line and leaves nothing in the job folder, and so
+    is a job SLURM queued but will never start, which is cancelled."""
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
+
+    def discard() -> None:  # the script and pickle of a job that never was
+        for path in set(folder.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if made:
+            folder.rmdir()
+
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=max_requeues)
     executor.update_parameters(**params)
     try:
         with _stderr_kept() as said:  # sbatch writes its refusal to our stderr: it goes in the one line
-            return executor.submit(task)
+            job = executor.submit(task)
     except Exception as e:  # sbatch refused: its own last line says why
         detail = [*str(e).strip().splitlines(), *said()]
-        for path in set(folder.iterdir()) - before:  # the script and pickle of a job that never was
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if made:
-            folder.rmdir()
+        discard()
         raise FibctlError(f"sbatch refused the job: {_refusal(detail) or type(e).__name__}") from None
+    blocked = never_starts(str(job.job_id))
+    if blocked is None:
+        return job
+    reason, partition = blocked
+    message = f"SLURM job {job.job_id} can never start in partition {partition}: {reason} ({_never_hint(reason)})"
+    try:
+        cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, timeout=30)
+        why = None if cancel.returncode == 0 else (cancel.stderr.strip().splitlines() or ["no message"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = str(e)
+    if why is not None:  # it stays queued, its files with it: the user is told to cancel it
+        raise FibctlError(f"{message}; scancel failed ({why}): scancel {job.job_id} yourself")
+    discard()
+    raise FibctlError(f"{message}; the job was cancelled")
 
 
 @contextmanager
@@ -472,15 +570,19 @@ class WorkerTask(Checkpointable):
 
 
 def squeue_jobs() -> list[dict]:
-    """fibctl's jobs that SLURM knows: squeue (pending, running), then sacct where accounting is on."""
+    """This user's fibctl jobs that SLURM knows: squeue (pending, running), then sacct where
+    accounting is on."""
     require_slurm("squeue")
     jobs: dict[str, dict] = {}
-    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, "-o", "%i|%T|%M|%l|%D|%R"])
+    # another user's job of the same name is not this queue's: squeue lists every user's jobs,
+    # and so does sacct run by root. A uid, not squeue's --me, which sacct (22.05) lacks
+    mine = ["--user", str(os.getuid())]
+    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, *mine, "-o", "%i|%T|%M|%l|%D|%R"])
     for line in out or []:
         job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
         jobs[job_id] = dict(job_id=job_id, state=state, elapsed=elapsed, limit=limit, nodes=nodes, where=where)
     if shutil.which("sacct"):
-        for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME,
+        for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME, *mine,
                                   "-o", "JobID,State,Elapsed,Timelimit,NNodes,NodeList"]) or []:
             job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
             jobs.setdefault(job_id, dict(job_id=job_id, state=state.split()[0] if state else "", elapsed=elapsed,

@@ -4,6 +4,7 @@ into `fibctl queue retry NAME`; every line fits the terminal, also when stdout i
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -211,3 +212,38 @@ def test_data_recipes_cut_no_held_out_set_name(columns):
     assert_fits(done, columns)
     sets = column(done.stdout, 3)
     assert "fineweb_edu_valwikipedia_valtinystories_valmath_val" in sets and "docs_val" in sets, done.stdout
+
+
+def whole_or_fits(text: str, width: int, paths: list[str]) -> None:
+    """Every line fits `width`, but for one that is a path of `paths`, whole on its own line:
+    folded across lines, a path cannot be copied; wider than the terminal, it wraps there."""
+    for line in text.splitlines():
+        assert len(line) <= width or line in paths, (line, text)
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_queue_show_keeps_every_path_whole_on_a_line(tmp_path, columns):
+    """`queue show` folded an event's checkpoint path inside its table cell ('step_0000' /
+    '0010.pt') at 80 columns, and at 40 its message column was one letter wide; its own
+    checkpoint line split the file from its folder ('(in' / folder). Each path is whole now,
+    on a line of its own where it does not fit beside its label, and at 40 columns the
+    perplexities, which folded ('237.' / '16'), are a field a line."""
+    runs_dir = tmp_path / ("runs_" + "deep_folder_" * 4)
+    file = str(runs_dir / "fib_stagger_w8" / "step_00000010.pt")
+    path = str(tmp_path / "q.db")
+    engine = connect(path)
+    queue.add_runs(engine, [RunConfig.resolve("fib_stagger_w8", "demo", "micro", schedule="stagger")])
+    run = queue.claim_next(engine, "vm:4313")
+    recorder = RunRecorder(engine, run.id)
+    for length in (64, 128, 256, 512):
+        recorder.log_eval(10, "docs_val", length, 4096, math.log(237.16))
+    recorder.event("checkpoint", f"step 10: {file}")
+    recorder.update_run(checkpoint_path="fib_stagger_w8/step_00000010.pt", runs_dir=str(runs_dir), final_step=10)
+    engine.dispose()
+    done = fibctl("queue", "show", "fib_stagger_w8", "--db", path, columns=columns)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "…" not in done.stdout, done.stderr
+    whole_or_fits(done.stdout, columns, [file])
+    lines = done.stdout.splitlines()
+    assert sum(file in line for line in lines) == 2, done.stdout  # the run's checkpoint and the event's
+    assert "checkpoint:" in lines[lines.index(file) - 1], done.stdout  # the run's, under its label
+    assert done.stdout.count("237.16") == 4, done.stdout  # every perplexity whole

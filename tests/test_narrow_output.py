@@ -247,3 +247,19 @@ def test_queue_show_keeps_every_path_whole_on_a_line(tmp_path, columns):
     assert sum(file in line for line in lines) == 2, done.stdout  # the run's checkpoint and the event's
     assert "checkpoint:" in lines[lines.index(file) - 1], done.stdout  # the run's, under its label
     assert done.stdout.count("237.16") == 4, done.stdout  # every perplexity whole
+
+
+@pytest.mark.parametrize("columns", [80, 40, 24])
+def test_model_and_coverage_headers_and_numbers_whole(columns):
+    """Plain tables: at 40 columns `fibctl model` cut its header to 'distanc…', at 24
+    `fibctl coverage` its own ('dista…'). Every header word and number is whole now, the
+    attended distances wrapped between numbers, never inside one."""
+    done = fibctl("model", columns=columns)
+    assert_fits(done, columns)
+    words = set(done.stdout.replace("│", " ").replace(",", " ").replace(":", " ").split())
+    assert {"distances", "window", "rungs", "60", "850", "688", "610", "987"} <= words, done.stdout
+    assert "0..8" in words and "13" in words, done.stdout
+    done = fibctl("coverage", "--schedule", "stagger", columns=columns)
+    assert_fits(done, columns)
+    words = set(done.stdout.replace("│", " ").replace(":", " ").split())
+    assert {"distinct", "distances", "union", "layers", "133"} <= words, done.stdout

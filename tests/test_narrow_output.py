@@ -129,9 +129,12 @@ def test_matrix_list_and_db_current_fit(tmp_path, columns):
     assert str(path) in "".join(done.stdout.split())
 
 
-@pytest.mark.parametrize("columns", [80, 40])
+@pytest.mark.parametrize("columns", [80, 60, 40])
 def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
-    """A source's kind (`installed-docs`) was cut to `installe…` at 80 columns."""
+    """A source's kind (`installed-docs`) was cut to `installe…` at 80 columns; then folded
+    ('inst' / 'alle' / 'd-do' / 'cs') at 60 and 40, with every other cell; and a split's path
+    folded inside its cell, where it could not be copied. Each is whole now: the document
+    counts go first, then a field a line, the path on a line of its own where it is long."""
     import dataclasses
 
     from fibctl.data.streams import load_manifest
@@ -140,12 +143,16 @@ def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
     folder = write_data(tmp_path / ("data_" + "deep_folder_name_" * 4))
     source = {"kind": "installed-docs", "target_tokens": 40_000, "train_tokens": 40_000, "train_documents": 11_509,
               "exhausted": False, "heldout": "docs_val", "heldout_tokens": 8_192, "heldout_documents": 735}
-    dataclasses.replace(load_manifest(folder), sources={"docs": source}).write()
+    manifest = dataclasses.replace(load_manifest(folder), sources={"docs": source})
+    manifest.write()
     done = fibctl("data", "show", str(folder), columns=columns)
-    assert_fits(done, columns)
-    tables = done.stdout.split("┏")
-    assert f"{folder}/train.bin" in column(tables[1], 2)  # the rows' paths, each whole
-    assert column(tables[2], 1) == "installed-docs"
+    assert done.returncode == 0 and "…" not in done.stdout, done.stderr
+    paths = [str(manifest.split_path(split)) for split in manifest.splits]
+    whole_or_fits(done.stdout, columns, paths)
+    lines = done.stdout.splitlines()
+    assert all(path in lines for path in paths), done.stdout  # each wider than the terminal: a line alone
+    words = done.stdout.replace("│", " ").replace(";", " ").split()
+    assert "installed-docs" in words and "11,509" in words and "735" in words, done.stdout
 
 
 @pytest.mark.parametrize("width", [80, 100])

@@ -321,6 +321,18 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
     return "; ".join(parts)
 
 
+def interactive() -> bool:
+    """Whether a person answers at stdin (a terminal), not a script, a pipe or a scheduler."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def confirmed(question: str) -> bool:
+    """Ask `question [y/N]` on stderr and read the answer at stdin: yes only for y or yes (an
+    empty line, or stdin closed, is no)."""
+    err_console.print(plain(f"{question} [y/N] "), end="", soft_wrap=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 def runs_dir_value(value) -> Path:
     """Option parser: a typed `--runs-dir ''` is refused, as `--db ''` is (Path('') is the current
     folder: a worker trained into it). An empty FIBCTL_RUNS_DIR is unset, as an empty FIBCTL_DB."""

@@ -13,8 +13,8 @@ import typer
 from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
-from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, fitted_view, goes_with, plain,
-                               runs_dir_value, step_of, unbroken)
+from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
+                               goes_with, interactive, plain, runs_dir_value, step_of, unbroken)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -361,9 +361,14 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
              runs_dir: Annotated[Optional[Path], typer.Option(
                  "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
                  help="With --checkpoints: the runs folder (default: the one the run last trained in, else runs).")]
-             = None) -> None:
+             = None,
+             yes: Annotated[bool, typer.Option(
+                 "--yes", "-y", help="Do not ask first (asked only where stdin is a terminal).")] = False) -> None:
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
     its checkpoint folder inside the runs folder). A running run is refused.
+
+    At a terminal it first says what it will delete and asks (y/N; no: nothing is removed,
+    exit code 1); --yes does not ask, nor does a script, whose stdin is no terminal.
 
     Example: fibctl queue rm dense_lr1e-3 --checkpoints"""
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
@@ -376,6 +381,12 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
 
     # on the database as it is, before any upgrade: a refusal leaves it as it was
     engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
+    if not yes and interactive():  # a person at a terminal: results are deleted for good
+        r = queue.to_remove(engine, name)
+        what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
+        if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
+            err_console.print(plain("nothing was removed"))
+            raise typer.Exit(1)
     folder: list[Path] = []
     aside: list[Path] = []
     kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)

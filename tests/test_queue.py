@@ -429,6 +429,18 @@ def test_queue_rm_asks_nothing_with_yes_or_in_a_script(tmp_path, monkeypatch, te
     assert queue.list_runs(engine) == []
 
 
+def test_a_closed_stdin_is_no_terminal_to_ask_at(monkeypatch):
+    """`fibctl queue rm NAME <&-`: isatty on the closed stdin raised ValueError."""
+    import io
+
+    from fibctl.cli.common import interactive
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdin", closed)
+    assert interactive() is False
+
+
 def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatch, capsys):
     engine = connect(db)
     queue.add_runs(engine, _configs(3, steps=100))

@@ -323,7 +323,10 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
 
 def interactive() -> bool:
     """Whether a person answers at stdin (a terminal), not a script, a pipe or a scheduler."""
-    return sys.stdin is not None and sys.stdin.isatty()
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # stdin closed (`<&-`): no one to answer
+        return False
 
 
 def confirmed(question: str) -> bool:

@@ -588,6 +588,23 @@ class Removed:
     runs_dir: str | None  # where the run last trained (runs.runs_dir)
 
 
+def _recorded_rows(conn: Connection, run_id: int) -> int:
+    """The metric, position, alpha and event rows of a run: what goes with its row."""
+    from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
+
+    return sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == run_id)).scalar()
+               for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event))
+
+
+def to_remove(engine: Engine, name: str) -> Removed:
+    """What `remove` would delete now, deleting nothing (what `fibctl queue rm` asks about)."""
+    with engine.connect() as conn:
+        row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
+        if row is None:
+            raise no_run_named([name], _run_names(conn))
+        return Removed(name, str(row.status), _recorded_rows(conn, row.id), row.runs_dir)
+
+
 def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None = None,
            deleted: Callable[[], None] | None = None) -> Removed:
     """Delete a run that is not running. Its train steps, evaluations, position losses,
@@ -597,8 +614,6 @@ def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None
     the commit; what either raises keeps the run."""
     from sqlalchemy import delete
 
-    from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
-
     with engine.begin() as conn:
         row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
         if row is None:
@@ -607,8 +622,7 @@ def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None
             raise FibctlError(_not_removable(name))
         if check:
             check(row.runs_dir)
-        rows = sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == row.id)).scalar()
-                   for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event))
+        rows = _recorded_rows(conn, row.id)
         # the status check again in the delete: a worker may have claimed it meanwhile
         if not conn.execute(delete(Run).where(Run.id == row.id, Run.status != "running")).rowcount:
             raise FibctlError(f"cannot remove run {name!r}: a worker claimed it meanwhile")

@@ -4,6 +4,7 @@ into `fibctl queue retry NAME`; every line fits the terminal, also when stdout i
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -128,9 +129,12 @@ def test_matrix_list_and_db_current_fit(tmp_path, columns):
     assert str(path) in "".join(done.stdout.split())
 
 
-@pytest.mark.parametrize("columns", [80, 40])
+@pytest.mark.parametrize("columns", [80, 60, 40])
 def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
-    """A source's kind (`installed-docs`) was cut to `installe…` at 80 columns."""
+    """A source's kind (`installed-docs`) was cut to `installe…` at 80 columns; then folded
+    ('inst' / 'alle' / 'd-do' / 'cs') at 60 and 40, with every other cell; and a split's path
+    folded inside its cell, where it could not be copied. Each is whole now: the document
+    counts go first, then a field a line, the path on a line of its own where it is long."""
     import dataclasses
 
     from fibctl.data.streams import load_manifest
@@ -139,12 +143,16 @@ def test_data_show_keeps_every_source_kind_and_path_whole(tmp_path, columns):
     folder = write_data(tmp_path / ("data_" + "deep_folder_name_" * 4))
     source = {"kind": "installed-docs", "target_tokens": 40_000, "train_tokens": 40_000, "train_documents": 11_509,
               "exhausted": False, "heldout": "docs_val", "heldout_tokens": 8_192, "heldout_documents": 735}
-    dataclasses.replace(load_manifest(folder), sources={"docs": source}).write()
+    manifest = dataclasses.replace(load_manifest(folder), sources={"docs": source})
+    manifest.write()
     done = fibctl("data", "show", str(folder), columns=columns)
-    assert_fits(done, columns)
-    tables = done.stdout.split("┏")
-    assert f"{folder}/train.bin" in column(tables[1], 2)  # the rows' paths, each whole
-    assert column(tables[2], 1) == "installed-docs"
+    assert done.returncode == 0 and "…" not in done.stdout, done.stderr
+    paths = [str(manifest.split_path(split)) for split in manifest.splits]
+    whole_or_fits(done.stdout, columns, paths)
+    lines = done.stdout.splitlines()
+    assert all(path in lines for path in paths), done.stdout  # each wider than the terminal: a line alone
+    words = done.stdout.replace("│", " ").replace(";", " ").split()
+    assert "installed-docs" in words and "11,509" in words and "735" in words, done.stdout
 
 
 @pytest.mark.parametrize("width", [80, 100])
@@ -211,3 +219,54 @@ def test_data_recipes_cut_no_held_out_set_name(columns):
     assert_fits(done, columns)
     sets = column(done.stdout, 3)
     assert "fineweb_edu_valwikipedia_valtinystories_valmath_val" in sets and "docs_val" in sets, done.stdout
+
+
+def whole_or_fits(text: str, width: int, paths: list[str]) -> None:
+    """Every line fits `width`, but for one that is a path of `paths`, whole on its own line:
+    folded across lines, a path cannot be copied; wider than the terminal, it wraps there."""
+    for line in text.splitlines():
+        assert len(line) <= width or line in paths, (line, text)
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_queue_show_keeps_every_path_whole_on_a_line(tmp_path, columns):
+    """`queue show` folded an event's checkpoint path inside its table cell ('step_0000' /
+    '0010.pt') at 80 columns, and at 40 its message column was one letter wide; its own
+    checkpoint line split the file from its folder ('(in' / folder). Each path is whole now,
+    on a line of its own where it does not fit beside its label, and at 40 columns the
+    perplexities, which folded ('237.' / '16'), are a field a line."""
+    runs_dir = tmp_path / ("runs_" + "deep_folder_" * 4)
+    file = str(runs_dir / "fib_stagger_w8" / "step_00000010.pt")
+    path = str(tmp_path / "q.db")
+    engine = connect(path)
+    queue.add_runs(engine, [RunConfig.resolve("fib_stagger_w8", "demo", "micro", schedule="stagger")])
+    run = queue.claim_next(engine, "vm:4313")
+    recorder = RunRecorder(engine, run.id)
+    for length in (64, 128, 256, 512):
+        recorder.log_eval(10, "docs_val", length, 4096, math.log(237.16))
+    recorder.event("checkpoint", f"step 10: {file}")
+    recorder.update_run(checkpoint_path="fib_stagger_w8/step_00000010.pt", runs_dir=str(runs_dir), final_step=10)
+    engine.dispose()
+    done = fibctl("queue", "show", "fib_stagger_w8", "--db", path, columns=columns)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "…" not in done.stdout, done.stderr
+    whole_or_fits(done.stdout, columns, [file])
+    lines = done.stdout.splitlines()
+    assert sum(file in line for line in lines) == 2, done.stdout  # the run's checkpoint and the event's
+    assert "checkpoint:" in lines[lines.index(file) - 1], done.stdout  # the run's, under its label
+    assert done.stdout.count("237.16") == 4, done.stdout  # every perplexity whole
+
+
+@pytest.mark.parametrize("columns", [80, 40, 24])
+def test_model_and_coverage_headers_and_numbers_whole(columns):
+    """Plain tables: at 40 columns `fibctl model` cut its header to 'distanc…', at 24
+    `fibctl coverage` its own ('dista…'). Every header word and number is whole now, the
+    attended distances wrapped between numbers, never inside one."""
+    done = fibctl("model", columns=columns)
+    assert_fits(done, columns)
+    words = set(done.stdout.replace("│", " ").replace(",", " ").replace(":", " ").split())
+    assert {"distances", "window", "rungs", "60", "850", "688", "610", "987"} <= words, done.stdout
+    assert "0..8" in words and "13" in words, done.stdout
+    done = fibctl("coverage", "--schedule", "stagger", columns=columns)
+    assert_fits(done, columns)
+    words = set(done.stdout.replace("│", " ").replace(":", " ").split())
+    assert {"distinct", "distances", "union", "layers", "133"} <= words, done.stdout

@@ -389,6 +389,58 @@ def test_cli_queue_rm_removes_rows_and_with_checkpoints_the_folder(db, tmp_path,
     assert code == 0 and not (runs / "r000").exists() and queue.list_runs(engine) == []
 
 
+@pytest.mark.parametrize("answer", ["n\n", "\n", "", "y\n"])
+def test_queue_rm_at_a_terminal_says_what_it_deletes_and_asks(tmp_path, monkeypatch, answer):
+    """`queue rm` deleted a run and its results without a word: at a terminal it now says what
+    goes and asks; anything but y or yes (Enter, a closed stdin) removes nothing, exit code 1."""
+    from fibctl.cli import app, db as cli_db
+
+    path = str(tmp_path / "r.db")
+    engine = connect(path)
+    queue.add_runs(engine, _configs(1))
+    RunRecorder(engine, queue.list_runs(engine)[0]["id"]).log_step(10, 3.0, 1e-3)
+    (tmp_path / "runs" / "r000").mkdir(parents=True)
+    monkeypatch.setattr(cli_db, "interactive", lambda: True)
+    done = CliRunner().invoke(app, ["queue", "rm", "r000", "--db", path, "--checkpoints", "--runs-dir",
+                                    str(tmp_path / "runs")], input=answer, env={"COLUMNS": "200"})
+    asked = (f"remove run r000 (queued) and its 1 metric and event row(s), and delete {tmp_path / 'runs' / 'r000'}? "
+             "[y/N] ")
+    assert done.output.startswith(asked), done.output
+    if answer == "y\n":
+        assert done.exit_code == 0 and "removed run r000" in done.output and queue.list_runs(engine) == []
+        assert not (tmp_path / "runs" / "r000").exists()
+    else:
+        assert done.exit_code == 1 and done.output[len(asked):].strip() == "nothing was removed", done.output
+        assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (tmp_path / "runs" / "r000").is_dir()
+
+
+@pytest.mark.parametrize("terminal, args", [(True, ["--yes"]), (True, ["-y"]), (False, [])])
+def test_queue_rm_asks_nothing_with_yes_or_in_a_script(tmp_path, monkeypatch, terminal, args):
+    """Scripts (the tests, the docs' commands, a user's own) ran `queue rm NAME` without a
+    terminal: they go on as before, as does --yes at a terminal."""
+    from fibctl.cli import app, db as cli_db
+
+    path = str(tmp_path / "r.db")
+    engine = connect(path)
+    queue.add_runs(engine, _configs(1))
+    monkeypatch.setattr(cli_db, "interactive", lambda: terminal)
+    done = CliRunner().invoke(app, ["queue", "rm", "r000", "--db", path, *args], input="n\n")
+    assert done.exit_code == 0 and "[y/N]" not in done.output and "removed run r000" in done.output, done.output
+    assert queue.list_runs(engine) == []
+
+
+def test_a_closed_stdin_is_no_terminal_to_ask_at(monkeypatch):
+    """`fibctl queue rm NAME <&-`: isatty on the closed stdin raised ValueError."""
+    import io
+
+    from fibctl.cli.common import interactive
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdin", closed)
+    assert interactive() is False
+
+
 def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatch, capsys):
     engine = connect(db)
     queue.add_runs(engine, _configs(3, steps=100))

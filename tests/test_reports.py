@@ -768,3 +768,35 @@ def test_control_characters_from_a_database_are_shown_in_markdown_and_latex_neve
                                                                                           "\\"), (fmt, out)
     assert render(table, "md").count("\n") == 7  # title, blank, header, rule, the row, blank, note
     assert name in pd.read_csv(io.StringIO(render(table, "csv")))["Run"].tolist()
+
+
+@pytest.mark.parametrize("columns", [60, 40])
+def test_a_continued_tables_title_and_notes_wrap_at_the_terminals_width(study, columns):
+    """Table 2's notes were the caption of its last part, wrapped at that part's width: 19
+    columns (Depth and Scored), at 60 columns as at 40; each part's title at its own width."""
+    import textwrap
+
+    table = tables.table2(ro(study))
+    done = CliRunner().invoke(app, ["report", "table2", "--db", study], env={"COLUMNS": str(columns)})
+    assert done.exit_code == 0 and "(continued)" in done.output, done.output
+    lines = [line.rstrip() for line in done.output.splitlines()]
+    assert max(map(len, lines)) <= columns, done.output
+    notes = lines[len(lines) - 1 - lines[::-1].index(next(l for l in lines[::-1] if l.startswith("└"))) + 1:]
+    assert len(notes) == sum(len(textwrap.wrap(note, columns)) for note in table.notes), done.output
+    assert " ".join(" ".join(notes).split()) == " ".join(table.notes)
+    for title in (table.title, f"{table.title} (continued)"):
+        shown = textwrap.wrap(title, columns)
+        assert any(lines[i:i + len(shown)] == shown for i in range(len(lines))), (shown, done.output)
+
+
+@pytest.mark.parametrize("columns", [40, 30])
+def test_a_header_beside_long_run_names_is_never_cut(study, columns):
+    """Where one column did not fit beside the run names, rich cut its header ('Schedul' /
+    'e', 'TinyStori' / 'es'): the names fold within their column instead, as in `queue ls`."""
+    done = CliRunner().invoke(app, ["report", "table1", "--db", study], env={"COLUMNS": str(columns)})
+    assert done.exit_code == 0, done.output
+    assert max(map(len, done.output.splitlines())) <= columns and "…" not in done.output, done.output
+    headers = {word for line in done.output.splitlines() if line.startswith("┃") for word in line.split("┃")}
+    headers = {h.strip() for h in headers}
+    for column in tables.table1(ro(study)).frame.columns[1:]:
+        assert set(column.split()) <= headers, (column, done.output)

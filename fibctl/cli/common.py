@@ -199,14 +199,15 @@ FOLD_LEAST = 8  # narrower, a folded name or text is hard to read: a table is sh
 
 
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),
-                 fold: Sequence[str] = (), names: Sequence[str] = (), right: Sequence[str] = (),
-                 title=None) -> tuple[Table, list[str]]:
+                 fold: Sequence[str] = (), names: Sequence[str] = (), whole: Sequence[str] = (),
+                 right: Sequence[str] = (), title=None) -> tuple[Table, list[str]]:
     """A rich table no wider than `width` whose cells are never cut with '…': columns in
     `optional` are left out, in that order, until the rest fits; a header wraps at its spaces;
     a cell of a `fold` column (free text: errors, descriptions) folds onto more lines, as does a
     long one of a `names` column (run and matrix names: whole, so they can be read and copied);
-    any other cell keeps its full width. The widest columns give way first. Returns the table
-    and the headers left out."""
+    a cell of a `whole` column (text holding paths) wraps at its spaces only, never inside a
+    word; any other cell keeps its full width. The widest columns give way first. Returns the
+    table and the headers left out."""
     texts = [[c if isinstance(c, Text) else plain(c) for c in row] for row in rows]
 
     def widest(i: int) -> int:  # a column's width with no cell or header wrapped
@@ -214,6 +215,8 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
 
     def least(i: int) -> int:  # the narrowest a column may become without cutting a cell
         header = max((cell_len(w) for w in headers[i].split()), default=1)
+        if headers[i] in whole:  # its longest word
+            return max([header, *(cell_len(w) for row in texts for w in row[i].plain.split())])
         cells = [line.cell_len for row in texts for line in row[i].split()]
         floor = FOLD_WIDTH if headers[i] in fold else NAME_WIDTH if headers[i] in names else None
         return max([header, *(c if floor is None else min(c, floor) for c in cells)])
@@ -248,23 +251,50 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
 
 def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], *, width: int | None = None, **fit) -> Group:
     """What to print for `rows` at `width` (the terminal's): the `fitted_table` and a line naming
-    the columns it left out, or, where even that would fold numbers, the rows as `records`."""
-    table, dropped = fitted_table(headers, rows, width=width or console.width, **fit)
+    the columns it left out, or, where even that would fold numbers (or split a word of a
+    `whole` column), the rows as `records`. With `whole` columns, print it with crop=False: a
+    word longer than the terminal (a path) is shown whole, past the width, not cut."""
+    width = width or console.width
+    table, dropped = fitted_table(headers, rows, width=width, **fit)
     if not table.cells_whole:  # a very narrow terminal: a field a line
         title = [plain(str(fit["title"]))] if fit.get("title") is not None else []
-        return Group(*title, *([records(headers, rows)] if rows else []))
+        return Group(*title, *([records(headers, rows, whole=fit.get("whole", ()), width=width)] if rows else []))
     note = left_out(headers, dropped, rows) if rows else None
     return Group(table, *([plain(note)] if note else []))
 
 
-def records(headers: Sequence[str], rows: Sequence[Sequence]) -> Text:
+def records(headers: Sequence[str], rows: Sequence[Sequence], *, whole: Sequence[str] = (),
+            width: int | None = None) -> Group:
     """The rows of a table too wide to show whole, a field a line: each row's first cell (its
-    name), then `  header: value` for the others, so no number is folded across lines."""
+    name), then `  header: value` for the others, so no number is folded across lines; a field
+    of a `whole` column is wrapped as `unbroken` (at `width`), so a path in it stays whole."""
     lines = []
     for row in rows:
         lines.append(plain(str(row[0])))
-        lines += [plain(f"  {h}: {v}") for h, v in zip(headers[1:], row[1:])]
-    return Text("\n").join(lines)
+        for h, v in zip(headers[1:], row[1:]):
+            lines.append(unbroken(f"  {h}: {v}", width) if h in whole else plain(f"  {h}: {v}"))
+    return Group(*lines)
+
+
+def unbroken(text, width: int | None = None) -> Text:
+    """`text` (shown as `plain` shows it) wrapped at its spaces to `width` (the terminal's), a
+    word longer than a line, a path say, whole on a line of its own: rich would fold it there,
+    and a path folded across lines cannot be copied. Such a line is wider than the terminal,
+    which wraps it on screen: print with soft_wrap=True (or, in a Group, crop=False), or rich
+    cuts it."""
+    width = width or console.width
+    lines = []
+    for line in plain(text).plain.split("\n"):
+        words = line.split(" ")
+        current = words[0]
+        for word in words[1:]:
+            if cell_len(current) + 1 + cell_len(word) > width and current.strip():
+                lines.append(current)
+                current = word
+            else:
+                current += " " + word
+        lines.append(current.rstrip())
+    return Text("\n".join(lines), overflow="ignore", no_wrap=True)
 
 
 def _narrowed(least: Sequence[int], most: Sequence[int], room: int) -> list[int]:
@@ -289,6 +319,21 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
                      + " (a wider terminal shows them)")
     return "; ".join(parts)
+
+
+def interactive() -> bool:
+    """Whether a person answers at stdin (a terminal), not a script, a pipe or a scheduler."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # stdin closed (`<&-`): no one to answer
+        return False
+
+
+def confirmed(question: str) -> bool:
+    """Ask `question [y/N]` on stderr and read the answer at stdin: yes only for y or yes (an
+    empty line, or stdin closed, is no)."""
+    err_console.print(plain(f"{question} [y/N] "), end="", soft_wrap=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def runs_dir_value(value) -> Path:

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import console, err_console, fitted_table, plain
+from fibctl.cli.common import console, err_console, fitted_table, fitted_view, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.errors import FibctlError
@@ -160,21 +160,21 @@ def _print_manifest(m: DataManifest) -> None:
     console.print(plain(f"recipe {m.recipe} ({m.recipe_hash}); data {m.data_hash}"))
     console.print(plain(f"vocab {m.vocab_size:,} (tokenizer {m.tokenizer_vocab:,}, {m.tokenizer_hash}); "
                         f"eos id {m.eos_id}"))
-    # every cell whole at any width: names and paths fold within their column
-    splits, _ = fitted_table(["split", "tokens", "file"],
-                             [[split, f"{m.tokens[split]:,}", str(m.split_path(split))] for split in m.splits],
-                             width=console.width, names=("split", "file"), right=("tokens",))
-    console.print(splits)
+    # every cell whole at any width: names fold within their column; a path is never split
+    # (to be copied), so a terminal too narrow for it gets a field a line, the path whole
+    console.print(fitted_view(["split", "tokens", "file"],
+                              [[split, f"{m.tokens[split]:,}", str(m.split_path(split))] for split in m.splits],
+                              names=("split",), whole=("file",), right=("tokens",)), crop=False)
     rows = []
     for name, s in m.sources.items():
         share = s["train_tokens"] / m.tokens["train"] if m.tokens["train"] else 0.0
         rows.append([name, s["kind"], f"{s['train_tokens']:,}", f"{share:.1%}", f"{s['train_documents']:,}",
                      s["heldout"] or "-", f"{s['heldout_documents']:,}"])
-    per_source, _ = fitted_table(["source", "kind", "train tokens", "share", "train docs", "held-out set",
-                                  "held-out docs"], rows, width=console.width,
-                                 names=("source", "kind", "held-out set"),
-                                 right=("train tokens", "share", "train docs", "held-out docs"))
-    console.print(per_source)
+    # the document counts go first; narrower, a field a line (at 60 columns every cell folded)
+    console.print(fitted_view(["source", "kind", "train tokens", "share", "train docs", "held-out set",
+                               "held-out docs"], rows, names=("source", "kind", "held-out set"),
+                              optional=("train docs", "held-out docs"),
+                              right=("train tokens", "share", "train docs", "held-out docs")))
 
 
 def _warn_short(m: DataManifest) -> None:

@@ -13,8 +13,8 @@ import typer
 from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
-from fibctl.cli.common import (DEFAULT_DB, DbOption, console, fitted_table, fitted_view, goes_with, plain,
-                               runs_dir_value, step_of)
+from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
+                               goes_with, interactive, plain, runs_dir_value, step_of, unbroken)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -361,9 +361,14 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
              runs_dir: Annotated[Optional[Path], typer.Option(
                  "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
                  help="With --checkpoints: the runs folder (default: the one the run last trained in, else runs).")]
-             = None) -> None:
+             = None,
+             yes: Annotated[bool, typer.Option(
+                 "--yes", "-y", help="Do not ask first (asked only where stdin is a terminal).")] = False) -> None:
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
     its checkpoint folder inside the runs folder). A running run is refused.
+
+    At a terminal it first says what it will delete and asks (y/N; no: nothing is removed,
+    exit code 1); --yes does not ask, nor does a script, whose stdin is no terminal.
 
     Example: fibctl queue rm dense_lr1e-3 --checkpoints"""
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
@@ -376,6 +381,12 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
 
     # on the database as it is, before any upgrade: a refusal leaves it as it was
     engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
+    if not yes and interactive():  # a person at a terminal: results are deleted for good
+        r = queue.to_remove(engine, name)
+        what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
+        if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
+            err_console.print(plain("nothing was removed"))
+            raise typer.Exit(1)
     folder: list[Path] = []
     aside: list[Path] = []
     kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)
@@ -456,7 +467,8 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
                            "config_error": o.config_error, "last_step": o.last_step, "eval_step": o.eval_step,
                            "perplexity": {d: {str(n): p for n, p in by.items()} for d, by in o.perplexity.items()},
                            "events": o.events, "event_count": o.event_count})
-    say = lambda text: console.print(plain(text))  # noqa: E731  (names and errors from data, never markup)
+    # names, paths and errors from data, never markup; a long word (a path) is never split
+    say = lambda text: console.print(unbroken(text), soft_wrap=True)  # noqa: E731
     say(f"{r['name']}: {r['status']} (matrix {r['matrix']}, id {r['id']}, preset {r['preset']})")
     if c is None:
         say(o.config_error)
@@ -479,7 +491,8 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
     if r["status"] == "running" and r["heartbeat_at"]:
         say(f"heartbeat: {duration((utcnow() - r['heartbeat_at']).total_seconds())} ago")
     if r["checkpoint_path"]:
-        say(f"checkpoint: {r['checkpoint_path']}" + (f" (in {r['runs_dir']})" if r["runs_dir"] else ""))
+        # one path, the file eval loads (one recorded absolute stays so), to be copied whole
+        say(f"checkpoint: {os.path.join(r['runs_dir'] or '', r['checkpoint_path'])}")
     if r["error"]:
         say(f"error: {r['error']}")
     if o.last_step:
@@ -493,14 +506,15 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
                 for dataset, by_length in o.perplexity.items()]
         headers = ["dataset", *(f"{n:,}" for n in lengths)]
-        table, _ = fitted_table(headers, rows, width=console.width, names=("dataset",), right=headers[1:])
         say(f"perplexity at step {o.eval_step:,}, by evaluation length:")  # a title would wrap at the table's width
-        console.print(table)
+        console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:]))
     if o.events:
         rows = [[f"{e['time']:%Y-%m-%d %H:%M:%S}", e["kind"], e["message"] or ""] for e in o.events]
-        table, _ = fitted_table(["time (UTC)", "event", "message"], rows, width=console.width, fold=("message",))
         say(f"events, the newest {len(o.events)} of {o.event_count}:" if o.event_count > len(o.events) else "events:")
-        console.print(table)
+        # a message's checkpoint path, split across a cell's lines, could not be copied: where
+        # one does not fit its column, an event a few lines, the path whole (crop=False: past
+        # the width, if it is wider than the terminal)
+        console.print(fitted_view(["time (UTC)", "event", "message"], rows, whole=("message",)), crop=False)
 
 
 def _short_commit(commit: str) -> str:

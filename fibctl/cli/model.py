@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from fibctl.cli import app
 from fibctl.cli.common import console, fitted_view, on_interrupt
@@ -59,28 +60,28 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
             "attention q,k,v,o" if ".attn." in name else
             "ffn (SwiGLU)" if ".ffn." in name else "norms")
         groups[key] = groups.get(key, 0) + p.numel()
-    t = Table(title=f"{preset}: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
-                    f"T={cfg.seq_len} V={cfg.vocab_size} ({_attention(schedule, base, window)})")
-    t.add_column("parameters")
-    t.add_column("count", justify="right")
-    for k, v in groups.items():
-        t.add_row(k, f"{v:,}")
-    t.add_row("non-embedding", f"{counts['non_embedding']:,}", style="dim")
-    t.add_row("total", f"{counts['total']:,}", style="bold")
-    console.print(t)
+    title = (f"{preset}: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
+             f"T={cfg.seq_len} V={cfg.vocab_size} ({_attention(schedule, base, window)})")
+    rows = [[k, f"{v:,}"] for k, v in groups.items()]
+    rows += [[Text(label, style), Text(f"{counts[key]:,}", style)]
+             for label, key, style in (("non-embedding", "non_embedding", "dim"), ("total", "total", "bold"))]
+    # fitted: a plain table cut its headers at 40 columns ('distanc…')
+    console.print(fitted_view(["parameters", "count"], rows, whole=("parameters",), right=("count",), title=title))
     if schedule == "dense":
         console.print("dense: every layer attends to all previous positions")
         return
     per_layer = attended_distances(base, schedule, window, cfg.n_layers, cfg.seq_len, cfg.n_rungs)
     alphas = layer_alphas(schedule, cfg.n_layers)
-    lt = Table(title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned" else ""))
-    for col in ("layer", "alpha", "distances", "attended distances (window, then rungs)"):
-        lt.add_column(col)
+    rows = []
     for l, (a, d) in enumerate(zip(alphas, per_layer)):
         near = min(window, cfg.seq_len - 1)  # the window, capped at T - 1 as the model caps it
         rungs = ", ".join(map(str, d[near + 1:]))  # none when the window reaches T - 1
-        lt.add_row(str(l), f"{a:.4f}", str(len(d)), f"0..{near}" + (f" + {rungs}" if rungs else ""))
-    console.print(lt)
+        rows.append([str(l), f"{a:.4f}", str(len(d)), f"0..{near}" + (f" + {rungs}" if rungs else "")])
+    # the distances wrap between numbers, never inside one; a short header, as a field a line
+    # reads it too (`  window + rungs: 0..8 + 13, 21`)
+    console.print(fitted_view(["layer", "alpha", "distances", "window + rungs"], rows, whole=("window + rungs",),
+                              title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned"
+                                                   else "")))
     for note in deviations(schedule, cfg.n_layers):
         console.print(f"note: {note}", highlight=False, markup=False)
 
@@ -101,13 +102,10 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     cfg = dataclasses.replace(get_preset("paper").model, schedule=schedule, base=base, window=window,
                               n_layers=layers, seq_len=check_length(length)).validate().check_window()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
-    t = Table(title=f"coverage: {_attention(schedule, base, window)}, L={layers} T={length}")
-    t.add_column("layer")
-    t.add_column("distinct distances", justify="right")
-    for l, n in enumerate(per_layer):
-        t.add_row(str(l), str(n))
-    t.add_row("union over layers", str(union), style="bold")
-    console.print(t)
+    rows = [[str(l), str(n)] for l, n in enumerate(per_layer)]
+    rows.append([Text("union over layers", "bold"), Text(str(union), "bold")])
+    console.print(fitted_view(["layer", "distinct distances"], rows, whole=("layer",), right=("distinct distances",),
+                              title=f"coverage: {_attention(schedule, base, window)}, L={layers} T={length}"))
     for note in deviations(schedule, layers):
         console.print(f"note: {note}", highlight=False, markup=False)
 

@@ -63,9 +63,11 @@ def _cells(table: Table, bold: str, escape=lambda s: s) -> list[list[str]]:
 def fitted(table: Table, width: int):
     """The terminal rendering no wider than `width`, with no cell cut: a header wraps at its
     spaces, a value keeps its full width, and columns that still do not fit go to further
-    tables below, each repeating the first column (the run)."""
+    tables below, each repeating the first column (the run), whose names fold within it where
+    even one other column does not fit beside it. The title and notes wrap at `width`."""
     from rich.cells import cell_len
     from rich.console import Group
+    from rich.text import Text
 
     texts = [[printable(cell(table, c, v)) for c, v in zip(table.frame.columns, row)]
              for row in table.frame.itertuples(index=False)]
@@ -89,10 +91,13 @@ def fitted(table: Table, width: int):
             cut = min(max(excess, 0), natural[i] - least[i])
             widths[i] -= cut
             excess -= cut
-        last = n == len(chunks) - 1
-        title = escape(printable(table.title if n == 0 else f"{table.title} (continued)"))
-        caption = escape("\n".join(map(printable, table.notes))) if table.notes and last else None
-        out = RichTable(title=title, title_justify="left", caption=caption, caption_justify="left")
+        if excess > 0:  # a long run name and one column: the names fold (rich cut 'Schedul'/'e')
+            widths[0] = max(1, widths[0] - excess)
+        # the title and notes as lines of their own: a table's own wrapped at its width, the
+        # notes under a narrow continued part at 19 columns
+        title = table.title if n == 0 else f"{table.title} (continued)"
+        parts.append(Text(printable(title), style="table.title"))
+        out = RichTable()
         for i in chunk:
             c = table.frame.columns[i]
             out.add_column(escape(headers[i]), justify="right" if _numeric(table, c) else "left",
@@ -100,6 +105,8 @@ def fitted(table: Table, width: int):
         for row in bolded:
             out.add_row(*(row[i] for i in chunk))
         parts.append(out)
+    if table.notes:
+        parts.append(Text("\n".join(map(printable, table.notes)), style="table.caption"))
     return Group(*parts)
 
 

@@ -98,6 +98,26 @@ def test_lr_is_the_study_schedule_bit_for_bit_at_every_step():
     assert {lr_at(s, probe) for s in range(1, probe.steps + 1)} == {probe.lr}
 
 
+def test_a_steps_loss_sums_its_micro_batches_as_the_study_did(data, tmp_path):
+    """The study added each micro-batch's loss / grad_accum, a float32 number, to a Python
+    float. Summed in float32 instead, the step's loss rounds on the way."""
+    trainer = Trainer(micro_run("x", grad_accum=8), load_manifest(data), tmp_path / "x", NullReporter())
+    model, micro = trainer.step_model, []
+
+    def forward(x, y):
+        loss = FibLM.forward(model, x, y)
+        micro.append(float(loss.detach() / 8))
+        return loss
+
+    model.forward = forward
+    trainer.step = 1
+    loss, _ = trainer.train_step()
+    study = 0.0
+    for value in micro:
+        study += value
+    assert len(micro) == 8 and loss == study
+
+
 def test_weight_decay_applies_to_matrices_only():
     cfg = micro_run("x", "learned").model
     model = FibLM(cfg)

@@ -25,10 +25,12 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     """Learning rate of step `step` (steps count from 1)."""
     if step <= tc.warmup_steps:
         return tc.lr * step / tc.warmup_steps
-    floor = tc.lr * tc.min_lr_ratio
     span = tc.steps - tc.warmup_steps
     progress = min(1.0, (step - tc.warmup_steps) / span) if span > 0 else 1.0
-    return floor + (tc.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # the study's expression, operation for operation: another grouping of the same value
+    # (floor + (peak - floor) * ...) differs in the last bit at about half the steps
+    r = tc.min_lr_ratio
+    return tc.lr * (r + (1 - r) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

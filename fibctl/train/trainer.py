@@ -312,7 +312,8 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over grad_accum micro-batches: (mean loss, grad norm before clipping)."""
         set_lr(self.optimizer, lr_at(self.step, self.tc))
-        total = torch.zeros((), device=self.device)
+        # float64, as the study summed each micro-batch's float32 loss into a Python float
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         mine = self.group.micro_batches(self.tc.grad_accum) if self.group else range(self.tc.grad_accum)
         # DDP averages the ranks' gradients: each rank divides by its own count of micro-batches
         # (grad_accum / ranks), so that the average is the one-process sum of loss / grad_accum

@@ -322,7 +322,7 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
         synchronize(device)
         t0 = time.perf_counter()
         set_lr(optimizer, lr_at(step, tc))
-        total = torch.zeros((), device=device)
+        total = torch.zeros((), dtype=torch.float64, device=device)  # as the trainer sums a step's loss
         for batch in batches:
             batch = batch.to(device, non_blocking=True)
             with autocast(device):

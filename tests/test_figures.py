@@ -12,6 +12,7 @@ from fibctl.db import schema
 from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
 from fibctl.reports import figures
+from fibctl.schedules import layer_alphas
 from test_reports import add_eval, add_run
 
 PNG, PDF = b"\x89PNG\r\n\x1a\n", b"%PDF"
@@ -471,3 +472,42 @@ def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, 
         for text, extent in _texts(fig):
             assert fig.bbox.x0 - 1 <= extent.x0 and extent.x1 <= fig.bbox.x1 + 1, text.get_text()
             assert fig.bbox.y0 - 1 <= extent.y0 and extent.y1 <= fig.bbox.y1 + 1, text.get_text()
+
+
+def _alphas_db(path: str, runs: int) -> str:
+    """`runs` runs with alphas, as a fibctl-trained paper matrix records them: learned ones over
+    training (16 layers, 27 steps), static ones once; names as long as the probe's."""
+    engine = connect(path)
+    schedules = ("learned", "fixed", "stagger", "coprime")
+    with engine.begin() as conn:
+        for i in range(runs):
+            schedule = schedules[i % len(schedules)]
+            rid = add_run(conn, f"r{i:02d}__logsparse_{schedule}_w12_s43", schedule, window=12)
+            steps = range(0, 13500, 500) if schedule == "learned" else (0,)
+            static = layer_alphas(schedule, 16)
+            conn.execute(insert(schema.Alpha), [
+                dict(run_id=rid, step=s, layer=l, alpha=1 + (l / 15 - 0.5) * s / 13000 if schedule == "learned"
+                     else static[l]) for s in steps for l in range(16)])
+    engine.dispose()
+    return path
+
+
+@pytest.mark.parametrize("runs", [2, 9, 13, 31])
+def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
+    """A panel of 1.9 in a row of three: 31 runs (a paper matrix recorded by fibctl) drew a
+    figure 21 in tall. Past a page's rows the panels get smaller and more to a row; every run
+    is drawn, every text stays inside the figure and clear of the others, at 8 pt or more."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), runs)), tmp_path / "a.png")
+    fig = drawn[0]
+    assert fig.get_figheight() <= figures.PAGE_HEIGHT and fig.get_figwidth() <= figures.TEXT_WIDTH
+    titles = sorted(ax.get_title().replace("\n", "") for ax in fig.axes if ax.get_visible() and ax.get_title())
+    assert titles == [f"r{i:02d}__logsparse_{s}_w12_s43" for i, s in
+                      enumerate(("learned", "fixed", "stagger", "coprime") * 8)][:runs]
+    texts = _texts(fig)
+    for i, (a, abox) in enumerate(texts):
+        assert a.get_fontsize() >= 8, a.get_text()
+        assert fig.bbox.x0 - 1 <= abox.x0 and abox.x1 <= fig.bbox.x1 + 1, a.get_text()
+        assert fig.bbox.y0 - 1 <= abox.y0 and abox.y1 <= fig.bbox.y1 + 1, a.get_text()
+        for b, bbox in texts[i + 1:]:
+            if a.get_rotation() % 90 == 0 and b.get_rotation() % 90 == 0:
+                assert not abox.overlaps(bbox), (a.get_text(), b.get_text())

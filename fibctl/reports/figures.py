@@ -48,6 +48,8 @@ STYLE = {
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
 COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
+# the tallest figure a page holds: a two-column paper's text height (9 in) less a caption's lines
+PAGE_HEIGHT = 8.5
 # colour = schedule, from Okabe & Ito's colour-blind-safe palette; dense is black, the baseline
 # everything is read against. Printed in grey the palette keeps few levels apart: fixed and
 # stagger, the study's comparison, take two far apart (blue L* 46, orange 71); learned and
@@ -59,6 +61,11 @@ HOLLOW_SCHEDULES = {"learned", "coprime"}
 LOOK_ALIKE_COLORS = ("#009E73", "#CC79A7", "#F0E442", "#999999")
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
+# alphas: a row of panels 1.9 in tall, three to a row while they fit a page; past that the rows
+# shrink to 1.3 in, with up to 6 panels to a row (about 1 in wide: a run's name on two lines);
+# past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
+ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
+ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
 RUN_LEGEND_MAX = 8
 # markers on a line of many points (a run's evaluations, its logged steps): enough to tell W
@@ -458,15 +465,19 @@ ORDER BY r.name, a.layer, a.step"""
         what = f"run {run!r}" if run else f"sparse runs{runs.said()}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
-    runs = sorted(long["run"].unique())
-    ncols = min(3, len(runs))  # at the text width a panel is 2.2 in: room for a run's name
-    nrows = math.ceil(len(runs) / ncols)
-    fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, 1.9 * nrows + 0.5)
+    every = sorted(long["run"].unique())
+    ncols, nrows, row = alpha_grid(len(every))
+    runs = every[:ncols * nrows]
+    fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, row * nrows + ALPHA_TITLE)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    small = ncols > 3  # about 1 in a panel: labels once for the figure, not on each panel
     for ax, name in zip(axes.ravel(), runs):
-        _alpha_panel(ax, long[long["run"] == name], name)
+        _alpha_panel(ax, long[long["run"] == name], name, small=small)
+        # 0.5, 1 and 1.5 (alpha's ends and middle) always ticked; quarters where a panel has room
+        ax.set_yticks(np.arange(0.5, 1.51, 0.25 if row >= 1.5 else 0.5))
     for ax in axes.ravel()[len(runs):]:
         ax.set_visible(False)
+    shown = axes.ravel()[:len(runs)]
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
     if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
@@ -474,8 +485,38 @@ ORDER BY r.name, a.layer, a.step"""
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
-    _fit_titles(fig, axes.ravel()[:len(runs)])
+    _label_once(fig, axes, shown, small, "" if len(runs) == len(every) else
+                f"the first {len(runs)} of {len(every)} runs by name; --run or --matrix draws others")
+    _fit_titles(fig, shown)
     return _save(fig, path)
+
+
+def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
+    """The alphas panels' axis labels once for the figure, where they do not fit a panel (1.5 in
+    'layer (set by the schedule)' ran into the next panel's, beside a colour bar) or the panels
+    are `small`; `note` on a line below them (kept by --no-title)."""
+    fig.draw_without_rendering()  # lays the panels out: their widths as saved
+    wide = any(ax.xaxis.label.get_window_extent().width > ax.get_window_extent().width for ax in shown)
+    if small or wide:
+        xlabel = " or ".join(dict.fromkeys(ax.get_xlabel() for ax in shown))
+        for ax in axes.ravel():
+            ax.set_xlabel("")
+            ax.set_ylabel("")
+        fig.supylabel("\u03b1 of the layer")
+        note = f"{xlabel}\n{note}" if note else xlabel
+    if note:
+        fig.supxlabel(note)
+
+
+def alpha_grid(runs: int) -> tuple[int, int, float]:
+    """Columns, rows and row height (in) of the alphas figure's panels: the fewest columns (3 or
+    more) whose rows fit a page at ALPHA_ROW_MIN or taller (1.9 in a row, a panel each, made
+    figures of 13 runs taller than a page), at most ALPHA_COLUMNS_MAX; as many rows as fit then."""
+    fit = int((PAGE_HEIGHT - ALPHA_TITLE) // ALPHA_ROW_MIN)
+    ncols = next((c for c in range(min(runs, 3), ALPHA_COLUMNS_MAX) if math.ceil(runs / c) <= fit),
+                 ALPHA_COLUMNS_MAX)
+    nrows = min(math.ceil(runs / ncols), fit)
+    return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
 def _fit_titles(fig: Figure, axes) -> None:
@@ -498,21 +539,25 @@ def _fit_titles(fig: Figure, axes) -> None:
         title.set_text("\n".join(lines + [line]))
 
 
-def _alpha_panel(ax, points: pd.DataFrame, name: str) -> None:
-    ax.set_title(name)
+def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) -> None:
+    """One run's alphas; a `small` panel (about 1 in) has 8 pt text, smaller dots and 3 x ticks."""
+    ax.set_title(name, fontsize=8 if small else None)
     ax.set_ylim(0.45, 1.55)  # alpha lies in [0.5, 1.5]
     n_layers = int(points["layer"].max()) + 1
     if points["step"].nunique() == 1:
-        ax.plot(points["layer"], points["alpha"], marker="o",
+        ax.plot(points["layer"], points["alpha"], marker="o", markersize=3 if small else None,
                 color=SCHEDULE_COLORS.get(points["schedule"].iloc[0], "tab:gray"))
         static = points["schedule"].iloc[0] != "learned"  # its alphas are the schedule's, at every step
         ax.set_xlabel("layer (set by the schedule)" if static else f"layer (step {points['step'].iloc[0]})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True))
     else:
         cmap = colormaps["viridis"]
         for layer, line in points.groupby("layer"):
             ax.plot(line["step"], line["alpha"], color=cmap(layer / max(n_layers - 1, 1)))
         ax.set_xlabel("training step")
+        if small:  # 0, 5000 and 10000 ran into each other in a 1 in panel
+            ax.xaxis.set_major_locator(MaxNLocator(3))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v else "0"))
 
 
 @styled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 from sqlalchemy import insert
@@ -511,3 +512,55 @@ def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
         for b, bbox in texts[i + 1:]:
             if a.get_rotation() % 90 == 0 and b.get_rotation() % 90 == 0:
                 assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
+
+
+def _ticked_below(fig) -> list[str]:
+    """The panels of a drawn figure whose lowest point has no labelled tick at or below it."""
+    _renderer(fig)
+    bare = []
+    for ax in [a for a in fig.axes if a.get_label() != "<colorbar>"] + [c for a in fig.axes for c in a.child_axes]:
+        low = figures._lowest_drawn(ax)
+        bottom, top = ax.get_ylim()
+        if low is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
+            continue
+        slack = (top - bottom) * 1e-9
+        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= low + slack]
+        if not ticks:
+            bare.append(f"{ax.get_title() or ax.get_ylabel()}: lowest {low:.4g}, ticks {list(ax.get_yticks())}")
+    return bare
+
+
+@pytest.mark.parametrize("fixture", ["db", "repeated_db", "study_like_db"])
+def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, drawn, tmp_path):
+    """posloss's loss panel ticked from 3.75 with its lowest point at 3.71; curves' perplexity
+    from 40 with the dense run at 34: a line's lowest part could be read only against ticks
+    above it. Every panel of every figure has a labelled tick at or below its lowest point."""
+    engine = connect_readonly(request.getfixturevalue(fixture))
+    for name in ("extrapolation", "posloss", "curves", "alphas"):
+        with contextlib.suppress(FibctlError):  # repeated_db records no positions, no alphas
+            figures.FIGURES[name](engine, tmp_path / f"{name}.png")
+    assert len(drawn) >= 2
+    assert not [bare for fig in drawn for bare in _ticked_below(fig)]
+
+
+@pytest.fixture(scope="module")
+def study_like_db(tmp_path_factory) -> str:
+    """The imported study's shape: sparse runs evaluated 24 times (perplexity 52 down to about 42), the dense baseline at the final step only (34), positions with a small spread."""
+    path = str(tmp_path_factory.mktemp("study") / "results.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        rid = add_run(conn, "ref_e0000", "dense", T=1024)
+        for length, ppl in ((1024, 33.9), (2048, 49.0), (4096, 100.0)):
+            add_eval(conn, rid, length, ppl)
+        for i, (schedule, w) in enumerate((("fixed", 8), ("stagger", 8), ("fixed", 12), ("stagger", 12))):
+            rid = add_run(conn, f"f{i:02d}__fib_{schedule}_w{w}", schedule, window=w, T=1024)
+            for step in range(25, 625, 25):  # final_step 600
+                add_eval(conn, rid, 1024, 41.5 + i + 280 / step - 280 / 600, step=step)
+            for length, factor in ((2048, 0.99), (4096, 0.98 + i / 50)):
+                add_eval(conn, rid, length, (41.5 + i) * factor)
+            conn.execute(insert(schema.PositionLoss), [
+                dict(run_id=rid, step=600, dataset="docs_val", eval_length=1024, position=p,
+                     mean_loss=3.71 + 0.04 * (schedule == "fixed") + 0.17 / (1 + p / 40), windows=8)
+                for p in range(1023)])
+    engine.dispose()
+    return path

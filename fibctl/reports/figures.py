@@ -112,8 +112,13 @@ def _figure(width: float, height: float) -> Figure:
 
 def _save(fig: Figure, path: str | Path) -> Path:
     """Save at the figure's own size (the constrained layout keeps every label and legend
-    inside it; a tight bounding box would change the print size)."""
+    inside it; a tight bounding box would change the print size), each panel ticked at or
+    below its lowest point."""
     path = check_path(path)
+    fig.draw_without_rendering()  # the panels at their saved size: how many ticks they take
+    for ax in fig.axes:
+        if ax.get_label() != "<colorbar>":
+            _tick_below(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF or SVG otherwise records when it was written: the same data would give other bytes
     metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
@@ -186,15 +191,49 @@ def _plain_log_axis(axis) -> None:
     2x10^1, dense enough to read values off even when the data span less than a decade."""
     lo, hi = axis.get_view_interval()
     for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8), (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)):
-        ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-                 for m in mantissas if lo <= m * 10 ** e <= hi]
-        if len(ticks) >= 4:
+        # a decade either side of the view: the ticks _tick_below may lower the axis to
+        ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                 for m in mantissas]
+        if sum(lo <= t <= hi for t in ticks) >= 4:
             break
     else:  # a span under a factor of about 1.5: evenly spaced round numbers
-        ticks = [t for t in MaxNLocator(5).tick_values(lo, hi) if lo <= t <= hi]
+        ticks = list(MaxNLocator(5).tick_values(lo, hi))
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
+
+
+def _lowest_drawn(ax) -> float | None:
+    """The lowest y the axes draw within their x view: their lines' points and bars' ends."""
+    lo, hi = sorted(ax.get_xlim())
+    ys = [y for line in ax.get_lines() if line.get_transform() is ax.transData  # not axhline's
+          for x, y in line.get_xydata() if lo <= x <= hi and math.isfinite(y)]
+    ys += [y for bar in ax.patches for y in (bar.get_y(), bar.get_y() + bar.get_height())]
+    return min(ys, default=None)
+
+
+def _tick_below(ax) -> None:
+    """Lower the y-axis, where its first labelled tick is above the lowest point drawn (posloss
+    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34: the line's
+    lowest part had no tick below it), to the locator's next tick under that point, and keep
+    the ticks as they are (a layout redone at saving could thin them to other values)."""
+    low = _lowest_drawn(ax)
+    bottom, top = ax.get_ylim()
+    if low is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
+        return
+    locator = ax.yaxis.get_major_locator()
+    ticks = list(locator())
+    slack = (top - bottom) * 1e-9
+    if any(bottom - slack <= t <= low + slack for t in ticks):
+        return
+    under = [t for t in ticks if t <= low] or [t for t in locator.tick_values(2 * low - top, top) if t <= low]
+    if not under:
+        return
+    # a margin below the tick, as matplotlib leaves below data, in the axis' own scale (log, linear)
+    scale = ax.yaxis.get_transform()
+    a, b = scale.transform([max(under), top])
+    ax.set_ylim(bottom=scale.inverted().transform([a - (b - a) * 0.02])[0])
+    ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | {max(under)})))
 
 
 def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:

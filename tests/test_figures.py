@@ -133,7 +133,7 @@ def _texts(fig):
 
     renderer = _renderer(fig)
     hidden = set()
-    for ax in fig.axes:
+    for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             hidden |= {id(label) for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
@@ -545,7 +545,7 @@ def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, dr
 
 @pytest.fixture(scope="module")
 def study_like_db(tmp_path_factory) -> str:
-    """The imported study's shape: sparse runs evaluated 24 times (perplexity 52 down to about 42), the dense baseline at the final step only (34), positions with a small spread."""
+    """The imported study's shape: sparse runs evaluated 24 times (perplexity 210 down to about 42), the dense baseline at the final step only (34), positions with a small spread."""
     path = str(tmp_path_factory.mktemp("study") / "results.db")
     engine = connect(path)
     with engine.begin() as conn:
@@ -555,7 +555,7 @@ def study_like_db(tmp_path_factory) -> str:
         for i, (schedule, w) in enumerate((("fixed", 8), ("stagger", 8), ("fixed", 12), ("stagger", 12))):
             rid = add_run(conn, f"f{i:02d}__fib_{schedule}_w{w}", schedule, window=w, T=1024)
             for step in range(25, 625, 25):  # final_step 600
-                add_eval(conn, rid, 1024, 41.5 + i + 280 / step - 280 / 600, step=step)
+                add_eval(conn, rid, 1024, 41.5 + i + 4300 / step - 4300 / 600, step=step)
             for length, factor in ((2048, 0.99), (4096, 0.98 + i / 50)):
                 add_eval(conn, rid, length, (41.5 + i) * factor)
             conn.execute(insert(schema.PositionLoss), [
@@ -564,3 +564,35 @@ def study_like_db(tmp_path_factory) -> str:
                 for p in range(1023)])
     engine.dispose()
     return path
+
+
+def test_the_end_of_training_is_magnified_where_the_curves_flatten(study_like_db, repeated_db, drawn, tmp_path):
+    """The study's perplexity falls from 210 to 42 in 13,000 steps: on its log axis the last
+    4,000, where the schedules part, were a band 0.15 in tall. The step axis stays linear (a log
+    one would squash the end further); an inset draws the last third on a linear axis, which its
+    lines fill, over no point of the panel and clear of every other text. A curve still falling
+    fast at the end (repeated_db's: it fills its panel there) gets none."""
+    import numpy as np
+
+    figures.curves(connect_readonly(study_like_db), tmp_path / "c.png")
+    figures.curves(connect_readonly(repeated_db), tmp_path / "r.png")
+    panel = drawn[0].axes[0]
+    (inset,) = panel.child_axes
+    assert panel.get_xscale() == inset.get_xscale() == inset.get_yscale() == "linear"
+    lo, hi = inset.get_xlim()
+    assert lo <= 400 and 600 <= hi < 650  # the last third of 600 steps
+    points = np.concatenate([line.get_xydata() for line in panel.get_lines()])
+    late = np.concatenate([xy[xy[:, 0] >= 400, 1] for xy in (line.get_xydata() for line in panel.get_lines())
+                           if len(xy) > 1])  # not the dense run's one evaluation
+    bottom, top = inset.get_ylim()
+    assert bottom <= late.min() and late.max() <= top and np.ptp(late) / (top - bottom) >= 0.5
+    in_panel = panel.transAxes.inverted().transform(panel.transData.transform([[600, late.min()], [600, late.max()]]))
+    assert np.ptp(in_panel[:, 1]) < 0.25  # what the inset magnifies took under a quarter of the panel
+    renderer = _renderer(drawn[0])
+    covered = inset.get_tightbbox(renderer)  # with its tick labels
+    assert not any(covered.contains(x, y) for x, y in panel.transData.transform(points))
+    texts = [(t, box) for t, box in _texts(drawn[0]) if t.get_rotation() % 90 == 0]
+    for i, (a, abox) in enumerate(texts):
+        for b, bbox in texts[i + 1:]:
+            assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
+    assert not drawn[1].axes[0].child_axes

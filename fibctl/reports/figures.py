@@ -66,6 +66,14 @@ WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
 ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
 ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
+# curves: the end of training drawn again in an inset, magnified, on a panel whose lines there
+# all lie under it (the study's first evaluations, 210, set a log axis on which its last 4,000
+# steps, 42 to 48, where the schedules part, were a band 0.15 in tall): x, y, width and height
+# in fractions of the panel, its upper right, which a falling curve leaves empty
+ZOOM_BOX = (0.47, 0.5, 0.51, 0.45)
+ZOOM_SHARE = 1 / 3  # the last third of training: 4,300 of the study's 13,000 steps
+ZOOM_STEPS = 4  # evaluations in that third at the least: fewer show no curve to magnify
+ZOOM_CLEAR = 0.12  # of the panel's width and height: the inset's tick labels, left of and under it
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
 RUN_LEGEND_MAX = 8
 # markers on a line of many points (a run's evaluations, its logged steps): enough to tell W
@@ -116,7 +124,7 @@ def _save(fig: Figure, path: str | Path) -> Path:
     below its lowest point."""
     path = check_path(path)
     fig.draw_without_rendering()  # the panels at their saved size: how many ticks they take
-    for ax in fig.axes:
+    for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
         if ax.get_label() != "<colorbar>":
             _tick_below(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,10 +212,11 @@ def _plain_log_axis(axis) -> None:
 
 
 def _lowest_drawn(ax) -> float | None:
-    """The lowest y the axes draw within their x view: their lines' points and bars' ends."""
-    lo, hi = sorted(ax.get_xlim())
+    """The lowest y the axes draw in their view: their lines' points and bars' ends (a point
+    outside it, as under a zoom's inset, is not drawn there)."""
+    (left, right), (bottom, top) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
     ys = [y for line in ax.get_lines() if line.get_transform() is ax.transData  # not axhline's
-          for x, y in line.get_xydata() if lo <= x <= hi and math.isfinite(y)]
+          for x, y in line.get_xydata() if left <= x <= right and bottom <= y <= top]
     ys += [y for bar in ax.patches for y in (bar.get_y(), bar.get_y() + bar.get_height())]
     return min(ys, default=None)
 
@@ -450,6 +459,7 @@ ORDER BY r.name, t.step""", **params)
                        **{**style, "linewidth": min(style["linewidth"], 1.6)})
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
+    _zoom_late(left)
     left.set_xlabel("training step")
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
     left.set_title("validation" + (" (thin: light budget)" if light_shown else ""))
@@ -464,6 +474,43 @@ ORDER BY r.name, t.step""", **params)
 
 
 SMOOTH_SHARE = 0.1  # of a run's logged steps, averaged around each one
+
+
+def _zoom_late(ax) -> None:
+    """The panel's lines over the last ZOOM_SHARE of training, drawn again on a linear y-axis in
+    an inset (ZOOM_BOX) and the span they cover marked on the panel, where every point right
+    of the inset lies under it and its tick labels (where one does not, the late part fills
+    enough of the panel to be read there). Its y-limits fit the lines of several points: a
+    baseline evaluated once (the study's dense run, 34 under 42 to 47) stays on the panel."""
+    lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
+    points = np.concatenate([line.get_xydata() for line in lines])
+    points = points[np.isfinite(points).all(axis=1)]
+    ax.get_ylim()  # the limits autoscaled: where each point sits in the panel
+    inside = ax.transAxes.inverted().transform(ax.transData.transform(points))
+    x0, y0, _, _ = ZOOM_BOX
+    end = points[:, 0].max()
+    start = end * (1 - ZOOM_SHARE) * (1 - 1e-9)  # step 20 of 30 is in the last third
+    late = [xy[xy[:, 0] >= start] for xy in (line.get_xydata() for line in lines) if len(xy) > 1]
+    late = np.concatenate(late)[:, 1] if late else np.empty(0)
+    late = late[np.isfinite(late)]
+    steps = np.unique(points[points[:, 0] >= start, 0])
+    if not len(late) or len(steps) < ZOOM_STEPS or (inside[inside[:, 0] >= x0 - ZOOM_CLEAR, 1] >= y0 - ZOOM_CLEAR).any():
+        return
+    inset = ax.inset_axes(ZOOM_BOX)
+    inset.spines[["top", "right"]].set_visible(True)  # a box: the panel's lines run behind it
+    for line in lines:
+        inset.plot(line.get_xdata(), line.get_ydata(), color=line.get_color(), linestyle=line.get_linestyle(),
+                   linewidth=line.get_linewidth(), marker=line.get_marker(), markersize=line.get_markersize(),
+                   markerfacecolor=line.get_markerfacecolor(), markevery=line.get_markevery(),
+                   alpha=line.get_alpha(), zorder=line.get_zorder())
+    pad = (late.max() - late.min()) * 0.06 or abs(late.max()) * 0.01
+    inset.set_xlim(start - (end - start) * 0.04, end + (end - start) * 0.04)
+    inset.set_ylim(late.min() - pad, late.max() + pad)
+    # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked
+    inset.xaxis.set_major_locator(MaxNLocator(3))
+    inset.yaxis.set_major_locator(MaxNLocator(3))
+    _tick_below(inset)
+    ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
 
 def smoothed(loss: pd.Series) -> pd.Series:

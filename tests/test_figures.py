@@ -545,7 +545,8 @@ def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, dr
 
 @pytest.fixture(scope="module")
 def study_like_db(tmp_path_factory) -> str:
-    """The imported study's shape: sparse runs evaluated 24 times (perplexity 210 down to about 42), the dense baseline at the final step only (34), positions with a small spread."""
+    """The imported study's shape: sparse runs evaluated 24 times (perplexity 210 down to about
+    42), the dense baseline at its final step only (34), positions with a small spread."""
     path = str(tmp_path_factory.mktemp("study") / "results.db")
     engine = connect(path)
     with engine.begin() as conn:
@@ -596,3 +597,11 @@ def test_the_end_of_training_is_magnified_where_the_curves_flatten(study_like_db
         for b, bbox in texts[i + 1:]:
             assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
     assert not drawn[1].axes[0].child_axes
+
+
+def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
+    """The coverage figure's bar of alpha (0.5 to 1.5) was ticked 0.6 to 1.4: stagger's first
+    and last layers' colours had no tick at or beyond them."""
+    figures.coverage(tmp_path / "c.png")  # the paper's 16 layers: a bar 3 in tall
+    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    assert bar.get_yticks()[0] == 0.5 and bar.get_yticks()[-1] == 1.5

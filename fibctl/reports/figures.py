@@ -66,6 +66,7 @@ WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
 ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
 ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
+ALPHA_TICKS = (0.5, 0.75, 1.0, 1.25, 1.5)  # alpha lies in [0.5, 1.5]: both ends ticked
 # curves: the end of training drawn again in an inset, magnified, on a panel whose lines there
 # all lie under it (the study's first evaluations, 210, set a log axis on which its last 4,000
 # steps, 42 to 48, where the schedules part, were a band 0.15 in tall): x, y, width and height
@@ -485,7 +486,7 @@ def _zoom_late(ax) -> None:
     lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
     points = np.concatenate([line.get_xydata() for line in lines])
     points = points[np.isfinite(points).all(axis=1)]
-    ax.get_ylim()  # the limits autoscaled: where each point sits in the panel
+    _tick_below(ax)  # the panel's limits final: where each point sits in it
     inside = ax.transAxes.inverted().transform(ax.transData.transform(points))
     x0, y0, _, _ = ZOOM_BOX
     end = points[:, 0].max()
@@ -494,7 +495,8 @@ def _zoom_late(ax) -> None:
     late = np.concatenate(late)[:, 1] if late else np.empty(0)
     late = late[np.isfinite(late)]
     steps = np.unique(points[points[:, 0] >= start, 0])
-    if not len(late) or len(steps) < ZOOM_STEPS or (inside[inside[:, 0] >= x0 - ZOOM_CLEAR, 1] >= y0 - ZOOM_CLEAR).any():
+    under = (inside[inside[:, 0] >= x0 - ZOOM_CLEAR, 1] < y0 - ZOOM_CLEAR).all()
+    if not len(late) or len(steps) < ZOOM_STEPS or not under:
         return
     inset = ax.inset_axes(ZOOM_BOX)
     inset.spines[["top", "right"]].set_visible(True)  # a box: the panel's lines run behind it
@@ -559,8 +561,8 @@ ORDER BY r.name, a.layer, a.step"""
     small = ncols > 3  # about 1 in a panel: labels once for the figure, not on each panel
     for ax, name in zip(axes.ravel(), runs):
         _alpha_panel(ax, long[long["run"] == name], name, small=small)
-        # 0.5, 1 and 1.5 (alpha's ends and middle) always ticked; quarters where a panel has room
-        ax.set_yticks(np.arange(0.5, 1.51, 0.25 if row >= 1.5 else 0.5))
+        # alpha's ends and middle always ticked; quarters where a panel has room
+        ax.set_yticks(ALPHA_TICKS if row >= 1.5 else ALPHA_TICKS[::2])
     for ax in axes.ravel()[len(runs):]:
         ax.set_visible(False)
     shown = axes.ravel()[:len(runs)]
@@ -572,7 +574,7 @@ ORDER BY r.name, a.layer, a.step"""
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
     _label_once(fig, axes, shown, small, "" if len(runs) == len(every) else
-                f"the first {len(runs)} of {len(every)} runs by name; --run or --matrix draws others")
+                f"the first {len(runs)} of {len(every)} runs by name; --run, --matrix or --only draws others")
     _fit_titles(fig, shown)
     return _save(fig, path)
 
@@ -690,8 +692,9 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top
-    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
-                 shrink=0.8)
+    bar = fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
+                       shrink=0.8)
+    bar.set_ticks(ALPHA_TICKS)  # its ends ticked (0.6 to 1.4 left stagger's first and last layers without)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     return _save(fig, path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 from sqlalchemy import insert
@@ -12,6 +13,7 @@ from fibctl.db import schema
 from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
 from fibctl.reports import figures
+from fibctl.schedules import layer_alphas
 from test_reports import add_eval, add_run
 
 PNG, PDF = b"\x89PNG\r\n\x1a\n", b"%PDF"
@@ -131,7 +133,7 @@ def _texts(fig):
 
     renderer = _renderer(fig)
     hidden = set()
-    for ax in fig.axes:
+    for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             hidden |= {id(label) for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
@@ -471,3 +473,135 @@ def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, 
         for text, extent in _texts(fig):
             assert fig.bbox.x0 - 1 <= extent.x0 and extent.x1 <= fig.bbox.x1 + 1, text.get_text()
             assert fig.bbox.y0 - 1 <= extent.y0 and extent.y1 <= fig.bbox.y1 + 1, text.get_text()
+
+
+def _alphas_db(path: str, runs: int) -> str:
+    """`runs` runs with alphas, as a fibctl-trained paper matrix records them: learned ones over
+    training (16 layers, 27 steps), static ones once; names as long as the probe's."""
+    engine = connect(path)
+    schedules = ("learned", "fixed", "stagger", "coprime")
+    with engine.begin() as conn:
+        for i in range(runs):
+            schedule = schedules[i % len(schedules)]
+            rid = add_run(conn, f"r{i:02d}__logsparse_{schedule}_w12_s43", schedule, window=12)
+            steps = range(0, 13500, 500) if schedule == "learned" else (0,)
+            static = layer_alphas(schedule, 16)
+            conn.execute(insert(schema.Alpha), [
+                dict(run_id=rid, step=s, layer=l, alpha=1 + (l / 15 - 0.5) * s / 13000 if schedule == "learned"
+                     else static[l]) for s in steps for l in range(16)])
+    engine.dispose()
+    return path
+
+
+@pytest.mark.parametrize("runs", [2, 9, 13, 31])
+def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
+    """A panel of 1.9 in a row of three: 31 runs (a paper matrix recorded by fibctl) drew a
+    figure 21 in tall. Past a page's rows the panels get smaller and more to a row; every run
+    is drawn, every text stays inside the figure and clear of the others, at 8 pt or more."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), runs)), tmp_path / "a.png")
+    fig = drawn[0]
+    assert fig.get_figheight() <= figures.PAGE_HEIGHT and fig.get_figwidth() <= figures.TEXT_WIDTH
+    titles = sorted(ax.get_title().replace("\n", "") for ax in fig.axes if ax.get_visible() and ax.get_title())
+    assert titles == [f"r{i:02d}__logsparse_{s}_w12_s43" for i, s in
+                      enumerate(("learned", "fixed", "stagger", "coprime") * 8)][:runs]
+    texts = _texts(fig)
+    for i, (a, abox) in enumerate(texts):
+        assert a.get_fontsize() >= 8, a.get_text()
+        assert fig.bbox.x0 - 1 <= abox.x0 and abox.x1 <= fig.bbox.x1 + 1, a.get_text()
+        assert fig.bbox.y0 - 1 <= abox.y0 and abox.y1 <= fig.bbox.y1 + 1, a.get_text()
+        for b, bbox in texts[i + 1:]:
+            if a.get_rotation() % 90 == 0 and b.get_rotation() % 90 == 0:
+                assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
+
+
+def _ticked_below(fig) -> list[str]:
+    """The panels of a drawn figure whose lowest point has no labelled tick at or below it."""
+    _renderer(fig)
+    bare = []
+    for ax in [a for a in fig.axes if a.get_label() != "<colorbar>"] + [c for a in fig.axes for c in a.child_axes]:
+        low = figures._lowest_drawn(ax)
+        bottom, top = ax.get_ylim()
+        if low is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
+            continue
+        slack = (top - bottom) * 1e-9
+        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= low + slack]
+        if not ticks:
+            bare.append(f"{ax.get_title() or ax.get_ylabel()}: lowest {low:.4g}, ticks {list(ax.get_yticks())}")
+    return bare
+
+
+@pytest.mark.parametrize("fixture", ["db", "repeated_db", "study_like_db"])
+def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, drawn, tmp_path):
+    """posloss's loss panel ticked from 3.75 with its lowest point at 3.71; curves' perplexity
+    from 40 with the dense run at 34: a line's lowest part could be read only against ticks
+    above it. Every panel of every figure has a labelled tick at or below its lowest point."""
+    engine = connect_readonly(request.getfixturevalue(fixture))
+    for name in ("extrapolation", "posloss", "curves", "alphas"):
+        with contextlib.suppress(FibctlError):  # repeated_db records no positions, no alphas
+            figures.FIGURES[name](engine, tmp_path / f"{name}.png")
+    assert len(drawn) >= 2
+    assert not [bare for fig in drawn for bare in _ticked_below(fig)]
+
+
+@pytest.fixture(scope="module")
+def study_like_db(tmp_path_factory) -> str:
+    """The imported study's shape: sparse runs evaluated 24 times (perplexity 210 down to about
+    42), the dense baseline at its final step only (34), positions with a small spread."""
+    path = str(tmp_path_factory.mktemp("study") / "results.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        rid = add_run(conn, "ref_e0000", "dense", T=1024)
+        for length, ppl in ((1024, 33.9), (2048, 49.0), (4096, 100.0)):
+            add_eval(conn, rid, length, ppl)
+        for i, (schedule, w) in enumerate((("fixed", 8), ("stagger", 8), ("fixed", 12), ("stagger", 12))):
+            rid = add_run(conn, f"f{i:02d}__fib_{schedule}_w{w}", schedule, window=w, T=1024)
+            for step in range(25, 625, 25):  # final_step 600
+                add_eval(conn, rid, 1024, 41.5 + i + 4300 / step - 4300 / 600, step=step)
+            for length, factor in ((2048, 0.99), (4096, 0.98 + i / 50)):
+                add_eval(conn, rid, length, (41.5 + i) * factor)
+            conn.execute(insert(schema.PositionLoss), [
+                dict(run_id=rid, step=600, dataset="docs_val", eval_length=1024, position=p,
+                     mean_loss=3.71 + 0.04 * (schedule == "fixed") + 0.17 / (1 + p / 40), windows=8)
+                for p in range(1023)])
+    engine.dispose()
+    return path
+
+
+def test_the_end_of_training_is_magnified_where_the_curves_flatten(study_like_db, repeated_db, drawn, tmp_path):
+    """The study's perplexity falls from 210 to 42 in 13,000 steps: on its log axis the last
+    4,000, where the schedules part, were a band 0.15 in tall. The step axis stays linear (a log
+    one would squash the end further); an inset draws the last third on a linear axis, which its
+    lines fill, over no point of the panel and clear of every other text. A curve still falling
+    fast at the end (repeated_db's: it fills its panel there) gets none."""
+    import numpy as np
+
+    figures.curves(connect_readonly(study_like_db), tmp_path / "c.png")
+    figures.curves(connect_readonly(repeated_db), tmp_path / "r.png")
+    panel = drawn[0].axes[0]
+    (inset,) = panel.child_axes
+    assert panel.get_xscale() == inset.get_xscale() == inset.get_yscale() == "linear"
+    lo, hi = inset.get_xlim()
+    assert lo <= 400 and 600 <= hi < 650  # the last third of 600 steps
+    points = np.concatenate([line.get_xydata() for line in panel.get_lines()])
+    late = np.concatenate([xy[xy[:, 0] >= 400, 1] for xy in (line.get_xydata() for line in panel.get_lines())
+                           if len(xy) > 1])  # not the dense run's one evaluation
+    bottom, top = inset.get_ylim()
+    assert bottom <= late.min() and late.max() <= top and np.ptp(late) / (top - bottom) >= 0.5
+    in_panel = panel.transAxes.inverted().transform(panel.transData.transform([[600, late.min()], [600, late.max()]]))
+    assert np.ptp(in_panel[:, 1]) < 0.25  # what the inset magnifies took under a quarter of the panel
+    renderer = _renderer(drawn[0])
+    covered = inset.get_tightbbox(renderer)  # with its tick labels
+    assert not any(covered.contains(x, y) for x, y in panel.transData.transform(points))
+    texts = [(t, box) for t, box in _texts(drawn[0]) if t.get_rotation() % 90 == 0]
+    for i, (a, abox) in enumerate(texts):
+        for b, bbox in texts[i + 1:]:
+            assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
+    assert not drawn[1].axes[0].child_axes
+
+
+def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
+    """The coverage figure's bar of alpha (0.5 to 1.5) was ticked 0.6 to 1.4: stagger's first
+    and last layers' colours had no tick at or beyond them."""
+    figures.coverage(tmp_path / "c.png")  # the paper's 16 layers: a bar 3 in tall
+    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    assert bar.get_yticks()[0] == 0.5 and bar.get_yticks()[-1] == 1.5

@@ -48,6 +48,8 @@ STYLE = {
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
 COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75
+# the tallest figure a page holds: a two-column paper's text height (9 in) less a caption's lines
+PAGE_HEIGHT = 8.5
 # colour = schedule, from Okabe & Ito's colour-blind-safe palette; dense is black, the baseline
 # everything is read against. Printed in grey the palette keeps few levels apart: fixed and
 # stagger, the study's comparison, take two far apart (blue L* 46, orange 71); learned and
@@ -59,6 +61,20 @@ HOLLOW_SCHEDULES = {"learned", "coprime"}
 LOOK_ALIKE_COLORS = ("#009E73", "#CC79A7", "#F0E442", "#999999")
 BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
+# alphas: a row of panels 1.9 in tall, three to a row while they fit a page; past that the rows
+# shrink to 1.3 in, with up to 6 panels to a row (about 1 in wide: a run's name on two lines);
+# past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
+ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
+ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
+ALPHA_TICKS = (0.5, 0.75, 1.0, 1.25, 1.5)  # alpha lies in [0.5, 1.5]: both ends ticked
+# curves: the end of training drawn again in an inset, magnified, on a panel whose lines there
+# all lie under it (the study's first evaluations, 210, set a log axis on which its last 4,000
+# steps, 42 to 48, where the schedules part, were a band 0.15 in tall): x, y, width and height
+# in fractions of the panel, its upper right, which a falling curve leaves empty
+ZOOM_BOX = (0.47, 0.5, 0.51, 0.45)
+ZOOM_SHARE = 1 / 3  # the last third of training: 4,300 of the study's 13,000 steps
+ZOOM_STEPS = 4  # evaluations in that third at the least: fewer show no curve to magnify
+ZOOM_CLEAR = 0.12  # of the panel's width and height: the inset's tick labels, left of and under it
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
 RUN_LEGEND_MAX = 8
 # markers on a line of many points (a run's evaluations, its logged steps): enough to tell W
@@ -105,8 +121,13 @@ def _figure(width: float, height: float) -> Figure:
 
 def _save(fig: Figure, path: str | Path) -> Path:
     """Save at the figure's own size (the constrained layout keeps every label and legend
-    inside it; a tight bounding box would change the print size)."""
+    inside it; a tight bounding box would change the print size), each panel ticked at or
+    below its lowest point."""
     path = check_path(path)
+    fig.draw_without_rendering()  # the panels at their saved size: how many ticks they take
+    for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
+        if ax.get_label() != "<colorbar>":
+            _tick_below(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF or SVG otherwise records when it was written: the same data would give other bytes
     metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
@@ -179,15 +200,50 @@ def _plain_log_axis(axis) -> None:
     2x10^1, dense enough to read values off even when the data span less than a decade."""
     lo, hi = axis.get_view_interval()
     for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8), (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)):
-        ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-                 for m in mantissas if lo <= m * 10 ** e <= hi]
-        if len(ticks) >= 4:
+        # a decade either side of the view: the ticks _tick_below may lower the axis to
+        ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                 for m in mantissas]
+        if sum(lo <= t <= hi for t in ticks) >= 4:
             break
     else:  # a span under a factor of about 1.5: evenly spaced round numbers
-        ticks = [t for t in MaxNLocator(5).tick_values(lo, hi) if lo <= t <= hi]
+        ticks = list(MaxNLocator(5).tick_values(lo, hi))
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
+
+
+def _lowest_drawn(ax) -> float | None:
+    """The lowest y the axes draw in their view: their lines' points and bars' ends (a point
+    outside it, as under a zoom's inset, is not drawn there)."""
+    (left, right), (bottom, top) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+    ys = [y for line in ax.get_lines() if line.get_transform() is ax.transData  # not axhline's
+          for x, y in line.get_xydata() if left <= x <= right and bottom <= y <= top]
+    ys += [y for bar in ax.patches for y in (bar.get_y(), bar.get_y() + bar.get_height())]
+    return min(ys, default=None)
+
+
+def _tick_below(ax) -> None:
+    """Lower the y-axis, where its first labelled tick is above the lowest point drawn (posloss
+    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34: the line's
+    lowest part had no tick below it), to the locator's next tick under that point, and keep
+    the ticks as they are (a layout redone at saving could thin them to other values)."""
+    low = _lowest_drawn(ax)
+    bottom, top = ax.get_ylim()
+    if low is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
+        return
+    locator = ax.yaxis.get_major_locator()
+    ticks = list(locator())
+    slack = (top - bottom) * 1e-9
+    if any(bottom - slack <= t <= low + slack for t in ticks):
+        return
+    under = [t for t in ticks if t <= low] or [t for t in locator.tick_values(2 * low - top, top) if t <= low]
+    if not under:
+        return
+    # a margin below the tick, as matplotlib leaves below data, in the axis' own scale (log, linear)
+    scale = ax.yaxis.get_transform()
+    a, b = scale.transform([max(under), top])
+    ax.set_ylim(bottom=scale.inverted().transform([a - (b - a) * 0.02])[0])
+    ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | {max(under)})))
 
 
 def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
@@ -404,6 +460,7 @@ ORDER BY r.name, t.step""", **params)
                        **{**style, "linewidth": min(style["linewidth"], 1.6)})
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
+    _zoom_late(left)
     left.set_xlabel("training step")
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
     left.set_title("validation" + (" (thin: light budget)" if light_shown else ""))
@@ -418,6 +475,44 @@ ORDER BY r.name, t.step""", **params)
 
 
 SMOOTH_SHARE = 0.1  # of a run's logged steps, averaged around each one
+
+
+def _zoom_late(ax) -> None:
+    """The panel's lines over the last ZOOM_SHARE of training, drawn again on a linear y-axis in
+    an inset (ZOOM_BOX) and the span they cover marked on the panel, where every point right
+    of the inset lies under it and its tick labels (where one does not, the late part fills
+    enough of the panel to be read there). Its y-limits fit the lines of several points: a
+    baseline evaluated once (the study's dense run, 34 under 42 to 47) stays on the panel."""
+    lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
+    points = np.concatenate([line.get_xydata() for line in lines])
+    points = points[np.isfinite(points).all(axis=1)]
+    _tick_below(ax)  # the panel's limits final: where each point sits in it
+    inside = ax.transAxes.inverted().transform(ax.transData.transform(points))
+    x0, y0, _, _ = ZOOM_BOX
+    end = points[:, 0].max()
+    start = end * (1 - ZOOM_SHARE) * (1 - 1e-9)  # step 20 of 30 is in the last third
+    late = [xy[xy[:, 0] >= start] for xy in (line.get_xydata() for line in lines) if len(xy) > 1]
+    late = np.concatenate(late)[:, 1] if late else np.empty(0)
+    late = late[np.isfinite(late)]
+    steps = np.unique(points[points[:, 0] >= start, 0])
+    under = (inside[inside[:, 0] >= x0 - ZOOM_CLEAR, 1] < y0 - ZOOM_CLEAR).all()
+    if not len(late) or len(steps) < ZOOM_STEPS or not under:
+        return
+    inset = ax.inset_axes(ZOOM_BOX)
+    inset.spines[["top", "right"]].set_visible(True)  # a box: the panel's lines run behind it
+    for line in lines:
+        inset.plot(line.get_xdata(), line.get_ydata(), color=line.get_color(), linestyle=line.get_linestyle(),
+                   linewidth=line.get_linewidth(), marker=line.get_marker(), markersize=line.get_markersize(),
+                   markerfacecolor=line.get_markerfacecolor(), markevery=line.get_markevery(),
+                   alpha=line.get_alpha(), zorder=line.get_zorder())
+    pad = (late.max() - late.min()) * 0.06 or abs(late.max()) * 0.01
+    inset.set_xlim(start - (end - start) * 0.04, end + (end - start) * 0.04)
+    inset.set_ylim(late.min() - pad, late.max() + pad)
+    # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked
+    inset.xaxis.set_major_locator(MaxNLocator(3))
+    inset.yaxis.set_major_locator(MaxNLocator(3))
+    _tick_below(inset)
+    ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
 
 def smoothed(loss: pd.Series) -> pd.Series:
@@ -458,15 +553,19 @@ ORDER BY r.name, a.layer, a.step"""
         what = f"run {run!r}" if run else f"sparse runs{runs.said()}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
-    runs = sorted(long["run"].unique())
-    ncols = min(3, len(runs))  # at the text width a panel is 2.2 in: room for a run's name
-    nrows = math.ceil(len(runs) / ncols)
-    fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, 1.9 * nrows + 0.5)
+    every = sorted(long["run"].unique())
+    ncols, nrows, row = alpha_grid(len(every))
+    runs = every[:ncols * nrows]
+    fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, row * nrows + ALPHA_TITLE)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    small = ncols > 3  # about 1 in a panel: labels once for the figure, not on each panel
     for ax, name in zip(axes.ravel(), runs):
-        _alpha_panel(ax, long[long["run"] == name], name)
+        _alpha_panel(ax, long[long["run"] == name], name, small=small)
+        # alpha's ends and middle always ticked; quarters where a panel has room
+        ax.set_yticks(ALPHA_TICKS if row >= 1.5 else ALPHA_TICKS[::2])
     for ax in axes.ravel()[len(runs):]:
         ax.set_visible(False)
+    shown = axes.ravel()[:len(runs)]
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
     if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
@@ -474,8 +573,38 @@ ORDER BY r.name, a.layer, a.step"""
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
-    _fit_titles(fig, axes.ravel()[:len(runs)])
+    _label_once(fig, axes, shown, small, "" if len(runs) == len(every) else
+                f"the first {len(runs)} of {len(every)} runs by name; --run, --matrix or --only draws others")
+    _fit_titles(fig, shown)
     return _save(fig, path)
+
+
+def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
+    """The alphas panels' axis labels once for the figure, where they do not fit a panel (1.5 in
+    'layer (set by the schedule)' ran into the next panel's, beside a colour bar) or the panels
+    are `small`; `note` on a line below them (kept by --no-title)."""
+    fig.draw_without_rendering()  # lays the panels out: their widths as saved
+    wide = any(ax.xaxis.label.get_window_extent().width > ax.get_window_extent().width for ax in shown)
+    if small or wide:
+        xlabel = " or ".join(dict.fromkeys(ax.get_xlabel() for ax in shown))
+        for ax in axes.ravel():
+            ax.set_xlabel("")
+            ax.set_ylabel("")
+        fig.supylabel("\u03b1 of the layer")
+        note = f"{xlabel}\n{note}" if note else xlabel
+    if note:
+        fig.supxlabel(note)
+
+
+def alpha_grid(runs: int) -> tuple[int, int, float]:
+    """Columns, rows and row height (in) of the alphas figure's panels: the fewest columns (3 or
+    more) whose rows fit a page at ALPHA_ROW_MIN or taller (1.9 in a row, a panel each, made
+    figures of 13 runs taller than a page), at most ALPHA_COLUMNS_MAX; as many rows as fit then."""
+    fit = int((PAGE_HEIGHT - ALPHA_TITLE) // ALPHA_ROW_MIN)
+    ncols = next((c for c in range(min(runs, 3), ALPHA_COLUMNS_MAX) if math.ceil(runs / c) <= fit),
+                 ALPHA_COLUMNS_MAX)
+    nrows = min(math.ceil(runs / ncols), fit)
+    return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
 def _fit_titles(fig: Figure, axes) -> None:
@@ -498,21 +627,25 @@ def _fit_titles(fig: Figure, axes) -> None:
         title.set_text("\n".join(lines + [line]))
 
 
-def _alpha_panel(ax, points: pd.DataFrame, name: str) -> None:
-    ax.set_title(name)
+def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) -> None:
+    """One run's alphas; a `small` panel (about 1 in) has 8 pt text, smaller dots and 3 x ticks."""
+    ax.set_title(name, fontsize=8 if small else None)
     ax.set_ylim(0.45, 1.55)  # alpha lies in [0.5, 1.5]
     n_layers = int(points["layer"].max()) + 1
     if points["step"].nunique() == 1:
-        ax.plot(points["layer"], points["alpha"], marker="o",
+        ax.plot(points["layer"], points["alpha"], marker="o", markersize=3 if small else None,
                 color=SCHEDULE_COLORS.get(points["schedule"].iloc[0], "tab:gray"))
         static = points["schedule"].iloc[0] != "learned"  # its alphas are the schedule's, at every step
         ax.set_xlabel("layer (set by the schedule)" if static else f"layer (step {points['step'].iloc[0]})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True))
     else:
         cmap = colormaps["viridis"]
         for layer, line in points.groupby("layer"):
             ax.plot(line["step"], line["alpha"], color=cmap(layer / max(n_layers - 1, 1)))
         ax.set_xlabel("training step")
+        if small:  # 0, 5000 and 10000 ran into each other in a 1 in panel
+            ax.xaxis.set_major_locator(MaxNLocator(3))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v else "0"))
 
 
 @styled
@@ -559,8 +692,9 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     axes[0].set_ylabel("layer")
     axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylim(n_layers - 0.5, -0.5)  # layer 0 on top
-    fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
-                 shrink=0.8)
+    bar = fig.colorbar(ScalarMappable(Normalize(0.5, 1.5), cmap), ax=axes.tolist(), label="\u03b1 of the rungs",
+                       shrink=0.8)
+    bar.set_ticks(ALPHA_TICKS)  # its ends ticked (0.6 to 1.4 left stagger's first and last layers without)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     return _save(fig, path)
 

@@ -7,7 +7,9 @@ import math
 
 
 def duration(seconds: float) -> str:
-    seconds = max(0, int(math.ceil(seconds)))
+    if math.isnan(seconds) or seconds == math.inf:  # a time edited to nan or inf: no whole seconds (int() raised)
+        return str(seconds)
+    seconds = int(math.ceil(max(seconds, 0)))
     hours, rest = divmod(seconds, 3600)
     if hours:
         return f"{hours}h{rest // 60:02d}m"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -64,6 +65,12 @@ def checkpoint_db(tmp: Path, name: str, content: bytes, data: Path) -> str:
     return str(db)
 
 
+def _saved(state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
 def build(tmp: Path) -> dict[str, str]:
     """Every bad input, written once; names -> paths."""
     p = {}
@@ -95,7 +102,8 @@ def build(tmp: Path) -> dict[str, str]:
     upgrade(str(tmp / "old.db"), "0001")
     p["old_db"] = str(tmp / "old.db")
     for kind, content in {"zero": b"", "truncated": b"PK\x03\x04\x14\x00\x00\x00\x08\x00",
-                          "random": np.random.default_rng(0).bytes(5000)}.items():
+                          "random": np.random.default_rng(0).bytes(5000),
+                          "hash": _saved({"model": {}, "step": 10, "config_hash": torch.zeros(3)})}.items():
         p[f"{kind}_ckpt_db"] = checkpoint_db(tmp, kind, content, data)
     for kind, text in {"list": "[1, 2, 3]", "nokey": '{"format": 1, "recipe": "x"}'}.items():
         (tmp / f"manifest_{kind}").mkdir()
@@ -185,6 +193,9 @@ CASES = [
     (["eval", "run", "--length", "64", "--db", "{zero_ckpt_db}", "--data", "{data}"], "damaged or not a checkpoint"),
     (["eval", "run", "--length", "64", "--db", "{truncated_ckpt_db}", "--data", "{data}"], "damaged or not a"),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{data}"], "checkpoint"),
+    # a hash that is not text: comparing it with the run's was a RuntimeError traceback
+    (["eval", "run", "--length", "64", "--db", "{hash_ckpt_db}", "--data", "{data}"],
+     "is damaged or not a checkpoint (its config_hash is a Tensor, not text)"),
     # manifests and token streams
     (["data", "show", "{manifest_list}"], "not a valid data manifest"),
     (["data", "show", "{manifest_nokey}"], "not a valid data manifest"),

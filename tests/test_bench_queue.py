@@ -48,9 +48,14 @@ def test_on_postgresql_the_scratch_database_is_dropped_afterwards():
             assert not conn.execute(text("SELECT datname FROM pg_database WHERE datname LIKE 'fibctl_bench_%'")).all()
 
 
-def test_bad_input_is_one_line():
+def test_bad_input_is_one_line(monkeypatch):
     with pytest.raises(FibctlError, match="--processes must be >= 1"):
         bench_queue(None, processes=4, runs=2)
+    # --runs 99999999999 resolved configs for hours, then ran out of memory; --processes forked as many
+    monkeypatch.setattr("fibctl.flows.bench_queue.RunConfig", None)  # nothing may be resolved
+    for processes, runs in ((8, 99_999_999_999), (100_000, 100_000)):
+        with pytest.raises(FibctlError, match="--processes and --runs are at most 256 and 1,000,000"):
+            bench_queue(None, processes=processes, runs=runs)
     done = subprocess.run([sys.executable, "-m", "fibctl", "bench", "queue", "--db", "mysql://x@h/db"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "SQLite or PostgreSQL" in done.stderr and "Traceback" not in done.stderr
@@ -63,3 +68,23 @@ def test_a_sqlite_db_which_would_be_ignored_is_refused(db, tmp_path, monkeypatch
     with pytest.raises(FibctlError, match=r"bench queue takes --db for a PostgreSQL server only"):
         bench_queue(db, processes=2, runs=20)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("child, words", [
+    # a connection refused (too many clients on a PostgreSQL server, say)
+    ("def connect(db, **kw):\n"
+     "    if os.getpid() != parent:\n"
+     "        raise bq.FibctlError('too many connections (a test)')\n"
+     "    return real(db, **kw)\n"
+     "bq.connect = connect\n", "a claiming process failed: too many connections (a test)"),
+    ("bq._claimer = lambda *a: os._exit(3)\n", "a claiming process ended with exit code 3"),  # killed, say
+])
+def test_a_claiming_process_that_fails_is_one_line_not_a_wait(child, words):
+    """It printed a traceback per failed process, and the command waited 600 s for it, the
+    other processes at the barrier, then ended in a traceback of its own."""
+    script = ("import os, sys\nimport fibctl.flows.bench_queue as bq\nparent, real = os.getpid(), bq.connect\n"
+              + child + "from fibctl.cli import main\n"
+              "sys.argv = ['fibctl', 'bench', 'queue', '--processes', '2', '--runs', '4']\nmain()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: bench queue: {words}"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -440,6 +441,21 @@ def test_a_damaged_database_is_named_in_one_line_and_no_report_is_left(command, 
     code, out, err = _in_process(capsys, monkeypatch, *(a.format(tmp=tmp_path) for a in command), "--db", str(db))
     assert code == 2 and err == f"error: {db} is not a usable database: database disk image is malformed\n", err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.db"]
+
+
+def test_a_run_list_that_fails_to_read_leaves_no_report_either(tmp_path, monkeypatch, capsys):
+    """The page's run list is read after the tables and figures: a value there that SQLite
+    cannot decode stopped the report with exit 2 but left rep/ with every file but index.html."""
+    import shutil
+
+    db = tmp_path / "r.db"
+    shutil.copy(REPO_EXAMPLE, db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE runs SET host = CAST(x'ff41' AS TEXT)")  # not UTF-8: read by the run list only
+    con.close()
+    code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--out", str(tmp_path / "rep"), "--db", str(db))
+    assert code == 2 and len(err.splitlines()) == 1 and "decode" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.db"]
 
 
 def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():

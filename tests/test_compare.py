@@ -97,6 +97,18 @@ def test_compare_bad_input_is_one_line_exit_2_and_it_writes_nothing(tmp_path, na
     assert sorted(os.listdir(tmp_path)) == before  # read-only: not even SQLite's -wal and -shm
 
 
+def test_a_wall_time_of_inf_is_shown_as_inf(tmp_path):
+    """A wall time edited to inf (9e999 in the sqlite3 shell) was an OverflowError traceback in
+    `compare` and `queue show`, which count its whole seconds."""
+    db = _two_runs(tmp_path)
+    engine = connect(db)
+    with engine.begin() as conn:
+        conn.execute(update(schema.Run).where(schema.Run.name == "a").values(wall_seconds=float("inf")))
+    engine.dispose()
+    shown = compared("a", "b", "--db", db)
+    assert re.search(r"│ a +│ done +│ +600 │ +- +│ +inf │", shown), shown
+
+
 def _two_runs(folder) -> str:
     db = str(folder / "r.db")
     engine = connect(db)

@@ -572,6 +572,16 @@ def test_a_perplexity_of_inf_is_shown_as_inf(tmp_path, monkeypatch):
     assert not (tmp_path / "every.png").exists()
 
 
+def test_a_perplexity_of_0_or_below_has_no_loss_in_table3(tmp_path):
+    """A perplexity edited by hand to 0 or below: Table 3's loss against it (math.log) was a
+    ValueError traceback, in `report table3`, `report all` and the extrapolation figure."""
+    db = _example_with(tmp_path, "UPDATE evaluations SET ppl = 0 WHERE run_id = 2",
+                       "UPDATE evaluations SET ppl = -1 WHERE run_id = 3")
+    rows = {r["Run"]: r for r in tables.table3(ro(db)).frame.to_dict("records")}
+    assert np.isnan(rows["fib_fixed_w8"]["vs 1x loss"]) and np.isnan(rows["fib_stagger_w8"]["vs 1x loss"])
+    assert rows["dense"]["vs 1x loss"] == pytest.approx(0.784, abs=1e-3)  # the README's
+
+
 def test_renderings_bold_the_best_and_keep_raw_numbers(study):
     t = tables.table1(ro(study))
     md = render.render(t, "md")

@@ -441,6 +441,16 @@ def test_json_a_record_at_a_time_is_json_dumps_of_the_list(rows):
     assert "".join(json_lines(Rows(columns, rows, False))) == whole
 
 
+def test_json_refuses_two_columns_named_alike(sqlite_db, monkeypatch, capsys):
+    """A record holds one value per name: the first `id` of `SELECT r.id, e.id` was dropped unsaid."""
+    query = "SELECT r.id, e.id FROM runs r JOIN evaluations e ON e.run_id = r.id"
+    fails_in_one_line(["sql", query, "--db", sqlite_db, "--format", "json"], Path(sqlite_db).parent,
+                      "the result has more than one column named 'id', and a JSON record holds one value per name",
+                      monkeypatch, capsys)
+    r = CliRunner().invoke(app, ["sql", query, "--db", sqlite_db, "--format", "csv"])
+    assert r.exit_code == 0 and r.stdout.startswith("id,id\n"), r.output
+
+
 def test_the_table_format_is_bounded(sqlite_db, monkeypatch, capsys):
     """rich draws a table whole: 30,000 rows of 8 columns took 30 s and 645 MB, 100,000 rows
     of 80 columns minutes and 4.7 GB. Past its bounds the table is refused before anything is

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -30,7 +31,12 @@ from sqlalchemy.engine import make_url
 from fibctl import queue
 from fibctl.config import RunConfig
 from fibctl.db.engine import connect, resolve_url, shown
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, first_line
+
+# Each claiming process is a fork with a connection of its own; past these the benchmark would
+# take the machine's memory (or the server's connections) rather than measure claims
+MAX_PROCESSES = 256
+MAX_RUNS = 1_000_000  # queued before the timing: some 0.4 GB of configs, resolved in about 12 s
 
 
 @dataclass
@@ -135,14 +141,20 @@ def _claimer(db: str, plain: bool, barrier, results) -> None:
     # the process at once, not through the command's handler, which would wait out an SQLite busy wait
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    engine = connect(db)
-    engine.connect().close()  # the pool keeps it: opening it is not part of a claim
-    barrier.wait()
-    claim = (lambda: _plain_claim(engine)) if plain else (lambda: queue.claim_next(engine, "bench") is not None)
-    count, started = 0, time.perf_counter()
-    while claim():
-        count += 1
-    results.put((count, time.perf_counter() - started))
+    try:
+        engine = connect(db)
+        engine.connect().close()  # the pool keeps it: opening it is not part of a claim
+        barrier.wait()
+        claim = (lambda: _plain_claim(engine)) if plain else (lambda: queue.claim_next(engine, "bench") is not None)
+        count, started = 0, time.perf_counter()
+        while claim():
+            count += 1
+        results.put((count, time.perf_counter() - started))
+    except threading.BrokenBarrierError:  # another process failed: its reason is the one to give
+        results.put(None)
+    except Exception as e:  # a connection refused (too many clients): a traceback per process, the others waiting
+        barrier.abort()
+        results.put(first_line(e, 300))
 
 
 def _plain_claim(engine) -> bool:
@@ -164,8 +176,11 @@ def _claim_all(db: str, processes: int, plain: bool) -> tuple[float, float]:
         with sigint_left_to_parent():
             for p in procs:
                 p.start()
-        outcomes = [results.get(timeout=600) for _ in procs]
+        outcomes = [_outcome(results, procs) for _ in procs]
         wall = time.perf_counter() - started
+        failed = next((o for o in outcomes if isinstance(o, str)), None)
+        if failed is not None or None in outcomes:
+            raise FibctlError(f"bench queue: a claiming process failed: {failed or 'it ended without a word'}")
         for p in procs:
             p.join(60)
     finally:  # after a Ctrl-C here (or a failure) the claiming processes, which ignore it, are ended
@@ -173,6 +188,19 @@ def _claim_all(db: str, processes: int, plain: bool) -> tuple[float, float]:
     claims = sum(n for n, _ in outcomes)
     per_claim = max(s / n for n, s in outcomes if n) if claims else float("nan")
     return claims / wall, per_claim
+
+
+def _outcome(results, procs: list[mp.process.BaseProcess]):
+    """The next process's outcome; a process that died without one (killed) would be waited for
+    forever, the others at the barrier with it."""
+    while True:
+        try:
+            return results.get(timeout=1)
+        except Empty:
+            dead = next((p for p in procs if p.exitcode not in (None, 0)), None)
+            if dead is not None:
+                raise FibctlError(f"bench queue: a claiming process ended with exit code {dead.exitcode} "
+                                  "before it was done") from None
 
 
 def _micro_step_ms() -> float:
@@ -185,6 +213,9 @@ def _micro_step_ms() -> float:
 def bench_queue(db: str | None = None, processes: int = 8, runs: int = 400) -> QueueBench:
     if processes < 1 or runs < processes:
         raise FibctlError(f"--processes must be >= 1 and --runs at least as many (got {processes}, {runs})")
+    if processes > MAX_PROCESSES or runs > MAX_RUNS:
+        raise FibctlError(f"--processes and --runs are at most {MAX_PROCESSES} and {MAX_RUNS:,} "
+                          f"(got {processes:,}, {runs:,})")
     configs = [RunConfig.resolve(f"bench{i:05d}", "bench", "micro", schedule="fixed") for i in range(runs)]
     with scratch_database(db) as scratch:
         engine = connect(scratch)

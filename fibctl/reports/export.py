@@ -115,6 +115,8 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
                 raise
             except FibctlError as e:
                 skipped.append((name, str(e)))
+        # the page's run list is read here, among the jobs: a read failing there is one of theirs
+        runs = html.runs_html(engine) if written else ""
     except KeyboardInterrupt as e:  # what is written stays (listed: the next report replaces it)
         if not written:
             _unclaim(out, before, made)
@@ -134,8 +136,7 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     if written:
         index = out / "index.html"
         listed = _claim(out, listed, [index.name])
-        write_text(index, html.page(title, built.tables, built.figures, html.runs_html(engine), skipped,
-                                    source=source))
+        write_text(index, html.page(title, built.tables, built.figures, runs, skipped, source=source))
         written.append(index)
         # an earlier report's files, beside this one: only those it listed, never a user's file
         # of the same name (--out ~ holding its own table1.csv)

@@ -307,6 +307,11 @@ def json_lines(result: Rows) -> Iterator[str]:
             v = int(v) if v.is_finite() and v == v.to_integral_value() else float(v)
         return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
+    # a record holds one value per name: the first of two columns named alike was dropped unsaid
+    repeated = sorted({c for c in result.columns if result.columns.count(c) > 1})
+    if repeated:
+        raise FibctlError(f"the result has more than one column named {', '.join(map(repr, repeated))}, and a JSON "
+                          "record holds one value per name: name them apart (r.id AS run_id) or use --format csv")
     if not result.rows:
         yield "[]"
         return

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -502,13 +501,15 @@ ORDER BY r.name, e.eval_length"""
             (ppl_at[i, at[4 * t]] / ppl_at[i, at[t]] - 1) * 100 if t in at and 4 * t in at else float("nan")
             for i, t in enumerate(wide["train_length"])
         ]
+        # a perplexity of 0 or below (a row edited by hand) has no loss: shown as -, not a math error
+        loss_at = np.log(np.where(ppl_at > 0, ppl_at, np.nan))
     cols = ["run", "base", "schedule", "window", *lengths, "Δ at 4x"]
     formats = {str(n): ppl for n in lengths} | {"Δ at 4x": percent}
     if wide["loss_beyond"].notna().any():
         # the collapse is plainest here: positions a model never trained on, against its 1x loss
         wide["Loss past T at 4x"] = wide["loss_beyond"]
         wide["vs 1x loss"] = [
-            wide["loss_beyond"].iat[i] - math.log(ppl_at[i, at[t]]) if t in at else float("nan")
+            wide["loss_beyond"].iat[i] - loss_at[i, at[t]] if t in at else float("nan")
             for i, t in enumerate(wide["train_length"])
         ]
         cols += ["Loss past T at 4x", "vs 1x loss"]

@@ -149,6 +149,12 @@ def load_checkpoint(path: Path) -> dict:
         what = step if isinstance(step, int) and not isinstance(step, bool) else _a(step)
         raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its step is {what}, not a "
                                 "count of steps)")
+    # compared with the run's as text: a tensor there raised a RuntimeError (a traceback) in the comparing
+    odd = next((k for k in ("config_hash", "data_hash") if state.get(k) is not None and not isinstance(state[k], str)),
+               None)
+    if odd:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its {odd} is {_a(state[odd])}, "
+                                "not text)")
     return state
 
 

@@ -89,10 +89,22 @@ class Group:
             dist.destroy_process_group()
 
 
+def _rank() -> tuple[int, int, int]:
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them. Other values (a rank started by
+    hand) failed as a traceback (int('abc'), a world of 0), or waited for ranks that never come."""
+    given = [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    if all(v.strip().isdecimal() for v in given):  # int() takes '+1' and '1_0' too
+        rank, world, local = map(int, given)
+        if rank < world:
+            return rank, world, local
+    raise FibctlError(f"--ddp: RANK={given[0]!r} WORLD_SIZE={given[1]!r} LOCAL_RANK={given[2]!r} is not a rank "
+                      "of a group (whole numbers, RANK below WORLD_SIZE); start the ranks with torchrun")
+
+
 def join(device: str | None, threads: int | None, timeout_s: float) -> tuple[Group, torch.device]:
     """Join the torchrun group: gloo on the CPU, NCCL on CUDA (one GPU per local rank).
     A collective waits at most `timeout_s` for the other ranks."""
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world, local = _rank()
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         if local >= torch.cuda.device_count():

@@ -514,33 +514,38 @@ def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
                 assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
 
 
-def _ticked_below(fig) -> list[str]:
-    """The panels of a drawn figure whose lowest point has no labelled tick at or below it."""
+def _unticked_ends(fig) -> list[str]:
+    """The panels of a drawn figure whose lowest point has no labelled tick at or below it, or
+    whose highest point none at or above it."""
     _renderer(fig)
     bare = []
     for ax in [a for a in fig.axes if a.get_label() != "<colorbar>"] + [c for a in fig.axes for c in a.child_axes]:
-        low = figures._lowest_drawn(ax)
+        span = figures._drawn_span(ax)
         bottom, top = ax.get_ylim()
-        if low is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
+        if span is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
             continue
         slack = (top - bottom) * 1e-9
-        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= low + slack]
-        if not ticks:
-            bare.append(f"{ax.get_title() or ax.get_ylabel()}: lowest {low:.4g}, ticks {list(ax.get_yticks())}")
+        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= top + slack]
+        for end, ticked in ((f"lowest {span[0]:.4g}", any(t <= span[0] + slack for t in ticks)),
+                            (f"highest {span[1]:.4g}", any(t >= span[1] - slack for t in ticks))):
+            if not ticked:
+                bare.append(f"{ax.get_title() or ax.get_ylabel()}: {end}, ticks {list(ax.get_yticks())}")
     return bare
 
 
 @pytest.mark.parametrize("fixture", ["db", "repeated_db", "study_like_db"])
-def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, drawn, tmp_path):
+def test_every_line_has_a_tick_at_or_beyond_its_lowest_and_highest_points(fixture, request, drawn, tmp_path):
     """posloss's loss panel ticked from 3.75 with its lowest point at 3.71; curves' perplexity
     from 40 with the dense run at 34: a line's lowest part could be read only against ticks
-    above it. Every panel of every figure has a labelled tick at or below its lowest point."""
+    above it. Likewise at the top: the study's pow2 fixed run at 49.5 over extrapolation's
+    highest tick, 48. Every panel of every figure has a labelled tick at or below its lowest
+    point and one at or above its highest."""
     engine = connect_readonly(request.getfixturevalue(fixture))
     for name in ("extrapolation", "posloss", "curves", "alphas"):
         with contextlib.suppress(FibctlError):  # repeated_db records no positions, no alphas
             figures.FIGURES[name](engine, tmp_path / f"{name}.png")
     assert len(drawn) >= 2
-    assert not [bare for fig in drawn for bare in _ticked_below(fig)]
+    assert not [bare for fig in drawn for bare in _unticked_ends(fig)]
 
 
 @pytest.fixture(scope="module")

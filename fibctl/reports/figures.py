@@ -122,12 +122,12 @@ def _figure(width: float, height: float) -> Figure:
 def _save(fig: Figure, path: str | Path) -> Path:
     """Save at the figure's own size (the constrained layout keeps every label and legend
     inside it; a tight bounding box would change the print size), each panel ticked at or
-    below its lowest point."""
+    beyond its lowest and highest points."""
     path = check_path(path)
     fig.draw_without_rendering()  # the panels at their saved size: how many ticks they take
     for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
         if ax.get_label() != "<colorbar>":
-            _tick_below(ax)
+            _tick_ends(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF or SVG otherwise records when it was written: the same data would give other bytes
     metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
@@ -200,7 +200,7 @@ def _plain_log_axis(axis) -> None:
     2x10^1, dense enough to read values off even when the data span less than a decade."""
     lo, hi = axis.get_view_interval()
     for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8), (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)):
-        # a decade either side of the view: the ticks _tick_below may lower the axis to
+        # a decade either side of the view: the ticks _tick_ends may widen the axis to
         ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
                  for m in mantissas]
         if sum(lo <= t <= hi for t in ticks) >= 4:
@@ -212,38 +212,51 @@ def _plain_log_axis(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _lowest_drawn(ax) -> float | None:
-    """The lowest y the axes draw in their view: their lines' points and bars' ends (a point
-    outside it, as under a zoom's inset, is not drawn there)."""
+def _drawn_span(ax) -> tuple[float, float] | None:
+    """The lowest and highest y the axes draw in their view: their lines' points and bars'
+    ends (a point outside it, as under a zoom's inset or an outlier off the top, is not drawn
+    there)."""
     (left, right), (bottom, top) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
     ys = [y for line in ax.get_lines() if line.get_transform() is ax.transData  # not axhline's
           for x, y in line.get_xydata() if left <= x <= right and bottom <= y <= top]
     ys += [y for bar in ax.patches for y in (bar.get_y(), bar.get_y() + bar.get_height())]
-    return min(ys, default=None)
+    return (min(ys), max(ys)) if ys else None
 
 
-def _tick_below(ax) -> None:
-    """Lower the y-axis, where its first labelled tick is above the lowest point drawn (posloss
-    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34: the line's
-    lowest part had no tick below it), to the locator's next tick under that point, and keep
-    the ticks as they are (a layout redone at saving could thin them to other values)."""
-    low = _lowest_drawn(ax)
+def _tick_ends(ax) -> None:
+    """Widen the y-axis, where its lowest labelled tick is above the lowest point drawn (posloss
+    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34) or its highest
+    below the highest point (extrapolation's 48 under the study's pow2 fixed run at 49.5): the
+    line's end had no tick beyond it. That end goes to the locator's next tick past the point,
+    and the ticks are kept as they are (a layout redone at saving could thin them to others)."""
+    span = _drawn_span(ax)
     bottom, top = ax.get_ylim()
-    if low is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
+    if span is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
         return
     locator = ax.yaxis.get_major_locator()
     ticks = list(locator())
     slack = (top - bottom) * 1e-9
-    if any(bottom - slack <= t <= low + slack for t in ticks):
-        return
-    under = [t for t in ticks if t <= low] or [t for t in locator.tick_values(2 * low - top, top) if t <= low]
-    if not under:
-        return
-    # a margin below the tick, as matplotlib leaves below data, in the axis' own scale (log, linear)
     scale = ax.yaxis.get_transform()
-    a, b = scale.transform([max(under), top])
-    ax.set_ylim(bottom=scale.inverted().transform([a - (b - a) * 0.02])[0])
-    ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | {max(under)})))
+    limits, added = {}, set()
+    for end, point, other, sign in (("bottom", span[0], top, -1), ("top", span[1], bottom, 1)):
+        if any(bottom - slack <= t <= top + slack and (t - point) * sign >= -slack for t in ticks):
+            continue
+        # the locator's ticks past the view, else those it gives for a view as far again past the
+        # point, in the axis' own scale (a symmetric-log axis' next decade lies past twice 200 %)
+        a, b = scale.transform([point, other])
+        far = scale.inverted().transform([2 * a - b])[0]
+        beyond = [t for t in ticks if (t - point) * sign >= 0] or \
+            [t for t in locator.tick_values(*sorted((far, other))) if (t - point) * sign >= 0]
+        if not beyond:
+            continue
+        tick = min(beyond, key=lambda t: abs(t - point))
+        added.add(tick)
+        # a margin past the tick, as matplotlib leaves past data, in that scale too
+        a, b = scale.transform([tick, other])
+        limits[end] = scale.inverted().transform([a + (a - b) * 0.02])[0]
+    if limits:
+        ax.set_ylim(**limits)
+        ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | added)))
 
 
 def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
@@ -486,7 +499,7 @@ def _zoom_late(ax) -> None:
     lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
     points = np.concatenate([line.get_xydata() for line in lines])
     points = points[np.isfinite(points).all(axis=1)]
-    _tick_below(ax)  # the panel's limits final: where each point sits in it
+    _tick_ends(ax)  # the panel's limits final: where each point sits in it
     inside = ax.transAxes.inverted().transform(ax.transData.transform(points))
     x0, y0, _, _ = ZOOM_BOX
     end = points[:, 0].max()
@@ -511,7 +524,7 @@ def _zoom_late(ax) -> None:
     # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked
     inset.xaxis.set_major_locator(MaxNLocator(3))
     inset.yaxis.set_major_locator(MaxNLocator(3))
-    _tick_below(inset)
+    _tick_ends(inset)
     ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
 

@@ -63,7 +63,7 @@ BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # alphas: a row of panels 1.9 in tall, three to a row while they fit a page; past that the rows
 # shrink to 1.3 in, with up to 6 panels to a row (about 1 in wide: a run's name on two lines);
-# past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
+# past 6 x 6 panels the first learned runs to fill them are drawn and a note says how many are not
 ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
 ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
 ALPHA_TICKS = (0.5, 0.75, 1.0, 1.25, 1.5)  # alpha lies in [0.5, 1.5]: both ends ticked
@@ -566,30 +566,63 @@ ORDER BY r.name, a.layer, a.step"""
         what = f"run {run!r}" if run else f"sparse runs{runs.said()}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
-    every = sorted(long["run"].unique())
-    ncols, nrows, row = alpha_grid(len(every))
-    runs = every[:ncols * nrows]
+    panels = alpha_panels(long)
+    ncols, nrows, row = alpha_grid(len(panels))
+    shown_panels = panels[:ncols * nrows]
     fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, row * nrows + ALPHA_TITLE)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     small = ncols > 3  # about 1 in a panel: labels once for the figure, not on each panel
-    for ax, name in zip(axes.ravel(), runs):
-        _alpha_panel(ax, long[long["run"] == name], name, small=small)
+    for ax, (title, points) in zip(axes.ravel(), shown_panels):
+        _alpha_panel(ax, points, title, small=small)
         # alpha's ends and middle always ticked; quarters where a panel has room
         ax.set_yticks(ALPHA_TICKS if row >= 1.5 else ALPHA_TICKS[::2])
-    for ax in axes.ravel()[len(runs):]:
+    for ax in axes.ravel()[len(shown_panels):]:
         ax.set_visible(False)
-    shown = axes.ravel()[:len(runs)]
+    shown = axes.ravel()[:len(shown_panels)]
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
-    if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
-        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
+    # a layer's colour (its depth) where a panel draws alpha over training: beside those panels, not
+    # the static schedules', coloured by schedule
+    over_time = [ax for ax, (_, points) in zip(shown, shown_panels) if points["step"].nunique() > 1]
+    if over_time:
+        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=over_time,
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
-    _label_once(fig, axes, shown, small, "" if len(runs) == len(every) else
-                f"the first {len(runs)} of {len(every)} runs by name; --run, --matrix or --only draws others")
+    learned = sum(points["schedule"].iloc[0] == "learned" for _, points in panels)  # the panels cut, last
+    drawn = learned - (len(panels) - len(shown_panels))
+    _label_once(fig, axes, shown, small, "" if len(shown_panels) == len(panels) else
+                f"the first {drawn} of {learned} learned runs by name; --run, --matrix or --only draws others")
     _fit_titles(fig, shown)
     return _save(fig, path)
+
+
+def alpha_panels(long: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """The alphas figure's panels, (title, points): first the static schedules' (their alphas
+    the schedule's, the same at every step and for every base and W), a panel for each curve by
+    layer drawn once for all its runs, titled by the schedule and how many runs it stands for
+    (25 of a paper matrix's 30 sparse runs repeated three curves, the 5 learned runs lost among
+    them); then a panel for each learned run, by name. A curve of one run is titled by its name."""
+    static: dict[tuple, list] = {}  # a curve: the names of its runs and its points
+    learned = []
+    for name, points in long.groupby("run", sort=True):
+        schedule = points["schedule"].iloc[0]
+        if schedule == "learned":
+            learned.append((name, points))
+            continue
+        last = points[points["step"] == points["step"].max()].sort_values("layer")
+        order = SCHEDULES.index(schedule) if schedule in SCHEDULES else len(SCHEDULES)
+        key = (order, schedule, len(last), tuple(last["alpha"].round(6)))
+        static.setdefault(key, [[], last])[0].append(name)
+    depths: dict[str, set] = {}  # a schedule's curves at several depths: their titles say how many layers
+    for _, schedule, layers, _ in static:
+        depths.setdefault(schedule, set()).add(layers)
+    panels = []
+    for (_, schedule, layers, _), (names, points) in sorted(static.items()):
+        # no-break spaces: a title broken to fit its panel keeps '16 layers' and '(10 runs)' whole
+        what = f"{schedule}, {layers}\u00a0layers" if len(depths[schedule]) > 1 else schedule
+        panels.append((names[0] if len(names) == 1 else f"{what} ({len(names)}\u00a0runs)", points))
+    return panels + learned
 
 
 def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
@@ -609,20 +642,21 @@ def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
         fig.supxlabel(note)
 
 
-def alpha_grid(runs: int) -> tuple[int, int, float]:
+def alpha_grid(panels: int) -> tuple[int, int, float]:
     """Columns, rows and row height (in) of the alphas figure's panels: the fewest columns (3 or
     more) whose rows fit a page at ALPHA_ROW_MIN or taller (1.9 in a row, a panel each, made
     figures of 13 runs taller than a page), at most ALPHA_COLUMNS_MAX; as many rows as fit then."""
     fit = int((PAGE_HEIGHT - ALPHA_TITLE) // ALPHA_ROW_MIN)
-    ncols = next((c for c in range(min(runs, 3), ALPHA_COLUMNS_MAX) if math.ceil(runs / c) <= fit),
+    ncols = next((c for c in range(min(panels, 3), ALPHA_COLUMNS_MAX) if math.ceil(panels / c) <= fit),
                  ALPHA_COLUMNS_MAX)
-    nrows = min(math.ceil(runs / ncols), fit)
+    nrows = min(math.ceil(panels / ncols), fit)
     return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
 def _fit_titles(fig: Figure, axes) -> None:
-    """Each panel's title (a run's name) broken after its underscores into lines no wider than
-    its panel: a probe run's name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
+    """Each panel's title (a run's name, or a static curve's 'stagger, 16 layers (10 runs)')
+    broken after its underscores and spaces into lines no wider than its panel: a probe run's
+    name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
     for ax in axes:
         title, room = ax.title, ax.get_window_extent().width
@@ -630,14 +664,14 @@ def _fit_titles(fig: Figure, axes) -> None:
         if title.get_window_extent().width <= room:
             continue
         lines, line = [], ""
-        for part in re.findall(r"[^_]+_?|_", name):  # a name's pieces, each keeping its underscore
-            title.set_text(line + part)
+        for part in re.findall(r"[^_ ]+[_ ]?|[_ ]", name):  # pieces, each keeping its underscore or space
+            title.set_text((line + part).rstrip())
             if line and title.get_window_extent().width > room:
-                lines.append(line)
+                lines.append(line.rstrip())
                 line = part
             else:
                 line += part
-        title.set_text("\n".join(lines + [line]))
+        title.set_text("\n".join(lines + [line.rstrip()]))
 
 
 def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) -> None:
@@ -648,8 +682,10 @@ def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) ->
     if points["step"].nunique() == 1:
         ax.plot(points["layer"], points["alpha"], marker="o", markersize=3 if small else None,
                 color=SCHEDULE_COLORS.get(points["schedule"].iloc[0], "tab:gray"))
-        static = points["schedule"].iloc[0] != "learned"  # its alphas are the schedule's, at every step
-        ax.set_xlabel("layer (set by the schedule)" if static else f"layer (step {points['step'].iloc[0]})")
+        # a static schedule's alphas are the same at every step (short: 'layer (set by the schedule)'
+        # was wider than a panel of three beside the colour bar, and the labels went under the figure)
+        static = points["schedule"].iloc[0] != "learned"
+        ax.set_xlabel("layer (at every step)" if static else f"layer (step {points['step'].iloc[0]})")
         ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True))
     else:
         cmap = colormaps["viridis"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 from sqlalchemy import insert
@@ -279,7 +280,7 @@ def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_st
     monkeypatch.setattr(figures, "_save", lambda fig, out: labels.update(
         {ax.get_title(): ax.get_xlabel() for ax in fig.axes if ax.get_title()}) or save(fig, out))
     figures.alphas(connect_readonly(path), tmp_path / "a.png")
-    assert labels == {"s": "layer (set by the schedule)", "l": "layer (step 250)"}
+    assert labels == {"s": "layer (at every step)", "l": "layer (step 250)"}
 
 
 # --- a reader of the printed page: greyscale, one colour per schedule, readable ticks -----
@@ -475,35 +476,56 @@ def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, 
             assert fig.bbox.y0 - 1 <= extent.y0 and extent.y1 <= fig.bbox.y1 + 1, text.get_text()
 
 
-def _alphas_db(path: str, runs: int) -> str:
+PAPER_MIX = ("learned", "fixed", "stagger", "coprime")
+
+
+def _alphas_db(path: str, runs: int, schedules=PAPER_MIX, depths=(16,)) -> str:
     """`runs` runs with alphas, as a fibctl-trained paper matrix records them: learned ones over
-    training (16 layers, 27 steps), static ones once; names as long as the probe's."""
+    training (27 steps), static ones once, `schedules` and `depths` (layers) in turn; names as
+    long as the probe's."""
     engine = connect(path)
-    schedules = ("learned", "fixed", "stagger", "coprime")
     with engine.begin() as conn:
         for i in range(runs):
-            schedule = schedules[i % len(schedules)]
+            schedule, layers = schedules[i % len(schedules)], depths[i % len(depths)]
             rid = add_run(conn, f"r{i:02d}__logsparse_{schedule}_w12_s43", schedule, window=12)
             steps = range(0, 13500, 500) if schedule == "learned" else (0,)
-            static = layer_alphas(schedule, 16)
+            static = layer_alphas(schedule, layers)
             conn.execute(insert(schema.Alpha), [
-                dict(run_id=rid, step=s, layer=l, alpha=1 + (l / 15 - 0.5) * s / 13000 if schedule == "learned"
-                     else static[l]) for s in steps for l in range(16)])
+                dict(run_id=rid, step=s, layer=l, alpha=1 + (l / (layers - 1) - 0.5) * s / 13000
+                     if schedule == "learned" else static[l]) for s in steps for l in range(layers)])
     engine.dispose()
     return path
 
 
-@pytest.mark.parametrize("runs", [2, 9, 13, 31])
-def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
+def _panel_titles(fig) -> list[str]:
+    """The alphas panels' titles in the figure's order, a title broken over lines joined (after
+    an underscore as it was, else by a space), its no-break spaces plain."""
+    return [re.sub(r"(?<!_)\n", " ", ax.get_title()).replace("\n", "").replace("\u00a0", " ")
+            for ax in fig.axes if ax.get_visible() and ax.get_title()]
+
+
+@pytest.mark.parametrize("runs, schedules, depths", [
+    (1, PAPER_MIX, (16,)), (3, PAPER_MIX, (16,)), (9, PAPER_MIX, (16,)), (31, PAPER_MIX, (16,)),
+    (13, ("learned",), (16,)), (50, ("learned",) * 4 + ("stagger",), (16,)),
+    (40, ("learned", "stagger"), (16, 16, 4, 4)),  # 'stagger, 16 layers (10 runs)' in a 1 in panel
+])
+def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs, schedules, depths):
     """A panel of 1.9 in a row of three: 31 runs (a paper matrix recorded by fibctl) drew a
     figure 21 in tall. Past a page's rows the panels get smaller and more to a row; every run
-    is drawn, every text stays inside the figure and clear of the others, at 8 pt or more."""
-    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), runs)), tmp_path / "a.png")
+    is drawn, or stands in its static schedule's panel (past 36 panels the first learned runs
+    by name, said under them); every text stays inside the figure and clear of the others, at
+    8 pt or more."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), runs, schedules, depths)), tmp_path / "a.png")
     fig = drawn[0]
     assert fig.get_figheight() <= figures.PAGE_HEIGHT and fig.get_figwidth() <= figures.TEXT_WIDTH
-    titles = sorted(ax.get_title().replace("\n", "") for ax in fig.axes if ax.get_visible() and ax.get_title())
-    assert titles == [f"r{i:02d}__logsparse_{s}_w12_s43" for i, s in
-                      enumerate(("learned", "fixed", "stagger", "coprime") * 8)][:runs]
+    titles = _panel_titles(fig)
+    stands_for = [int(m[1]) if (m := re.search(r"\((\d+) runs\)$", t)) else 1 for t in titles]
+    if runs == 50:  # 40 learned and 10 stagger: the stagger panel and 35 learned ones
+        assert titles[0] == "stagger (10 runs)" and len(titles) == 36 and sum(stands_for) == 45
+        assert fig.get_supxlabel().endswith("the first 35 of 40 learned runs by name; --run, --matrix or "
+                                            "--only draws others")
+    else:
+        assert sum(stands_for) == runs
     texts = _texts(fig)
     for i, (a, abox) in enumerate(texts):
         assert a.get_fontsize() >= 8, a.get_text()
@@ -514,33 +536,70 @@ def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs):
                 assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
 
 
-def _ticked_below(fig) -> list[str]:
-    """The panels of a drawn figure whose lowest point has no labelled tick at or below it."""
+def test_identical_static_curves_are_drawn_once_and_each_learned_run_has_a_panel(tmp_path, drawn):
+    """A matrix like the paper's, 31 runs: 23 fixed, stagger or coprime, whose alphas are
+    their schedule's (the same at every step, for every base and W), drew three curves 23 times
+    over, and the 8 learned runs, alpha over training, were lost among them. A static curve is
+    drawn once, first, titled by its schedule and how many runs it stands for; each learned run
+    has a panel of its own. A schedule at two depths draws a curve for each, its layers said; a
+    curve of one run is titled by its name; --only picks the runs as before."""
+    path = _alphas_db(str(tmp_path / "a.db"), 31)
+    engine = connect_readonly(path)
+    figures.alphas(engine, tmp_path / "a.png")
+    learned = [f"r{i:02d}__logsparse_learned_w12_s43" for i in range(0, 31, 4)]
+    assert _panel_titles(drawn[0]) == ["fixed (8 runs)", "stagger (8 runs)", "coprime (7 runs)"] + learned
+    panels = [ax for ax in drawn[0].axes if ax.get_title()]
+    assert [len(ax.get_lines()) for ax in panels] == [1, 1, 1] + [16] * 8  # learned: a line a layer
+    for ax, schedule in zip(panels, ("fixed", "stagger", "coprime")):
+        assert list(ax.get_lines()[0].get_ydata()) == pytest.approx(layer_alphas(schedule, 16))
+    renderer = _renderer(drawn[0])  # the layers' colour bar beside the learned panels, not the static ones
+    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    assert bar.get_window_extent(renderer).y1 < min(ax.get_window_extent(renderer).y0 for ax in panels[:3])
+    figures.alphas(engine, tmp_path / "b.png", only="r0[0-4]*")
+    assert _panel_titles(drawn[1]) == [f"r0{i}__logsparse_{s}_w12_s43" for i, s in
+                                       ((1, "fixed"), (2, "stagger"), (3, "coprime"), (0, "learned"), (4, "learned"))]
+    with connect(path).begin() as conn:  # two stagger runs of 4 layers
+        for name in ("d4_a", "d4_b"):
+            rid = add_run(conn, name, "stagger")
+            conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=0, layer=l, alpha=a)
+                                                for l, a in enumerate(layer_alphas("stagger", 4))])
+    figures.alphas(engine, tmp_path / "c.png")
+    assert _panel_titles(drawn[2])[:4] == ["fixed (8 runs)", "stagger, 4 layers (2 runs)",
+                                           "stagger, 16 layers (8 runs)", "coprime (7 runs)"]
+
+
+def _unticked_ends(fig) -> list[str]:
+    """The panels of a drawn figure whose lowest point has no labelled tick at or below it, or
+    whose highest point none at or above it."""
     _renderer(fig)
     bare = []
     for ax in [a for a in fig.axes if a.get_label() != "<colorbar>"] + [c for a in fig.axes for c in a.child_axes]:
-        low = figures._lowest_drawn(ax)
+        span = figures._drawn_span(ax)
         bottom, top = ax.get_ylim()
-        if low is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
+        if span is None or not ax.get_visible() or bottom > top:  # an inverted axis: layer 0 on top
             continue
         slack = (top - bottom) * 1e-9
-        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= low + slack]
-        if not ticks:
-            bare.append(f"{ax.get_title() or ax.get_ylabel()}: lowest {low:.4g}, ticks {list(ax.get_yticks())}")
+        ticks = [t for t in ax.get_yticks() if bottom - slack <= t <= top + slack]
+        for end, ticked in ((f"lowest {span[0]:.4g}", any(t <= span[0] + slack for t in ticks)),
+                            (f"highest {span[1]:.4g}", any(t >= span[1] - slack for t in ticks))):
+            if not ticked:
+                bare.append(f"{ax.get_title() or ax.get_ylabel()}: {end}, ticks {list(ax.get_yticks())}")
     return bare
 
 
 @pytest.mark.parametrize("fixture", ["db", "repeated_db", "study_like_db"])
-def test_every_line_has_a_tick_at_or_below_its_lowest_point(fixture, request, drawn, tmp_path):
+def test_every_line_has_a_tick_at_or_beyond_its_lowest_and_highest_points(fixture, request, drawn, tmp_path):
     """posloss's loss panel ticked from 3.75 with its lowest point at 3.71; curves' perplexity
     from 40 with the dense run at 34: a line's lowest part could be read only against ticks
-    above it. Every panel of every figure has a labelled tick at or below its lowest point."""
+    above it. Likewise at the top: the study's pow2 fixed run at 49.5 over extrapolation's
+    highest tick, 48. Every panel of every figure has a labelled tick at or below its lowest
+    point and one at or above its highest."""
     engine = connect_readonly(request.getfixturevalue(fixture))
     for name in ("extrapolation", "posloss", "curves", "alphas"):
         with contextlib.suppress(FibctlError):  # repeated_db records no positions, no alphas
             figures.FIGURES[name](engine, tmp_path / f"{name}.png")
     assert len(drawn) >= 2
-    assert not [bare for fig in drawn for bare in _ticked_below(fig)]
+    assert not [bare for fig in drawn for bare in _unticked_ends(fig)]
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ BASE_STYLES = {"fib": "-", "pow2": "--"}
 WINDOW_MARKERS = {6: "v", 8: "o", 10: "s", 12: "D"}
 # alphas: a row of panels 1.9 in tall, three to a row while they fit a page; past that the rows
 # shrink to 1.3 in, with up to 6 panels to a row (about 1 in wide: a run's name on two lines);
-# past 6 x 6 panels the first 36 runs are drawn and a note says how many are not
+# past 6 x 6 panels the first learned runs to fill them are drawn and a note says how many are not
 ALPHA_ROW, ALPHA_ROW_MIN, ALPHA_COLUMNS_MAX = 1.9, 1.3, 6
 ALPHA_TITLE = 0.5  # the figure's title and margins, in inches
 ALPHA_TICKS = (0.5, 0.75, 1.0, 1.25, 1.5)  # alpha lies in [0.5, 1.5]: both ends ticked
@@ -122,12 +122,12 @@ def _figure(width: float, height: float) -> Figure:
 def _save(fig: Figure, path: str | Path) -> Path:
     """Save at the figure's own size (the constrained layout keeps every label and legend
     inside it; a tight bounding box would change the print size), each panel ticked at or
-    below its lowest point."""
+    beyond its lowest and highest points."""
     path = check_path(path)
     fig.draw_without_rendering()  # the panels at their saved size: how many ticks they take
     for ax in fig.axes + [inset for ax in fig.axes for inset in ax.child_axes]:
         if ax.get_label() != "<colorbar>":
-            _tick_below(ax)
+            _tick_ends(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF or SVG otherwise records when it was written: the same data would give other bytes
     metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
@@ -200,7 +200,7 @@ def _plain_log_axis(axis) -> None:
     2x10^1, dense enough to read values off even when the data span less than a decade."""
     lo, hi = axis.get_view_interval()
     for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8), (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)):
-        # a decade either side of the view: the ticks _tick_below may lower the axis to
+        # a decade either side of the view: the ticks _tick_ends may widen the axis to
         ticks = [m * 10 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
                  for m in mantissas]
         if sum(lo <= t <= hi for t in ticks) >= 4:
@@ -212,38 +212,51 @@ def _plain_log_axis(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _lowest_drawn(ax) -> float | None:
-    """The lowest y the axes draw in their view: their lines' points and bars' ends (a point
-    outside it, as under a zoom's inset, is not drawn there)."""
+def _drawn_span(ax) -> tuple[float, float] | None:
+    """The lowest and highest y the axes draw in their view: their lines' points and bars'
+    ends (a point outside it, as under a zoom's inset or an outlier off the top, is not drawn
+    there)."""
     (left, right), (bottom, top) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
     ys = [y for line in ax.get_lines() if line.get_transform() is ax.transData  # not axhline's
           for x, y in line.get_xydata() if left <= x <= right and bottom <= y <= top]
     ys += [y for bar in ax.patches for y in (bar.get_y(), bar.get_y() + bar.get_height())]
-    return min(ys, default=None)
+    return (min(ys), max(ys)) if ys else None
 
 
-def _tick_below(ax) -> None:
-    """Lower the y-axis, where its first labelled tick is above the lowest point drawn (posloss
-    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34: the line's
-    lowest part had no tick below it), to the locator's next tick under that point, and keep
-    the ticks as they are (a layout redone at saving could thin them to other values)."""
-    low = _lowest_drawn(ax)
+def _tick_ends(ax) -> None:
+    """Widen the y-axis, where its lowest labelled tick is above the lowest point drawn (posloss
+    ticked from 3.75 over a loss of 3.71, curves from 40 over the dense run's 34) or its highest
+    below the highest point (extrapolation's 48 under the study's pow2 fixed run at 49.5): the
+    line's end had no tick beyond it. That end goes to the locator's next tick past the point,
+    and the ticks are kept as they are (a layout redone at saving could thin them to others)."""
+    span = _drawn_span(ax)
     bottom, top = ax.get_ylim()
-    if low is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
+    if span is None or bottom > top:  # nothing drawn; an inverted axis (coverage's layers) reads down
         return
     locator = ax.yaxis.get_major_locator()
     ticks = list(locator())
     slack = (top - bottom) * 1e-9
-    if any(bottom - slack <= t <= low + slack for t in ticks):
-        return
-    under = [t for t in ticks if t <= low] or [t for t in locator.tick_values(2 * low - top, top) if t <= low]
-    if not under:
-        return
-    # a margin below the tick, as matplotlib leaves below data, in the axis' own scale (log, linear)
     scale = ax.yaxis.get_transform()
-    a, b = scale.transform([max(under), top])
-    ax.set_ylim(bottom=scale.inverted().transform([a - (b - a) * 0.02])[0])
-    ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | {max(under)})))
+    limits, added = {}, set()
+    for end, point, other, sign in (("bottom", span[0], top, -1), ("top", span[1], bottom, 1)):
+        if any(bottom - slack <= t <= top + slack and (t - point) * sign >= -slack for t in ticks):
+            continue
+        # the locator's ticks past the view, else those it gives for a view as far again past the
+        # point, in the axis' own scale (a symmetric-log axis' next decade lies past twice 200 %)
+        a, b = scale.transform([point, other])
+        far = scale.inverted().transform([2 * a - b])[0]
+        beyond = [t for t in ticks if (t - point) * sign >= 0] or \
+            [t for t in locator.tick_values(*sorted((far, other))) if (t - point) * sign >= 0]
+        if not beyond:
+            continue
+        tick = min(beyond, key=lambda t: abs(t - point))
+        added.add(tick)
+        # a margin past the tick, as matplotlib leaves past data, in that scale too
+        a, b = scale.transform([tick, other])
+        limits[end] = scale.inverted().transform([a + (a - b) * 0.02])[0]
+    if limits:
+        ax.set_ylim(**limits)
+        ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | added)))
 
 
 def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
@@ -486,7 +499,7 @@ def _zoom_late(ax) -> None:
     lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
     points = np.concatenate([line.get_xydata() for line in lines])
     points = points[np.isfinite(points).all(axis=1)]
-    _tick_below(ax)  # the panel's limits final: where each point sits in it
+    _tick_ends(ax)  # the panel's limits final: where each point sits in it
     inside = ax.transAxes.inverted().transform(ax.transData.transform(points))
     x0, y0, _, _ = ZOOM_BOX
     end = points[:, 0].max()
@@ -511,7 +524,7 @@ def _zoom_late(ax) -> None:
     # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked
     inset.xaxis.set_major_locator(MaxNLocator(3))
     inset.yaxis.set_major_locator(MaxNLocator(3))
-    _tick_below(inset)
+    _tick_ends(inset)
     ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
 
@@ -553,30 +566,63 @@ ORDER BY r.name, a.layer, a.step"""
         what = f"run {run!r}" if run else f"sparse runs{runs.said()}"
         raise FibctlError(f"alphas: no alphas recorded for {what}; runs record them while "
                           "training (`fibctl train`)")
-    every = sorted(long["run"].unique())
-    ncols, nrows, row = alpha_grid(len(every))
-    runs = every[:ncols * nrows]
+    panels = alpha_panels(long)
+    ncols, nrows, row = alpha_grid(len(panels))
+    shown_panels = panels[:ncols * nrows]
     fig = _figure(TEXT_WIDTH if ncols > 1 else COLUMN_WIDTH, row * nrows + ALPHA_TITLE)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     small = ncols > 3  # about 1 in a panel: labels once for the figure, not on each panel
-    for ax, name in zip(axes.ravel(), runs):
-        _alpha_panel(ax, long[long["run"] == name], name, small=small)
+    for ax, (title, points) in zip(axes.ravel(), shown_panels):
+        _alpha_panel(ax, points, title, small=small)
         # alpha's ends and middle always ticked; quarters where a panel has room
         ax.set_yticks(ALPHA_TICKS if row >= 1.5 else ALPHA_TICKS[::2])
-    for ax in axes.ravel()[len(runs):]:
+    for ax in axes.ravel()[len(shown_panels):]:
         ax.set_visible(False)
-    shown = axes.ravel()[:len(runs)]
+    shown = axes.ravel()[:len(shown_panels)]
     for ax in axes[:, 0]:  # the y-axis is shared: labelled once a row
         ax.set_ylabel("\u03b1 of the layer")
-    if long.groupby("run")["step"].nunique().gt(1).any():  # a layer's colour: its depth in the model
-        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=axes.ravel().tolist(),
+    # a layer's colour (its depth) where a panel draws alpha over training: beside those panels, not
+    # the static schedules', coloured by schedule
+    over_time = [ax for ax, (_, points) in zip(shown, shown_panels) if points["step"].nunique() > 1]
+    if over_time:
+        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=over_time,
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
-    _label_once(fig, axes, shown, small, "" if len(runs) == len(every) else
-                f"the first {len(runs)} of {len(every)} runs by name; --run, --matrix or --only draws others")
+    learned = sum(points["schedule"].iloc[0] == "learned" for _, points in panels)  # the panels cut, last
+    drawn = learned - (len(panels) - len(shown_panels))
+    _label_once(fig, axes, shown, small, "" if len(shown_panels) == len(panels) else
+                f"the first {drawn} of {learned} learned runs by name; --run, --matrix or --only draws others")
     _fit_titles(fig, shown)
     return _save(fig, path)
+
+
+def alpha_panels(long: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """The alphas figure's panels, (title, points): first the static schedules' (their alphas
+    the schedule's, the same at every step and for every base and W), a panel for each curve by
+    layer drawn once for all its runs, titled by the schedule and how many runs it stands for
+    (25 of a paper matrix's 30 sparse runs repeated three curves, the 5 learned runs lost among
+    them); then a panel for each learned run, by name. A curve of one run is titled by its name."""
+    static: dict[tuple, list] = {}  # a curve: the names of its runs and its points
+    learned = []
+    for name, points in long.groupby("run", sort=True):
+        schedule = points["schedule"].iloc[0]
+        if schedule == "learned":
+            learned.append((name, points))
+            continue
+        last = points[points["step"] == points["step"].max()].sort_values("layer")
+        order = SCHEDULES.index(schedule) if schedule in SCHEDULES else len(SCHEDULES)
+        key = (order, schedule, len(last), tuple(last["alpha"].round(6)))
+        static.setdefault(key, [[], last])[0].append(name)
+    depths: dict[str, set] = {}  # a schedule's curves at several depths: their titles say how many layers
+    for _, schedule, layers, _ in static:
+        depths.setdefault(schedule, set()).add(layers)
+    panels = []
+    for (_, schedule, layers, _), (names, points) in sorted(static.items()):
+        # no-break spaces: a title broken to fit its panel keeps '16 layers' and '(10 runs)' whole
+        what = f"{schedule}, {layers}\u00a0layers" if len(depths[schedule]) > 1 else schedule
+        panels.append((names[0] if len(names) == 1 else f"{what} ({len(names)}\u00a0runs)", points))
+    return panels + learned
 
 
 def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
@@ -596,20 +642,21 @@ def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
         fig.supxlabel(note)
 
 
-def alpha_grid(runs: int) -> tuple[int, int, float]:
+def alpha_grid(panels: int) -> tuple[int, int, float]:
     """Columns, rows and row height (in) of the alphas figure's panels: the fewest columns (3 or
     more) whose rows fit a page at ALPHA_ROW_MIN or taller (1.9 in a row, a panel each, made
     figures of 13 runs taller than a page), at most ALPHA_COLUMNS_MAX; as many rows as fit then."""
     fit = int((PAGE_HEIGHT - ALPHA_TITLE) // ALPHA_ROW_MIN)
-    ncols = next((c for c in range(min(runs, 3), ALPHA_COLUMNS_MAX) if math.ceil(runs / c) <= fit),
+    ncols = next((c for c in range(min(panels, 3), ALPHA_COLUMNS_MAX) if math.ceil(panels / c) <= fit),
                  ALPHA_COLUMNS_MAX)
-    nrows = min(math.ceil(runs / ncols), fit)
+    nrows = min(math.ceil(panels / ncols), fit)
     return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
 def _fit_titles(fig: Figure, axes) -> None:
-    """Each panel's title (a run's name) broken after its underscores into lines no wider than
-    its panel: a probe run's name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
+    """Each panel's title (a run's name, or a static curve's 'stagger, 16 layers (10 runs)')
+    broken after its underscores and spaces into lines no wider than its panel: a probe run's
+    name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
     for ax in axes:
         title, room = ax.title, ax.get_window_extent().width
@@ -617,14 +664,14 @@ def _fit_titles(fig: Figure, axes) -> None:
         if title.get_window_extent().width <= room:
             continue
         lines, line = [], ""
-        for part in re.findall(r"[^_]+_?|_", name):  # a name's pieces, each keeping its underscore
-            title.set_text(line + part)
+        for part in re.findall(r"[^_ ]+[_ ]?|[_ ]", name):  # pieces, each keeping its underscore or space
+            title.set_text((line + part).rstrip())
             if line and title.get_window_extent().width > room:
-                lines.append(line)
+                lines.append(line.rstrip())
                 line = part
             else:
                 line += part
-        title.set_text("\n".join(lines + [line]))
+        title.set_text("\n".join(lines + [line.rstrip()]))
 
 
 def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) -> None:
@@ -635,8 +682,10 @@ def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) ->
     if points["step"].nunique() == 1:
         ax.plot(points["layer"], points["alpha"], marker="o", markersize=3 if small else None,
                 color=SCHEDULE_COLORS.get(points["schedule"].iloc[0], "tab:gray"))
-        static = points["schedule"].iloc[0] != "learned"  # its alphas are the schedule's, at every step
-        ax.set_xlabel("layer (set by the schedule)" if static else f"layer (step {points['step'].iloc[0]})")
+        # a static schedule's alphas are the same at every step (short: 'layer (set by the schedule)'
+        # was wider than a panel of three beside the colour bar, and the labels went under the figure)
+        static = points["schedule"].iloc[0] != "learned"
+        ax.set_xlabel("layer (at every step)" if static else f"layer (step {points['step'].iloc[0]})")
         ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True))
     else:
         cmap = colormaps["viridis"]

@@ -6,7 +6,7 @@ import contextlib
 import re
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, text
 from typer.testing import CliRunner
 
 from fibctl.cli import app
@@ -184,6 +184,34 @@ def test_extrapolation_limits_fit_the_runs_not_the_dense_blow_up(db, drawn, tmp_
     low, high = left.get_ylim()
     assert low <= 20 and 24 <= high < 40  # every sparse value and dense up to 2x (30) in view
     assert [t.get_text() for t in left.texts] == ["\u2191 60"]
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, "nan"])
+def test_a_perplexity_that_is_not_positive_is_left_out_not_a_traceback(tmp_path, drawn, value, recwarn):
+    """Only a row edited by hand holds one: extrapolation divided by 0 (or drew nothing for a
+    run whose every value was nan) and curves warned that it could not log-scale."""
+    path = str(tmp_path / "r.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for schedule in ("dense", "fixed"):
+            rid = add_run(conn, f"r_{schedule}", schedule)
+            for length in (128, 256, 512):
+                add_eval(conn, rid, length, 20.0 + length / 128)
+            add_eval(conn, rid, 128, 30.0, step=300)
+        rid = add_run(conn, "r_stagger", "stagger")
+        for length in (128, 256):
+            add_eval(conn, rid, length, 22.0)
+        # in SQL: the text 'nan' as a hand edit leaves it (the schema's float type would bind NULL)
+        conn.execute(text("UPDATE evaluations SET ppl = :v WHERE run_id = :rid"), dict(v=value, rid=rid))
+        conn.execute(text("UPDATE evaluations SET ppl = :v WHERE eval_length = 128 AND step = 600 "
+                          "AND run_id <> :rid"), dict(v=value, rid=rid))  # the others' at the training length
+    engine.dispose()
+    figures.extrapolation(connect_readonly(path), tmp_path / "e.png")
+    figures.curves(connect_readonly(path), tmp_path / "c.png")
+    assert not [w for w in recwarn if "log" in str(w.message)]
+    left = drawn[0].axes[0]
+    assert sorted(tuple(line.get_xdata()) for line in left.lines if len(line.get_xdata())) == [(256, 512)] * 2
+    assert all(low > 0 for low, _ in [drawn[1].axes[0].get_ylim()])
 
 
 def test_many_runs_get_a_legend_of_the_encoding_below_the_panels(many_runs_db, drawn, tmp_path):

@@ -339,7 +339,11 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     changes = []
     styles = run_styles(list(frame[["run", "schedule", "base", "window"]].itertuples(index=False, name=None)))
     for _, row in frame.iterrows():
-        points = [(int(n), float(row[n])) for n in lengths if pd.notna(row[n])]
+        # a perplexity is positive (inf: diverged); 0, below or nan (a row edited by hand) has no
+        # place on a log axis, and a run left with no point draws no line
+        points = [(int(n), float(row[n])) for n in lengths if float(row[n]) > 0]
+        if not points:
+            continue
         style = styles[row["run"]]
         x, y = zip(*points)
         left.plot(x, y, label=run_label(row["run"], row["schedule"]), **style)
@@ -435,6 +439,7 @@ JOIN runs r ON r.id = e.run_id
 WHERE e.dataset = :dataset AND e.eval_length = r.train_length{where}
 ORDER BY r.name, e.step"""
     long, _ = read_sql(engine, sql, **params)
+    long = long[long["ppl"] > 0]  # as in extrapolation: no place on a log axis for 0, below or nan
     if long.empty:
         of = f" of seed-{seed} runs" if seed is not None else ""
         raise FibctlError(f"curves: no evaluations{of} on {dataset}{runs.said()}; runs record "

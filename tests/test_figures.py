@@ -654,6 +654,63 @@ def study_like_db(tmp_path_factory) -> str:
     return path
 
 
+def _labelled_yticks(ax) -> list[float]:
+    lo, hi = sorted(ax.get_ylim())
+    return [float(t) for t in ax.get_yticks() if lo <= t <= hi]
+
+
+def test_the_change_axis_is_ticked_1_2_5_where_decades_leave_it_empty(study_like_db, drawn, tmp_path):
+    """The dense run changes +195 % at 4x: ticked by decades, its axis was widened to the
+    next, +1,000, a decade of empty panel over it (and its margins, set on a linear scale,
+    reached -11 under the sparse runs' -2 %). The ends take the next whole multiple of a
+    decade (+200, -2), the decades between keep theirs: few labels, none over another."""
+    figures.extrapolation(connect_readonly(study_like_db), tmp_path / "e.png")
+    fig = drawn[0]
+    right = fig.axes[1]
+    assert right.get_yscale() == "symlog"
+    assert _labelled_yticks(right) == [-2, -1, 0, 1, 10, 100, 200]
+    scale = right.yaxis.get_transform()
+    bottom, top = scale.transform(right.get_ylim())
+    # a margin past +200 and -2, not a decade
+    assert scale.transform([200])[0] > top - (top - bottom) * 0.1
+    assert scale.transform([-2])[0] < bottom + (top - bottom) * 0.1
+    labels = [(t, box) for t, box in _texts(fig) if t in right.get_yticklabels()]
+    assert len(labels) == 7
+    for i, (a, abox) in enumerate(labels):
+        for b, bbox in labels[i + 1:]:
+            assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
+
+
+def test_the_change_axis_ends_at_the_next_multiple_of_a_decade_past_each_end():
+    """The study's dense run changes +200.76 %: +300 tops its axis (1, 2 and 5 of a decade
+    put it at +500). A tick within a factor of 2 of an end gives way (+20 under +30), and
+    past CHANGE_TICKS_MAX ticks the decades alone are labelled."""
+    assert figures.symlog_ticks(-1.35, 200.76) == [-2, -1, 0, 1, 10, 100, 300]
+    assert figures.symlog_ticks(0, 200 * (1 + 1e-15)) == [0, 1, 10, 100, 200]  # a float's error over 200
+    assert figures.symlog_ticks(-0.05, 25) == [-1, 0, 1, 2, 5, 10, 30]
+    assert figures.symlog_ticks(0, 95) == [0, 1, 2, 5, 10, 20, 50, 100]
+    assert figures.symlog_ticks(-99, 12000) == [-100, -1, 0, 1, 100, 10000, 20000]  # every other decade
+
+
+def test_a_narrow_log_axis_is_ticked_at_round_numbers(tmp_path, drawn):
+    """The demo's perplexities, 231.7 to 237.2, span too little for 1-2-5 ticks on a log axis:
+    the evenly spaced ones that replace them were 231, 232.5, ..., 238.5 (steps of 1.5)."""
+    path = str(tmp_path / "narrow.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for schedule, ppls in (("dense", (233.8, 232.9, 232.1, 231.7)), ("fixed", (236.2, 235.9, 235.8, 235.7)),
+                               ("stagger", (237.2, 237.0, 236.7, 236.6))):
+            rid = add_run(conn, f"n_{schedule}", schedule, T=64)
+            for length, ppl in zip((64, 128, 256, 512), ppls):
+                add_eval(conn, rid, length, ppl)
+    engine.dispose()
+    figures.extrapolation(connect_readonly(path), tmp_path / "e.png")
+    left = drawn[0].axes[0]
+    assert left.get_yscale() == "log"
+    assert _labelled_yticks(left) == [230, 232, 234, 236, 238]
+    assert not _unticked_ends(drawn[0])
+
+
 def test_the_end_of_training_is_magnified_where_the_curves_flatten(study_like_db, repeated_db, drawn, tmp_path):
     """The study's perplexity falls from 210 to 42 in 13,000 steps: on its log axis the last
     4,000, where the schedules part, were a band 0.15 in tall. The step axis stays linear (a log

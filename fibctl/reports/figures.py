@@ -81,6 +81,8 @@ RUN_LEGEND_MAX = 8
 MARKERS_PER_LINE = 8
 # changes with length (in %) all within this are drawn on a linear axis, not a symmetric-log one
 CHANGE_LINEAR_MAX = 10
+# the symmetric-log change axis' labelled ticks: 1, 2 and 5 of each decade while at most this many
+CHANGE_TICKS_MAX = 8
 # a point above this multiple of the median run at its length is drawn off the top, labelled
 OUTLIER_FACTOR = 1.5
 
@@ -205,8 +207,9 @@ def _plain_log_axis(axis) -> None:
                  for m in mantissas]
         if sum(lo <= t <= hi for t in ticks) >= 4:
             break
-    else:  # a span under a factor of about 1.5: evenly spaced round numbers
-        ticks = list(MaxNLocator(5).tick_values(lo, hi))
+    else:  # a span under a factor of about 1.5: evenly spaced round numbers, in steps of 1, 2,
+        # 2.5 or 5 (a linear axis' own; MaxNLocator's default 1.5 ticked 231, 232.5, 234)
+        ticks = list(MaxNLocator(5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi))
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
@@ -376,9 +379,42 @@ def _change_axis(ax, changes: list[float]) -> None:
     """Symmetric-log when the changes span orders of magnitude (a dense run's +150 % beside the
     sparse runs' 1 %: both read); linear when every one is within CHANGE_LINEAR_MAX %, where a
     symmetric-log axis keeps one or two of its decade ticks."""
-    if max((abs(c) for c in changes if math.isfinite(c)), default=0) > CHANGE_LINEAR_MAX:
+    finite = [c for c in changes if math.isfinite(c)]
+    if max(map(abs, finite), default=0) > CHANGE_LINEAR_MAX:
         ax.set_yscale("symlog", linthresh=2)
+        # the margins again, in this scale: the panel's x ticks had set them on a linear one (5 %
+        # of +200 % under -1 %, an empty band down to -11 %)
+        ax.autoscale_view(scalex=False)
+        ax.yaxis.set_major_locator(FixedLocator(symlog_ticks(min(finite), max(finite))))
     ax.yaxis.set_major_formatter(FuncFormatter(percent_tick))
+
+
+def symlog_ticks(low: float, high: float) -> list[float]:
+    """Ticks for changes from `low` to `high` (in %; 0, the training length's, always among
+    them) on a symmetric-log axis. Each end gets the nearest whole multiple of a decade at or
+    past it, at least 1 (a tick in the linear part nearer 0 ran into 0's label): the study's
+    dense +201 % gets +300, where the next decade, +1,000, left a decade of the panel empty.
+    Between the ends 0 and 1, 2 and 5 of each decade while at most CHANGE_TICKS_MAX fit, else
+    the decades (every other one, and so on, past that); none within a factor of 2 of an end,
+    where its label would run into the end's (+20 under +30)."""
+    def end(value: float) -> float:
+        if not value:
+            return 0.0
+        size = max(abs(value), 1) * (1 - 1e-9)  # +200.0000001 % is +200's (a float's error)
+        exponent = math.floor(math.log10(size))
+        multiple = math.ceil(size / 10.0 ** exponent)
+        if multiple == 10:  # the next decade, as 1 x 10^(k + 1): 10 x 10^k is off by a float's error
+            multiple, exponent = 1, exponent + 1
+        return math.copysign(multiple * 10.0 ** exponent, value)
+
+    bottom, top = end(min(low, 0)), end(max(high, 0))
+    decades = range(math.floor(math.log10(max(-bottom, top, 1))) + 1)
+    for mantissas, every in [((1, 2, 5), 1)] + [((1,), every) for every in range(1, len(decades) + 1)]:
+        inner = {s * m * 10.0 ** e for e in decades[::every] for m in mantissas for s in (-1, 1)}
+        ticks = sorted({0.0, bottom, top} | {t for t in inner if bottom / 2 <= t <= top / 2})
+        if len(ticks) <= CHANGE_TICKS_MAX:
+            break
+    return ticks
 
 
 def percent_tick(value: float, _position=None) -> str:

@@ -364,6 +364,8 @@ def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypat
                             "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     assert "fixed_w4_s42," not in (tmp_path / "rep" / "table4.csv").read_text()
+    page = (tmp_path / "rep" / "index.html").read_text()  # the page lists the report's runs alone
+    assert "Runs (4)" in page and "<td>fixed_w4_s42_lr1e-3</td>" in page and "<td>fixed_w4_s42</td>" not in page
 
 
 def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_path, monkeypatch, capsys):

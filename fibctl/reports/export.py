@@ -116,7 +116,8 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
             except FibctlError as e:
                 skipped.append((name, str(e)))
         # the page's run list is read here, among the jobs: a read failing there is one of theirs
-        runs = html.runs_html(engine) if written else ""
+        runs = html.runs_html(engine, tables.pick_runs(engine, kwargs.get("matrix"), kwargs.get("only"))) \
+            if written else ""
     except KeyboardInterrupt as e:  # what is written stays (listed: the next report replaces it)
         if not written:
             _unclaim(out, before, made)

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from fibctl.reports import figures, render
-from fibctl.reports.tables import Table
+from fibctl.reports.tables import Runs, Table
 
 RUN_COLUMNS = ("name", "status", "schedule", "base", "window", "seed", "init_seed", "data_seed", "optimizer",
                "final_step", "tokens_trained", "wall_seconds", "host", "device", "torch_version", "cuda_version",
@@ -74,10 +74,12 @@ def figure_html(name: str, png: Path) -> str:
             f"<figcaption>{escape(caption)} {files}</figcaption></figure></section>")
 
 
-def runs_html(engine: Engine) -> str:
+def runs_html(engine: Engine, runs: Runs = Runs()) -> str:
+    """The page's list of `runs` (those of --matrix and --only: the report's), with each config."""
     with engine.connect() as conn:
         rows = conn.execute(text(f"SELECT {', '.join(_quoted(c) for c in RUN_COLUMNS)}, config_json "
-                                 "FROM runs ORDER BY id")).all()
+                                 f"FROM runs r WHERE 1 = 1{runs.clause()} ORDER BY id")
+                            .bindparams(*runs.bound())).all()
     head = "".join(f"<th>{escape(c)}</th>" for c in (*RUN_COLUMNS, "config"))
     body = []
     for row in rows:

@@ -102,13 +102,18 @@ def default_dataset(engine: Engine) -> str:
     return "fineweb_edu_val" if "fineweb_edu_val" in found else found[0]
 
 
+def _bound(params: dict) -> list:
+    """Bound parameters of `params`; a tuple is a list of values (`IN :names`)."""
+    return [bindparam(k, list(v), expanding=True) if isinstance(v, tuple) else bindparam(k, v)
+            for k, v in params.items()]
+
+
 def read_sql(engine: Engine, sql: str, **params) -> tuple[pd.DataFrame, str]:
     """The rows of `sql` and its text with the values bound (what --show-sql prints). A column
     named after a number column of the schema (ppl, loss, ...) is read as that column is: a
     perplexity stored as the text 'inf' is inf, not a string (fibctl/db/stored.py). A tuple is
     a list of values (`IN :names`)."""
-    query = text(sql).bindparams(*(bindparam(k, list(v), expanding=True) if isinstance(v, tuple)
-                                   else bindparam(k, v) for k, v in params.items())).columns(**NUMBERS)
+    query = text(sql).bindparams(*_bound(params)).columns(**NUMBERS)
     with engine.connect() as conn:
         frame = pd.read_sql(query, conn)
     literal = query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
@@ -133,6 +138,10 @@ class Runs:
     def params(self, **params) -> dict:
         return {**params, **({"matrix": self.matrix} if self.matrix else {}),
                 **({"only_names": self.names} if self.names is not None else {})}
+
+    def bound(self) -> list:
+        """`params()` bound, for a statement read_sql does not run."""
+        return _bound(self.params())
 
     def said(self) -> str:
         return ((f" in matrix {self.matrix!r}" if self.matrix else "")

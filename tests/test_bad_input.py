@@ -206,6 +206,11 @@ CASES = [
     (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
      "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
+    # a --data file: they suggested `fibctl data prepare RECIPE --data afile`, which is refused in turn
+    (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{tmp}/afile"],
+     "afile is a file, not a data folder (one `fibctl data prepare` wrote)"),
+    (["worker", "--db", "{good_db}", "--data", "{tmp}/afile", "--runs-dir", "{tmp}/runs"], "afile is a file, not a"),
+    (["train", "run", "--db", "{good_db}", "--data", "{tmp}/afile", "--runs-dir", "{tmp}/runs"], "is a file, not a"),
     # recipes: wrong types, names that would leave --out
     (["data", "prepare", "{sources_str}", "--out", "{tmp}/out"], "[[sources]] tables"),
     (["data", "prepare", "{text_int}", "--out", "{tmp}/out"], "text must be a string or a list"),

@@ -157,12 +157,14 @@ def release() -> None:
 def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None) -> None:
     """Refuse, in one line, a path SQLite cannot use: a folder, a file of another kind, a
     missing database (`must_exist`), or a new one whose folder is not there. `option`: the
-    option that named a missing one, said with the way out (--db: the results database)."""
+    option that named it (said first, as a bad URL is), and a missing one's way out (--db: the
+    results database)."""
+    named = f"{option} {path}" if option else str(path)
     if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
-        raise FibctlError(f"{path} is a directory, not a database file")
+        raise FibctlError(f"{named} is a directory, not a database file")
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
     if path.exists() and not path.is_file():  # a FIFO or a device: reading its header would block
-        raise FibctlError(f"{path} is not a regular file, not a database file")
+        raise FibctlError(f"{named} is not a regular file: name a database file or URL")
     if not path.exists():
         if must_exist:
             raise FibctlError(f"no database at {path}{_missing_hint(option)}")
@@ -174,7 +176,7 @@ def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None
     with path.open("rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if header and header != SQLITE_HEADER:  # an empty file is an empty SQLite database
-        raise FibctlError(f"{path} is not a SQLite database")
+        raise FibctlError(f"{named} is not a SQLite database")
 
 
 def _missing_hint(option: str | None) -> str:
@@ -386,7 +388,7 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
-        check_sqlite_file(path, must_exist=False)
+        check_sqlite_file(path, must_exist=False, option=option)
         check_writable(path)
     engine = _engine(url, option, db, foreign_keys=False, poolclass=NullPool)
     try:

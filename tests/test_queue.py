@@ -290,7 +290,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
     future = tmp_path / "future.db"
     connect(str(future)).dispose()
     con = sqlite3.connect(future)
-    con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    con.execute("UPDATE alembic_version SET version_num = '0099'")
     con.commit()
 
     cases = [
@@ -303,7 +303,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
         code, err = _main_exit(monkeypatch, capsys, *args)
         assert code == 2 and message in err, err
     assert notes.read_text() == "not a database\n"
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("f00d",)]
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0099",)]
 
     # the real entry point, end to end
     proc = subprocess.run([sys.executable, "-m", "fibctl", "queue", "add", "nosuch", "--db", str(tmp_path / "x.db")],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sqlite3
 import time
 import weakref
@@ -32,6 +33,7 @@ from sqlalchemy.pool import NullPool
 
 import fibctl
 from fibctl.errors import DamagedDatabase, FibctlError
+from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
@@ -310,6 +312,10 @@ def _stored_revision(conn, db: str | URL) -> str | None:
     several rows (a database edited by hand, or a copy's rows added to another's); fibctl's
     migrations are one line, so that is a damaged record, named here in one line."""
     revisions = MigrationContext.configure(conn).get_current_heads()
+    for rev in revisions:  # SQLite keeps a blob in the text column: not a newer fibctl's revision
+        if not isinstance(rev, str):
+            raise FibctlError(f"{shown(db)}: alembic_version.version_num holds {sql_literal(rev)}, not a schema "
+                              "revision's text (the database was edited by hand or is damaged)")
     if len(revisions) > 1:
         known = [r for r in _known_revisions() if r in revisions]
         keep = f", e.g. DELETE FROM alembic_version WHERE version_num <> '{known[0]}'" if known else ""
@@ -361,12 +367,21 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
         raise FibctlError(
             f"{shown(db)} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
             "but no fibctl schema revision")
-    if rev is not None:
-        if rev not in _known_revisions():
+    known = _known_revisions()
+    if rev is not None and rev not in known:
+        if _NUMBERED.fullmatch(rev) and rev > known[0]:
             raise FibctlError(
-                f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
+                f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {known[0]}): "
                 "it was written by a newer fibctl; upgrade fibctl to use it")
+        raise FibctlError(
+            f"{shown(db)} has schema revision {sql_literal(rev)}, which no fibctl writes (this one's are "
+            f"{known[-1]} to {known[0]}): alembic_version was edited by hand or is damaged")
     return rev
+
+
+# fibctl numbers its migrations 0001, 0002, ...: a newer fibctl's revision is a later number,
+# anything else in alembic_version a hand edit (`SET version_num = 42` is stored as '42')
+_NUMBERED = re.compile(r"\d{4}")
 
 
 def _timed_out(e: DatabaseError) -> bool:

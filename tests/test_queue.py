@@ -414,6 +414,32 @@ def test_queue_rm_at_a_terminal_says_what_it_deletes_and_asks(tmp_path, monkeypa
         assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (tmp_path / "runs" / "r000").is_dir()
 
 
+def test_queue_rm_declined_leaves_an_older_database_as_it_was(tmp_path, monkeypatch):
+    """connect upgraded the database before the question: a "no" left it upgraded. Now what
+    goes is read from it as it is (revision 0001: no events table, no runs_dir) and asked
+    about first; only a "yes" upgrades it and removes the run."""
+    from fibctl.cli import app, db as cli_db
+    from fibctl.db.engine import head_revision, release, upgrade
+    from test_db import _insert_rev1_run
+
+    path = str(tmp_path / "old.db")
+    upgrade(path, "0001")
+    _insert_rev1_run(path, "r1", RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8).to_json())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(cli_db, "interactive", lambda: True)
+    asked = "remove run r1 (done) and its 64 metric and event row(s)? [y/N] "
+    done = CliRunner().invoke(app, ["queue", "rm", "r1", "--db", path], input="n\n")
+    assert done.exit_code == 1 and done.output == asked + "nothing was removed\n", done.output
+    release()  # as main() does when a command ends: the reader's -wal and -shm files go
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    done = CliRunner().invoke(app, ["queue", "rm", "r1", "--db", path], input="y\n")
+    assert done.exit_code == 0 and done.output.startswith(asked + "removed run r1 (done)"), done.output
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [(head_revision(),)]
+        assert con.execute("SELECT count(*) FROM runs").fetchall() == [(0,)]
+    con.close()
+
+
 @pytest.mark.parametrize("terminal, args", [(True, ["--yes"]), (True, ["-y"]), (False, [])])
 def test_queue_rm_asks_nothing_with_yes_or_in_a_script(tmp_path, monkeypatch, terminal, args):
     """Scripts (the tests, the docs' commands, a user's own) ran `queue rm NAME` without a

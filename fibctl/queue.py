@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import and_, bindparam, case, func, insert, inspect, or_, select, text, update
+from sqlalchemy import and_, bindparam, case, func, insert, inspect, null, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
 from fibctl.config import RunConfig
@@ -152,11 +152,15 @@ def _then_files(status: Callable[[Engine], None], name: str,
     return check
 
 
+def _has_runs_dir(conn: Connection) -> bool:
+    return "runs_dir" in {c["name"] for c in inspect(conn).get_columns(Run.__tablename__)}
+
+
 def _recorded_files(engine: Engine, name: str) -> tuple[str | None, str | None] | None:
     """The run's (runs_dir, checkpoint_path) as recorded; None where the schema predates
     `runs_dir` (revision 0005, whose upgrade rewrites the recorded paths)."""
     with engine.connect() as conn:
-        if "runs_dir" not in {c["name"] for c in inspect(conn).get_columns("runs")}:
+        if not _has_runs_dir(conn):
             return None
         row = conn.execute(select(Run.runs_dir, Run.checkpoint_path).where(Run.name == name)).first()
     return None if row is None else (row.runs_dir, row.checkpoint_path)
@@ -589,17 +593,22 @@ class Removed:
 
 
 def _recorded_rows(conn: Connection, run_id: int) -> int:
-    """The metric, position, alpha and event rows of a run: what goes with its row."""
+    """The metric, position, alpha and event rows of a run: what goes with its row (at any
+    schema revision: one before 0002 has no events)."""
     from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, TrainStep
 
+    tables = set(inspect(conn).get_table_names())
     return sum(conn.execute(select(func.count()).select_from(t).where(t.run_id == run_id)).scalar()
-               for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event))
+               for t in (TrainStep, Evaluation, PositionLoss, Alpha, AuxMetric, Event) if t.__tablename__ in tables)
 
 
 def to_remove(engine: Engine, name: str) -> Removed:
-    """What `remove` would delete now, deleting nothing (what `fibctl queue rm` asks about)."""
+    """What `remove` would delete now, deleting nothing (what `fibctl queue rm` asks about):
+    read from the database as it is, of any schema revision, so that a "no" finds it not
+    upgraded (runs_dir came with 0005)."""
     with engine.connect() as conn:
-        row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
+        runs_dir = Run.runs_dir if _has_runs_dir(conn) else null().label("runs_dir")
+        row = conn.execute(select(Run.id, Run.status, runs_dir).where(Run.name == name)).first()
         if row is None:
             raise no_run_named([name], _run_names(conn))
         return Removed(name, str(row.status), _recorded_rows(conn, row.id), row.runs_dir)

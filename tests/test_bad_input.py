@@ -91,6 +91,18 @@ def build(tmp: Path) -> dict[str, str]:
             con.execute(change)
         con.close()
         p[f"{label}_db"] = str(tmp / f"{label}.db")
+    # alembic_version edited by hand: a blob, an integer (stored as text '42' in the table's text
+    # column; as 42 in one made again without a type): each was "written by a newer fibctl"
+    for label, change in {"rev_blob": ["UPDATE alembic_version SET version_num = X'00ff'"],
+                          "rev_42": ["UPDATE alembic_version SET version_num = 42"],
+                          "rev_int": ["DROP TABLE alembic_version", "CREATE TABLE alembic_version (version_num)",
+                                      "INSERT INTO alembic_version VALUES (8)"]}.items():
+        shutil.copy(tmp / "good.db", tmp / f"{label}.db")
+        with sqlite3.connect(tmp / f"{label}.db") as con:
+            for statement in change:
+                con.execute(statement)
+        con.close()
+        p[f"{label}_db"] = str(tmp / f"{label}.db")
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
     os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
@@ -172,6 +184,12 @@ CASES = [
     (["report", "table1", "--db", "{old_db}"], "schema revision 0001"),
     (["figure", "posloss", "--db", "{old_db}", "--out", "{tmp}/p.png"], "schema revision 0001"),
     (["report", "table4", "--db", "{good_db}", "--window", "99999999999999999999"], "--window"),
+    # a schema revision no fibctl writes: damaged, not a newer fibctl's
+    *[([*command, "--db", "{rev_blob_db}"], "alembic_version.version_num holds X'00ff', not a schema revision's text")
+      for command in (["db", "current"], ["db", "upgrade"], ["queue", "ls"], ["queue", "add", "demo"])],
+    *[([*command, "--db", "{rev_42_db}"], "has schema revision '42', which no fibctl writes (this one's are 0001 to")
+      for command in (["db", "current"], ["db", "upgrade"], ["status"], ["queue", "add", "demo"])],
+    (["db", "current", "--db", "{rev_int_db}"], "alembic_version.version_num holds 8, not a schema revision's text"),
     # a mistyped database
     (["queue", "ls", "--db", "{tmp}/typo.db"], "no database at"),
     (["worker", "--db", "{tmp}/typo.db", "--data", "{data}", "--runs-dir", "{tmp}/runs"], "no database at"),
@@ -206,6 +224,11 @@ CASES = [
     (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
      "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
+    # a --data file: they suggested `fibctl data prepare RECIPE --data afile`, which is refused in turn
+    (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{tmp}/afile"],
+     "afile is a file, not a data folder (one `fibctl data prepare` wrote)"),
+    (["worker", "--db", "{good_db}", "--data", "{tmp}/afile", "--runs-dir", "{tmp}/runs"], "afile is a file, not a"),
+    (["train", "run", "--db", "{good_db}", "--data", "{tmp}/afile", "--runs-dir", "{tmp}/runs"], "is a file, not a"),
     # recipes: wrong types, names that would leave --out
     (["data", "prepare", "{sources_str}", "--out", "{tmp}/out"], "[[sources]] tables"),
     (["data", "prepare", "{text_int}", "--out", "{tmp}/out"], "text must be a string or a list"),

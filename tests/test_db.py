@@ -244,14 +244,21 @@ def test_garbage_file_is_refused_untouched(tmp_path):  # SQLite only: a file tha
 
 
 def test_newer_schema_is_refused_untouched(db_url):
+    """A newer fibctl's revision is a later number, as every migration's is (what tells it
+    from a hand edit, which was called a newer fibctl's too)."""
+    from fibctl.db.engine import _known_revisions
+
+    assert all(re.fullmatch(r"\d{4}", rev) for rev in _known_revisions())
     db = db_url
     connect(db).dispose()
-    with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
-        conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))
-    for open_ in (connect, connect_readonly, upgrade):
-        with pytest.raises(FibctlError, match="newer fibctl"):
-            open_(db)
-    assert _inspect(db, "SELECT version_num FROM alembic_version") == [[("f00d",)]]
+    for rev, words in (("0099", "it was written by a newer fibctl; upgrade fibctl"),
+                       ("f00d", "has schema revision 'f00d', which no fibctl writes (this one's are 0001 to")):
+        with create_engine(resolve_url(db), poolclass=NullPool).begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :rev"), {"rev": rev})
+        for open_ in (connect, connect_readonly, upgrade):
+            with pytest.raises(FibctlError, match=re.escape(words)):
+                open_(db)
+        assert _inspect(db, "SELECT version_num FROM alembic_version") == [[(rev,)]]
 
 
 def test_two_schema_revisions_are_refused_untouched(db_url, monkeypatch, capsys):

@@ -158,14 +158,23 @@ def test_cli_copy_of_a_run_whose_events_the_target_has_succeeds(tmp_path):
     (["--from", "sqlite:///:memory:", "--to", "new.db"], "--from sqlite:///:memory: is an in-memory database"),
     (["--from", "source.db", "--to", " "], "--to is empty"),
     (["--from", "source.db", "--to", "sqlite://x:y:z@@/"], "--to "),
+    # a special file or a folder: it said "/dev/null is not a regular file, not a database file"
+    (["--from", "source.db", "--to", "/dev/null"], "--to /dev/null is not a regular file: name a database file or URL"),
+    (["--from", "source.db", "--to", "pipe"], "--to pipe is not a regular file: name a database file or URL"),
+    (["--from", "pipe", "--to", "new.db"], "--from pipe is not a regular file: name a database file or URL"),
+    (["--from", "source.db", "--to", "adir"], "--to adir is a directory, not a database file"),
+    (["--from", "source.db", "--to", "notes.txt"], "--to notes.txt is not a SQLite database"),
 ])
 def test_cli_copy_names_the_option_it_refuses(tmp_path, args, line):
     connect(str(tmp_path / "source.db")).dispose()
+    os.mkfifo(tmp_path / "pipe")  # nothing writes to it: reading its header would wait forever
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("notes\n")
     done = fibctl("db", "copy", *args, cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     [error] = done.stderr.strip().splitlines()
     assert error.startswith(f"error: {line}") and "--db" not in error
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["source.db"]  # nothing created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "notes.txt", "pipe", "source.db"]  # nothing created
 
 
 def test_a_copy_stopped_part_way_leaves_the_target_as_it_was(db_url, tmp_path, monkeypatch):

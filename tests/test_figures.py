@@ -303,12 +303,20 @@ def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_st
             conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=0 if name == "s" else 250, layer=layer,
                                                      alpha=0.5 + layer / 4) for layer in range(4)])
     engine.dispose()
-    labels = {}
+    labels, titles = {}, []
     save = figures._save
     monkeypatch.setattr(figures, "_save", lambda fig, out: labels.update(
-        {ax.get_title(): ax.get_xlabel() for ax in fig.axes if ax.get_title()}) or save(fig, out))
+        {ax.get_title(): ax.get_xlabel() for ax in fig.axes if ax.get_title()})
+        or titles.append(" ".join(fig.get_suptitle().split())) or save(fig, out))
     figures.alphas(connect_readonly(path), tmp_path / "a.png")
     assert labels == {"s": "layer (at every step)", "l": "layer (step 250)"}
+    # the title says how each kind is drawn: "of each sparse run" said nothing of a static
+    # schedule's panel standing for all its runs
+    for only in ("s", "l"):
+        figures.alphas(connect_readonly(path), tmp_path / f"{only}.png", only=only)
+    assert titles == [f"Per-layer \u03b1{what} (rung distance = \u03b1 \u00d7 base sequence)" for what in (
+        ": each static schedule once, each learned run over training", " of each static schedule",
+        " of each learned run over training")]
 
 
 # --- a reader of the printed page: greyscale, one colour per schedule, readable ticks -----

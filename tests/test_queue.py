@@ -290,7 +290,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
     future = tmp_path / "future.db"
     connect(str(future)).dispose()
     con = sqlite3.connect(future)
-    con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    con.execute("UPDATE alembic_version SET version_num = '0099'")
     con.commit()
 
     cases = [
@@ -303,7 +303,7 @@ def test_cli_bad_input_exits_2_and_leaves_database_untouched(tmp_path, monkeypat
         code, err = _main_exit(monkeypatch, capsys, *args)
         assert code == 2 and message in err, err
     assert notes.read_text() == "not a database\n"
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("f00d",)]
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0099",)]
 
     # the real entry point, end to end
     proc = subprocess.run([sys.executable, "-m", "fibctl", "queue", "add", "nosuch", "--db", str(tmp_path / "x.db")],
@@ -412,6 +412,32 @@ def test_queue_rm_at_a_terminal_says_what_it_deletes_and_asks(tmp_path, monkeypa
     else:
         assert done.exit_code == 1 and done.output[len(asked):].strip() == "nothing was removed", done.output
         assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (tmp_path / "runs" / "r000").is_dir()
+
+
+def test_queue_rm_declined_leaves_an_older_database_as_it_was(tmp_path, monkeypatch):
+    """connect upgraded the database before the question: a "no" left it upgraded. Now what
+    goes is read from it as it is (revision 0001: no events table, no runs_dir) and asked
+    about first; only a "yes" upgrades it and removes the run."""
+    from fibctl.cli import app, db as cli_db
+    from fibctl.db.engine import head_revision, release, upgrade
+    from test_db import _insert_rev1_run
+
+    path = str(tmp_path / "old.db")
+    upgrade(path, "0001")
+    _insert_rev1_run(path, "r1", RunConfig.resolve("r1", "m", "micro", schedule="stagger", window=8).to_json())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(cli_db, "interactive", lambda: True)
+    asked = "remove run r1 (done) and its 64 metric and event row(s)? [y/N] "
+    done = CliRunner().invoke(app, ["queue", "rm", "r1", "--db", path], input="n\n")
+    assert done.exit_code == 1 and done.output == asked + "nothing was removed\n", done.output
+    release()  # as main() does when a command ends: the reader's -wal and -shm files go
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    done = CliRunner().invoke(app, ["queue", "rm", "r1", "--db", path], input="y\n")
+    assert done.exit_code == 0 and done.output.startswith(asked + "removed run r1 (done)"), done.output
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [(head_revision(),)]
+        assert con.execute("SELECT count(*) FROM runs").fetchall() == [(0,)]
+    con.close()
 
 
 @pytest.mark.parametrize("terminal, args", [(True, ["--yes"]), (True, ["-y"]), (False, [])])

@@ -129,11 +129,6 @@ def show_cmd(
     is an error (exit 2).
 
     Example: fibctl data show data/demo"""
-    if data_dir.exists() and not data_dir.is_dir():  # load_manifest's hint, `--data` it, would be refused in turn
-        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
-            if data_dir.suffix == ".toml" else ""
-        kind = "a file" if data_dir.is_file() else "a device or a pipe"
-        raise FibctlError(f"{data_dir} is {kind}, not a data folder (one `fibctl data prepare` wrote){recipe}")
     manifest = load_manifest(data_dir)
     manifest.check_tokenizer()
     for split in manifest.splits:  # as a worker checks them before it trains on them

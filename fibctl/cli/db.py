@@ -367,8 +367,9 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     """Remove a run that is not running: its row, metrics and events (and with --checkpoints,
     its checkpoint folder inside the runs folder). A running run is refused.
 
-    At a terminal it first says what it will delete and asks (y/N; no: nothing is removed,
-    exit code 1); --yes does not ask, nor does a script, whose stdin is no terminal.
+    At a terminal it first says what it will delete and asks (y/N; no: nothing is removed
+    nor upgraded, exit code 1); --yes does not ask, nor does a script, whose stdin is no
+    terminal.
 
     Example: fibctl queue rm dense_lr1e-3 --checkpoints"""
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
@@ -379,14 +380,19 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
         return _checkpoint_folder(name, runs_dir or Path(recorded_dir or "runs"))
 
-    # on the database as it is, before any upgrade: a refusal leaves it as it was
-    engine = db_engine.connect(db, must_exist=True, check=queue.check_remove(name, folder_of if checkpoints else None))
-    if not yes and interactive():  # a person at a terminal: results are deleted for good
-        r = queue.to_remove(engine, name)
-        what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
-        if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
-            err_console.print(plain("nothing was removed"))
-            raise typer.Exit(1)
+    removable = queue.check_remove(name, folder_of if checkpoints else None)
+
+    def check(reader) -> None:  # a read-only engine on the database as it is
+        removable(reader)
+        if not yes and interactive():  # a person at a terminal: results are deleted for good
+            r = queue.to_remove(reader, name)
+            what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
+            if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
+                err_console.print(plain("nothing was removed"))
+                raise typer.Exit(1)
+
+    # on the database as it is, before any upgrade: a refusal, or a "no", leaves it as it was
+    engine = db_engine.connect(db, must_exist=True, check=check)
     folder: list[Path] = []
     aside: list[Path] = []
     kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)

@@ -124,6 +124,11 @@ class DataManifest:
 def load_manifest(data_dir: str | Path) -> DataManifest:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
+    if data_dir.exists() and not data_dir.is_dir():  # the hint below, `--data` it, would be refused in turn
+        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
+            if data_dir.suffix == ".toml" else ""
+        kind = "a file" if data_dir.is_file() else "a device or a pipe"
+        raise FibctlError(f"{data_dir} is {kind}, not a data folder (one `fibctl data prepare` wrote){recipe}")
     if not path.is_file():
         raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --data {data_dir}`")
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sqlite3
 import time
 import weakref
@@ -32,6 +33,7 @@ from sqlalchemy.pool import NullPool
 
 import fibctl
 from fibctl.errors import DamagedDatabase, FibctlError
+from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
@@ -157,12 +159,14 @@ def release() -> None:
 def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None) -> None:
     """Refuse, in one line, a path SQLite cannot use: a folder, a file of another kind, a
     missing database (`must_exist`), or a new one whose folder is not there. `option`: the
-    option that named a missing one, said with the way out (--db: the results database)."""
+    option that named it (said first, as a bad URL is), and a missing one's way out (--db: the
+    results database)."""
+    named = f"{option} {path}" if option else str(path)
     if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
-        raise FibctlError(f"{path} is a directory, not a database file")
+        raise FibctlError(f"{named} is a directory, not a database file")
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))
     if path.exists() and not path.is_file():  # a FIFO or a device: reading its header would block
-        raise FibctlError(f"{path} is not a regular file, not a database file")
+        raise FibctlError(f"{named} is not a regular file: name a database file or URL")
     if not path.exists():
         if must_exist:
             raise FibctlError(f"no database at {path}{_missing_hint(option)}")
@@ -174,7 +178,7 @@ def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None
     with path.open("rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if header and header != SQLITE_HEADER:  # an empty file is an empty SQLite database
-        raise FibctlError(f"{path} is not a SQLite database")
+        raise FibctlError(f"{named} is not a SQLite database")
 
 
 def _missing_hint(option: str | None) -> str:
@@ -308,6 +312,10 @@ def _stored_revision(conn, db: str | URL) -> str | None:
     several rows (a database edited by hand, or a copy's rows added to another's); fibctl's
     migrations are one line, so that is a damaged record, named here in one line."""
     revisions = MigrationContext.configure(conn).get_current_heads()
+    for rev in revisions:  # SQLite keeps a blob in the text column: not a newer fibctl's revision
+        if not isinstance(rev, str):
+            raise FibctlError(f"{shown(db)}: alembic_version.version_num holds {sql_literal(rev)}, not a schema "
+                              "revision's text (the database was edited by hand or is damaged)")
     if len(revisions) > 1:
         known = [r for r in _known_revisions() if r in revisions]
         keep = f", e.g. DELETE FROM alembic_version WHERE version_num <> '{known[0]}'" if known else ""
@@ -359,12 +367,21 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
         raise FibctlError(
             f"{shown(db)} is not a fibctl database: it has tables ({', '.join(sorted(tables)[:5])}) "
             "but no fibctl schema revision")
-    if rev is not None:
-        if rev not in _known_revisions():
+    known = _known_revisions()
+    if rev is not None and rev not in known:
+        if _NUMBERED.fullmatch(rev) and rev > known[0]:
             raise FibctlError(
-                f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {head_revision()}): "
+                f"{shown(db)} has schema revision {rev}, unknown to this fibctl (latest {known[0]}): "
                 "it was written by a newer fibctl; upgrade fibctl to use it")
+        raise FibctlError(
+            f"{shown(db)} has schema revision {sql_literal(rev)}, which no fibctl writes (this one's are "
+            f"{known[-1]} to {known[0]}): alembic_version was edited by hand or is damaged")
     return rev
+
+
+# fibctl numbers its migrations 0001, 0002, ...: a newer fibctl's revision is a later number,
+# anything else in alembic_version a hand edit (`SET version_num = 42` is stored as '42')
+_NUMBERED = re.compile(r"\d{4}")
 
 
 def _timed_out(e: DatabaseError) -> bool:
@@ -386,7 +403,7 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     url = resolve_url(db, option)
     path = _sqlite_path(url)
     if path is not None:
-        check_sqlite_file(path, must_exist=False)
+        check_sqlite_file(path, must_exist=False, option=option)
         check_writable(path)
     engine = _engine(url, option, db, foreign_keys=False, poolclass=NullPool)
     try:

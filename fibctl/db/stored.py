@@ -57,19 +57,20 @@ class Checked(TypeDecorator):
 
     def refused(self, value) -> FibctlError:
         where = " or ".join(f"{t}.{self.column}" for t in self.tables) or self.column
-        literal = _sql_literal(value)
-        literal = literal if len(literal) <= 60 else literal[:57] + "..."
+        literal = sql_literal(value)
         return FibctlError(f"{where} holds {literal}, not {self.kind} (the database was edited by hand?): "
                            f"correct it where {self.column} = {literal}, e.g. with the sqlite3 shell")
 
 
-def _sql_literal(value) -> str:
-    """The value as SQL would write it, to find its row by."""
+def sql_literal(value) -> str:
+    """The value as SQL would write it, to find its row by; past 60 characters, cut short."""
     if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    if isinstance(value, bytes):
-        return f"X'{value.hex()}'"
-    return repr(value)
+        literal = "'" + value.replace("'", "''") + "'"
+    elif isinstance(value, bytes):
+        literal = f"X'{value.hex()}'"
+    else:
+        literal = repr(value)
+    return literal if len(literal) <= 60 else literal[:57] + "..."
 
 
 class Number(Checked):

@@ -63,7 +63,7 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
         yield db
         return
     path = Path(url.database)
-    check_sqlite_file(path, must_exist=False)  # its folder is one: refused as connect refuses it
+    check_sqlite_file(path, must_exist=False, option=option)  # its folder is one: refused as connect refuses it
     _remove_stale(path)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:

@@ -629,13 +629,22 @@ ORDER BY r.name, a.layer, a.step"""
         bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=over_time,
                            label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
-    _title(fig, "Per-layer \u03b1 of each sparse run (rung distance = \u03b1 \u00d7 base sequence)")
+    _title(fig, f"Per-layer \u03b1{_alphas_shown(panels)} (rung distance = \u03b1 \u00d7 base sequence)")
     learned = sum(points["schedule"].iloc[0] == "learned" for _, points in panels)  # the panels cut, last
     drawn = learned - (len(panels) - len(shown_panels))
     _label_once(fig, axes, shown, small, "" if len(shown_panels) == len(panels) else
                 f"the first {drawn} of {learned} learned runs by name; --run, --matrix or --only draws others")
     _fit_titles(fig, shown)
     return _save(fig, path)
+
+
+def _alphas_shown(panels: list[tuple[str, pd.DataFrame]]) -> str:
+    """What the alphas figure's panels draw, for its title: a static schedule's curve once for
+    all its runs (not each run's), a learned run's alpha over training."""
+    kinds = {points["schedule"].iloc[0] == "learned" for _, points in panels}
+    if kinds == {True, False}:
+        return ": each static schedule once, each learned run over training"
+    return " of each learned run over training" if True in kinds else " of each static schedule"
 
 
 def alpha_panels(long: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -667,9 +676,9 @@ def alpha_panels(long: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
 
 
 def _label_once(fig: Figure, axes, shown, small: bool, note: str) -> None:
-    """The alphas panels' axis labels once for the figure, where they do not fit a panel (1.5 in
-    'layer (set by the schedule)' ran into the next panel's, beside a colour bar) or the panels
-    are `small`; `note` on a line below them (kept by --no-title)."""
+    """The alphas panels' axis labels once for the figure, where one is wider than its panel (it
+    would run into the next panel's label: a panel of three a row beside the colour bar is about
+    1.5 in) or the panels are `small`; `note` on a line below them (kept by --no-title)."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
     wide = any(ax.xaxis.label.get_window_extent().width > ax.get_window_extent().width for ax in shown)
     if small or wide:

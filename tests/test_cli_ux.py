@@ -500,6 +500,30 @@ def test_ctrl_c_while_torch_imports_is_held_until_the_import_is_over():
     assert (done.returncode, done.stdout) == (130, "imported\ninterrupted (3,)\n"), done.stderr[-2000:]
 
 
+def test_a_sigterm_while_torch_imports_is_held_until_the_import_is_over():
+    """The ranks of a DDP group stopped by Ctrl-C get a SIGTERM, often while they import torch:
+    fibctl's SIGTERM handler raised SystemExit inside the import (torch left half-loaded, and once
+    a rank aborted from torch's C++: exit 134, a stack dump). Held, it ends the command with 143
+    once torch is whole."""
+    script = ("import os, signal, sys, threading, time\n"
+              "from fibctl.cli import _terminated\n"
+              "signal.signal(signal.SIGTERM, _terminated)  # as fibctl.cli.main does\n"
+              "def stop():\n"
+              "    while 'torch' not in sys.modules:\n"
+              "        time.sleep(0.001)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "threading.Thread(target=stop, daemon=True).start()\n"
+              "try:\n"
+              "    import torch\n"
+              "    print('imported', flush=True)\n"
+              "    time.sleep(60)\n"
+              "finally:\n"
+              "    torch = sys.modules.get('torch')\n"
+              "    print('whole', torch and tuple(torch.nn.Linear(2, 3)(torch.ones(2)).shape), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (143, "imported\nwhole (3,)\n"), done.stderr[-2000:]
+
+
 def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
     """Typer evaluates each option's annotation as it builds the command line; a
     KeyboardInterrupt passing through one ends Python by SIGINT (exit -2 to Popen) whatever

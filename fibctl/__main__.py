@@ -6,9 +6,7 @@ the command as one a moment later would: exit 130. Raised where it landed, a
 KeyboardInterrupt could abort the process from torch's C++ (exit 134, a stack dump), leave
 torch half-loaded, be lost in the import machinery's own callbacks (the command ran on), or
 pass through an annotation typer evaluates (Python then exits by SIGINT, whatever exit code
-the handler gave). A second Ctrl-C while one is held is not held. A SIGTERM during torch's
-import is held the same way (`hold`, from fibctl.cli's handler): the ranks of a DDP group get
-one when it is stopped, often while they are still importing torch.
+the handler gave). A second Ctrl-C while one is held is not held.
 """
 
 import os
@@ -69,34 +67,23 @@ def _initializing(module) -> bool:
 
 
 _starting = threading.Event()  # the command line is being imported and built
-# a signal waiting for the start or torch's import to end, by signal
-_held = {signal.SIGINT: threading.Event(), signal.SIGTERM: threading.Event()}
-
-
-def hold(signum: int, frame) -> bool:
-    """Whether signal `signum` (SIGINT or SIGTERM), landed at `frame`, is held: while the command
-    line starts or torch is being imported, unless one is held already. It is sent again when
-    that is over, to whichever handler is the signal's by then."""
-    held = _held[signum]
-    if held.is_set() or not (_starting.is_set() or importing(frame)):
-        return False
-    held.set()
-    threading.Thread(target=_send_when_imported, args=(signum,), daemon=True).start()
-    return True
+_held = threading.Event()  # a Ctrl-C is waiting for the start or torch's import to end
 
 
 def _interrupt(signum, frame) -> None:
     """SIGINT's handler until a command sets its own: Python's KeyboardInterrupt, held while
     the command line starts or torch is being imported."""
-    if not hold(signum, frame):
+    if _held.is_set() or not (_starting.is_set() or importing(frame)):
         raise KeyboardInterrupt
+    _held.set()
+    threading.Thread(target=_send_when_imported, daemon=True).start()
 
 
-def _send_when_imported(signum: int) -> None:
+def _send_when_imported() -> None:
     while _starting.is_set() or importing():
         time.sleep(0.02)
-    _held[signum].clear()
-    os.kill(os.getpid(), signum)
+    _held.clear()
+    os.kill(os.getpid(), signal.SIGINT)  # to whichever handler is SIGINT's by now
 
 
 if __name__ == "__main__":

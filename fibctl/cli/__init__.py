@@ -268,12 +268,7 @@ _panels()
 
 
 def _terminated(signum, frame) -> None:
-    """SIGTERM's handler until a command sets its own: exit 128 + 15, once torch is whole (a
-    SystemExit raised inside its import aborted a DDP rank from torch's C++: exit 134)."""
-    from fibctl.__main__ import hold
-
-    if not hold(signum, frame):
-        sys.exit(128 + signum)
+    sys.exit(128 + signum)
 
 
 def build():

@@ -19,7 +19,7 @@ from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.errors import FibctlError
 from fibctl.train.checkpoint import load_checkpoint
-from fibctl.train.distributed import ENVIRONMENT
+from fibctl.flows.torchrun import ENVIRONMENT
 from fibctl.train.trainer import Trainer
 from cli_helpers import refused
 from train_helpers import micro_run, queued_db, write_data
@@ -402,6 +402,26 @@ def test_ctrl_c_at_any_moment_of_a_group_s_start_exits_130_quietly_and_the_run_s
     assert (128 - proc.returncode if proc.returncode < 0 else proc.returncode) == 130, err[-3000:]
     assert "Traceback" not in err and " dumped" not in err, err[-3000:]
     assert sqlite3.connect(db).execute("select status from runs").fetchall() == [("queued",)]
+
+
+def test_a_rank_stopped_while_it_imports_torch_ends_by_the_signal_as_torchrun_expects():
+    """The ranks of a group stopped as it starts get a SIGTERM each, often while they import
+    torch. fibctl's own SIGTERM handler raised SystemExit inside the import, and once a rank
+    aborted from torch's C++ (exit 134, a stack dump: the Ctrl-C test above, one run in many).
+    A rank has recorded nothing before its group's loop: SIGTERM's default ends it."""
+    script = ("import os, signal, sys, threading, time\n"
+              "from fibctl.cli import ends_through_python\n"
+              "ends_through_python()  # as fibctl.cli.main does\n"
+              "def stop():\n"
+              "    while 'torch' not in sys.modules:\n"
+              "        time.sleep(0.001)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "threading.Thread(target=stop, daemon=True).start()\n"
+              "import torch\n"
+              "time.sleep(60)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **TORCHRUN_ENV})
+    assert done.returncode == -signal.SIGTERM and not done.stderr, (done.returncode, done.stderr[-2000:])
 
 
 def test_a_group_s_exit_code_is_rank_0_s_and_a_signal_s_as_a_shell_reads_it():

@@ -22,6 +22,7 @@ from fibctl.cli.common import (err_console, hold_interrupts, interrupted, noting
                                unencodable_shown_as_question_marks)
 from fibctl.reports.render import printable
 from fibctl.errors import FibctlError
+from fibctl.flows.torchrun import launched  # here, not in main: an import there is a window for a Ctrl-C
 
 
 def _help_fixes() -> None:
@@ -267,6 +268,16 @@ def _panels() -> None:
 _panels()
 
 
+def ends_through_python() -> None:
+    """SIGTERM ends the command through Python, so that the `finally` in _run still runs (a
+    read-only command killed outright left SQLite's -wal and -shm files); train and worker set
+    their own. A torchrun rank keeps SIGTERM's default until its group's loop sets its own: it
+    has recorded nothing before, torchrun reads a rank a signal ended as stopped, and a
+    SystemExit raised while the rank imported torch aborted it from torch's C++ (exit 134)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not launched():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 def _terminated(signum, frame) -> None:
     sys.exit(128 + signum)
 
@@ -279,10 +290,7 @@ def build():
 
 def main(command=None) -> None:
     """Run the command line (`command`: `build()`'s, else built here)."""
-    # SIGTERM ends the command through Python, so that the `finally` in _run still runs (a read-only
-    # command killed outright left SQLite's -wal and -shm files); train and worker set their own
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    ends_through_python()
     with unencodable_shown_as_question_marks(), noting_interrupts():
         _run(command)
 

@@ -188,7 +188,7 @@ def train_cmd(
     Example: fibctl train fib_fixed_w8 --data data/demo --log-to tensorboard"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
     from fibctl.queue import NOT_QUEUED, check_named
-    from fibctl.train.distributed import launched
+    from fibctl.flows.torchrun import launched
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
@@ -251,7 +251,7 @@ def worker_cmd(
 
     Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
-    from fibctl.train.distributed import ENVIRONMENT, launched
+    from fibctl.flows.torchrun import ENVIRONMENT, launched
 
     check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     missing = [k for k in ENVIRONMENT if k not in os.environ]
@@ -317,7 +317,7 @@ def _resume_hint(outcomes: list[Outcome]) -> None:
     """After a stop, how training goes on: "released" alone left a user who pressed Ctrl-C to
     guess. The same command line, whose --db and --data are the ones that trained it; a rank
     under torchrun leaves it to the command that launched the group."""
-    from fibctl.train.distributed import launched
+    from fibctl.flows.torchrun import launched
 
     released = [o for o in outcomes if o.status == "released" and o.step is not None]
     if released and not launched():
@@ -333,7 +333,7 @@ def _exit_after_signal(stop) -> None:
     a shell or SLURM reads a process a signal ended. Not in a rank under torchrun: torchrun
     takes a rank's nonzero exit for a failure and stops the other ranks, rank 0 perhaps still
     requeueing; the command that launched the group (launch_ddp) exits so instead."""
-    from fibctl.train.distributed import launched
+    from fibctl.flows.torchrun import launched
 
     if stop.signal is not None and not launched():
         raise typer.Exit(128 + stop.signal)

@@ -17,6 +17,12 @@ from pathlib import Path
 
 LAUNCHER = "FIBCTL_LAUNCHER_PID"  # the fibctl command whose end stops this group (launch_ddp sets it)
 PR_SET_PDEATHSIG = 1
+ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives each rank
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a torchrun group (its environment is set)."""
+    return all(name in os.environ for name in ENVIRONMENT)
 
 
 def exit_code(codes: dict[int, int]) -> int:

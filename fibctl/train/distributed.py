@@ -21,16 +21,8 @@ import torch.distributed as dist
 from fibctl.device import resolve_device, setup_process
 from fibctl.errors import FibctlError
 
-ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 class PeerLost(FibctlError):
     """Another rank of the group died or stopped answering: this rank stops too."""
-
-
-def launched() -> bool:
-    """Whether this process is one rank of a torchrun group (its environment is set)."""
-    return all(name in os.environ for name in ENVIRONMENT)
 
 
 def check_split(grad_accum: int, world: int, name: str) -> None:

@@ -30,7 +30,10 @@ def main() -> None:
             sys.exit(130)
         finally:
             _starting.clear()
-        run(command)
+        try:
+            run(command)
+        except KeyboardInterrupt:  # a held Ctrl-C sent again before fibctl.cli set its handlers
+            sys.exit(130)
     finally:  # as it was, for a caller in the same process (the tests)
         if signal.getsignal(signal.SIGINT) is _interrupt:
             signal.signal(signal.SIGINT, previous)
@@ -51,12 +54,25 @@ def importing(frame=None) -> bool:
     """Whether torch, or one of its modules, is being imported in this process; or `frame`
     (where a signal landed) is the import machinery's, which may be running its callbacks
     after a module is done."""
-    if frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+    if frame is not None and _machinery(frame):
         return True
     # copied in one call: a list of its items, built while another thread imports, could
     # raise "dictionary changed size during iteration" (and the Ctrl-C held for it was lost)
     return any(_initializing(module) for name, module in sys.modules.copy().items()
                if name == "torch" or name.startswith("torch."))
+
+
+def _machinery(frame) -> bool:
+    return frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def _main_thread_in_machinery() -> bool:
+    """Whether the import machinery is anywhere on the main thread's stack: a Ctrl-C held there
+    and sent again before it is done would land there again, or in its own handler."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and not _machinery(frame):
+        frame = frame.f_back
+    return frame is not None
 
 
 def _initializing(module) -> bool:
@@ -80,7 +96,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _send_when_imported() -> None:
-    while _starting.is_set() or importing():
+    while _starting.is_set() or importing() or _main_thread_in_machinery():
         time.sleep(0.02)
     _held.clear()
     os.kill(os.getpid(), signal.SIGINT)  # to whichever handler is SIGINT's by now

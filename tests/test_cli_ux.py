@@ -520,6 +520,48 @@ def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
     assert (done.returncode, done.stdout, done.stderr) == (0, "held\nraised\n", "")
 
 
+def test_a_held_ctrl_c_sent_again_before_the_command_s_handlers_are_set_exits_130_quietly():
+    """Sent again as the build ended, a held Ctrl-C could land before fibctl.cli's own handling
+    began (an import there, under a loaded machine): a traceback and Python's SIGINT exit."""
+    script = ("import sys\n"
+              "import fibctl.__main__ as entry\n"
+              "import fibctl.cli\n"
+              "def run(command):\n"
+              "    raise KeyboardInterrupt  # where the Ctrl-C sent again lands\n"
+              "fibctl.cli.main = run\n"
+              "sys.argv = ['fibctl', 'matrix', 'list']\n"
+              "entry.program()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "")
+
+
+def test_a_ctrl_c_held_in_the_import_machinery_is_sent_again_once_it_is_done():
+    """Sent again at once, a Ctrl-C held in the import machinery landed there again (held again,
+    dozens of times) or in its own handler, which then raised it inside the import."""
+    script = ("import os, signal, sys, time\n"
+              "import fibctl.__main__ as entry\n"
+              "calls = []\n"
+              "def counted(signum, frame):\n"
+              "    calls.append(signum)\n"
+              "    entry._interrupt(signum, frame)\n"
+              "signal.signal(signal.SIGINT, counted)\n"
+              "machinery = ('def find_spec():\\n'\n"
+              "             '    os.kill(os.getpid(), signal.SIGINT)\\n'\n"
+              "             '    end = time.monotonic() + 0.5\\n'\n"
+              "             '    while time.monotonic() < end:\\n'\n"
+              "             '        pass\\n')\n"
+              "space = {'os': os, 'signal': signal, 'time': time}\n"
+              "exec(compile(machinery, '<frozen importlib._bootstrap_external>', 'exec'), space)\n"
+              "try:\n"
+              "    space['find_spec']()\n"
+              "    print('done', flush=True)\n"
+              "    time.sleep(30)\n"
+              "except KeyboardInterrupt:\n"
+              "    print('raised after', len(calls), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "done\nraised after 2\n", "")
+
+
 def test_a_ctrl_c_while_python_shuts_down_after_the_command_is_ignored():
     """Sent once the command had ended (its output written), a Ctrl-C ended Python by SIGINT
     (-2 to Popen) without a word, after a command that succeeded."""

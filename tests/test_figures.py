@@ -186,6 +186,31 @@ def test_extrapolation_limits_fit_the_runs_not_the_dense_blow_up(db, drawn, tmp_
     assert [t.get_text() for t in left.texts] == ["\u2191 60"]
 
 
+def test_names_holding_dollar_signs_are_drawn_as_written(tmp_path, drawn):
+    """A run or held-out set named with '$' (a database from elsewhere) was parsed as
+    mathtext: '$\\foo{$' was a traceback, '$x^2$' drawn as a formula."""
+    names = {"fixed": "a$\\foo{$b", "stagger": "c$x^2$", "learned": "d$"}
+    path = str(tmp_path / "r.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for schedule, name in names.items():
+            rid = add_run(conn, name, schedule)
+            for step, length in ((300, 128), (600, 128), (600, 256)):
+                add_eval(conn, rid, length, 20.0 + length / 128 + step / 600, dataset="v$\\$", step=step)
+            conn.execute(insert(schema.PositionLoss), [
+                dict(run_id=rid, step=600, dataset="v$\\$", eval_length=128, position=p, mean_loss=3.0, windows=8)
+                for p in range(127)])
+        conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=s, layer=layer, alpha=1.0)
+                                             for s in (0, 600) for layer in range(4)])
+    engine.dispose()
+    for name in ("extrapolation", "posloss", "curves", "alphas"):
+        figures.FIGURES[name](connect_readonly(path), tmp_path / f"{name}.png")
+    shown = {t.get_text() for fig in drawn for t, _ in _texts(fig)}
+    assert set(names.values()) <= shown, shown  # the legend's names, the alphas panel's title
+    # fibctl's own text is no formula either: every '$' shown is one of the database's
+    assert all(any(n in s for n in (*names.values(), "v$\\$")) for s in shown if "$" in s), shown
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, "nan"])
 def test_a_perplexity_that_is_not_positive_is_left_out_not_a_traceback(tmp_path, drawn, value, recwarn):
     """Only a row edited by hand holds one: extrapolation divided by 0 (or drew nothing for a

@@ -45,6 +45,9 @@ STYLE = {
     "axes.spines.right": False,
     "axes.grid": True, "grid.alpha": 0.25, "savefig.dpi": 200,
     "svg.hashsalt": "fibctl",  # an SVG's element ids from its content, not at random: the same bytes each time
+    # text is drawn as written: a run or set name holding '$' (a database from elsewhere) was
+    # parsed as mathtext, and '$\\foo{$' a traceback; fibctl's own text has none
+    "text.parse_math": False,
 }
 # print sizes in inches: a two-column paper's column and full text width (ICML, ACL)
 COLUMN_WIDTH, TEXT_WIDTH = 3.25, 6.75

@@ -777,9 +777,27 @@ def test_control_characters_from_a_database_are_shown_in_markdown_and_latex_neve
     for fmt in ("md", "latex", "rich"):
         out = render(table, fmt)
         assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07" in out.replace("\\textbackslash{}",
-                                                                                          "\\"), (fmt, out)
+                                                                                          "\\").replace("{]}", "]"), (fmt, out)
     assert render(table, "md").count("\n") == 7  # title, blank, header, rule, the row, blank, note
     assert name in pd.read_csv(io.StringIO(render(table, "csv")))["Run"].tolist()
+
+
+def test_markup_from_a_database_is_text_in_markdown_and_latex():
+    """A run named '<script>...' (a database from elsewhere) was raw HTML in the Markdown, run
+    by a renderer that passes HTML through; in LaTeX a row starting with '[' was read as the
+    row end before it's optional argument ('\\\\ [bold]': an error), and a blank line in a name
+    ended the cell or the caption with one."""
+    from fibctl.reports.render import render
+    from fibctl.reports.tables import Table
+
+    names = ["<script>alert(1)</script>", "\\<img src=x onerror=alert(1)>", "[bold]\n\nx", "&lt;b>"]
+    table = Table("t", "title <b>", pd.DataFrame({"Run": names, "ppl": [1.5, 2.5, 3.5, 4.5]}), "SELECT 1")
+    md = render(table, "md")
+    assert "<" not in md and md.count("&lt;") == 4 and "| &amp;lt;b> |" in md, md  # '&lt;' shown as written
+    tex = render(table, "latex")
+    rows = tex.split("\\midrule\n")[1].split("\\bottomrule")[0].splitlines()
+    assert len(rows) == 4 and rows[2] == "{[}bold{]}  x & 3.5 \\\\", tex
+    assert "\n\n" not in tex and tex.count("[") == 1 + tex.count("{[}"), tex  # 1: \\begin{table}[t]
 
 
 @pytest.mark.parametrize("columns", [60, 40])

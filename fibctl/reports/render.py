@@ -129,17 +129,22 @@ def to_markdown(table: Table) -> str:
 
 def _md_text(text: str) -> str:
     """Text for one line of Markdown, read in a terminal too: names from a database are data,
-    their control characters shown (\\x1b), never obeyed; a line break would end the row."""
-    return printable(text).replace("\n", " ")
+    their control characters shown (\\x1b), never obeyed; a line break would end the row. '<'
+    and '&' as entities: a run named '<script>...' was raw HTML, run by a renderer that passes
+    it through (a backslash before '<' would not do: a name's own backslash undoes it)."""
+    return printable(text).replace("\n", " ").replace("&", "&amp;").replace("<", "&lt;")
 
 
 def _md_row(values: list[str]) -> str:
     return "| " + " | ".join(_md_text(v).replace("|", "\\|") for v in values) + " |"
 
 
+# '[' and ']' braced: a row's first cell starting with '[' was read as the optional argument of
+# the row end before it (\\[bold] 'Illegal unit of measure'); a line break is a space (two
+# made a paragraph, which ends a caption or a cell with an error)
 _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
           "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-          "Δ": r"$\Delta$", "α": r"$\alpha$"}
+          "[": "{[}", "]": "{]}", "\n": " ", "Δ": r"$\Delta$", "α": r"$\alpha$"}
 
 
 def latex_escape(s: str) -> str:

@@ -88,3 +88,11 @@ def test_a_claiming_process_that_fails_is_one_line_not_a_wait(child, words):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith(f"error: bench queue: {words}"), done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_the_help_gives_the_limits_that_are_enforced():
+    from fibctl.flows.bench_queue import MAX_PROCESSES, MAX_RUNS
+
+    done = subprocess.run([sys.executable, "-m", "fibctl", "bench", "queue", "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert f"(at most {MAX_PROCESSES})" in done.stdout and f"(at most {MAX_RUNS:,})" in done.stdout, done.stdout

@@ -280,8 +280,8 @@ def bench_queue_cmd(
     db: Annotated[str | None, typer.Option(
         "--db", help="A PostgreSQL URL to benchmark on (a scratch database is created there and dropped); "
         "default: a temporary SQLite file.")] = None,
-    processes: Annotated[int, typer.Option("--processes", help="Processes claiming at once.")] = 8,
-    runs: Annotated[int, typer.Option("--runs", help="Runs queued and claimed.")] = 400,
+    processes: Annotated[int, typer.Option("--processes", help="Processes claiming at once (at most 256).")] = 8,
+    runs: Annotated[int, typer.Option("--runs", help="Runs queued and claimed (at most 1,000,000).")] = 400,
 ) -> None:
     """Claims per second with several claiming processes, against a plain UPDATE ... RETURNING
     loop measured in the same run, and one claim against one `micro` training step.

@@ -170,16 +170,19 @@ def run_styles(runs: list[tuple[str, str, object, object]]) -> dict[str, dict]:
     """Each run's line properties (run, schedule, base, W): `run_style`, except where runs of
     one schedule, base and W are drawn together (a sweep's learning rates, say) among at most
     RUN_LEGEND_MAX runs: the first keeps its schedule's colour, the others take the colours no
-    schedule has, their markers hollow and filled in turn, so that each line reads as its own."""
-    styles, seen = {}, {}
+    schedule has, one each in turn over every such run (counted per schedule, a sweep of fixed
+    and stagger alike drew its two second runs the same), hollow markers for the first four
+    and filled past them, so that each line reads as its own."""
+    styles, seen, alike = {}, set(), 0
     for run, schedule, base, window in sorted(runs, key=lambda r: r[0]):
         key = (schedule, base if pd.notna(base) else None, window if pd.notna(window) else None)
-        nth = seen[key] = seen.get(key, -1) + 1
         styles[run] = run_style(schedule, base, window)
-        if nth and len(runs) <= RUN_LEGEND_MAX:
-            hollow = (nth % 2 == 1) != (schedule in HOLLOW_SCHEDULES)
-            styles[run] |= {"color": LOOK_ALIKE_COLORS[(nth - 1) % len(LOOK_ALIKE_COLORS)],
-                            "markerfacecolor": "white" if hollow else None}
+        if key in seen and len(runs) <= RUN_LEGEND_MAX:
+            colors = len(LOOK_ALIKE_COLORS)
+            styles[run] |= {"color": LOOK_ALIKE_COLORS[alike % colors],
+                            "markerfacecolor": "white" if alike // colors % 2 == 0 else None}
+            alike += 1
+        seen.add(key)
     return styles
 
 
@@ -194,7 +197,7 @@ def markevery(points: int, nth: int, lines: int) -> tuple[int, int]:
 def run_label(run: str, schedule: str) -> str:
     if schedule != "dense":
         return run
-    return "dense" if "dense" in run else f"{run} (dense)"  # an imported baseline: say what it is
+    return run if "dense" in run else f"{run} (dense)"  # an imported baseline: say what it is
 
 
 def _plain_log_axis(axis) -> None:

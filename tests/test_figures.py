@@ -492,6 +492,13 @@ def test_a_sweeps_runs_alike_in_schedule_base_and_w_are_told_apart(tmp_path, dra
     assert len({(to_hex(line.get_color()), to_hex(line.get_markerfacecolor())) for line in smoothed}) == 5
 
 
+def test_a_title_too_wide_for_its_figure_breaks_before_its_parenthesis(db, drawn, tmp_path):
+    """posloss is a column wide: its title broke as 'mean docs_val loss by position bin (fib' over
+    'W8, seed 42)', the parenthesis split between the lines."""
+    figures.posloss(connect_readonly(db), tmp_path / "p.png")
+    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib W8, seed 42)"
+
+
 def test_a_sweep_of_every_schedule_draws_each_run_apart_under_its_own_name(tmp_path, drawn):
     """`fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3` (queue add's own example):
     the look-alike colours were counted per schedule, so fixed's and stagger's second runs

@@ -151,9 +151,14 @@ def untitled():
 
 
 def _title(fig: Figure, title: str) -> None:
-    """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt)."""
+    """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt), before
+    its closing parenthesis where both lines fit: posloss's column-wide title broke inside
+    it ('... bin (fib' over 'W8, seed 42)')."""
     if _TITLED.get():
-        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 72 / 6)))
+        width = int(fig.get_figwidth() * 72 / 6)
+        head, paren, tail = title.rpartition(" (")
+        fits = len(title) > width and paren and len(head) <= width and len(tail) + 1 <= width
+        fig.suptitle(f"{head}\n({tail}" if fits else textwrap.fill(title, width))
 
 
 def run_style(schedule: str, base, window) -> dict:

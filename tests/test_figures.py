@@ -258,7 +258,7 @@ def test_few_runs_are_named_in_a_legend_outside_the_panels(db, drawn, tmp_path):
     figures.extrapolation(connect_readonly(db), tmp_path / "e.png")
     fig = drawn[0]
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == ["dense", "demo_fixed", "demo_learned", "demo_stagger"]
+    assert [t.get_text() for t in legend.get_texts()] == ["demo_dense", "demo_fixed", "demo_learned", "demo_stagger"]
     renderer = _renderer(fig)
     assert not any(legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
 
@@ -515,6 +515,39 @@ def test_a_sweeps_runs_alike_in_schedule_base_and_w_are_told_apart(tmp_path, dra
                                                       if s not in ("fixed", "dense")}
     smoothed = [line for line in drawn[1].axes[1].get_lines() if line.get_alpha() is None]
     assert len({(to_hex(line.get_color()), to_hex(line.get_markerfacecolor())) for line in smoothed}) == 5
+
+
+def test_a_title_too_wide_for_its_figure_breaks_before_its_parenthesis(db, drawn, tmp_path):
+    """posloss is a column wide: its title broke as 'mean docs_val loss by position bin (fib' over
+    'W8, seed 42)', the parenthesis split between the lines."""
+    figures.posloss(connect_readonly(db), tmp_path / "p.png")
+    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib W8, seed 42)"
+
+
+def test_a_sweep_of_every_schedule_draws_each_run_apart_under_its_own_name(tmp_path, drawn):
+    """`fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3` (queue add's own example):
+    the look-alike colours were counted per schedule, so fixed's and stagger's second runs
+    were drawn alike (green, hollow, solid, circles), and every dense run was named 'dense'."""
+    from matplotlib.colors import to_hex
+
+    path = str(tmp_path / "sweep.db")
+    engine = connect(path)
+    with engine.begin() as conn:
+        for i, (name, schedule) in enumerate([("dense", "dense"), ("fib_fixed_w8", "fixed"),
+                                              ("fib_stagger_w8", "stagger"), ("dense_lr1e-3", "dense"),
+                                              ("fib_fixed_w8_lr1e-3", "fixed"),
+                                              ("fib_stagger_w8_lr1e-3", "stagger")]):
+            rid = add_run(conn, name, schedule)
+            for length, ppl in ((128, 30.0), (256, 31.0), (512, 32.0)):
+                add_eval(conn, rid, length, ppl - i)
+    engine.dispose()
+    figures.extrapolation(connect_readonly(path), tmp_path / "e.png")
+    lines = [line for line in drawn[0].axes[0].get_lines() if not line.get_label().startswith("_")]
+    assert sorted(line.get_label() for line in lines) == sorted(
+        ["dense", "dense_lr1e-3", "fib_fixed_w8", "fib_fixed_w8_lr1e-3", "fib_stagger_w8", "fib_stagger_w8_lr1e-3"])
+    looks = {(to_hex(line.get_color()), to_hex(line.get_markerfacecolor()), line.get_marker(), line.get_linestyle())
+             for line in lines}
+    assert len(looks) == len(lines)
 
 
 def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, drawn):

@@ -154,9 +154,14 @@ def untitled():
 
 
 def _title(fig: Figure, title: str) -> None:
-    """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt)."""
+    """A figure title wrapped to the figure's width (at most 6 pt a character at 10 pt), before
+    its closing parenthesis where both lines fit: posloss's column-wide title broke inside
+    it ('... bin (fib' over 'W8, seed 42)')."""
     if _TITLED.get():
-        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 72 / 6)))
+        width = int(fig.get_figwidth() * 72 / 6)
+        head, paren, tail = title.rpartition(" (")
+        fits = len(title) > width and paren and len(head) <= width and len(tail) + 1 <= width
+        fig.suptitle(f"{head}\n({tail}" if fits else textwrap.fill(title, width))
 
 
 def run_style(schedule: str, base, window) -> dict:
@@ -173,16 +178,19 @@ def run_styles(runs: list[tuple[str, str, object, object]]) -> dict[str, dict]:
     """Each run's line properties (run, schedule, base, W): `run_style`, except where runs of
     one schedule, base and W are drawn together (a sweep's learning rates, say) among at most
     RUN_LEGEND_MAX runs: the first keeps its schedule's colour, the others take the colours no
-    schedule has, their markers hollow and filled in turn, so that each line reads as its own."""
-    styles, seen = {}, {}
+    schedule has, one each in turn over every such run (counted per schedule, a sweep of fixed
+    and stagger alike drew its two second runs the same), hollow markers for the first four
+    and filled past them, so that each line reads as its own."""
+    styles, seen, alike = {}, set(), 0
     for run, schedule, base, window in sorted(runs, key=lambda r: r[0]):
         key = (schedule, base if pd.notna(base) else None, window if pd.notna(window) else None)
-        nth = seen[key] = seen.get(key, -1) + 1
         styles[run] = run_style(schedule, base, window)
-        if nth and len(runs) <= RUN_LEGEND_MAX:
-            hollow = (nth % 2 == 1) != (schedule in HOLLOW_SCHEDULES)
-            styles[run] |= {"color": LOOK_ALIKE_COLORS[(nth - 1) % len(LOOK_ALIKE_COLORS)],
-                            "markerfacecolor": "white" if hollow else None}
+        if key in seen and len(runs) <= RUN_LEGEND_MAX:
+            colors = len(LOOK_ALIKE_COLORS)
+            styles[run] |= {"color": LOOK_ALIKE_COLORS[alike % colors],
+                            "markerfacecolor": "white" if alike // colors % 2 == 0 else None}
+            alike += 1
+        seen.add(key)
     return styles
 
 
@@ -197,7 +205,7 @@ def markevery(points: int, nth: int, lines: int) -> tuple[int, int]:
 def run_label(run: str, schedule: str) -> str:
     if schedule != "dense":
         return run
-    return "dense" if "dense" in run else f"{run} (dense)"  # an imported baseline: say what it is
+    return run if "dense" in run else f"{run} (dense)"  # an imported baseline: say what it is
 
 
 def _plain_log_axis(axis) -> None:

@@ -521,7 +521,7 @@ def test_missing_data_says_what_and_which_command(study, demo, tmp_path):
     with pytest.raises(FibctlError, match="table4: no per-position losses.*fib fixed and stagger W8"):
         tables.table4(ro(demo))
     # how to train replicates: `queue add --set seed=43` is refused, a matrix file's `seed` is not
-    with pytest.raises(FibctlError, match=r"table5: .*two or more seeds.*\[\[runs\]\] with seed = 43"):
+    with pytest.raises(FibctlError, match=r"table5: .*two or more seeds.*\[\[runs\]\], one per seed, seed = 43"):
         tables.table5(ro(demo))
     short = str(tmp_path / "short.db")
     engine = connect(short)

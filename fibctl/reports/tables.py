@@ -642,7 +642,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
             "final evaluations for two or more seeds; "
             # `queue add --set` takes no seed: say where one is given
             + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs "
-               "(a matrix file's [[runs]] with seed = 43, 44, ...: docs/schema.md, Matrices)"))
+               "(a matrix file's [[runs]], one per seed, seed = 43 say: docs/schema.md, Matrices)"))
     _one_run_each(long, ["base", "schedule", "seed"],
                   lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", runs)
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()

@@ -64,6 +64,11 @@ def test_other_extensions_and_missing_data_are_refused(db, tmp_path):
         figures.alphas(connect_readonly(db), tmp_path / "a.png", run="demo_fixed")
     with pytest.raises(FibctlError, match="alphas: run 'demo_dense' is dense: it has no alpha"):
         figures.alphas(connect_readonly(db), tmp_path / "a.png", run="demo_dense")
+    # a figure drawn from a table's data says its own name, not the table's ("table4: ...")
+    with pytest.raises(FibctlError, match=r"^posloss: no per-position"):
+        figures.posloss(connect_readonly(db), tmp_path / "a.png", window=12)
+    with pytest.raises(FibctlError, match=r"^extrapolation: --only 'no-such-run\*' matches no run"):
+        figures.extrapolation(connect_readonly(db), tmp_path / "a.png", only="no-such-run*")
     assert not (tmp_path / "a.png").exists()
 
 

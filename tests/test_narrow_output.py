@@ -270,3 +270,12 @@ def test_model_and_coverage_headers_and_numbers_whole(columns):
     assert_fits(done, columns)
     words = set(done.stdout.replace("│", " ").replace(":", " ").split())
     assert {"distinct", "distances", "union", "layers", "133"} <= words, done.stdout
+
+
+def test_the_line_for_columns_left_out_gives_what_they_share_or_their_names():
+    from fibctl.cli.common import left_out
+
+    headers, rows = ["name", "p", "q", "r"], [("a", 1, 2, "x"), ("b", 3, 4, "x")]
+    assert left_out(headers, [], rows) is None
+    assert left_out(headers, ["p"], rows) == "not shown at this width: p (a wider terminal shows it)"
+    assert left_out(headers, ["p", "q", "r"], rows) == "r x; not shown at this width: p, q (a wider terminal shows them)"

@@ -614,6 +614,7 @@ def test_cli_report_formats_show_sql_and_all(study, tmp_path):
     out = tmp_path / "report"
     r = runner.invoke(app, ["report", "all", "--db", study, "--out", str(out)])
     assert r.exit_code == 0, r.output
+    assert f"; all of them on one page: {out / 'index.html'}" in r.stdout  # where to look next
     names = {p.name for p in out.iterdir()}
     for n in range(1, 6):
         assert {f"table{n}.{ext}" for ext in ("txt", "md", "tex", "csv", "json", "sql")} <= names

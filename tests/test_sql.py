@@ -160,6 +160,8 @@ def test_rows_and_time_are_bounded(db):
         run_query(db, endless + "SELECT max(i) FROM c", timeout_s=0.3)
     r = CliRunner().invoke(app, ["sql", endless + "SELECT i FROM c", "--db", db, "--csv", "--max-rows", "2"])
     assert r.exit_code == 0 and r.stdout == "i\n1\n2\n" and "only the first 2 rows" in r.stderr
+    r = CliRunner().invoke(app, ["sql", endless + "SELECT i FROM c", "--db", db, "--csv", "--max-rows", "1"])
+    assert r.exit_code == 0 and "note: only the first row;" in r.stderr  # not "the first 1 rows"
     # and the text and bytes printed: 70 rows of a megabyte each are refused, not printed for minutes
     many = (endless + "SELECT hex(zeroblob(500000)) FROM c LIMIT 70" if _is_sqlite(db)
             else "SELECT repeat('x', 1000000) FROM generate_series(1, 70)")

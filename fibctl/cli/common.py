@@ -317,7 +317,7 @@ def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequ
     parts = [f"{name} {value}" if value else f"no {name}" for name, values in same for value in values]
     if varied:
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
-                     + " (a wider terminal shows them)")
+                     + f" (a wider terminal shows {'them' if len(varied) > 1 else 'it'})")
     return "; ".join(parts)
 
 

@@ -190,7 +190,9 @@ def report_all(
         err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False, soft_wrap=True)
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
-    console.print(f"wrote {len(written)} files to {out}/", highlight=False, markup=False)
+    page = out / "index.html"
+    console.print(f"wrote {len(written)} files to {out}/" + (f"; all of them on one page: {page}" if page in written else ""),
+                  highlight=False, markup=False, soft_wrap=True)
 
 
 def _stopping_at_a_ctrl_c(jobs: Iterable[export.Job], held: ExitStack) -> Iterator[export.Job]:
@@ -420,7 +422,8 @@ def sql(
             table.columns[1].overflow = "fold"
         console.print(table)
     if result.truncated:
-        err_console.print(f"note: only the first {max_rows:,} rows; raise --max-rows for more",
+        first = f"the first {max_rows:,} rows" if max_rows > 1 else "the first row"
+        err_console.print(f"note: only {first}; raise --max-rows for more",
                           markup=False, highlight=False)
 
 

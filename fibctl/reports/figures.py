@@ -19,6 +19,7 @@ import functools
 import math
 import re
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_l
 from fibctl.errors import FibctlError
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
-    dataset_label, default_dataset, pick_runs, read_sql, table3, table4,
+    Table, dataset_label, default_dataset, pick_runs, read_sql, table3, table4,
 )
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
@@ -335,6 +336,15 @@ def _train_lengths(engine: Engine) -> dict[str, int]:
         return dict(conn.execute(text("SELECT name, train_length FROM runs")).all())
 
 
+def _drawn_from(figure: str, table: str, build: Callable[[], Table]) -> Table:
+    """A table's data for a figure; its errors, which start with the table's name, start with
+    the figure's (`figure posloss` said "table4: ...")."""
+    try:
+        return build()
+    except FibctlError as e:
+        raise type(e)(f"{figure}: {str(e).removeprefix(f'{table}: ')}") from None
+
+
 @styled
 def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = None, seed: int = DEFAULT_SEED,
                   matrix: str | None = None, only: str | None = None) -> Path:
@@ -342,7 +352,8 @@ def extrapolation(engine: Engine, path: str | Path, *, dataset: str | None = Non
     percent (right, symmetric-log so that 1 % and 100 % both read), one line per run."""
     check_path(path)
     dataset = dataset or default_dataset(engine)
-    table = table3(engine, dataset=dataset, seed=seed, matrix=matrix, only=only, all_runs=True)
+    table = _drawn_from("extrapolation", "table3", lambda: table3(engine, dataset=dataset, seed=seed, matrix=matrix,
+                                                                  only=only, all_runs=True))
     frame = table.frame.rename(columns={"Run": "run", "Base": "base", "Schedule": "schedule", "W": "window"})
     frame["base"] = frame["base"].replace("-", None)
     lengths = [c for c in frame.columns if c.isdigit()]
@@ -441,7 +452,8 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
             seed: int = DEFAULT_SEED, matrix: str | None = None, only: str | None = None) -> Path:
     """Loss by position bin for fib fixed and stagger at window W, and the gap between them."""
     check_path(path)
-    table = table4(engine, dataset=dataset, window=window, seed=seed, matrix=matrix, only=only)
+    table = _drawn_from("posloss", "table4", lambda: table4(engine, dataset=dataset, window=window, seed=seed,
+                                                            matrix=matrix, only=only))
     frame = table.frame.set_index("Row")
     bins = [c for c in frame.columns if c != "Run"]
     fig = _figure(COLUMN_WIDTH, 4.0)  # the gap panel says which way it runs above it

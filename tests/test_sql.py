@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -85,8 +86,12 @@ def test_writes_are_refused_by_the_connection_and_nothing_changes(db):
 def test_bad_sql_and_missing_database_are_one_line_errors(db, tmp_path):
     # the driver's own first line
     reason = "no such table: nope" if _is_sqlite(db) else 'relation "nope" does not exist'
-    with pytest.raises(FibctlError, match=f"^SQL error: {reason}$"):
+    # and, for a table not there, the names of those that are
+    tables = "alphas, aux_metrics, evaluations, events, position_losses, runs, train_steps"
+    with pytest.raises(FibctlError, match=re.escape(f"SQL error: {reason} (fibctl's tables: {tables})") + "$"):
         run_query(db, "SELECT * FROM nope")
+    with pytest.raises(FibctlError, match=r"^SQL error: no such column: nme$|^SQL error: column \"nme\" does not exist$"):
+        run_query(db, "SELECT nme FROM runs")
     with pytest.raises(FibctlError, match="no database at"):
         run_query(str(tmp_path / "absent.db"), "SELECT 1")
     assert not (tmp_path / "absent.db").exists()

@@ -339,4 +339,6 @@ def _sql_error(e: DBAPIError, timeout_s: float) -> str:
         return f"stopped: the statement ran past --timeout {timeout_s:g} s; add a LIMIT or a tighter WHERE"
     if "out of memory" in msg:
         return OUT_OF_MEMORY
+    if msg.startswith("no such table") or (msg.startswith("relation ") and msg.endswith("does not exist")):
+        return f"SQL error: {msg} (fibctl's tables: {', '.join(sorted(schema.Base.metadata.tables))})"
     return f"SQL error: {msg}"

@@ -479,3 +479,13 @@ def test_the_table_format_is_bounded(sqlite_db, monkeypatch, capsys):
     fails_in_one_line(["sql", rows.format(6) + "SELECT i, i AS j FROM c", "--db", sqlite_db], Path(sqlite_db).parent,
                       "is more than the table format draws (10 values or 100 characters); use --format csv or "
                       "--format json, or --max-rows 5", monkeypatch, capsys)
+
+
+def test_the_table_right_aligns_columns_of_numbers(sqlite_db):
+    """As every other table fibctl prints: digits line up; text, and a column mixing text and
+    numbers, stay left."""
+    query = "SELECT 1 AS n, 'a' AS t, 1 AS mixed UNION ALL SELECT 100, 'bbb', 'x' UNION ALL SELECT NULL, 'c', 2"
+    r = CliRunner().invoke(app, ["sql", query, "--db", sqlite_db], env={"COLUMNS": "80"})
+    rows = [line for line in r.stdout.splitlines() if line.startswith("│")]
+    assert [line.split("│")[1:4] for line in rows] == [
+        ["    1 ", " a   ", " 1     "], ["  100 ", " bbb ", " x     "], [" NULL ", " c   ", " 2     "]], r.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from itertools import chain
@@ -408,8 +409,8 @@ def sql(
                  for i, h in enumerate(headers)]
         if sum(least) + 3 * len(least) + 1 <= console.width:
             table = RichTable()
-            for header, width in zip(headers, least):
-                table.add_column(header, overflow="fold", min_width=width)
+            for header, width, numbers in zip(headers, least, _numeric_columns(result.rows, len(headers))):
+                table.add_column(header, overflow="fold", min_width=width, justify="right" if numbers else "left")
             for row in cells:
                 table.add_row(*row)
         else:
@@ -425,6 +426,16 @@ def sql(
         first = f"the first {max_rows:,} rows" if max_rows > 1 else "the first row"
         err_console.print(f"note: only {first}; raise --max-rows for more",
                           markup=False, highlight=False)
+
+
+def _numeric_columns(rows: list[tuple], width: int) -> list[bool]:
+    """Which columns hold numbers and NULLs alone (at least one number): right-aligned, as in
+    every other table fibctl prints, so that their digits line up."""
+    def number(v) -> bool:
+        return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+    return [any(number(row[i]) for row in rows) and all(v is None or number(v) for v in (row[i] for row in rows))
+            for i in range(width)]
 
 
 def _table_cells(result) -> list[list[Text]]:

@@ -23,7 +23,9 @@ def test_quick_demo_runs_the_whole_pipeline(quick_demo):
     out, log = quick_demo
     for heading in ("Table 1", "Table 3", "Table 4", "total time"):
         assert heading in log
-    assert f"all of them on one page: {out / 'report' / 'index.html'}" in " ".join(log.split())
+    # a line of its own in a log file (for grep), not folded at 80 columns with trailing spaces
+    assert f"all of them on one page: {out / 'report' / 'index.html'}); database: {out / 'results.db'}" in log
+    assert [line for line in log.splitlines() if line != line.rstrip()] == []
     # how to go on from this shell: other commands read ./results.db unless told
     assert log.splitlines()[-4:-1] == [f"  export FIBCTL_DB={out / 'results.db'}", f"  export FIBCTL_DATA={out / 'data'}",
                                        f"  export FIBCTL_RUNS_DIR={out / 'runs'}"], log

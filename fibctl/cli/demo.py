@@ -26,8 +26,8 @@ class RichView:
     def section(self, title: str) -> None:
         console.rule(title)
 
-    def line(self, text: str) -> None:
-        console.print(text, highlight=False, markup=False)
+    def line(self, text: str) -> None:  # folded at a terminal; one line in a log file (no trailing spaces)
+        console.print(text, highlight=False, markup=False, soft_wrap=not console.is_terminal)
 
     def warn(self, text: str) -> None:  # one line, also in a log file
         err_console.print(text, highlight=False, markup=False, soft_wrap=True)

@@ -86,9 +86,9 @@ class Matrix:
         for seed in seeds:
             check_seed(seed, "--seed")
         if seeds:  # a seed given twice is one replicate
-            entries = [dataclasses.replace(e, seed=seed, name=check_name("run", e.name + seed_suffix(seed, e.seed)))
+            entries = [dataclasses.replace(e, seed=seed, name=check_name("run", e.name + _seed_suffix(seed, e.seed)))
                        for seed in dict.fromkeys(seeds) for e in entries]
-            clash = name_clash([e.name for e in entries])
+            clash = _name_clash([e.name for e in entries])
             if clash:  # a matrix holding both `a` and `a_s43`, say
                 raise FibctlError(f"--seed: {clash}; pick the runs with --only")
         if suffix:
@@ -111,8 +111,8 @@ class Matrix:
 
 
 def _refuse_repeats(configs: list[RunConfig]) -> None:
-    """Two runs of one config (names aside) train the same model twice, and Table 5 reads them
-    as one cell, so is refused."""
+    """Two runs of one config (names aside) would train the same model twice, and Table 5
+    would take them for two runs of one cell: refused."""
     named = {}  # config hash -> the names of its runs
     for c in configs:
         named.setdefault(c.config_hash, []).append(c.name)
@@ -121,12 +121,12 @@ def _refuse_repeats(configs: list[RunConfig]) -> None:
         raise FibctlError(f"--seed: runs {' and '.join(same)} would train one config; pick the runs with --only")
 
 
-def seed_suffix(seed: int, own: int) -> str:
+def _seed_suffix(seed: int, own: int) -> str:
     """What `queue add --seed` adds to the name of a run whose entry's own seed is `own`."""
     return "" if seed == own else f"_s{seed}"
 
 
-def name_clash(names: Sequence[str]) -> str | None:
+def _name_clash(names: Sequence[str]) -> str | None:
     """What makes `names` not a matrix's run names: one given twice, or two that differ only
     by case (one checkpoint folder on a case-insensitive filesystem); None when none does."""
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -184,7 +184,7 @@ def queue_again(config: RunConfig, suffix: str, **train) -> str:
     words += ["--preset", config.preset] if config.preset != m.preset else []
     words += [f"--set train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items()]
     # --seed names it ENTRY_s<seed> again: the suffix is what follows that
-    own = config.name[len(entry.name):].removeprefix(seed_suffix(config.seed, entry.seed))
+    own = config.name[len(entry.name):].removeprefix(_seed_suffix(config.seed, entry.seed))
     return " ".join([*words, "--suffix", own + suffix])
 
 
@@ -250,7 +250,7 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     if not isinstance(runs, list) or not runs:
         raise bad("no [[runs]] entries")
     entries = tuple(_entry(i, run, bad) for i, run in enumerate(runs, 1))
-    clash = name_clash([e.name for e in entries])
+    clash = _name_clash([e.name for e in entries])
     if clash:
         raise bad(clash)
     matrix = Matrix(name=name, description=head.get("description", ""),

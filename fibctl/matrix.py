@@ -22,6 +22,7 @@ import difflib
 import fnmatch
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -31,7 +32,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fibctl.config import DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, get_preset
+from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, check_seed,
+                           get_preset)
 from fibctl.errors import FibctlError
 from fibctl.names import NAME_RULE, check_name, is_name
 from fibctl.probe.cells import PROBE_MATRIX
@@ -69,20 +71,34 @@ class Matrix:
     init_seed: int | None = None  # every run's init seed unless the run sets its own
 
     def resolve(self, preset: str | None = None, only: str | None = None, train: dict | None = None,
-                suffix: str = "") -> list[RunConfig]:
+                suffix: str = "", seeds: Sequence[int] = ()) -> list[RunConfig]:
         """Each entry's resolved config, at `preset` (default: the matrix's), names matching
         the glob `only`; `train` overrides every run's training settings (over its own), and
-        `suffix` ends every run's name (a sweep's runs are other runs)."""
+        `suffix` ends every run's name (a sweep's runs are other runs). `seeds` gives each
+        entry once per seed, all runs of one seed together, as if its `seed` said it (its
+        init seed stays the entry's or the matrix's where one is set, else it is that seed);
+        at a seed other than the entry's own the name gets `_s<seed>`, before `suffix`."""
         entries = [e for e in self.entries if only is None or fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
         preset = self.preset if preset is None else preset  # '' is a preset name, refused below
         get_preset(preset)  # an unknown preset is no one run's problem
+        for seed in seeds:
+            check_seed(seed, "--seed")
+        if seeds:  # a seed given twice is one replicate
+            entries = [dataclasses.replace(e, seed=seed, name=check_name("run", e.name + _seed_suffix(seed, e.seed)))
+                       for seed in dict.fromkeys(seeds) for e in entries]
+            clash = _name_clash([e.name for e in entries])
+            if clash:  # a matrix holding both `a` and `a_s43`, say
+                raise FibctlError(f"--seed: {clash}; pick the runs with --only")
         if suffix:
             entries = [dataclasses.replace(e, name=check_name("run", e.name + suffix)) for e in entries]
         if train:
             entries = [dataclasses.replace(e, train={**e.train, **train}) for e in entries]
-        return [self._resolve(e, preset) for e in entries]
+        configs = [self._resolve(e, preset) for e in entries]
+        if seeds:  # `paper --seed 43`: its seed-42 and seed-44 W=12 runs become its own seed-43 ones
+            _refuse_repeats(configs)
+        return configs
 
     def _resolve(self, e: MatrixEntry, preset: str) -> RunConfig:
         try:
@@ -92,6 +108,36 @@ class Matrix:
                                      **e.train)
         except ConfigError as err:  # which run, at a preset other than the one it was read at
             raise ConfigError(f"run {e.name}: {err}") from None
+
+
+def _refuse_repeats(configs: list[RunConfig]) -> None:
+    """Two runs of one config (names aside) would train the same model twice, and Table 5
+    would take them for two runs of one cell: refused."""
+    named = {}  # config hash -> the names of its runs
+    for c in configs:
+        named.setdefault(c.config_hash, []).append(c.name)
+    same = next((names for names in named.values() if len(names) > 1), None)
+    if same:
+        raise FibctlError(f"--seed: runs {' and '.join(same)} would train one config; pick the runs with --only")
+
+
+def _seed_suffix(seed: int, own: int) -> str:
+    """What `queue add --seed` adds to the name of a run whose entry's own seed is `own`."""
+    return "" if seed == own else f"_s{seed}"
+
+
+def _name_clash(names: Sequence[str]) -> str | None:
+    """What makes `names` not a matrix's run names: one given twice, or two that differ only
+    by case (one checkpoint folder on a case-insensitive filesystem); None when none does."""
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        return f"duplicate run name(s) {', '.join(dupes)}"
+    first = {}  # each name folded to lower case -> the first run name folding to it
+    for n in names:
+        if first.setdefault(n.lower(), n) != n:
+            return (f"run names {first[n.lower()]!r} and {n!r} differ only by case "
+                    "(one checkpoint folder on a case-insensitive filesystem)")
+    return None
 
 
 def parse_settings(settings: list[str]) -> dict:
@@ -119,23 +165,27 @@ def parse_settings(settings: list[str]) -> dict:
 def queue_again(config: RunConfig, suffix: str, **train) -> str:
     """The `fibctl queue add` line that queues `config` again as a new run named with `suffix`,
     with `train` changed (e.g. lr="LOWER"): for a run of a shipped matrix, its entry (a sweep's
-    run is named ENTRY + its own suffix), its preset where the matrix's differs, and every
-    training setting it was queued with beyond the entry's; else a template naming the run (its
-    matrix file is not known here)."""
+    run is named ENTRY + `_s<seed>` at a seed not the entry's + its own suffix), its seed and
+    preset where the matrix's differ, and every training setting it was queued with beyond the
+    entry's; else a template naming the run and its seed (its matrix file is not known here)."""
     m = load_matrix(config.matrix) if config.matrix in shipped_matrices() else None
     entries = [e for e in (m.entries if m else ()) if config.name.startswith(e.name)]
     if m is None or not entries:
+        seed = f" --seed {config.seed}" if config.seed != DEFAULT_SEED else ""
         sets = "".join(f" --set train.{k}={v}" for k, v in train.items())
-        return f"fibctl queue add MATRIX --only {config.name}{sets} --suffix {suffix}"
+        return f"fibctl queue add MATRIX --only {config.name}{seed}{sets} --suffix {suffix}"
     entry = max(entries, key=lambda e: len(e.name))  # dense_lr1e-3's is dense
     queued = dataclasses.asdict(config.train)
     default = dataclasses.asdict(m._resolve(entry, config.preset).train)
     # a setting left unset (None) has no --set spelling; the preset's default stands for it
     sets = {k: v for k, v in queued.items() if v != default[k] and v is not None} | train
     words = ["fibctl queue add", m.name, "--only", entry.name]
+    words += ["--seed", str(config.seed)] if config.seed != entry.seed else []
     words += ["--preset", config.preset] if config.preset != m.preset else []
     words += [f"--set train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items()]
-    return " ".join([*words, "--suffix", config.name[len(entry.name):] + suffix])
+    # --seed names it ENTRY_s<seed> again: the suffix is what follows that
+    own = config.name[len(entry.name):].removeprefix(_seed_suffix(config.seed, entry.seed))
+    return " ".join([*words, "--suffix", own + suffix])
 
 
 def shipped_matrices() -> list[str]:
@@ -200,15 +250,9 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     if not isinstance(runs, list) or not runs:
         raise bad("no [[runs]] entries")
     entries = tuple(_entry(i, run, bad) for i, run in enumerate(runs, 1))
-    names = [e.name for e in entries]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise bad(f"duplicate run name(s) {', '.join(dupes)}")
-    first = {}  # each name folded to lower case -> the first run name folding to it
-    for n in names:
-        if first.setdefault(n.lower(), n) != n:
-            raise bad(f"run names {first[n.lower()]!r} and {n!r} differ only by case "
-                      "(one checkpoint folder on a case-insensitive filesystem)")
+    clash = _name_clash([e.name for e in entries])
+    if clash:
+        raise bad(clash)
     matrix = Matrix(name=name, description=head.get("description", ""),
                     preset=head.get("preset", "paper"), source=source, entries=entries,
                     init_seed=head.get("init_seed"))

@@ -343,3 +343,47 @@ def test_eval_whose_output_pipe_closes_stops_with_141_and_keeps_what_it_measured
                                                        "before it are recorded"), err
     assert rows(db, "select count(*) from evaluations e join runs r on r.id = e.run_id "
                     "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0] == before + 1
+
+
+def test_eval_of_a_run_not_finished_says_which_step_it_measures(trained, tmp_path, capsys, monkeypatch):
+    """A run stopped and released part-way was evaluated from that checkpoint without a word, its
+    numbers then read as the run's own: one note on stderr names the status and the step; the
+    exit code is eval's own (0), and a finished run gets no note."""
+    import threading
+
+    from fibctl.cli import main
+
+    _, data, _ = trained
+    db = tmp_path / "r.db"
+    engine = queued_db(db, micro_run("half", steps=40, checkpoint_interval=10))
+    stop = threading.Event()
+
+    class StopsAt13(Quiet):
+        def start(self, name, steps):
+            return lambda p: p.step == 13 and stop.set()
+
+        def finish(self, outcome):
+            self.outcome = outcome
+
+    display = StopsAt13()
+    work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs"), display, stop=stop)
+    assert display.outcome.status == "released" and display.outcome.step == 13, display.outcome
+
+    def fibctl_eval(name: str) -> tuple[int, str]:
+        monkeypatch.setattr(sys, "argv", ["fibctl", "eval", name, "--length", "64", "--db", str(db), "--data",
+                                          str(data), "--runs-dir", str(tmp_path / "runs")])
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        return code, capsys.readouterr().err
+
+    code, err = fibctl_eval("half")
+    assert code == 0 and err.splitlines() == [
+        "note: run 'half' is not finished (status queued): measuring its checkpoint at step 13 of 40"], err
+    assert rows(db, "select distinct e.step from evaluations e join runs r on r.id = e.run_id "
+                    "where r.name = 'half' order by e.step") == [(10,), (13,)]  # training's, and eval's
+    work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs"), Quiet())  # now to its end
+    code, err = fibctl_eval("half")
+    assert code == 0 and err == "", err

@@ -179,3 +179,133 @@ def test_the_line_that_queues_a_run_again_keeps_its_settings(tmp_path, monkeypat
     own = own.__class__(**{**own.__dict__, "matrix": "mine"})
     assert queue_again(own, "_lowlr", lr="LOWER") == \
         "fibctl queue add MATRIX --only dense --set train.lr=LOWER --suffix _lowlr"
+
+
+def _fibctl(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """`fibctl ARGS` by its main, in this process: its exit code, stdout and stderr."""
+    import sys
+
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+SEEDED = "[matrix]\npreset = 'micro'\n{head}\n[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 4\n{run}"
+
+
+@pytest.mark.parametrize("head, run, init_seed", [
+    ("", "", 43),  # no init_seed anywhere: the run's seed draws its weights too
+    ("init_seed = 5", "", 5),  # the matrix's, as in `paper`: the replicates differ in their data alone
+    ("init_seed = 5", "init_seed = 9\n", 9),  # the run's own
+])
+def test_seed_resolves_each_run_as_a_matrix_files_seed_would(tmp_path, head, run, init_seed):
+    """`queue add --seed 43` gives each run the config a matrix file with `seed = 43` in that
+    run gives it: the data seed 43, the init seed as that file's would be."""
+    mine, theirs = tmp_path / "mine.toml", tmp_path / "their" / "mine.toml"
+    mine.write_text(SEEDED.format(head=head, run=run))
+    theirs.parent.mkdir()
+    theirs.write_text(SEEDED.format(head=head, run=run + "seed = 43\n"))
+    [seeded] = load_matrix(str(mine)).resolve(seeds=[43])
+    [written] = load_matrix(str(theirs)).resolve()
+    assert (seeded.name, seeded.seed, seeded.data_seed, seeded.init_seed) == ("a_s43", 43, 43, init_seed)
+    assert seeded.config_hash == written.config_hash and seeded.to_dict() == {**written.to_dict(), "name": "a_s43"}
+
+
+def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeypatch, capsys):
+    """`--seed` takes the seeds the matrix file's [[runs]] seed does, into the runs table;
+    at a run's own seed it is that run (queued once), at another its name ends with _s<seed>
+    (before --suffix), so that replicates never share a name."""
+    import sqlite3
+
+    db = str(tmp_path / "r.db")
+    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--seed", "42",
+                             "--seed", "43", "--seed", "43", "--seed", "4294967295", "--db", db)
+    assert code == 0 and "queued 3 run(s); 0 already present" in out, err
+    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--db", db)
+    assert code == 0 and "queued 0 run(s); 1 already present" in out, err  # the matrix's own dense
+    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "paper", "--only", "f13*", "--preset", "micro",
+                             "--seed", "44", "--suffix", "_lr1e-3", "--set", "train.lr=1e-3", "--db", db)
+    assert code == 0 and "queued 1 run(s)" in out, err
+    rows = sqlite3.connect(db).execute("SELECT name, seed, data_seed, init_seed FROM runs ORDER BY id").fetchall()
+    assert rows == [("dense", 42, 42, 42), ("dense_s43", 43, 43, 43), ("dense_s4294967295",) + (2**32 - 1,) * 3,
+                    ("f13__fib_stagger_w12_s44_lr1e-3", 44, 44, 42)]  # paper keeps init_seed 42
+    # the preview shows the names and seeds queue add would queue
+    code, out, _ = _fibctl(monkeypatch, capsys, "matrix", "show", "demo", "--only", "dense", "--seed", "43")
+    assert code == 0 and "dense_s43" in out and " 43 " in out
+    with pytest.raises(FibctlError, match="--seed: runs f04__fib_learned_w12_s43 and g02__fib_learned_w12_s43 "
+                                          "would train one config; pick the runs with --only"):
+        load_matrix("paper").resolve(seeds=[43])  # its seed-42 runs re-seeded are its replicates
+    clash = tmp_path / "clash.toml"
+    clash.write_text("[[runs]]\nname = 'a'\nschedule = 'dense'\n[[runs]]\nname = 'a_s43'\nschedule = 'dense'\n"
+                     "seed = 43\ntrain = { steps = 9 }\n")
+    with pytest.raises(FibctlError, match="--seed: duplicate run name.*a_s43; pick the runs with --only"):
+        load_matrix(str(clash)).resolve(seeds=[43])
+
+
+@pytest.mark.parametrize("seed, line", [
+    ("-1", "error: --seed = -1 must be an integer from 0 to 2**32 - 1"),
+    ("4294967296", "error: --seed = 4294967296 must be an integer from 0 to 2**32 - 1"),
+    ("x", "error: Invalid value for '--seed'"),
+    ("4.5", "error: Invalid value for '--seed'"),
+])
+def test_a_seed_out_of_range_or_not_a_number_is_one_line(tmp_path, monkeypatch, capsys, seed, line):
+    from cli_helpers import refused
+
+    for command in (["queue", "add", "demo", "--db", str(tmp_path / "r.db")], ["matrix", "show", "demo"]):
+        assert refused(monkeypatch, capsys, *command, "--seed", "43", f"--seed={seed}").startswith(line)
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_the_line_that_queues_a_run_again_keeps_its_seed(tmp_path, monkeypatch, capsys):
+    """A replicate queued with --seed 43 (dense_s43_boom): the line that queues it again at a
+    lower lr says --seed 43, and run as given queues seed 43 with only the lr changed."""
+    import json
+    import shlex
+    import sqlite3
+
+    from fibctl.matrix import queue_again
+
+    [boom] = load_matrix("demo").resolve("micro", "dense", {"steps": 40}, "_boom", seeds=[43])
+    line = queue_again(boom, "_lowlr", lr="1e-4")
+    assert line == ("fibctl queue add demo --only dense --seed 43 --preset micro --set train.steps=40 "
+                    "--set train.lr=1e-4 --suffix _boom_lowlr")
+    code, _, err = _fibctl(monkeypatch, capsys, *shlex.split(line)[1:], "--db", str(tmp_path / "r.db"))
+    assert code == 0, err
+    name, config = sqlite3.connect(tmp_path / "r.db").execute("SELECT name, config_json FROM runs").fetchone()
+    again = json.loads(config)
+    assert name == "dense_s43_boom_lowlr" and again == {**boom.to_dict(), "name": name,
+                                                         "train": {**boom.to_dict()["train"], "lr": 1e-4}}
+    # a matrix file's run (its entry not known here): the template keeps the seed too
+    mine = boom.__class__(**{**boom.__dict__, "matrix": "mine"})
+    assert queue_again(mine, "_lowlr", lr="LOWER") == \
+        "fibctl queue add MATRIX --only dense_s43_boom --seed 43 --set train.lr=LOWER --suffix _lowlr"
+
+
+def test_report_table5_reads_replicates_queued_with_seed(tmp_path, monkeypatch, capsys):
+    """The way table5's refusal names: `queue add --seed`, trained by a worker, is Table 5."""
+    from train_helpers import write_data
+
+    db, data = str(tmp_path / "r.db"), str(write_data(tmp_path / "data"))
+    code, _, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--preset", "micro", "--only", "fib_*",
+                           "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--seed", "42", "--seed",
+                           "43", "--db", db)
+    assert code == 0, err
+    code, out, err = _fibctl(monkeypatch, capsys, "worker", "--db", db, "--data", data, "--runs-dir",
+                             str(tmp_path / "runs"), "--device", "cpu", "--threads", "1", "--plain")
+    assert code == 0 and "4 run(s)" in out, out + err
+    code, out, err = _fibctl(monkeypatch, capsys, "report", "table5", "--window", "8", "--format", "csv",
+                             "--db", db)
+    assert code == 0, err
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert sorted(r["Schedule"] for r in rows) == ["fixed", "stagger"], out
+    assert all(float(r["seed 42"]) > 0 and float(r["seed 43"]) > 0 and r["Varied"] == "init + data" for r in rows)

@@ -520,8 +520,8 @@ def test_missing_data_says_what_and_which_command(study, demo, tmp_path):
         tables.table2(ro(demo))
     with pytest.raises(FibctlError, match="table4: no per-position losses.*fib fixed and stagger W8"):
         tables.table4(ro(demo))
-    # how to train replicates: `queue add --set seed=43` is refused, a matrix file's `seed` is not
-    with pytest.raises(FibctlError, match=r"table5: .*two or more seeds.*\[\[runs\]\], one per seed, seed = 43"):
+    # how to train replicates: `queue add --set seed=43` is refused, `queue add --seed 43` is not
+    with pytest.raises(FibctlError, match=r"table5: .*two or more seeds.*`fibctl queue add MATRIX --seed 43 --seed 44`"):
         tables.table5(ro(demo))
     short = str(tmp_path / "short.db")
     engine = connect(short)

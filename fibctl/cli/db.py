@@ -60,6 +60,11 @@ def print_json(value) -> None:
 PresetOption = Annotated[str | None, typer.Option(
     "--preset", help=f"Model/recipe preset for every run ({', '.join(PRESETS)}); default: the matrix's.")]
 NameArg = Annotated[str, typer.Argument(help="Run name, as shown by `fibctl queue ls`.")]
+SeedOption = Annotated[list[int] | None, typer.Option(
+    "--seed", metavar="N",
+    help="Each run at data seed N instead of its own, as a matrix file's `seed = N` (repeatable: one "
+         "replicate per seed); its init seed stays the run's or the matrix's `init_seed` where set, "
+         "else it is N. Named NAME_sN where N is not the run's own seed, e.g. dense_s43.")]
 
 
 @db_app.command("upgrade")
@@ -146,12 +151,13 @@ def matrix_list() -> None:
 @matrix_app.command("show")
 def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                 only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob.")] = None,
+                seed: SeedOption = None,
                 ) -> None:
     """Show each run of a matrix with its resolved settings and config hash.
 
     Example: fibctl matrix show demo --preset micro"""
     m = load_matrix(matrix)
-    configs = m.resolve(preset, only)
+    configs = m.resolve(preset, only, seeds=seed or ())
     headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "batch", "config hash"]
     rows = []
     for c in configs:
@@ -175,14 +181,17 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
               suffix: Annotated[str, typer.Option(
                   help="End every run's name with this, e.g. _lr1e-3: a sweep's runs are new runs beside "
                        "the matrix's own.")] = "",
+              seed: SeedOption = None,
               ) -> None:
     """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped.
 
     A sweep from the command line: the example queues the demo's runs again at another
-    learning rate, as dense_lr1e-3 and so on, beside the matrix's own.
+    learning rate, as dense_lr1e-3 and so on, beside the matrix's own. Replicates:
+    `--seed 43 --seed 44` queues each run at those seeds too (dense_s43, dense_s44; with
+    --suffix _lr1e-3, dense_s43_lr1e-3), for `fibctl report table5`.
 
     Example: fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3"""
-    configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix)
+    configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
     engine = db_engine.connect(db, check=queue.check_add(configs))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs)
     console.print(f"queued {len(added)} run(s); {len(present)} already present")

@@ -454,7 +454,9 @@ def eval_cmd(
 
             df = evaluate(connect(db, must_exist=True, check=check), names or [], length, data_dir=data, all_runs=all_runs,
                           datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
-                          runs_dir=runs_dir, on_result=advance, log_to=log_to)
+                          runs_dir=runs_dir, on_result=advance, log_to=log_to,
+                          on_note=lambda note: err_console.print(as_written(f"note: {note}"), highlight=False,
+                                                                 soft_wrap=True))
     except KeyboardInterrupt:  # each result is committed as it is measured
         err_console.print("interrupted; the results measured before it are recorded: run the same command "
                           "again to finish", markup=False, highlight=False, soft_wrap=True)

@@ -88,7 +88,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
              all_runs: bool = False, datasets: list[str] | None = None, tokens: int | None = None,
              positions: bool = False, speed: bool = False, device: str | None = None,
              runs_dir: Path | None = None, on_result: Callable[[dict, int], None] | None = None,
-             log_to: tuple[str, ...] | list[str] = ()) -> pd.DataFrame:
+             log_to: tuple[str, ...] | list[str] = (), on_note: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Evaluate runs' final checkpoints at each length on each held-out set; write the results.
 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
@@ -96,7 +96,8 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     Returns one row per run x length x dataset, with the run's inference tokens/s at that
     length when `speed` measured it (else NaN); `on_result(row, total)` sees each as it is
     written, with the number of rows to expect. `log_to` back-ends (fibctl.train.loggers) get
-    a copy of each result, their files in the folder of the run's checkpoint.
+    a copy of each result, their files in the folder of the run's checkpoint. `on_note` hears
+    of each run measured before it finished (its checkpoint is not its final step's).
     """
     log_to = loggers.check_loggers(log_to)
     lengths = list(dict.fromkeys(lengths))  # a length or set given twice is measured once
@@ -108,7 +109,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     rows = []
     for t in targets:
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
-                              data=manifest)
+                              data=manifest, on_note=on_note)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
                                        "tokens_per_s", "speed_batch"])
 
@@ -156,7 +157,8 @@ def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_giv
 
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
-                  log_to: tuple[str, ...] = (), *, data: DataManifest) -> list[dict]:
+                  log_to: tuple[str, ...] = (), *, data: DataManifest,
+                  on_note: Callable[[str], None] | None = None) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
@@ -180,6 +182,9 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
                                     for length in lengths for d, s in streams.items()})
+    if t.run.status != "done" and on_note:  # a stopped run's checkpoint is not its trained model
+        on_note(f"run {t.run.name!r} is not finished (status {t.run.status}): measuring its checkpoint "
+                f"at step {step:,} of {t.config.train.steps:,}")
     recorder = RunRecorder(engine, t.run.id)
     if not log_to:
         return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,

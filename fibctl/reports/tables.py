@@ -640,9 +640,9 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
         raise FibctlError(
             f"table5: no configuration at W={window} on {dataset}{runs.said()} has "
             "final evaluations for two or more seeds; "
-            # `queue add --set` takes no seed: say where one is given
+            # `queue add --set` takes no seed: say the option that does
             + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs "
-               "(a matrix file's [[runs]], one per seed, seed = 43 say: docs/schema.md, Matrices)"))
+               "(`fibctl queue add MATRIX --seed 43 --seed 44`: docs/schema.md, Matrices)"))
     _one_run_each(long, ["base", "schedule", "seed"],
                   lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", runs)
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()

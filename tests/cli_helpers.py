@@ -9,6 +9,20 @@ import sys
 import pytest
 
 
+def ran(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """`fibctl ARGS` by its main: its exit code, stdout and stderr."""
+    from fibctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def refused(monkeypatch, capsys, *args: str) -> str:
     """`fibctl ARGS` by its main, as the entry point calls it: exit 2 with one line and no
     traceback; that line."""

@@ -12,6 +12,8 @@ import pytest
 from fibctl.errors import FibctlError
 from fibctl.train.loggers import Tee, check_loggers, open_sinks, wandb_run_id
 
+from cli_helpers import ran
+
 
 class Recorder:
     """The database side: remembers what it was told."""
@@ -185,18 +187,10 @@ def test_unknown_back_end_is_refused_naming_the_allowed_ones():
 # ----------------------------------------------------------------------------- through the commands
 
 
-def _fibctl(args, monkeypatch, capsys):
-    import sys
-
-    from fibctl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr()
+def _fibctl(args, monkeypatch, capsys) -> tuple[int, str]:
+    """`fibctl ARGS` in this process: its exit code and stderr."""
+    code, _, err = ran(monkeypatch, capsys, *args)
+    return code, err
 
 
 def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeypatch, capsys):
@@ -216,8 +210,8 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     queued_db(tmp_path / "r.db", micro_run("tb_run", checkpoint_interval=30),
               micro_run("wb_run", checkpoint_interval=30)).dispose()
     common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
-    code, out = _fibctl(["worker", *common, "--max-runs", "1", "--log-to", "tensorboard"], monkeypatch, capsys)
-    assert code == 0, out.err
+    code, err = _fibctl(["worker", *common, "--max-runs", "1", "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 0, err
 
     events = EventAccumulator(str(runs / "tb_run" / "tensorboard"))
     events.Reload()
@@ -236,10 +230,10 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
         steps = [e.step for e in events.Scalars(tag)]
         assert steps == sorted(set(steps)) and steps[-1] == (20 if tag.startswith("eval/") else 30), tag
 
-    code, out = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
+    code, err = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
                          "--db", db, "--data", str(data), "--runs-dir", str(runs), "--log-to", "tensorboard"],
                         monkeypatch, capsys)
-    assert code == 0, out.err
+    assert code == 0, err
     events = EventAccumulator(str(runs / "tb_run" / "tensorboard"))
     events.Reload()
     [ppl] = events.Scalars("eval/stories_val@128/ppl")
@@ -249,8 +243,8 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    code, out = _fibctl(["train", "wb_run", *common, "--log-to", "wandb"], monkeypatch, capsys)
-    assert code == 0, out.err
+    code, err = _fibctl(["train", "wb_run", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 0, err
     run_id = wandb_run_id(runs / "wb_run", "wb_run")
     [folder] = (runs / "wb_run" / "wandb").glob(f"offline-run-*-{run_id}")
     assert list(folder.glob("*.wandb")) and (folder / "files").is_dir()
@@ -280,12 +274,12 @@ def test_a_back_end_that_is_not_installed_is_refused_before_any_claim(tmp_path, 
     queued_db(tmp_path / "r.db", micro_run("run")).dispose()
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     for command in (["worker"], ["train", "run"], ["eval", "run", "--length", "64"]):
-        code, out = _fibctl([*command, "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+        code, err = _fibctl([*command, "--db", db, "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
                              "--log-to", "wandb"], monkeypatch, capsys)
-        assert code == 2 and out.err.strip().splitlines() == [
-            "error: --log-to wandb needs the wandb package: pip install -e '.[wandb]'"], out.err
-    code, out = _fibctl(["worker", "--db", db, "--data", str(data), "--log-to", "mlflow"], monkeypatch, capsys)
-    assert code == 2 and "--log-to 'mlflow': allowed: tensorboard, wandb" in out.err
+        assert code == 2 and err.strip().splitlines() == [
+            "error: --log-to wandb needs the wandb package: pip install -e '.[wandb]'"], err
+    code, err = _fibctl(["worker", "--db", db, "--data", str(data), "--log-to", "mlflow"], monkeypatch, capsys)
+    assert code == 2 and "--log-to 'mlflow': allowed: tensorboard, wandb" in err
     assert sqlite3.connect(db).execute("SELECT status, attempts FROM runs").fetchall() == [("queued", 0)]
     assert not (tmp_path / "runs").exists()
 
@@ -306,28 +300,28 @@ def test_a_back_end_that_cannot_start_leaves_the_run_queued(tmp_path, monkeypatc
     common = ["--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain"]
     monkeypatch.setenv("WANDB_MODE", "bogus")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
-    assert code == 2 and len(out.err.strip().splitlines()) == 1, out.err
-    assert "--log-to wandb could not start for run" in out.err and "Traceback" not in out.err
-    assert "ValidationError: mode: " in out.err  # the setting at fault, not "1 validation error for Settings"
+    code, err = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--log-to wandb could not start for run" in err and "Traceback" not in err
+    assert "ValidationError: mode: " in err  # the setting at fault, not "1 validation error for Settings"
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_SILENT", "")  # a stray empty setting
     import wandb
     wandb.teardown()  # W&B reads the environment once per process: as a new worker's would be read
-    code, out = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
-    assert code == 2 and "ValidationError: silent: Input should be a valid boolean" in out.err, out.err
+    code, err = _fibctl(["worker", *common, "--log-to", "wandb"], monkeypatch, capsys)
+    assert code == 2 and "ValidationError: silent: Input should be a valid boolean" in err, err
     monkeypatch.setenv("WANDB_SILENT", "true")
     (runs / "run").mkdir(parents=True, exist_ok=True)
     (runs / "run" / "tensorboard").write_text("a file\n")
-    code, out = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
-    assert code == 2 and out.err.strip().splitlines() == [
+    code, err = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == [
         f"error: --log-to tensorboard: {runs / 'run' / 'tensorboard'} is a file; tensorboard's files are "
-        "written only into a folder of the run's own: remove it"], out.err
+        "written only into a folder of the run's own: remove it"], err
     (runs / "run" / "tensorboard").unlink()
     (tmp_path / "outside").mkdir()
     (runs / "run" / "tensorboard").symlink_to(tmp_path / "outside")
-    code, out = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
-    assert code == 2 and "tensorboard is a link" in out.err, out.err
+    code, err = _fibctl(["train", "run", *common, "--log-to", "tensorboard"], monkeypatch, capsys)
+    assert code == 2 and "tensorboard is a link" in err, err
     assert not list((tmp_path / "outside").iterdir())
     assert sqlite3.connect(db).execute("SELECT status, attempts, error FROM runs").fetchall() == [
         ("queued", 0, None), ("queued", 0, None)]

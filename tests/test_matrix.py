@@ -10,6 +10,8 @@ from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, shipped_matrices
 from fibctl.db.store import run_row
 
+from cli_helpers import ran
+
 # The paper matrix (docs/method.md, "The run matrix"), written out: name -> (base, schedule, W, seed)
 PAPER = {
     "f01__fib_learned_w6": ("fib", "learned", 6, 42), "f02__fib_learned_w8": ("fib", "learned", 8, 42),
@@ -181,22 +183,6 @@ def test_the_line_that_queues_a_run_again_keeps_its_settings(tmp_path, monkeypat
         "fibctl queue add MATRIX --only dense --set train.lr=LOWER --suffix _lowlr"
 
 
-def _fibctl(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`fibctl ARGS` by its main, in this process: its exit code, stdout and stderr."""
-    import sys
-
-    from fibctl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["fibctl", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 SEEDED = "[matrix]\npreset = 'micro'\n{head}\n[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = 4\n{run}"
 
 
@@ -225,19 +211,19 @@ def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeyp
     import sqlite3
 
     db = str(tmp_path / "r.db")
-    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--seed", "42",
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--seed", "42",
                              "--seed", "43", "--seed", "43", "--seed", "4294967295", "--db", db)
     assert code == 0 and "queued 3 run(s); 0 already present" in out, err
-    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--db", db)
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "demo", "--only", "dense", "--db", db)
     assert code == 0 and "queued 0 run(s); 1 already present" in out, err  # the matrix's own dense
-    code, out, err = _fibctl(monkeypatch, capsys, "queue", "add", "paper", "--only", "f13*", "--preset", "micro",
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "paper", "--only", "f13*", "--preset", "micro",
                              "--seed", "44", "--suffix", "_lr1e-3", "--set", "train.lr=1e-3", "--db", db)
     assert code == 0 and "queued 1 run(s)" in out, err
     rows = sqlite3.connect(db).execute("SELECT name, seed, data_seed, init_seed FROM runs ORDER BY id").fetchall()
     assert rows == [("dense", 42, 42, 42), ("dense_s43", 43, 43, 43), ("dense_s4294967295",) + (2**32 - 1,) * 3,
                     ("f13__fib_stagger_w12_s44_lr1e-3", 44, 44, 42)]  # paper keeps init_seed 42
     # the preview shows the names and seeds queue add would queue
-    code, out, _ = _fibctl(monkeypatch, capsys, "matrix", "show", "demo", "--only", "dense", "--seed", "43")
+    code, out, _ = ran(monkeypatch, capsys, "matrix", "show", "demo", "--only", "dense", "--seed", "43")
     assert code == 0 and "dense_s43" in out and " 43 " in out
     with pytest.raises(FibctlError, match="--seed: runs f04__fib_learned_w12_s43 and g02__fib_learned_w12_s43 "
                                           "would train one config; pick the runs with --only"):
@@ -276,7 +262,7 @@ def test_the_line_that_queues_a_run_again_keeps_its_seed(tmp_path, monkeypatch, 
     line = queue_again(boom, "_lowlr", lr="1e-4")
     assert line == ("fibctl queue add demo --only dense --seed 43 --preset micro --set train.steps=40 "
                     "--set train.lr=1e-4 --suffix _boom_lowlr")
-    code, _, err = _fibctl(monkeypatch, capsys, *shlex.split(line)[1:], "--db", str(tmp_path / "r.db"))
+    code, _, err = ran(monkeypatch, capsys, *shlex.split(line)[1:], "--db", str(tmp_path / "r.db"))
     assert code == 0, err
     name, config = sqlite3.connect(tmp_path / "r.db").execute("SELECT name, config_json FROM runs").fetchone()
     again = json.loads(config)
@@ -293,14 +279,14 @@ def test_report_table5_reads_replicates_queued_with_seed(tmp_path, monkeypatch, 
     from train_helpers import write_data
 
     db, data = str(tmp_path / "r.db"), str(write_data(tmp_path / "data"))
-    code, _, err = _fibctl(monkeypatch, capsys, "queue", "add", "demo", "--preset", "micro", "--only", "fib_*",
+    code, _, err = ran(monkeypatch, capsys, "queue", "add", "demo", "--preset", "micro", "--only", "fib_*",
                            "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--seed", "42", "--seed",
                            "43", "--db", db)
     assert code == 0, err
-    code, out, err = _fibctl(monkeypatch, capsys, "worker", "--db", db, "--data", data, "--runs-dir",
+    code, out, err = ran(monkeypatch, capsys, "worker", "--db", db, "--data", data, "--runs-dir",
                              str(tmp_path / "runs"), "--device", "cpu", "--threads", "1", "--plain")
     assert code == 0 and "4 run(s)" in out, out + err
-    code, out, err = _fibctl(monkeypatch, capsys, "report", "table5", "--window", "8", "--format", "csv",
+    code, out, err = ran(monkeypatch, capsys, "report", "table5", "--window", "8", "--format", "csv",
                              "--db", db)
     assert code == 0, err
     import csv

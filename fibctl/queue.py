@@ -37,15 +37,18 @@ class ClaimedRun:
     checkpoint_path: str | None  # set when an earlier attempt saved one: resume from it
 
 
-def add_runs(engine: Engine, configs: Sequence[RunConfig]) -> tuple[list[str], list[str]]:
+def add_runs(engine: Engine, configs: Sequence[RunConfig], *, seeded: bool = False) -> tuple[list[str], list[str]]:
     """Queue `configs`; returns (names added, names already present with the same config).
 
     All or nothing: a name that exists with a different config is an error naming the
-    fields that differ, and nothing is added.
+    fields that differ, and nothing is added; so, for runs `seeded` by `queue add --seed`, is
+    one whose config a run of another name has.
     """
     names = [c.name for c in configs]
     with engine.begin() as conn:
         existing = _refuse_conflicts(conn, configs)
+        if seeded:
+            _refuse_repeated_configs(conn, configs)
         new = [c for c in configs if c.name not in existing]
         if new:
             conn.execute(insert(Run), [run_row(c) for c in new])
@@ -70,6 +73,18 @@ def _refuse_conflicts(conn: Connection, configs: Sequence[RunConfig]) -> dict:
     return existing
 
 
+def _refuse_repeated_configs(conn: Connection, configs: Sequence[RunConfig]) -> None:
+    """A run whose config another run has under its own name would train that model twice, and
+    Tables 4 and 5 refuse the two as one cell's (`paper --only 'f*' --seed 43` makes f08's
+    seed-43 run, which is the matrix's g01): refused, naming both."""
+    ours = {c.config_hash: c.name for c in configs}
+    held = conn.execute(select(Run.name, Run.config_hash).where(Run.config_hash.in_(list(ours))))
+    clash = next(((ours[h], name) for name, h in held if name != ours[h]), None)
+    if clash:
+        raise FibctlError(f"--seed: run {clash[0]!r} would train the config of run {clash[1]!r}, already "
+                          "queued; pick the runs with --only")
+
+
 # --- checks before a write command changes the database (`fibctl.db.engine.connect`'s `check`):
 # they refuse what the command's own transaction would, on the database as it is, so that a
 # refused command neither upgrades it nor switches it to WAL mode. They read only what every
@@ -79,11 +94,13 @@ def _has_runs(conn: Connection) -> bool:
     return inspect(conn).has_table(Run.__tablename__)
 
 
-def check_add(configs: Sequence[RunConfig]) -> Callable[[Engine], None]:
+def check_add(configs: Sequence[RunConfig], *, seeded: bool = False) -> Callable[[Engine], None]:
     def check(engine: Engine) -> None:
         with engine.connect() as conn:
             if _has_runs(conn):
                 _refuse_conflicts(conn, configs)
+                if seeded:
+                    _refuse_repeated_configs(conn, configs)
     return check
 
 

@@ -235,6 +235,27 @@ def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeyp
         load_matrix(str(clash)).resolve(seeds=[43])
 
 
+def test_queue_add_seed_refuses_a_run_whose_config_another_name_holds(tmp_path, monkeypatch, capsys):
+    """`paper --only 'f*' --seed 43` after `paper`: f08's seed-43 run is the matrix's g01, which
+    would be trained twice, and Table 5 refuses two runs of one cell."""
+    import sqlite3
+
+    from cli_helpers import refused
+
+    db = str(tmp_path / "r.db")
+    micro = ["--preset", "micro", "--db", db]
+    assert ran(monkeypatch, capsys, "queue", "add", "paper", "--only", "g01*", *micro)[0] == 0
+    line = refused(monkeypatch, capsys, "queue", "add", "paper", "--only", "f0[68]*", "--seed", "43", *micro)
+    assert line.strip() == ("error: --seed: run 'f08__fib_fixed_w12_s43' would train the config of run "
+                            "'g01__fib_fixed_w12_s43', already queued; pick the runs with --only")
+    assert sqlite3.connect(db).execute("SELECT name FROM runs").fetchall() == [("g01__fib_fixed_w12_s43",)]
+    # the same runs queued again are present, not a clash
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "paper", "--only", "f06*", "--seed", "43", *micro)
+    assert code == 0 and "queued 1 run(s)" in out, err
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "paper", "--only", "f06*", "--seed", "43", *micro)
+    assert code == 0 and "queued 0 run(s); 1 already present" in out, err
+
+
 @pytest.mark.parametrize("seed, line", [
     ("-1", "error: --seed = -1 must be an integer from 0 to 2**32 - 1"),
     ("4294967296", "error: --seed = 4294967296 must be an integer from 0 to 2**32 - 1"),

@@ -192,8 +192,8 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
 
     Example: fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3"""
     configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
-    engine = db_engine.connect(db, check=queue.check_add(configs))  # a conflict leaves it as it was
-    added, present = queue.add_runs(engine, configs)
+    engine = db_engine.connect(db, check=queue.check_add(configs, seeded=bool(seed)))  # a conflict leaves it as it was
+    added, present = queue.add_runs(engine, configs, seeded=bool(seed))
     console.print(f"queued {len(added)} run(s); {len(present)} already present")
 
 

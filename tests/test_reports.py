@@ -832,3 +832,21 @@ def test_a_header_beside_long_run_names_is_never_cut(study, columns):
     headers = {h.strip() for h in headers}
     for column in tables.table1(ro(study)).frame.columns[1:]:
         assert set(column.split()) <= headers, (column, done.output)
+
+
+def test_a_run_read_before_it_finished_is_named_in_the_notes(tmp_path):
+    """A run queued again after a stop has no final step: the tables read its latest
+    evaluation at the training length, which must not pass for a final one."""
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for schedule, ppls in DEMO_PPL.items():
+            rid = add_run(conn, f"demo_{schedule}", schedule)
+            for length, value in zip(DEMO_LENGTHS, ppls):
+                add_eval(conn, rid, length, value, step=300 if schedule == "stagger" else 600)
+        conn.execute(text("UPDATE runs SET status = 'queued', final_step = NULL WHERE name = 'demo_stagger'"))
+    note = "Not finished: demo_stagger (queued, step 300): read at the latest evaluation, not a final one."
+    assert note in tables.table1(ro(db)).notes and note in tables.table3(ro(db)).notes
+    with engine.begin() as conn:  # finished: its final step is recorded, and the note goes
+        conn.execute(text("UPDATE runs SET status = 'done', final_step = 300 WHERE name = 'demo_stagger'"))
+    assert not [n for n in tables.table1(ro(db)).notes + tables.table3(ro(db)).notes if "finished" in n]

@@ -191,6 +191,20 @@ def deviation_notes(engine: Engine, runs) -> list[str]:
             + [f"Deviation: {', '.join(sorted(who))}: {note}." for note, who in sorted(defined.items())])
 
 
+def unfinished_notes(engine: Engine, runs) -> list[str]:
+    """A note naming the runs read before they finished: with no final step recorded (queued
+    again after a stop, running, failed), a run's numbers are its latest evaluation's at the
+    training length (FINAL_STEP), which a sweep in progress should not pass off as final."""
+    names = set(runs)
+    if not names:
+        return []
+    frame, _ = read_sql(engine, """SELECT r.name, r.status, MAX(e.step) AS step FROM runs r
+JOIN evaluations e ON e.run_id = r.id AND e.eval_length = r.train_length
+WHERE r.final_step IS NULL AND r.status <> 'done' GROUP BY r.name, r.status""")
+    read = [f"{row.name} ({row.status}, step {int(row.step):,})" for row in frame.itertuples() if row.name in names]
+    return [f"Not finished: {', '.join(sorted(read))}: read at the latest evaluation, not a final one."] if read else []
+
+
 # settings a table's identity columns show, or that change no number it holds
 NOT_SETTINGS = {"name", "matrix", "seed", "data_seed", "init_seed", "model.schedule", "model.base",
                 "model.window", "train.log_interval", "train.checkpoint_interval", "train.keep_checkpoints"}
@@ -308,8 +322,8 @@ ORDER BY r.name, e.dataset"""
         frame, extra = _beside(frame, other, cols, compare_label)
         formats.update(extra)
         title += f", beside {compare_label}"
-    notes = (deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"]) if "Run" in frame
-             else []) + budgets
+    notes = (unfinished_notes(engine, frame["Run"]) + deviation_notes(engine, frame["Run"])
+             + settings_notes(engine, frame["Run"]) if "Run" in frame else []) + budgets
     if not dense and _has_dense(engine, seed, runs):  # said, or the reader looks for it in vain
         notes.append("the dense baseline is left out, as in the paper; --dense adds it")
     return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
@@ -526,8 +540,8 @@ ORDER BY r.name, e.eval_length"""
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
     frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
-    notes = (left_out + deviation_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"])
-             + budget_notes(multi[multi["run"].isin(frame["Run"])]))
+    notes = (left_out + unfinished_notes(engine, frame["Run"]) + deviation_notes(engine, frame["Run"])
+             + settings_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])]))
     return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 
@@ -610,7 +624,7 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", runs.params(datase
     title = (f"Table 4: mean {dataset_label(dataset)} loss by position bin "
              f"(fib W{window}, seed {seed})")
     return Table("table4", title, frame, sql_text, {c: loss for c in labels.values()},
-                 notes=settings_notes(engine, long["run"]))
+                 notes=unfinished_notes(engine, long["run"]) + settings_notes(engine, long["run"]))
 
 
 def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
@@ -661,9 +675,10 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
     frame = frame[["Base", "Schedule", "W", *(f"seed {s}" for s in seeds), "Mean", "Std", "Varied"]]
     formats = {f"seed {s}": ppl for s in seeds} | {"Mean": ppl, "Std": ppl}
     title = f"Table 5: {dataset_label(dataset)} perplexity across seeds (W={window})"
-    notes = ["Varied: which seeds differ between the replicates (init: the initial weights; "
-             "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset) \
-        + deviation_notes(engine, long["run"]) + settings_notes(engine, long["run"]) + budget_notes(long)
+    notes = (["Varied: which seeds differ between the replicates (init: the initial weights; "
+              "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset)
+             + unfinished_notes(engine, long["run"]) + deviation_notes(engine, long["run"])
+             + settings_notes(engine, long["run"]) + budget_notes(long))
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
 
 

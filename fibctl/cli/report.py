@@ -409,8 +409,8 @@ def sql(
                  for i, h in enumerate(headers)]
         if sum(least) + 3 * len(least) + 1 <= console.width:
             table = RichTable()
-            for header, width, numbers in zip(headers, least, _numeric_columns(result.rows, len(headers))):
-                table.add_column(header, overflow="fold", min_width=width, justify="right" if numbers else "left")
+            for header, width, numeric in zip(headers, least, _numeric_columns(result.rows, len(headers))):
+                table.add_column(header, overflow="fold", min_width=width, justify="right" if numeric else "left")
             for row in cells:
                 table.add_row(*row)
         else:

@@ -196,3 +196,36 @@ def test_a_ctrl_c_just_after_the_temporary_file_is_made_leaves_none_behind(tmp_p
     with pytest.raises(KeyboardInterrupt):
         output.write_text(tmp_path / "table3.txt", "x")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stopped", [KeyboardInterrupt(), SystemExit(143)], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_a_connection_closes_is_raised_on_without_the_pool_s_traceback(
+        stopped, tmp_path, monkeypatch, caplog):
+    """`worker --ddp` sent a Ctrl-C as it closed its check's connection printed SQLAlchemy's
+    "Exception closing connection" and a traceback above its `interrupted` (seen under load)."""
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "r.db"))
+    engine.connect().close()  # one connection in the pool, which dispose closes
+
+    def close(connection):
+        raise stopped
+
+    monkeypatch.setattr(engine.dialect, "do_close", close)
+    with caplog.at_level("DEBUG", logger="sqlalchemy"), pytest.raises(type(stopped)):
+        engine.dispose()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_an_error_while_a_connection_closes_is_still_logged(tmp_path, monkeypatch, caplog):
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "r.db"))
+    engine.connect().close()  # one connection in the pool, which dispose closes
+
+    def close(connection):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(engine.dialect, "do_close", close)
+    engine.dispose()  # SQLAlchemy logs a failed close and goes on
+    assert any(r.exc_info and isinstance(r.exc_info[1], OSError) for r in caplog.records)

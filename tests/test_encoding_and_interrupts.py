@@ -196,3 +196,55 @@ def test_a_ctrl_c_just_after_the_temporary_file_is_made_leaves_none_behind(tmp_p
     with pytest.raises(KeyboardInterrupt):
         output.write_text(tmp_path / "table3.txt", "x")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stopped", [KeyboardInterrupt(), SystemExit(143)], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_a_connection_closes_is_raised_on_without_the_pool_s_traceback(
+        stopped, tmp_path, monkeypatch, caplog):
+    """`worker --ddp` sent a Ctrl-C as it closed its check's connection printed SQLAlchemy's
+    "Exception closing connection" and a traceback above its `interrupted` (seen under load)."""
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "r.db"))
+    engine.connect().close()  # one connection in the pool, which dispose closes
+
+    def close(connection):
+        raise stopped
+
+    monkeypatch.setattr(engine.dialect, "do_close", close)
+    with caplog.at_level("DEBUG", logger="sqlalchemy"), pytest.raises(type(stopped)):
+        engine.dispose()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_an_error_while_a_connection_closes_is_still_logged(tmp_path, monkeypatch, caplog):
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "r.db"))
+    engine.connect().close()  # one connection in the pool, which dispose closes
+
+    def close(connection):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(engine.dialect, "do_close", close)
+    engine.dispose()  # SQLAlchemy logs a failed close and goes on
+    assert any(r.exc_info and isinstance(r.exc_info[1], OSError) for r in caplog.records)
+
+
+def _quiet_143(done: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert [line for line in done.stderr.splitlines() if not line.startswith("skipped ")] == []
+
+
+def test_a_sigterm_lost_in_a_callback_still_ends_a_short_command_with_143():
+    """Its SystemExit, raised in a weakref's callback, printed 'Exception ignored' and the
+    command ran on to exit 0 (`report all` under load)."""
+    _quiet_143(_fibctl_with(IN_A_CALLBACK.replace("SIGINT", "SIGTERM"), "report", "table3", "--db", EXAMPLE))
+
+
+@pytest.mark.parametrize("patch", [IN_A_CALLBACK, IN_THE_PDF_WRITER], ids=["callback", "pdf"])
+def test_report_all_stops_at_a_sigterm_wherever_it_lands(patch, tmp_path):
+    out = tmp_path / "rep"
+    _quiet_143(_fibctl_with(patch.replace("SIGINT", "SIGTERM"), "report", "all", "--db", EXAMPLE, "--out", str(out)))
+    assert not out.exists()  # a folder the report made holds no part of one (export.write_all)

@@ -151,9 +151,11 @@ def _ended_by_a_ctrl_c(last: bool = False):
 
 
 def _interrupted() -> typer.Exit:
-    """The line of a command that did not say what a Ctrl-C kept, and its exit."""
-    err_console.print("interrupted", markup=False, highlight=False)
-    return typer.Exit(130)
+    """The line of a command that did not say what a Ctrl-C kept, and its exit; after a
+    SIGTERM, its exit alone (143), as where its SystemExit was not lost."""
+    if interrupted.signal == signal.SIGINT:
+        err_console.print("interrupted", markup=False, highlight=False)
+    return typer.Exit(128 + interrupted.signal)
 
 
 @contextlib.contextmanager
@@ -279,6 +281,7 @@ def ends_through_python() -> None:
 
 
 def _terminated(signum, frame) -> None:
+    interrupted.note(signum)  # its SystemExit may be lost where it lands (noting_interrupts)
     sys.exit(128 + signum)
 
 

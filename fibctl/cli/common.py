@@ -85,31 +85,50 @@ def on_interrupt(kept: str) -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-# Every Ctrl-C this command was sent (`noting_interrupts`), also one whose KeyboardInterrupt was
-# lost: raised in a garbage collector's or weakref's callback, Python prints "Exception ignored"
-# and runs on; or turned into another error by the code it landed in (matplotlib's PDF writer,
-# stopped mid-write, fails its clean-up with AttributeError). Such a command still ends as
-# interrupted (fibctl.cli), and `report all` stops at its next file.
-interrupted = threading.Event()
+class _Signalled(threading.Event):
+    """Set by a signal that ends the command, whose number it keeps: 130 after a Ctrl-C,
+    143 after a SIGTERM (128 + it)."""
+
+    signal: int = signal.SIGINT
+
+    def note(self, signum: int) -> None:
+        if not self.is_set():
+            self.signal = signum
+        self.set()
+
+    def clear(self) -> None:
+        self.signal = signal.SIGINT
+        super().clear()
+
+
+# Every Ctrl-C this command was sent (`noting_interrupts`), and SIGTERM (fibctl.cli's
+# handler), also one whose KeyboardInterrupt or SystemExit was lost: raised in a garbage
+# collector's or weakref's callback, Python prints "Exception ignored" and runs on; or turned
+# into another error by the code it landed in (matplotlib's PDF writer, stopped mid-write,
+# fails its clean-up with AttributeError). Such a command still ends as interrupted
+# (fibctl.cli), and `report all` stops at its next file.
+interrupted = _Signalled()
 
 
 def stop_if_interrupted() -> None:
-    """Raise the KeyboardInterrupt of a Ctrl-C that was sent but lost on its way."""
+    """Raise the KeyboardInterrupt of a Ctrl-C, or the SystemExit of a SIGTERM, that was sent
+    but lost on its way."""
     if interrupted.is_set():
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt if interrupted.signal == signal.SIGINT else SystemExit(128 + interrupted.signal)
 
 
 @contextmanager
 def noting_interrupts() -> Iterator[None]:
     """Inside, SIGINT's handler (fibctl.__main__'s, or Python's) sets `interrupted` first, and
-    a KeyboardInterrupt raised where Python cannot raise it (a callback of the garbage
-    collector) is not printed as "Exception ignored": the command stops at its next check."""
+    a KeyboardInterrupt (or a noted SIGTERM's SystemExit) raised where Python cannot raise it
+    (a callback of the garbage collector) is not printed as "Exception ignored": the command
+    stops at its next check."""
     interrupted.clear()
     handler = signal.getsignal(signal.SIGINT)
     noting = None
     if callable(handler) and threading.current_thread() is threading.main_thread():  # not where it is ignored
         def noting(signum, frame):
-            interrupted.set()
+            interrupted.note(signum)
             return handler(signum, frame)
 
         noting.holds = True  # for hold_interrupts
@@ -117,7 +136,7 @@ def noting_interrupts() -> Iterator[None]:
     hook = sys.unraisablehook
 
     def unraisable(what) -> None:
-        if not (isinstance(what.exc_value, KeyboardInterrupt) and interrupted.is_set()):
+        if not (isinstance(what.exc_value, (KeyboardInterrupt, SystemExit)) and interrupted.is_set()):
             hook(what)
 
     sys.unraisablehook = unraisable
@@ -130,7 +149,7 @@ def noting_interrupts() -> Iterator[None]:
 
 
 def _note(signum, frame) -> None:
-    interrupted.set()
+    interrupted.note(signum)
 
 
 def hold_interrupts() -> Callable[[], None]:

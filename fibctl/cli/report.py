@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import signal
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from itertools import chain
@@ -183,9 +184,10 @@ def report_all(
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
         raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
     if interrupted.is_set():  # held while the last files were written
-        err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
-                          markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        if interrupted.signal == signal.SIGINT:
+            err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
+                              markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(128 + interrupted.signal)
     for name, why in skipped:
         why = why.removeprefix(f"{name}: ")  # a table's own errors start with its name
         err_console.print(plain(f"skipped {name}:", "yellow"), plain(why), highlight=False, soft_wrap=True)
@@ -214,8 +216,7 @@ def _failed_as_interrupted(job):
         try:
             return job()
         except Exception:
-            if interrupted.is_set():
-                raise KeyboardInterrupt from None
+            stop_if_interrupted()  # the signal's own exception, not the one it caused
             raise
     return run
 

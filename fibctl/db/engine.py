@@ -13,6 +13,7 @@ answer, so that one that accepts a connection and never answers fails instead of
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import sqlite3
@@ -233,6 +234,7 @@ def _create_engine(url: URL, option: str = "--db", name: str | None = None, **kw
     try:
         engine = create_engine(url, **kwargs)
         _engines.add(engine)
+        engine.pool.logger.addFilter(_raised_on)  # the class's logger: once per pool class
         if engine.dialect.name == "sqlite":
             _refuse_damaged(engine, name if name is not None else url)
         return engine
@@ -245,6 +247,15 @@ def _create_engine(url: URL, option: str = "--db", name: str | None = None, **kw
     except ImportError as e:
         hint = DRIVER_HINTS.get(url.get_backend_name(), f"install the {url.drivername} driver")
         raise FibctlError(f"{option} {shown(url)}: its driver is not installed ({e.name or e}); {hint}") from None
+
+
+def _raised_on(record: logging.LogRecord) -> bool:
+    """Drop the pool's traceback of a Ctrl-C or SIGTERM (KeyboardInterrupt, SystemExit) that
+    landed while it closed or reset a connection: SQLAlchemy logs it, with no handler set, on
+    stderr ("Exception closing connection", "Exception during reset or similar"), then raises
+    it on, and the command ends as interrupted with its own line. Errors are still logged."""
+    raised = record.exc_info[1] if record.exc_info else None
+    return raised is None or isinstance(raised, Exception)
 
 
 # SQLite's result codes for a file that is damaged (a bad page, a truncated file) or is no database

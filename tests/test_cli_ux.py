@@ -476,6 +476,11 @@ def test_ctrl_c_while_the_modules_import_exits_130_without_a_traceback():
     assert scripts["fibctl"] == "fibctl.__main__:program"  # the program starts there too, not in fibctl.cli
 
 
+def _python(script: str) -> subprocess.CompletedProcess:
+    """`script` in a new Python: a signal's handling there is the process's own, not pytest's."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
 def test_ctrl_c_while_torch_imports_is_held_until_the_import_is_over():
     """A Ctrl-C that lands inside torch's import (commands import it when they first need it)
     aborted `fibctl worker --ddp` once: exit 134 and a stack dump from torch's C++. fibctl's
@@ -496,7 +501,7 @@ def test_ctrl_c_while_torch_imports_is_held_until_the_import_is_over():
               "except KeyboardInterrupt:\n"
               "    print('interrupted', tuple(torch.nn.Linear(2, 3)(torch.ones(2)).shape), flush=True)\n"
               "    sys.exit(130)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = _python(script)
     assert (done.returncode, done.stdout) == (130, "imported\ninterrupted (3,)\n"), done.stderr[-2000:]
 
 
@@ -516,7 +521,7 @@ def test_a_ctrl_c_while_the_command_line_starts_is_held_until_it_has():
               "    time.sleep(30)\n"
               "except KeyboardInterrupt:\n"
               "    print('raised', flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = _python(script)
     assert (done.returncode, done.stdout, done.stderr) == (0, "held\nraised\n", "")
 
 
@@ -531,7 +536,7 @@ def test_a_held_ctrl_c_sent_again_before_the_command_s_handlers_are_set_exits_13
               "fibctl.cli.main = run\n"
               "sys.argv = ['fibctl', 'matrix', 'list']\n"
               "entry.program()\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = _python(script)
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "")
 
 
@@ -559,7 +564,7 @@ def test_a_ctrl_c_held_in_the_import_machinery_is_sent_again_once_it_is_done():
               "    time.sleep(30)\n"
               "except KeyboardInterrupt:\n"
               "    print('raised', 'after' if left else 'inside', len(calls), flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = _python(script)
     assert (done.returncode, done.stdout, done.stderr) == (0, "raised after 2\n", "")
 
 
@@ -571,7 +576,7 @@ def test_a_ctrl_c_while_python_shuts_down_after_the_command_is_ignored():
               "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), print('sent', flush=True)))\n"
               "sys.argv = ['fibctl', 'matrix', 'list']\n"
               "entry.program()\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = _python(script)
     assert (done.returncode, done.stdout.splitlines()[-1], done.stderr) == (0, "sent", ""), done
 
 

@@ -200,6 +200,15 @@ def test_a_paper_runs_log_line_fits_80_columns():
     assert len(progress_line("f13__fib_stagger_w12", slow)) <= 80
 
 
+def test_a_step_just_under_a_second_is_written_in_seconds_not_as_1e03ms():
+    from fibctl.cli.train import progress_line
+    from fibctl.train.trainer import Progress
+
+    for step_s, shown in ((0.9997, " 1.00s "), (0.9995, " 1.00s "), (0.9994, " 999ms "), (1.0, " 1.00s ")):
+        line = progress_line("run", Progress(5, 10, 3.0, 1000.0, 5.0, 1e-3, step_s, 5.0))
+        assert shown in line and "e+" not in line, line
+
+
 def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
     """torchrun sends SIGTERM to the group once a rank has ended; rank 0, its loop over, is
     then saying why the run is queued again: the signal is noted, not fatal. Elsewhere the

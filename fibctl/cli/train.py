@@ -140,7 +140,8 @@ class RunDisplay:
 def progress_line(name: str, p: trainer.Progress) -> str:
     """nanoGPT's log line, with the run's name (workers share a log): at a paper run's name
     and numbers it fits 80 columns."""
-    step = f"{p.step_s * 1000:.3g}ms" if p.step_s < 1 else f"{p.step_s:.2f}s"
+    # in ms below what rounds to 1000 ms: `.3g` wrote a step of 0.9997 s as '1e+03ms'
+    step = f"{p.step_s * 1000:.3g}ms" if p.step_s < 0.9995 else f"{p.step_s:.2f}s"
     eta = f" ETA {duration(p.eta_s)}" if p.eta_s is not None and p.step < p.steps else ""
     return (f"{name} {p.step}/{p.steps} loss {p.loss:.3f} lr {_lr(p.lr)} {step} {_si(p.tokens_per_s)} tok/s{eta}")
 

@@ -196,8 +196,21 @@ def test_a_paper_runs_log_line_fits_80_columns():
     assert progress_line("f13__fib_stagger_w12", slow) == \
         "f13__fib_stagger_w12 12000/13000 loss 3.457 lr 3.0e-5 1.23s 512k tok/s ETA 1h23m"
     assert progress_line("f13__fib_stagger_w12", fast) == \
-        "f13__fib_stagger_w12 9/13000 loss 10.300 lr 2.7e-6 12.3ms 1k tok/s ETA 83h20m"
+        "f13__fib_stagger_w12 9/13000 loss 10.300 lr 2.7e-6 12.3ms 1.00k tok/s ETA 83h20m"
     assert len(progress_line("f13__fib_stagger_w12", slow)) <= 80
+
+
+def test_the_log_lines_numbers_keep_three_significant_figures():
+    """'22k tok/s' and '60ms' beside '21.6k' and '54.3ms' the line before: a value that came
+    out round lost its trailing zeros, and the numbers of one log changed width and precision."""
+    from fibctl.cli.train import progress_line
+    from fibctl.train.trainer import Progress
+
+    line = progress_line("run", Progress(5, 10, 3.0, 22_000.0, 5.0, 1e-3, 0.060, 5.0))
+    assert " 60.0ms 22.0k tok/s " in line, line
+    line = progress_line("run", Progress(5, 10, 3.0, 812.0, 5.0, 1e-3, 0.5, 5.0))
+    assert " 500ms 812 tok/s " in line, line  # three digits: no trailing point
+    assert " 1.00M tok/s " in progress_line("run", Progress(5, 10, 3.0, 1e6, 5.0, 1e-3, 0.5, 5.0))
 
 
 def test_a_step_just_under_a_second_is_written_in_seconds_not_as_1e03ms():

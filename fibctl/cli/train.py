@@ -141,7 +141,7 @@ def progress_line(name: str, p: trainer.Progress) -> str:
     """nanoGPT's log line, with the run's name (workers share a log): at a paper run's name
     and numbers it fits 80 columns."""
     # in ms below what rounds to 1000 ms: `.3g` wrote a step of 0.9997 s as '1e+03ms'
-    step = f"{p.step_s * 1000:.3g}ms" if p.step_s < 0.9995 else f"{p.step_s:.2f}s"
+    step = f"{_3g(p.step_s * 1000)}ms" if p.step_s < 0.9995 else f"{p.step_s:.2f}s"
     eta = f" ETA {duration(p.eta_s)}" if p.eta_s is not None and p.step < p.steps else ""
     return (f"{name} {p.step}/{p.steps} loss {p.loss:.3f} lr {_lr(p.lr)} {step} {_si(p.tokens_per_s)} tok/s{eta}")
 
@@ -151,11 +151,17 @@ def _lr(lr: float) -> str:
 
 
 def _si(value: float) -> str:
-    """3 significant figures at most, with k or M: 812, 11.3k, 512k, 1.25M."""
+    """3 significant figures, with k or M: 812, 11.3k, 22.0k, 512k, 1.25M."""
     for factor, unit in ((1e6, "M"), (1e3, "k")):
         if value >= factor * 0.9995:
-            return f"{value / factor:.3g}{unit}"
+            return f"{_3g(value / factor)}{unit}"
     return f"{value:.0f}"
+
+
+def _3g(value: float) -> str:
+    """3 significant figures, trailing zeros kept (22.0, not 22 beside 21.6: the line's
+    numbers keep their width and precision from one log line to the next)."""
+    return f"{value:#.3g}".rstrip(".")
 
 
 def _ppl(loss: float) -> str:

@@ -744,6 +744,79 @@ def test_eval_shows_run_and_set_names_as_written(tmp_path, capsys, monkeypatch):
     assert out.count(MARKUP) == 3, out  # the line logged, the table and the speed table
 
 
+def _fake_evaluate(monkeypatch, items):
+    """`evaluate` measuring `items` (run, length) on docs_val at once, telling on_start and
+    on_result of each as the real one does; it returns their rows."""
+    import pandas as pd
+
+    import fibctl.flows.evaluation as evaluation
+
+    def measured(engine, names, lengths, *, on_result=None, on_start=None, **_):
+        rows = []
+        for run, length in items:
+            if on_start:
+                on_start({"run": run, "dataset": "docs_val", "eval_length": length}, len(items))
+            rows.append({"run": run, "step": 10, "dataset": "docs_val", "eval_length": length, "tokens": length,
+                         "loss": 1.0, "ppl": 2.718, "tokens_per_s": float("nan"), "speed_batch": None})
+            on_result(rows[-1], len(items))
+        return pd.DataFrame(rows)
+
+    monkeypatch.setattr(evaluation, "evaluate", measured)
+    monkeypatch.setattr(evaluation, "plan", lambda *a, **k: None)  # its checks: no data here
+
+
+def test_eval_in_a_log_file_counts_its_measurements_and_says_the_time_left(tmp_path, capsys, monkeypatch):
+    """A line per result said nothing of how many were left: `eval --all` at three lengths
+    is hundreds of measurements, an hour of a GPU, in a log read with tail -f."""
+    from fibctl import queue
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect
+
+    engine = connect(str(tmp_path / "r.db"))
+    queue.add_runs(engine, [RunConfig.resolve(n, "test", "micro", schedule="fixed") for n in ("a", "b")])
+    engine.dispose()
+    _fake_evaluate(monkeypatch, [("a", 64), ("a", 128), ("b", 64)])
+    code, out, err = _in_process(capsys, monkeypatch, "eval", "a", "b", "--length", "64", "--length", "128",
+                                 "--db", str(tmp_path / "r.db"), "--data", str(tmp_path))
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert re.fullmatch(r"a length 64 docs_val: ppl 2\.718 \(1/3, ETA \d+s\)", lines[0]), lines
+    assert re.fullmatch(r"a length 128 docs_val: ppl 2\.718 \(2/3, ETA \d+s\)", lines[1]), lines
+    assert lines[2] == "b length 64 docs_val: ppl 2.718 (3/3)", lines  # the last: nothing left
+
+
+def test_evals_bar_names_the_measurement_under_way_with_the_time_left(monkeypatch):
+    """The bar named the measurement just finished (the first one's name came only when it
+    was over, the total unknown until then) and said nothing of the time left."""
+    import io
+
+    from rich.console import Console
+
+    from fibctl.cli import train as cli_train
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_train, "console", Console(file=screen, width=80, force_terminal=True, color_system=None))
+    frames = []
+
+    def frame():
+        progress.progress.refresh()
+        frames.append(re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))[-1])
+
+    with cli_train.EvalProgress(plain=False) as progress:
+        progress.start({"run": "dense", "dataset": "docs_val", "eval_length": 128}, 12)
+        frame()
+        progress.result({"run": "dense", "dataset": "docs_val", "eval_length": 128, "ppl": 27.5}, 12)
+        progress.start({"run": "dense", "dataset": "docs_val", "eval_length": 256}, 12)
+        frame()
+        name = "f13__fib_stagger_w12_lr1e-3_s43"  # no room left for a bar
+        progress.start({"run": name, "dataset": "fineweb_edu_val", "eval_length": 4096}, 12)
+        frame()
+    assert frames[0].startswith("dense @ 128 docs_val ") and frames[0].rstrip().endswith(" 0/12 0:00:00"), frames
+    assert frames[1].startswith("dense @ 256 docs_val ") and re.search(r" 1/12 0:00:0\d ETA \d+s$", frames[1]), frames
+    assert re.match(rf"{name} @ 4096 fineweb_edu_val +1/12 0:00:0\d ETA \d+s$", frames[2]), frames
+    assert all(len(f) <= 80 for f in frames) and "…" not in screen.getvalue(), frames
+
+
 def test_a_slurm_task_log_shows_names_and_errors_as_written(capsys):
     """A task's log is read in a terminal (tail -f): the database's text is shown, not obeyed."""
     from fibctl.flows.slurm import JobDisplay

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fibctl.cli import OUTPUT_CLOSED, app, stopped_by_closed_output
-from fibctl.cli.common import console, err_console, plain
+from fibctl.cli.common import console, err_console
 from fibctl.cli.data import token_progress
-from fibctl.cli.train import RunDisplay
+from fibctl.cli.train import EvalProgress, RunDisplay
 from fibctl.errors import FibctlError
 
 
@@ -45,16 +43,8 @@ class RichView:
     def run_display(self, stop):
         return RunDisplay(self.plain, stop=stop)
 
-    @contextmanager
     def eval_progress(self):
-        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, disable=self.plain) as progress:
-            task = progress.add_task("evaluating", total=None)
-
-            def advance(row: dict, total: int) -> None:
-                progress.update(task, advance=1, total=total,
-                                description=plain(f"{row['run']} @ {row['eval_length']}: ppl {row['ppl']:.2f}"))
-            yield advance
+        return EvalProgress(self.plain)
 
 
 @app.command("demo")

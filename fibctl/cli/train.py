@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.cells import cell_len
+from rich.table import Column
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output, stopped_by_closed_output
@@ -135,6 +137,62 @@ class RunDisplay:
                 self.stop.set()
                 if out is console:
                     self.warn("the output's reader has gone: stopping; the run checkpoints and is queued again")
+
+
+class EvalProgress:
+    """Progress over `evaluate`'s measurements (a run at one length on one held-out set), as
+    `start` and `result` hear of them. On a terminal a bar naming the measurement under way,
+    with the count, the time taken and the time left at the pace so far; otherwise (a log
+    file, --plain) a line per result with its perplexity, the count and the time left. The
+    bar named the measurement just finished, its total unknown until then, and neither said
+    how long an evaluation of hundreds of measurements had left."""
+
+    def __init__(self, plain: bool):
+        self.plain = plain or not console.is_terminal
+        self.done, self.began, self.progress = 0, time.monotonic(), None
+
+    def __enter__(self) -> EvalProgress:
+        self.began = time.monotonic()
+        if not self.plain:
+            self.bar = BarColumn()
+            # a name too long for the line folds, rather than the numbers after it being cut
+            self.columns = (TextColumn("{task.description}", markup=False, table_column=Column(overflow="fold")),
+                            self.bar, MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[left]}", markup=False))
+            self.progress = Progress(*self.columns, console=console)
+            self.progress.start()
+            self.task = self.progress.add_task("evaluating", total=None, left="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def _left(self, total: int) -> str:
+        if not self.done or self.done >= total:
+            return ""
+        return f"ETA {duration((time.monotonic() - self.began) / self.done * (total - self.done))}"
+
+    def start(self, item: dict, total: int) -> None:
+        if self.progress is None:
+            return
+        text = f"{item['run']} @ {item['eval_length']} {item['dataset']}"
+        # the bar takes the room the text leaves (none: no bar), so that no number is cut
+        widest = f"{text} {total}/{total} 0:00:00 ETA 99h59m"
+        room = min(40, console.width - cell_len(widest) - 2)
+        self.bar.bar_width = room
+        self.progress.columns = tuple(c for c in self.columns if c is not self.bar or room >= 5)
+        self.progress.update(self.task, total=total, description=as_written(text), left=self._left(total))
+
+    def result(self, row: dict, total: int) -> None:
+        self.done += 1
+        left = self._left(total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=self.done, total=total, left=left)
+            return
+        console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f} "
+                                 f"({self.done}/{total}" + (f", {left})" if left else ")")),
+                      highlight=False, soft_wrap=True)
 
 
 def progress_line(name: str, p: trainer.Progress) -> str:
@@ -448,20 +506,10 @@ def eval_cmd(
 
     setup_process(device, threads)
     try:
-        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
-            task = progress.add_task("evaluating", total=None)
-
-            def advance(row: dict, total: int) -> None:
-                progress.update(task, advance=1, total=total,
-                                description=as_written(f"{row['run']} @ {row['eval_length']} {row['dataset']}"))
-                if not console.is_terminal:
-                    console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: "
-                                        f"ppl {row['ppl']:.3f}"), highlight=False, soft_wrap=True)
-
+        with EvalProgress(plain=False) as progress:
             df = evaluate(connect(db, must_exist=True, check=check), names or [], length, data_dir=data, all_runs=all_runs,
                           datasets=dataset, tokens=tokens, positions=positions, speed=speed, device=device,
-                          runs_dir=runs_dir, on_result=advance, log_to=log_to,
+                          runs_dir=runs_dir, on_start=progress.start, on_result=progress.result, log_to=log_to,
                           on_note=lambda note: err_console.print(as_written(f"note: {note}"), highlight=False,
                                                                  soft_wrap=True))
     except KeyboardInterrupt:  # each result is committed as it is measured

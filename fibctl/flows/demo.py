@@ -16,7 +16,6 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,7 +242,7 @@ class DemoView(Protocol):
 
     def run_display(self, stop): ...  # a fibctl.flows.worker.Display; it sets `stop` if its reader goes
 
-    def eval_progress(self) -> AbstractContextManager[Callable[[dict, int], None]]: ...
+    def eval_progress(self) -> AbstractContextManager: ...  # its start and result: evaluate's on_start, on_result
 
 
 @contextmanager
@@ -338,8 +337,9 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     view.section(f"4/5 evaluate at lengths {', '.join(map(str, p.lengths))} (x1, x2, x4, x8), by position")
     names = runs_to_evaluate(engine, p)
     if names:
-        with view.eval_progress() as advance:
-            evaluate(engine, names, p.lengths, data_dir=data_dir, positions=True, on_result=advance)
+        with view.eval_progress() as progress:
+            evaluate(engine, names, p.lengths, data_dir=data_dir, positions=True, on_start=progress.start,
+                     on_result=progress.result)
     _stop_if_noted(noted)
     others = len(added) + len(present) - len(names)
     view.line(f"evaluated {len(names)} run(s)" + (f"; {others} already evaluated" if others else ""))

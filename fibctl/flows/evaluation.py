@@ -88,14 +88,16 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
              all_runs: bool = False, datasets: list[str] | None = None, tokens: int | None = None,
              positions: bool = False, speed: bool = False, device: str | None = None,
              runs_dir: Path | None = None, on_result: Callable[[dict, int], None] | None = None,
-             log_to: tuple[str, ...] | list[str] = (), on_note: Callable[[str], None] | None = None) -> pd.DataFrame:
+             log_to: tuple[str, ...] | list[str] = (), on_note: Callable[[str], None] | None = None,
+             on_start: Callable[[dict, int], None] | None = None) -> pd.DataFrame:
     """Evaluate runs' final checkpoints at each length on each held-out set; write the results.
 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
     Returns one row per run x length x dataset, with the run's inference tokens/s at that
     length when `speed` measured it (else NaN); `on_result(row, total)` sees each as it is
-    written, with the number of rows to expect. `log_to` back-ends (fibctl.train.loggers) get
+    written, with the number of rows to expect, and `on_start(item, total)` each (its run,
+    dataset and eval_length) as its measurement begins. `log_to` back-ends (fibctl.train.loggers) get
     a copy of each result, their files in the folder of the run's checkpoint. `on_note` hears
     of each run measured before it finished (its checkpoint is not its final step's).
     """
@@ -106,10 +108,11 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     dev = resolve_device(device)
     total = len(targets) * len(lengths) * len(datasets)
     report = (lambda row: on_result(row, total)) if on_result else None
+    begin = (lambda item: on_start(item, total)) if on_start else None
     rows = []
     for t in targets:
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
-                              data=manifest, on_note=on_note)
+                              data=manifest, on_note=on_note, on_start=begin)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
                                        "tokens_per_s", "speed_batch"])
 
@@ -158,7 +161,8 @@ def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_giv
 
 def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
                   log_to: tuple[str, ...] = (), *, data: DataManifest,
-                  on_note: Callable[[str], None] | None = None) -> list[dict]:
+                  on_note: Callable[[str], None] | None = None,
+                  on_start: Callable[[dict], None] | None = None) -> list[dict]:
     ckpt = load_checkpoint(t.checkpoint)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
@@ -188,12 +192,12 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     recorder = RunRecorder(engine, t.run.id)
     if not log_to:
         return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
-                        on_result)
+                        on_result, on_start)
     tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict()),
                       light_tokens=t.config.train.eval_tokens)
     try:
         return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
-                        on_result)
+                        on_result, on_start)
     finally:
         tee.close()
 
@@ -215,7 +219,7 @@ def _check_budget(engine: Engine, t: _Target, step: int, planned: dict[tuple[str
 
 
 def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams, positions, speed, device,
-             on_result) -> list[dict]:
+             on_result, on_start=None) -> list[dict]:
     rows = []
     for length in lengths:
         try:
@@ -225,6 +229,8 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             raise FibctlError(f"checkpoint {t.checkpoint} does not fit run {t.run.name!r}'s model "
                               f"({detail[:160]})") from None
         for dataset, stream in streams.items():
+            if on_start:
+                on_start({"run": t.run.name, "dataset": dataset, "eval_length": length})
             res = stream_loss(model, stream, length, budget, device,
                               position_tokens=t.config.train.position_tokens if positions else None)
             if not math.isfinite(res.loss):  # finite weights (_evaluate_run) that overflow: no number to record

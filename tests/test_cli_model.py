@@ -64,6 +64,29 @@ def test_bench_attention_prints_ratios_to_dense():
     assert "float32" in r.output and "cpu (1 thread)" in r.output  # the precision and device timed
 
 
+def test_bench_attention_and_probe_tables_left_align_the_path_and_fit_80_columns(monkeypatch):
+    """Their path column (a name) was right-aligned like the numbers; and at CUDA's paths
+    (learned-flex, 4096) the attention table was wider than 80 columns."""
+    import pandas as pd
+
+    import fibctl.flows.bench as bench
+
+    paths = ["dense", "mask", "gather", "learned", "flex", "learned-flex"]
+    rows = [dict(length=4096, path=p, forward_ms=12345.6, fwd_bwd_ms=23456.7, forward_vs_dense=1.5,
+                 fwd_bwd_vs_dense=2.5, dtype="bfloat16", device="cuda:0 (NVIDIA H100 80GB HBM3)") for p in paths]
+    monkeypatch.setattr(bench, "bench_attention", lambda *a, **k: pd.DataFrame(rows))
+    r = runner.invoke(app, ["bench", "attention", "--length", "4096"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "│ dense        │" in r.output and "│ learned-flex │" in r.output, r.output
+    assert "…" not in r.output and all(len(line) <= 80 for line in r.output.splitlines()), r.output
+    probe = [dict(impl=i, fwd_bwd_ms=9.1, memory_mb=10.0, time_vs_reference=1.0, memory_vs_reference=1.0, rungs=5)
+             for i in ("reference", "fast")]
+    monkeypatch.setattr(bench, "bench_probe", lambda *a, **k: pd.DataFrame(probe))
+    r = runner.invoke(app, ["bench", "probe", "--length", "128", "--width", "10"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "│ fast      │" in r.output, r.output
+
+
 def test_bench_attention_times_learned_offsets_through_flex():
     """`learned-flex` (listed on CUDA) times the learned layer through FlexAttention over its
     blended copies; on the CPU, flex has a forward only, so its forward+backward is NaN."""

@@ -155,13 +155,12 @@ def bench_attention_cmd(
                              device=resolved, progress=lambda msg: status.update(f"benchmarking {msg}"))
     first = df.iloc[0]
     dtypes = f"{first['dtype']}" + ("" if df.dtype.nunique() == 1 else ", learned in float32")
-    t = Table(title=f"attention core, {dtypes}, batch {batch}, {first['device']}, median of {repeats}")
-    for col in ("length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"):
-        t.add_column(col, justify="right")
-    for r in df.itertuples():
-        t.add_row(str(r.length), r.path, f"{r.forward_ms:.1f}", _or_dash(r.fwd_bwd_ms, ".1f"),
-                  f"{r.forward_vs_dense:.3f}", _or_dash(r.fwd_bwd_vs_dense, ".3f"))
-    console.print(t)
+    headers = ["length", "path", "forward ms", "fwd+bwd ms", "fwd / dense", "fwd+bwd / dense"]
+    rows = [[str(r.length), r.path, f"{r.forward_ms:.1f}", _or_dash(r.fwd_bwd_ms, ".1f"), f"{r.forward_vs_dense:.3f}",
+             _or_dash(r.fwd_bwd_vs_dense, ".3f")] for r in df.itertuples()]
+    # the path is a name: left-aligned, as bench train's schedule (right-aligned, it read as a number)
+    console.print(fitted_view(headers, rows, right=[h for h in headers if h != "path"], title=(
+        f"attention core, {dtypes}, batch {batch}, {first['device']}, median of {repeats}")))
     by = df.set_index(["length", "path"])
     for T in length:
         g, m, l = by.loc[(T, "gather")], by.loc[(T, "mask")], by.loc[(T, "learned")]
@@ -265,14 +264,12 @@ def bench_probe_cmd(
     bench = ProbeBench(width, length, batch, repeats, warmup, threads)
     with on_interrupt(NOTHING_KEPT), console.status("benchmarking") as status:
         df = bench_probe(bench, progress=lambda impl: status.update(f"benchmarking {impl}"))
-    t = Table(title=f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, "
-                    f"{threads} thread(s), median of {repeats}")
-    for col in ("path", "fwd+bwd ms", "memory MB", "time / ref", "memory / ref"):
-        t.add_column(col, justify="right")
-    for r in df.itertuples():
-        t.add_row(r.impl, f"{r.fwd_bwd_ms:,.1f}", f"{r.memory_mb:,.0f}", f"{r.time_vs_reference:.3f}",
-                  f"{r.memory_vs_reference:.3f}")
-    console.print(t)
+    headers = ["path", "fwd+bwd ms", "memory MB", "time / ref", "memory / ref"]
+    rows = [[r.impl, f"{r.fwd_bwd_ms:,.1f}", f"{r.memory_mb:,.0f}", f"{r.time_vs_reference:.3f}",
+             f"{r.memory_vs_reference:.3f}"] for r in df.itertuples()]
+    console.print(fitted_view(headers, rows, right=headers[1:], title=(
+        f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, {threads} thread(s), "
+        f"median of {repeats}")))
 
 
 @bench_app.command("queue")

@@ -501,6 +501,19 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     assert 0.5 <= frame.loc["staggered", "α min"] < frame.loc["staggered", "α max"] <= 1.5
 
 
+def test_probe_says_the_worker_command_on_a_line_of_its_own(tmp_path, monkeypatch, capsys):
+    """`Train them with: fibctl worker --db` ended one line at 80 columns and the path began
+    the next: a command to copy, split from its value."""
+    from cli_helpers import ran
+
+    db = str(tmp_path / "a-folder-with-a-long-name" / "small-probe.db")
+    (tmp_path / "a-folder-with-a-long-name").mkdir()
+    code, out, err = ran(monkeypatch, capsys, "probe", "--quick", "--db", db)
+    assert code == 0, err
+    assert out.splitlines() == ["queued 2 probe run(s); 0 already present. Train them with:",
+                                f"  fibctl worker --db {db}"], out
+
+
 def test_quick_probe_queues_depth_2_both_inits_seed_0_for_200_steps(tmp_path):
     from typer.testing import CliRunner
 

@@ -814,6 +814,37 @@ def test_the_end_of_training_is_magnified_where_the_curves_flatten(study_like_db
     assert not drawn[1].axes[0].child_axes
 
 
+def _round_steps(ticks) -> bool:
+    """Whether evenly spaced ticks step by 1, 2, 2.5 or 5 times a power of ten."""
+    import math
+
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    return len(steps) == 1 and round(steps.pop() / 10 ** math.floor(math.log10(ticks[1] - ticks[0])), 9) in \
+        (1, 2, 2.5, 5)
+
+
+def test_the_inset_and_the_alphas_step_axes_are_ticked_at_round_steps(study_like_db, drawn, tmp_path):
+    """MaxNLocator's own steps include 1.5, 3, 4, 6 and 8: the inset of 600 steps was ticked
+    400, 480, 560 (and a flatter one 16.5, 18, 19.5), an alphas panel of 200 steps 0, 80, 160."""
+    figures.curves(connect_readonly(study_like_db), tmp_path / "c.png")
+    (inset,) = drawn[0].axes[0].child_axes
+    for axis, (lo, hi) in ((inset.xaxis, inset.get_xlim()), (inset.yaxis, inset.get_ylim())):
+        ticks = [t for t in axis.get_majorticklocs() if lo <= t <= hi]
+        assert _round_steps(ticks), ticks
+    assert [t for t in inset.get_xticks() if 390 <= t <= 610] == [400, 500, 600]
+    path = tmp_path / "a.db"
+    _alphas_db(str(path), 20, schedules=("learned",))  # 20 panels: small ones, 3 ticks each
+    with connect(str(path)).begin() as conn:  # 200 steps of training
+        conn.execute(text("UPDATE alphas SET step = step * 200 / (SELECT MAX(step) FROM alphas)"))
+    figures.alphas(connect_readonly(str(path)), tmp_path / "a.png")
+    panels = [ax for ax in drawn[1].axes if ax.get_xlim()[0] <= 0 and ax.get_xlim()[1] >= 200]
+    assert len(panels) == 20
+    for ax in panels:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert _round_steps(ticks), ticks
+
+
 def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
     """The coverage figure's bar of alpha (0.5 to 1.5) was ticked 0.6 to 1.4: stagger's first
     and last layers' colours had no tick at or beyond them."""

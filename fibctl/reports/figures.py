@@ -78,6 +78,7 @@ ALPHA_TICKS = (0.5, 0.75, 1.0, 1.25, 1.5)  # alpha lies in [0.5, 1.5]: both ends
 ZOOM_BOX = (0.47, 0.5, 0.51, 0.45)
 ZOOM_SHARE = 1 / 3  # the last third of training: 4,300 of the study's 13,000 steps
 ZOOM_STEPS = 4  # evaluations in that third at the least: fewer show no curve to magnify
+ROUND_STEPS = [1, 2, 2.5, 5, 10]  # tick steps a reader counts in, each times a power of ten
 ZOOM_CLEAR = 0.12  # of the panel's width and height: the inset's tick labels, left of and under it
 # past this many runs a legend keys the encoding (schedule, base, W) instead of naming each run
 RUN_LEGEND_MAX = 8
@@ -221,7 +222,7 @@ def _plain_log_axis(axis) -> None:
             break
     else:  # a span under a factor of about 1.5: evenly spaced round numbers, in steps of 1, 2,
         # 2.5 or 5 (a linear axis' own; MaxNLocator's default 1.5 ticked 231, 232.5, 234)
-        ticks = list(MaxNLocator(5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi))
+        ticks = list(MaxNLocator(5, steps=ROUND_STEPS).tick_values(lo, hi))
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
@@ -585,9 +586,10 @@ def _zoom_late(ax) -> None:
     pad = (late.max() - late.min()) * 0.06 or abs(late.max()) * 0.01
     inset.set_xlim(start - (end - start) * 0.04, end + (end - start) * 0.04)
     inset.set_ylim(late.min() - pad, late.max() + pad)
-    # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked
-    inset.xaxis.set_major_locator(MaxNLocator(3))
-    inset.yaxis.set_major_locator(MaxNLocator(3))
+    # a fixed number of ticks, not by the inset's size: limits final before the zoom is marked;
+    # at round steps (MaxNLocator's own also take 1.5, 3, 4, 6, 8: steps 400, 480, 560; 16.5, 18, 19.5)
+    for axis in (inset.xaxis, inset.yaxis):
+        axis.set_major_locator(MaxNLocator(3, steps=ROUND_STEPS))
     _tick_ends(inset)
     ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
@@ -759,14 +761,14 @@ def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) ->
         # was wider than a panel of three beside the colour bar, and the labels went under the figure)
         static = points["schedule"].iloc[0] != "learned"
         ax.set_xlabel("layer (at every step)" if static else f"layer (step {points['step'].iloc[0]})")
-        ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(3 if small else "auto", integer=True, steps=ROUND_STEPS))
     else:
         cmap = colormaps["viridis"]
         for layer, line in points.groupby("layer"):
             ax.plot(line["step"], line["alpha"], color=cmap(layer / max(n_layers - 1, 1)))
         ax.set_xlabel("training step")
         if small:  # 0, 5000 and 10000 ran into each other in a 1 in panel
-            ax.xaxis.set_major_locator(MaxNLocator(3))
+            ax.xaxis.set_major_locator(MaxNLocator(3, steps=ROUND_STEPS))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v else "0"))
 
 

@@ -46,7 +46,7 @@ def test_second_run_resumes_and_skips_finished_work(quick_demo):
     before = sqlite3.connect(out / "results.db").execute("SELECT COUNT(*) FROM train_steps").fetchone()[0]
     again = fibctl("demo", "--quick", "--out", str(out), "--plain")
     assert again.returncode == 0, again.stderr
-    assert "queued 0 new run(s); 3 already" in again.stdout
+    assert f"queued 0 run(s); 3 already present in {out / 'results.db'}" in again.stdout  # as queue add says it
     assert "every run is trained already" in again.stdout and "ms per training step" not in again.stdout
     assert "evaluated 0 run(s)" in again.stdout
     after = sqlite3.connect(out / "results.db").execute("SELECT COUNT(*) FROM train_steps").fetchone()[0]

@@ -194,7 +194,7 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
     configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
     engine = db_engine.connect(db, check=queue.check_add(configs, seeded=bool(seed)))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs, seeded=bool(seed))
-    console.print(f"queued {len(added)} run(s); {len(present)} already present")
+    console.print(queue.added_line(added, present))
 
 
 @queue_app.command("ls")

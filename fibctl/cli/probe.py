@@ -51,5 +51,5 @@ def probe_cmd(
     configs = probe_runs(tuple(depth or DEPTHS), tuple(init or ("uniform", "staggered")), tuple(seed or SEEDS),
                          steps, tuple(distance) if distance else None, length, vocab, eval_sequences)
     added, present = queue.add_runs(db_engine.connect(db), configs)
-    console.print(f"queued {len(added)} probe run(s); {len(present)} already present. "
+    console.print(f"{queue.added_line(added, present, 'probe run')}. "
                   f"Train them with: fibctl worker --db {db_engine.shown(db)}", highlight=False, markup=False)

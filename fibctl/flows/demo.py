@@ -270,7 +270,7 @@ def run_demo(out: Path, quick: bool, view: DemoView, stop_if_signalled: Callable
     view.section(f"2/5 queue: matrix 'demo' at preset {p.preset!r}")
     engine = connect(db)
     added, present = queue_demo(engine, p)
-    view.line(f"queued {len(added)} new run(s); {len(present)} already in {db}")
+    view.line(f"{queue.added_line(added, present)} in {db}")
     released = release_ended_workers(engine)
     if released:
         view.line(f"queued again {', '.join(released)}: its worker, an earlier demo, has ended")

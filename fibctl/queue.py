@@ -55,6 +55,11 @@ def add_runs(engine: Engine, configs: Sequence[RunConfig], *, seeded: bool = Fal
     return [c.name for c in new], [n for n in names if n in existing]
 
 
+def added_line(added: Sequence[str], present: Sequence[str], what: str = "run") -> str:
+    """What `queue add`, `probe` and the demo say of `add_runs`' result, in one wording."""
+    return f"queued {len(added)} {what}(s); {len(present)} already present"
+
+
 def _refuse_conflicts(conn: Connection, configs: Sequence[RunConfig]) -> dict:
     """The runs of `configs` the database has, by name; refused if any has another config.
     Reads runs.name, config_json and source only: every schema revision has them."""

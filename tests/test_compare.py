@@ -75,6 +75,20 @@ def test_compare_json_holds_every_number(sweep):
     assert {"dataset": "docs_val", "length": 1024, "values": [23.1, 23.9]} in out["perplexity"]
 
 
+def test_compare_shows_what_a_dense_run_does_not_use_as_not_applicable():
+    """A dense run's config carries window 0 (and base fib, K 15), which compare showed as its
+    window; the tables show `-`, and `queue show` none."""
+    example = os.path.join(os.path.dirname(__file__), os.pardir, "results.db.example")
+    settings = compared("dense", "fib_fixed_w8", "--db", example).split("Training")[0]
+    rows = [line.split()[1::2] for line in settings.splitlines() if line.startswith("│ model.")]
+    assert rows == [["model.schedule", "dense", "fixed"], ["model.window", "-", "8"]], settings
+    every = compared("dense", "fib_fixed_w8", "--db", example, "--all").split("Training")[0]
+    assert re.search(r"│ model\.base +│ - +│ fib +│", every), every
+    assert re.search(r"│ model\.n_rungs +│ - +│ 15 +│", every), every
+    out = json.loads(compared("dense", "fib_fixed_w8", "--db", example, "--json"))
+    assert out["settings"] == {"model.schedule": ["dense", "fixed"], "model.window": [None, 8]}
+
+
 def test_compare_of_two_runs_of_one_recipe_says_no_setting_differs(tmp_path):
     out = compared("a", "b", "--db", _two_runs(tmp_path))
     assert out.startswith("no setting differs between these runs\n") and "Perplexity" not in out

@@ -63,12 +63,12 @@ def test_upgrade_from_first_revision_keeps_rows(db_url):
         assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0
 
 
-def test_upgrade_names_the_task_of_probe_models_scored_before(db_url):
-    """Revision 0007: a probe model scored before it gets its task (Table 2 groups by it) from
-    its config and the distances it was scored at; other runs and metrics are left alone."""
+def rev6_probe(db: str) -> str:
+    """A database at revision 0006 holding a probe model scored then (3 metrics, no task: 0007
+    derives it), run 1, and a language model with a metric of its own, run 2. Returns the
+    probe model's name."""
     from fibctl.probe.cells import probe_runs
 
-    db = db_url
     upgrade(db, "0006")
     [probe] = probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10, length=64, distances=(35, 20))
     lm = RunConfig.resolve("lm", "m", "micro", schedule="stagger", window=8)
@@ -83,6 +83,14 @@ def test_upgrade_names_the_task_of_probe_models_scored_before(db_url):
                      [{"m": m} for m in ("depth", "acc_d20", "acc_d35")])
         conn.execute(text("INSERT INTO aux_metrics (run_id, name, metric, value) VALUES (2, 'lambada', 'acc', 0.1)"))
     engine.dispose()
+    return probe.name
+
+
+def test_upgrade_names_the_task_of_probe_models_scored_before(db_url):
+    """Revision 0007: a probe model scored before it gets its task (Table 2 groups by it) from
+    its config and the distances it was scored at; other runs and metrics are left alone."""
+    db = db_url
+    rev6_probe(db)
     upgrade(db)
     [tasks, count] = _inspect(db, "SELECT run_id, text FROM aux_metrics WHERE metric = 'task'",
                               "SELECT count(*) FROM aux_metrics")

@@ -257,9 +257,13 @@ def test_a_rank_that_resumes_from_another_step_stops_the_group_and_the_run_stays
 
 
 @needs_two_cpus
-def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp_path):
+@pytest.mark.parametrize("command", [("train", "run", "--nproc", "2"),
+                                     ("worker", "--ddp", "--nproc", "2", "--device", "cpu")])
+def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp_path, command):
     queued_db(tmp_path / "r.db", micro_run("run", steps=200, checkpoint_interval=10, eval_interval=200)).dispose()
-    proc = start(tmp_path / "r.db", tmp_path / "runs", data, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "fibctl", *command, "--db", str(tmp_path / "r.db"), "--data",
+                             str(data), "--runs-dir", str(tmp_path / "runs"), "--plain"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(tmp_path / "runs" / "run" / "step_00000020.pt", proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)
@@ -267,6 +271,8 @@ def test_sigterm_stops_every_rank_at_one_step_checkpoints_and_requeues(data, tmp
     status, path = sqlite3.connect(tmp_path / "r.db").execute("select status, checkpoint_path from runs").fetchone()
     assert status == "queued" and "released at step" in out
     assert load_checkpoint(tmp_path / "runs" / path)["step"] >= 20
+    # how training goes on, as one process says it: once (rank 0's), not once per rank
+    assert err.count("hint: queued again; run the same command to resume run from step") == 1, err[-3000:]
 
 
 def running(pid: int) -> bool:

@@ -73,9 +73,9 @@ def _fibctl_with(patch: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
 
 
-# the Ctrl-C lands in a weakref's callback, where Python prints "Exception ignored" and runs on
-IN_A_CALLBACK = """
-from fibctl.reports import tables
+# `in_a_callback(f)`: f, whose calls first send a Ctrl-C that lands in a weakref's callback,
+# where Python prints "Exception ignored" and runs on
+CALLBACK = """
 class Thing:
     pass
 def in_a_callback(build):
@@ -86,6 +86,9 @@ def in_a_callback(build):
         del thing  # its callback runs here
         return build(*args, **kwargs)
     return built
+"""
+IN_A_CALLBACK = CALLBACK + """
+from fibctl.reports import tables
 tables.TABLES['table3'] = in_a_callback(tables.TABLES['table3'])
 """
 

@@ -440,6 +440,26 @@ def test_queue_rm_declined_leaves_an_older_database_as_it_was(tmp_path, monkeypa
     con.close()
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_queue_rm_of_an_older_database_counts_the_rows_the_run_had_not_those_its_upgrade_derived(
+        tmp_path, monkeypatch, terminal):
+    """At revision 0006 a probe model's 3 metric rows were asked about, then the upgrade named
+    its task (a 4th row) and "removed ... 4 metric and event row(s)" answered a question about 3."""
+    from fibctl.cli import app, db as cli_db
+    from test_db import rev6_probe
+
+    path = str(tmp_path / "old.db")
+    name = rev6_probe(path)
+    monkeypatch.setattr(cli_db, "interactive", lambda: terminal)
+    done = CliRunner().invoke(app, ["queue", "rm", name, "--db", path], input="y\n", env={"COLUMNS": "200"})
+    asked = f"remove run {name} (done) and its 3 metric and event row(s)? [y/N] " if terminal else ""
+    assert done.exit_code == 0 and done.output == f"{asked}removed run {name} (done) and 3 metric and event row(s)\n", \
+        done.output
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT count(*) FROM aux_metrics").fetchall() == [(1,)]  # the other run's alone
+    con.close()
+
+
 @pytest.mark.parametrize("terminal, args", [(True, ["--yes"]), (True, ["-y"]), (False, [])])
 def test_queue_rm_asks_nothing_with_yes_or_in_a_script(tmp_path, monkeypatch, terminal, args):
     """Scripts (the tests, the docs' commands, a user's own) ran `queue rm NAME` without a

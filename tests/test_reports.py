@@ -163,6 +163,27 @@ def test_table2_of_a_half_trained_probe_matrix_shows_the_cells_it_has(tmp_path):
     assert done.exit_code == 0, done.output
 
 
+def test_table2_only_reads_the_probe_runs_whose_names_match_as_the_other_tables_do(tmp_path):
+    """`report table2` took no --only (and `report all --only` showed every probe run in it)."""
+    db = str(tmp_path / "two.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for name, depth in (("probe_d8", 8), ("probe_d4", 4), ("dense", None)):
+            run_id = add_run(conn, name, "dense" if depth is None else "learned", matrix="probe")
+            if depth is None:
+                continue
+            metrics = {"depth": depth, "staggered_init": 0, "acc_d200": 0.5, "eval_sequences": 16}
+            conn.execute(insert(schema.AuxMetric), [dict(run_id=run_id, name="marked_retrieval", metric=m, value=v)
+                                                   for m, v in metrics.items()])
+            conn.execute(insert(schema.Alpha), [dict(run_id=run_id, step=2500, layer=0, alpha=1.0)])
+    engine.dispose()
+    assert list(tables.table2(ro(db), only="probe_d8*").frame["Depth"]) == [8]
+    done = CliRunner().invoke(app, ["report", "table2", "--db", db, "--only", "probe_d4", "--show-sql"])
+    assert done.exit_code == 0 and "r.name IN ('probe_d4')" in done.output, done.output
+    with pytest.raises(FibctlError, match=r"table2: no probe results \(.*\) named 'dense'"):
+        tables.table2(ro(db), only="dense")
+
+
 def test_table2_says_an_accuracy_averaged_over_fewer_seeds_than_its_row_counts(tmp_path):
     """A model whose held-out sequences held no position at a distance records no accuracy
     there (NULL): the mean is over the other seeds, while Seeds counts every model."""

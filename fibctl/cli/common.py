@@ -118,6 +118,18 @@ def stop_if_interrupted() -> None:
 
 
 @contextmanager
+def raised_as_the_signal() -> Iterator[None]:
+    """An error inside that a noted signal caused where it landed (matplotlib's PDF writer,
+    stopped mid-write, fails its clean-up with AttributeError) is raised as the signal's own
+    KeyboardInterrupt or SystemExit."""
+    try:
+        yield
+    except Exception:
+        stop_if_interrupted()
+        raise
+
+
+@contextmanager
 def noting_interrupts() -> Iterator[None]:
     """Inside, SIGINT's handler (fibctl.__main__'s, or Python's) sets `interrupted` first, and
     a KeyboardInterrupt (or a noted SIGTERM's SystemExit) raised where Python cannot raise it

@@ -15,7 +15,6 @@ from fibctl.cli import app
 from fibctl.cli.common import console, err_console, fitted_table, fitted_view, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
-from fibctl.errors import FibctlError
 from fibctl.reports.render import printable
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",

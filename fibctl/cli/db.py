@@ -194,7 +194,7 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
     configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
     engine = db_engine.connect(db, check=queue.check_add(configs, seeded=bool(seed)))  # a conflict leaves it as it was
     added, present = queue.add_runs(engine, configs, seeded=bool(seed))
-    console.print(f"queued {len(added)} run(s); {len(present)} already present")
+    console.print(queue.added_line(added, present))
 
 
 @queue_app.command("ls")
@@ -390,11 +390,14 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         return _checkpoint_folder(name, runs_dir or Path(recorded_dir or "runs"))
 
     removable = queue.check_remove(name, folder_of if checkpoints else None)
+    older: list[int] = []  # the run's rows in a database of an older revision, before its upgrade
 
     def check(reader) -> None:  # a read-only engine on the database as it is
         removable(reader)
+        r = queue.to_remove(reader, name)
+        if db_engine.current_revision(reader) != db_engine.head_revision():
+            older.append(r.rows)
         if not yes and interactive():  # a person at a terminal: results are deleted for good
-            r = queue.to_remove(reader, name)
             what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
             if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
                 err_console.print(plain("nothing was removed"))
@@ -402,6 +405,9 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
 
     # on the database as it is, before any upgrade: a refusal, or a "no", leaves it as it was
     engine = db_engine.connect(db, must_exist=True, check=check)
+    # rows the upgrade itself just derived (0007 names a probe model's task) are not counted:
+    # the run's rows are said as the question said them, as the database held them
+    derived = queue.to_remove(engine, name).rows - older[0] if older else 0
     folder: list[Path] = []
     aside: list[Path] = []
     kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)
@@ -427,7 +433,7 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
         for hidden in aside:  # the rows stay: so does the folder, where it was
             hidden.rename(folder[0])
         raise
-    message = f"removed run {name} ({removed.status}) and {removed.rows} metric and event row(s)"
+    message = f"removed run {name} ({removed.status}) and {removed.rows - derived} metric and event row(s)"
     if aside:
         try:
             shutil.rmtree(aside[0])

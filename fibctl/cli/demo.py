@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fibctl.cli import OUTPUT_CLOSED, app, stopped_by_closed_output
-from fibctl.cli.common import console, err_console
+from fibctl.cli.common import console, err_console, raised_as_the_signal, stop_if_interrupted
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import EvalProgress, RunDisplay
 from fibctl.errors import FibctlError
@@ -70,7 +70,10 @@ def demo_cmd(
     if not out.strip():  # Path('') is the current folder
         raise FibctlError("--out is empty; name the folder for the demo")
     try:
-        code = run_demo(Path(out), quick, RichView(plain))
+        # Ctrl-C and SIGTERM as every command takes them (fibctl.cli): noted, so that one lost
+        # where it landed still stops the demo at its next step, with this line
+        with raised_as_the_signal():
+            code = run_demo(Path(out), quick, RichView(plain), stop_if_interrupted)
     except KeyboardInterrupt:
         err_console.print("interrupted; run the same command again to resume", markup=False, highlight=False)
         raise typer.Exit(130) from None

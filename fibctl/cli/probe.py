@@ -51,7 +51,7 @@ def probe_cmd(
     configs = probe_runs(tuple(depth or DEPTHS), tuple(init or ("uniform", "staggered")), tuple(seed or SEEDS),
                          steps, tuple(distance) if distance else None, length, vocab, eval_sequences)
     added, present = queue.add_runs(db_engine.connect(db), configs)
-    console.print(f"queued {len(added)} probe run(s); {len(present)} already present. Train them with:",
+    console.print(f"{queue.added_line(added, present, 'probe run')}. Train them with:",
                   highlight=False, markup=False)
     # the command on a line of its own, never folded: folded at 80 columns it split from its path
     console.print(f"  fibctl worker --db {db_engine.shown(db)}", highlight=False, markup=False, soft_wrap=True)

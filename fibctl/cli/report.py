@@ -20,7 +20,7 @@ from rich.text import Text
 
 from fibctl.cli import app
 from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_interrupts, interrupted, plain,
-                               seed_value, sqlite_int, stop_if_interrupted, typed)
+                               raised_as_the_signal, seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
 from fibctl.errors import DamagedDatabase, FibctlError
@@ -213,11 +213,8 @@ def _stopping_at_a_ctrl_c(jobs: Iterable[export.Job], held: ExitStack) -> Iterat
 
 def _failed_as_interrupted(job):
     def run():
-        try:
+        with raised_as_the_signal():
             return job()
-        except Exception:
-            stop_if_interrupted()  # the signal's own exception, not the one it caused
-            raise
     return run
 
 

@@ -316,7 +316,7 @@ def worker_cmd(
 
     Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
-    from fibctl.flows.torchrun import ENVIRONMENT, launched
+    from fibctl.flows.torchrun import ENVIRONMENT, launched, reports
 
     check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     missing = [k for k in ENVIRONMENT if k not in os.environ]
@@ -349,7 +349,7 @@ def worker_cmd(
         from fibctl.flows.worker import work_distributed
 
         outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
-        if int(os.environ["RANK"]) != 0:  # rank 0 reports the group's runs
+        if not reports():  # rank 0 reports the group's runs
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
@@ -380,12 +380,13 @@ def _summary(outcomes: list[Outcome], db: str, heartbeat_timeout_s: float) -> No
 
 def _resume_hint(outcomes: list[Outcome]) -> None:
     """After a stop, how training goes on: "released" alone left a user who pressed Ctrl-C to
-    guess. The same command line, whose --db and --data are the ones that trained it; a rank
-    under torchrun leaves it to the command that launched the group."""
-    from fibctl.flows.torchrun import launched
+    guess. The same command line, whose --db and --data are the ones that trained it. In a
+    torchrun group rank 0 says it, the launcher (`train --nproc`, `worker --ddp`) knowing
+    nothing of the runs; it is the same command there too."""
+    from fibctl.flows.torchrun import reports
 
     released = [o for o in outcomes if o.status == "released" and o.step is not None]
-    if released and not launched():
+    if released and reports():
         # one aborted by a second Ctrl-C (its error says so) goes back to its last checkpoint
         said = ", ".join(f"{o.name} from " + ("its last checkpoint" if o.error else f"step {o.step}")
                          for o in released)

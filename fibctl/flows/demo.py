@@ -11,12 +11,11 @@ import dataclasses
 import os
 import re
 import shlex
-import signal
 import socket
 import statistics
-import threading
 import time
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -245,46 +244,11 @@ class DemoView(Protocol):
     def eval_progress(self) -> AbstractContextManager: ...  # its start and result: evaluate's on_start, on_result
 
 
-@contextmanager
-def noted_signals():
-    """Ctrl-C and SIGTERM stop the demo at once (KeyboardInterrupt, SystemExit 128 + N) and are
-    noted: one that lands where Python drops exceptions (a weakref callback the garbage
-    collector runs) would otherwise be lost, and the demo would run on to the end."""
-    noted: list[int] = []
-
-    def handler(signum, _frame):
-        noted.append(signum)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield noted
-        return
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield noted
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _stop_if_noted(noted: list[int]) -> None:
-    if noted and noted[0] == signal.SIGINT:
-        raise KeyboardInterrupt
-    if noted:
-        raise SystemExit(128 + noted[0])
-
-
-def run_demo(out: Path, quick: bool, view: DemoView) -> int:
+def run_demo(out: Path, quick: bool, view: DemoView, stop_if_signalled: Callable[[], None]) -> int:
     """The whole pipeline: data, queue, training, evaluation, reports, the verdict. Returns the
     exit code: 0, 1 when a run failed, 128 + N when signal N stopped training (run it again to
-    resume)."""
-    with noted_signals() as noted:
-        return _run_demo(out, quick, view, noted)
-
-
-def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
+    resume). `stop_if_signalled`, called between the steps, raises the exception of a signal
+    whose own was lost where it landed (a callback of the garbage collector)."""
     from fibctl.data.prepare import prepare
     from fibctl.data.recipe import load_recipe
     from fibctl.db.engine import connect
@@ -300,13 +264,13 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     view.section(f"1/5 data: recipe {p.recipe!r} (documentation installed on this machine)")
     with view.data_progress() as progress:
         prepared = prepare(load_recipe(p.recipe), data_dir, progress)
-    _stop_if_noted(noted)
+    stop_if_signalled()
     view.line(f"data ready in {data_dir} ({'reused' if prepared.reused else 'built'})")
 
     view.section(f"2/5 queue: matrix 'demo' at preset {p.preset!r}")
     engine = connect(db)
     added, present = queue_demo(engine, p)
-    view.line(f"queued {len(added)} new run(s); {len(present)} already in {db}")
+    view.line(f"{queue.added_line(added, present)} in {db}")
     released = release_ended_workers(engine)
     if released:
         view.line(f"queued again {', '.join(released)}: its worker, an earlier demo, has ended")
@@ -332,7 +296,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
         view.warn(f"{', '.join(f'{name} (worker {worker})' for name, worker in busy)} still training in another "
                   "process; run the same command again when it has finished")
         return 1
-    _stop_if_noted(noted)
+    stop_if_signalled()
 
     view.section(f"4/5 evaluate at lengths {', '.join(map(str, p.lengths))} (x1, x2, x4, x8), by position")
     names = runs_to_evaluate(engine, p)
@@ -340,7 +304,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
         with view.eval_progress() as progress:
             evaluate(engine, names, p.lengths, data_dir=data_dir, positions=True, on_start=progress.start,
                      on_result=progress.result)
-    _stop_if_noted(noted)
+    stop_if_signalled()
     others = len(added) + len(present) - len(names)
     view.line(f"evaluated {len(names)} run(s)" + (f"; {others} already evaluated" if others else ""))
 
@@ -360,7 +324,7 @@ def _run_demo(out: Path, quick: bool, view: DemoView, noted: list[int]) -> int:
     for line in _going_on(out):
         view.line(line)
     view.line(f"total time: {duration(time.perf_counter() - started)}")
-    _stop_if_noted(noted)
+    stop_if_signalled()
     return 0
 
 

@@ -25,6 +25,12 @@ def launched() -> bool:
     return all(name in os.environ for name in ENVIRONMENT)
 
 
+def reports() -> bool:
+    """Whether this process reports the runs it trains: a single process, or rank 0 of a group
+    (the other ranks train what it claims and say nothing)."""
+    return not launched() or os.environ["RANK"] == "0"
+
+
 def exit_code(codes: dict[int, int]) -> int:
     """The group's exit code from its failed ranks' (rank -> code): rank 0's, which reports the
     run, else the first; a rank a signal ended (torch gives -N) as a shell reads it, 128 + N.

@@ -31,14 +31,23 @@ def compare(engine: Engine, names: list[str], *, every: bool = False) -> Compari
     return Comparison(names, _settings(found, every), _trained(found), _perplexity(found))
 
 
+# what a dense run's config carries but dense attention does not use (a window of 0 read as
+# a setting): None, not applicable, as the runs table, the tables and `queue show` have it
+DENSE_UNUSED = ("model.base", "model.window", "model.n_rungs")
+
+
 def _settings(found: list[Overview], every: bool) -> dict[str, list]:
     flat = [flatten(o.config.to_dict()) if o.config is not None else {} for o in found]
     for f in flat:
         f.pop("name", None)
         f.pop("probe", None)  # null on every run but the probe's, whose settings are probe.*
+    applied = [{k: None if k in DENSE_UNUSED and f.get("model.schedule") == "dense" else v for k, v in f.items()}
+               for f in flat]
     keys = sorted(set().union(*flat), key=lambda k: (k.count("."), k))  # the run's own first, then model, train
-    shown = {k: [f.get(k) for f in flat] for k in keys}
-    varied = differing(flat)
+    shown = {k: [f.get(k) for f in applied] for k in keys}
+    # a setting differs where both the configs and what applies of them do: dense beside a
+    # sparse run is not said to differ in base (unused beside "fib"), nor two dense runs in K
+    varied = differing(flat) & differing(applied)
     return {k: values for k, values in shown.items() if every or k in varied}
 
 

@@ -373,10 +373,11 @@ def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
     return merged[ordered], formats
 
 
-def table2(engine: Engine) -> Table:
+def table2(engine: Engine, *, only: str | None = None) -> Table:
     """The mechanism probe: learned-alpha range and retrieval accuracy per depth and init, for
     the study's imported probe models and fibctl's own probe runs (`fibctl probe`) alike."""
-    sql = """WITH probe AS (
+    runs = pick_runs(engine, only=only)
+    sql = f"""WITH probe AS (
     -- one row per probe model: who trained it, for how many steps, on which task (length,
     -- vocabulary, distances), its depth, whether alpha started staggered, and how many
     -- held-out sequences scored it
@@ -388,7 +389,7 @@ def table2(engine: Engine) -> Table:
            MAX(CASE WHEN m.metric = 'staggered_init' THEN m.value END) AS staggered,
            MAX(CASE WHEN m.metric = 'eval_sequences' THEN m.value END) AS scored
     FROM aux_metrics m JOIN runs r ON r.id = m.run_id
-    WHERE m.name = 'marked_retrieval'
+    WHERE m.name = 'marked_retrieval'{runs.clause()}
     GROUP BY m.run_id, r.source, r.final_step
 ),
 final_alpha AS (
@@ -421,9 +422,10 @@ SELECT p.origin, p.steps, p.task, p.depth, p.staggered, 'n_' || m.metric, COUNT(
 FROM probe p JOIN aux_metrics m ON m.run_id = p.run_id AND m.name = 'marked_retrieval'
 WHERE m.metric LIKE 'acc_d%'
 GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric"""
-    long, sql_text = read_sql(engine, sql)
+    long, sql_text = read_sql(engine, sql, **runs.params())
     if long.empty:
-        raise FibctlError("table2: no probe results (aux_metrics named 'marked_retrieval'); run the probe with "
+        raise FibctlError(f"table2: no probe results (aux_metrics named 'marked_retrieval'){runs.said()}; "
+                          "run the probe with "
                           "`fibctl probe` and `fibctl worker`, or import the study's with `fibctl import-study fib.db`")
     keys = ["origin", "steps", "task", "depth", "staggered"]
     wide = long.pivot_table(index=keys, columns="metric", values="value", aggfunc="first", dropna=False)

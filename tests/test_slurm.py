@@ -85,6 +85,21 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     assert not (tmp_path / "jobs").exists()
 
 
+def test_a_slurm_message_of_bytes_that_are_not_utf8_is_one_line(tmp_path, monkeypatch, capsys):
+    """squeue quoting a config file of other bytes (SLURM_CONF naming a binary file) failed
+    `slurm status` with a UnicodeDecodeError traceback."""
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\nprintf 'squeue: error: Parse error in file x line 1: \\367\\n' >&2\n"
+                                 "exit 1\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)),
+                   "squeue failed: squeue: error: Parse error in file x line 1: \ufffd")
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, data):
     """A queue of one text run, and the folders and databases the refusals are given."""

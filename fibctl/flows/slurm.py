@@ -388,7 +388,8 @@ def _submit(submitit, task: "WorkerTask", params: dict, folder: Path, max_requeu
     reason, partition = blocked
     message = f"SLURM job {job.job_id} can never start in partition {partition}: {reason} ({_never_hint(reason)})"
     try:
-        cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, timeout=30)
+        cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, errors="replace",
+                                timeout=30)
         why = None if cancel.returncode == 0 else (cancel.stderr.strip().splitlines() or ["no message"])[-1]
     except (OSError, subprocess.TimeoutExpired) as e:
         why = str(e)
@@ -596,7 +597,9 @@ def _job_key(job_id: str) -> tuple:
 
 def _slurm_lines(cmd: list[str]) -> list[str] | None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        # errors="replace": SLURM quotes what it read (a config file of other bytes) as it is,
+        # which strict UTF-8 failed with a UnicodeDecodeError traceback
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if proc.returncode != 0:

@@ -160,6 +160,10 @@ BAD_OPTIONS = [
     (["--gpus-per-node", "4", "--tasks-per-node", "2"], ["--tasks-per-node 2", "--gpus-per-node 4"]),
     (["--cpus-per-task", "0"], ["--cpus-per-task 0"]),
     (["--time", "4h"], ["--time", "HH:MM:SS"]),
+    # the time goes into the script as given: a line break after it broke its #SBATCH line, and
+    # digits of another script, which int() reads, SLURM does not
+    (["--time", "04:00:00\n"], ["--time", "HH:MM:SS"]),
+    (["--time", "\u0660\u0664:\u0660\u0660:\u0660\u0660"], ["--time", "HH:MM:SS"]),
     (["--time", "00:01:00"], ["--time", "too short"]),
     (["--max-requeues", "-1"], ["--max-requeues -1"]),
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),

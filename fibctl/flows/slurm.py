@@ -55,7 +55,9 @@ JOB_NAME = "fibctl-worker"
 SIGNAL_DELAY_S = 120  # USR2 this long before the time limit: time to finish a step and checkpoint
 STOP_WAIT_S = 90  # how long task 0 waits for the workers to release their runs before requeueing
 MAX_TIME_S = 365 * 24 * 3600
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
+# ASCII digits, the whole text: it goes into the script as given (a line break after it, or
+# '٠٤:٠٠:٠٠', which \d and int() took, made an #SBATCH --time line SLURM cannot read)
+_TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)", re.ASCII)
 _WORD = re.compile(r"^[A-Za-z0-9_.,:+@=-]+$")  # a partition or account: goes into the sbatch script
 
 
@@ -77,7 +79,7 @@ def require_slurm(command: str = "sbatch") -> str:
 
 def parse_time(text: str) -> int:
     """`HH:MM:SS` or `D-HH:MM:SS` -> seconds."""
-    m = _TIME.match(text.strip())
+    m = _TIME.fullmatch(text)
     if not m or int(m[3]) >= 60 or int(m[4]) >= 60:
         raise FibctlError(f"--time {text!r}: expected HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
     seconds = ((int(m[1] or 0) * 24 + int(m[2])) * 60 + int(m[3])) * 60 + int(m[4])

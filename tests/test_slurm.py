@@ -166,6 +166,7 @@ BAD_OPTIONS = [
     (["--time", "\u0660\u0664:\u0660\u0660:\u0660\u0660"], ["--time", "HH:MM:SS"]),
     (["--time", "00:01:00"], ["--time", "too short"]),
     (["--max-requeues", "-1"], ["--max-requeues -1"]),
+    (["--folder", ""], ["--folder is empty"]),  # Path(''): the job's logs in the current folder
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
     (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
     (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says

@@ -100,6 +100,23 @@ def test_a_slurm_message_of_bytes_that_are_not_utf8_is_one_line(tmp_path, monkey
                    "squeue failed: squeue: error: Parse error in file x line 1: \ufffd")
 
 
+def test_a_squeue_that_does_not_answer_is_one_line_not_an_empty_list(tmp_path, monkeypatch, capsys):
+    """squeue retries a missing SLURM_CONF for 60 s; past fibctl's timeout its silence was read
+    as no jobs: `slurm status` listed none and exited 0."""
+    from fibctl.flows import slurm
+
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\necho 'squeue: error: cannot stat file /x, retrying' >&2\nexec sleep 30\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:/usr/bin:/bin")  # sleep
+    monkeypatch.setattr(slurm, "TOOL_TIMEOUT_S", 1, raising=False)  # without it (before): 30 s
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)),
+                   "squeue failed: no answer in 1 s (squeue: error: cannot stat file /x, retrying)")
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, data):
     """A queue of one text run, and the folders and databases the refusals are given."""

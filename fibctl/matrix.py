@@ -27,13 +27,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, check_seed,
                            get_preset)
+from fibctl import tomls
 from fibctl.errors import FibctlError
 from fibctl.names import NAME_RULE, check_name, is_name
 from fibctl.probe.cells import PROBE_MATRIX
@@ -154,9 +150,14 @@ def parse_settings(settings: list[str]) -> dict:
             raise FibctlError(f"--set {setting!r}: give train.KEY=VALUE, KEY one of "
                               f"{', '.join(sorted(TRAIN_FIELDS))}{meant}")
         try:
-            train[field] = tomllib.loads(f"v = {value.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            train[field] = value.strip()
+            doc = tomls.loads(f"v = {value.strip()}")
+        except tomls.NotToml:
+            doc = {"v": value.strip()}
+        except tomls.TomlError as e:
+            raise FibctlError(f"--set {setting!r}: {e}") from None
+        if len(doc) > 1:  # `train.lr=1e-3<newline>train.steps=5` set lr alone, without a word
+            raise FibctlError(f"--set {setting!r}: the value must be one TOML value, on one line")
+        train[field] = doc["v"]
         if not isinstance(train[field], (bool, int, float, str)):
             raise FibctlError(f"--set {setting!r}: the value must be a number, true/false or a string")
     return train
@@ -209,8 +210,8 @@ def load_matrix(name_or_path: str) -> Matrix:
             raise FibctlError(f"matrix file {path}: {name!r} names a matrix of fibctl's own; rename the "
                               "file, or its runs would mix into that matrix's tables")
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+            text = tomls.read(path)
+        except (OSError, tomls.TomlError) as e:
             raise FibctlError(f"cannot read matrix file {path}: {e}") from None
         return parse_matrix(text, name, str(path))
     if name_or_path not in shipped_matrices():
@@ -233,11 +234,9 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
         return FibctlError(f"matrix file {source}: {problem}")
 
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        doc = tomls.loads(text)
+    except tomls.TomlError as e:
         raise bad(f"not valid TOML ({e})") from None
-    except RecursionError:  # the TOML parser recurses once per level of nesting
-        raise bad("not valid TOML (it nests its values too deeply)") from None
     _check_keys(doc, {"matrix", "runs"}, "top level", bad)
     head = doc.get("matrix", {})
     _check_keys(head, MATRIX_KEYS, "[matrix]", bad)

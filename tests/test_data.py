@@ -354,6 +354,13 @@ def test_a_recipe_nested_too_deeply_is_one_clear_error(tmp_path):
         load_recipe(str(path))
 
 
+def test_a_recipe_holding_an_integer_of_thousands_of_digits_is_one_clear_error(tmp_path):
+    path = tmp_path / "long.toml"
+    path.write_text("vocab_size = " + "9" * 5000 + "\n")  # int()'s ValueError past 4,300 digits
+    with pytest.raises(FibctlError, match=f"cannot read recipe {path}: it holds an integer of too many digits"):
+        load_recipe(str(path))
+
+
 def test_bad_sources_are_named():
     base = {"vocab_size": 512, "train_tokens": 1000}
     with pytest.raises(FibctlError, match="shares sum to 0.8"):

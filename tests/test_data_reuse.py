@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cli_helpers import refused
 from fibctl.cli import app
+import fibctl.data.prepare as prepare_module
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe
 from fibctl.data.streams import load_manifest
@@ -155,3 +156,15 @@ def test_a_data_folder_given_as_a_link_is_built_where_the_link_points(tmp_path, 
     assert result.exit_code == 0, result.output
     assert (tmp_path / "dangling").is_symlink() and _files(tmp_path / "made" / "here") == whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "gen.toml", "link", "made", "real"]
+
+
+def test_a_data_folder_given_as_a_loop_of_links_is_refused_before_the_build(tmp_path, monkeypatch, capsys):
+    """A loop (`--data o1`, o1 -> o2 -> o1) was built whole, then refused by the rename onto
+    the link: `.o1.partial-PID: Not a directory`, after what takes hours for `paper`."""
+    (tmp_path / "o1").symlink_to("o2")
+    (tmp_path / "o2").symlink_to("o1")
+    monkeypatch.setattr(prepare_module, "_inputs_hash", lambda recipe: pytest.fail("the build began"))
+    line = refused(monkeypatch, capsys, "data", "prepare", str(_recipe(tmp_path)), "--data", str(tmp_path / "o1"),
+                   "--plain")
+    assert line.strip() == f"error: --data {tmp_path / 'o1'} is a symlink loop; name the data folder itself"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.toml", "o1", "o2"]

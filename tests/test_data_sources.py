@@ -706,14 +706,16 @@ def test_a_recipe_name_or_description_that_is_not_a_string_is_refused(key, value
                       "sources": [{"name": "g", "kind": "generated", "share": 1}]})
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "0", "2.5"])
-def test_a_bad_hf_hub_etag_timeout_is_one_line_naming_it(value, monkeypatch):
-    """'abc' was huggingface_hub's ValueError traceback; -1 was taken and said as 'waited at most -1 s'."""
+@pytest.mark.parametrize("name", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "2.5", ""])
+def test_a_bad_hf_hub_timeout_is_one_line_naming_it(name, value, monkeypatch):
+    """'abc' or '' (set, empty) was huggingface_hub's ValueError traceback as it was imported;
+    -1 was taken and said as 'waited at most -1 s'."""
     from fibctl.data.sources import check_hub
     from fibctl.errors import FibctlError
 
-    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", value)
-    with pytest.raises(FibctlError, match=rf"^HF_HUB_ETAG_TIMEOUT='{re.escape(value)}' must be a positive whole"):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(FibctlError, match=rf"^{name}='{re.escape(value)}' must be a positive whole"):
         check_hub("some/dataset")
 
 

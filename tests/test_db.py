@@ -15,8 +15,8 @@ from sqlalchemy.pool import NullPool
 
 from conftest import NO_PG, PG_SERVER, pg_database
 from fibctl.config import RunConfig
-from fibctl.db.engine import (alembic_config, connect, connect_readonly, current_revision, head_revision, resolve_url,
-                              upgrade)
+from fibctl.db.engine import (alembic_config, connect, connect_readonly, current_revision, head_revision, release,
+                              resolve_url, upgrade)
 from fibctl.db.schema import Base
 from fibctl.db.store import RunRecorder
 from fibctl.errors import FibctlError
@@ -355,6 +355,22 @@ def test_readonly_connection_refuses_writes(db_url):
             conn.execute(text("DELETE FROM runs"))
     with connect(db).connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 1
+
+
+@pytest.mark.parametrize("name", ["q?x.db", "a#b.db", "a%41.db"])
+def test_a_read_only_connection_reads_the_file_named_whatever_its_characters(name, tmp_path, monkeypatch):
+    """The read-only URL's quoted name was decoded again on its way to SQLite: `--db 'q?x.db'`
+    (a SQLite URI's query) created and read an empty file `q`, `--db 'a#b.db'` one named `a`,
+    and `--db a%41.db` read the database aA.db."""
+    monkeypatch.chdir(tmp_path)
+    for db, run in ((name, "r1"), ("aA.db", "other")):
+        add_runs(connect(db), [RunConfig.resolve(run, "m", "micro", schedule="fixed")])
+    release()  # as every command ends: the -wal and -shm files go
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "aA.db"])
+    with connect_readonly(name).connect() as conn:
+        assert conn.execute(text("SELECT name FROM runs")).scalars().all() == ["r1"]
+    release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "aA.db"])
 
 
 def test_read_only_commands_leave_a_wal_database_and_its_folder_as_they_were(tmp_path):

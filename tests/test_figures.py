@@ -851,3 +851,16 @@ def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
     figures.coverage(tmp_path / "c.png")  # the paper's 16 layers: a bar 3 in tall
     (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
     assert bar.get_yticks()[0] == 0.5 and bar.get_yticks()[-1] == 1.5
+
+
+def test_a_matplotlib_backend_it_does_not_know_leaves_the_figure_drawn(tmp_path):
+    """MPLBACKEND=bogus (a typo) failed matplotlib's import with a ValueError traceback; fibctl
+    draws on a Figure and saves by suffix, with no backend."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fibctl", "figure", "coverage", "--preset", "micro", "--out",
+                           str(tmp_path / "cov.png")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MPLBACKEND": "bogus"})
+    assert done.returncode == 0 and (tmp_path / "cov.png").stat().st_size > 0, done.stderr

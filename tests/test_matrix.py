@@ -99,12 +99,27 @@ def test_unknown_matrix_names_the_shipped_ones():
     ("[[runs]]\nname = 'a b'\nschedule = 'dense'\n", "run names use"),
     ("[[runs]]\nname = 'a'\nschedule = 'dense'\ntrain = { stepz = 3 }\n", "unknown key.*stepz"),
     ("x = " + "[" * 50_000 + "]" * 50_000, "not valid TOML \\(it nests its values too deeply\\)"),  # a RecursionError
+    # int()'s ValueError past 4,300 digits, a traceback
+    ("[[runs]]\nname = 'a'\nschedule = 'fixed'\nwindow = " + "9" * 5000,
+     "not valid TOML \\(it holds an integer of too many digits to read\\)"),
 ])
 def test_malformed_matrix_file_names_file_and_problem(tmp_path, body, problem):
     path = tmp_path / "bad.toml"
     path.write_text(body)
     with pytest.raises(FibctlError, match=f"matrix file {re.escape(str(path))}: .*{problem}"):
         load_matrix(str(path))
+
+
+def test_a_matrix_file_is_read_as_utf8_with_or_without_a_byte_order_mark(tmp_path):
+    """A byte-order mark (some editors save one) was "not valid TOML (Invalid statement (at line
+    1, column 1))", though recipes took it; a byte that is not UTF-8 is named by its offset."""
+    text = "[matrix]\npreset = 'micro'\n[[runs]]\nname = 'a'\nschedule = 'dense'\n"
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [c.name for c in load_matrix(str(tmp_path / "bom.toml")).resolve()] == ["a"]
+    (tmp_path / "latin1.toml").write_bytes(b"[matrix]\ndescription = 'caf\xe9'\n")
+    with pytest.raises(FibctlError, match=f"cannot read matrix file {re.escape(str(tmp_path / 'latin1.toml'))}: "
+                                          "byte 0xe9 at offset 27 is not UTF-8; save it as UTF-8$"):
+        load_matrix(str(tmp_path / "latin1.toml"))
 
 
 def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs(tmp_path, monkeypatch, capsys):
@@ -140,6 +155,12 @@ def test_a_sweep_from_the_command_line_sets_training_settings_and_names_new_runs
         (["--set", "train.stpes=9"], "; did you mean train.steps=9?"),
         (["--set", "train.lr=[1]"], "error: --set 'train.lr=[1]': the value must be a number, true/false or a "
                                     "string"),
+        # a value the TOML parser failed on with a traceback (RecursionError, int()'s ValueError)
+        (["--set", "train.steps=" + "[" * 5000 + "]" * 5000], "it nests its values too deeply"),
+        (["--set", "train.steps=" + "9" * 5000], "it holds an integer of too many digits to read"),
+        # a line break in the value: its first line was set, the rest dropped without a word
+        (["--set", "train.lr=1e-3\ntrain.steps=5"],
+         "error: --set 'train.lr=1e-3\\ntrain.steps=5': the value must be one TOML value, on one line"),
         (["--suffix", "/x"], "error: run name 'dense/x' is not allowed"),
         (["--set", "train.lr=1e-2", "--suffix", "_lr1e-3"],
          "error: already queued with a different config: dense_lr1e-3 differs in train.lr"),

@@ -85,6 +85,38 @@ def test_without_submitit_or_sbatch_submit_is_one_line_and_submits_nothing(data,
     assert not (tmp_path / "jobs").exists()
 
 
+def test_a_slurm_message_of_bytes_that_are_not_utf8_is_one_line(tmp_path, monkeypatch, capsys):
+    """squeue quoting a config file of other bytes (SLURM_CONF naming a binary file) failed
+    `slurm status` with a UnicodeDecodeError traceback."""
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\nprintf 'squeue: error: Parse error in file x line 1: \\367\\n' >&2\n"
+                                 "exit 1\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)),
+                   "squeue failed: squeue: error: Parse error in file x line 1: \ufffd")
+
+
+def test_a_squeue_that_does_not_answer_is_one_line_not_an_empty_list(tmp_path, monkeypatch, capsys):
+    """squeue retries a missing SLURM_CONF for 60 s; past fibctl's timeout its silence was read
+    as no jobs: `slurm status` listed none and exited 0."""
+    from fibctl.flows import slurm
+
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\necho 'squeue: error: cannot stat file /x, retrying' >&2\nexec sleep 30\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:/usr/bin:/bin")  # sleep
+    monkeypatch.setattr(slurm, "TOOL_TIMEOUT_S", 1, raising=False)  # without it (before): 30 s
+    one_line_error(cli_done(monkeypatch, capsys, "slurm", "status", "--db", str(db)),
+                   "squeue failed: no answer in 1 s (squeue: error: cannot stat file /x, retrying)")
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, data):
     """A queue of one text run, and the folders and databases the refusals are given."""
@@ -145,8 +177,13 @@ BAD_OPTIONS = [
     (["--gpus-per-node", "4", "--tasks-per-node", "2"], ["--tasks-per-node 2", "--gpus-per-node 4"]),
     (["--cpus-per-task", "0"], ["--cpus-per-task 0"]),
     (["--time", "4h"], ["--time", "HH:MM:SS"]),
+    # the time goes into the script as given: a line break after it broke its #SBATCH line, and
+    # digits of another script, which int() reads, SLURM does not
+    (["--time", "04:00:00\n"], ["--time", "HH:MM:SS"]),
+    (["--time", "\u0660\u0664:\u0660\u0660:\u0660\u0660"], ["--time", "HH:MM:SS"]),
     (["--time", "00:01:00"], ["--time", "too short"]),
     (["--max-requeues", "-1"], ["--max-requeues -1"]),
+    (["--folder", ""], ["--folder is empty"]),  # Path(''): the job's logs in the current folder
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
     (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
     (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says

@@ -367,9 +367,15 @@ def confirmed(question: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
-def runs_dir_value(value) -> Path:
-    """Option parser: a typed `--runs-dir ''` is refused, as `--db ''` is (Path('') is the current
-    folder: a worker trained into it). An empty FIBCTL_RUNS_DIR is unset, as an empty FIBCTL_DB."""
-    if isinstance(value, str) and not value.strip():
-        raise FibctlError("--runs-dir is empty; name the folder of the checkpoints (default: runs)")
-    return Path(value)
+def folder_value(option: str, what: str) -> Callable[[object], Path]:
+    """Option parser of a folder: a typed `OPTION ''` is refused, as `--db ''` is (Path('') is
+    the current folder: a worker trained into it, a SLURM job kept its logs in it); `what`
+    names the folder in the message. An empty environment variable is unset, as FIBCTL_DB."""
+    def parse(value) -> Path:
+        if isinstance(value, str) and not value.strip():
+            raise FibctlError(f"{option} is empty; name {what}")
+        return Path(value)
+    return parse
+
+
+runs_dir_value = folder_value("--runs-dir", "the folder of the checkpoints (default: runs)")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, plain, step_of
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, fitted_table, folder_value, plain, step_of
 from fibctl.cli.train import (DEFAULT_DATA, DEFAULT_RUNS, DataOption, HeartbeatOption, RunsDirOption, ThreadsOption,
                               check_worker_limits)
 from fibctl.db.schema import RunStatus
@@ -43,7 +43,8 @@ def submit_cmd(
     threads: ThreadsOption = None,
     heartbeat_timeout: HeartbeatOption = 600,
     folder: Annotated[Path, typer.Option(
-        "--folder", help="Where submitit keeps the job's logs and state, one folder per job (on a filesystem "
+        "--folder", parser=folder_value("--folder", "the folder of the job's logs (default: slurm-jobs)"),
+        metavar="<path>", help="Where submitit keeps the job's logs and state, one folder per job (on a filesystem "
         "every node shares).")] = Path("slurm-jobs"),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")] = False,
 ) -> None:

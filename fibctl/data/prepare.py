@@ -21,6 +21,7 @@ trained on, never both; held-out documents are kept whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -65,9 +66,19 @@ class PrepareResult:
 def data_folder(out: str | Path) -> Path:
     """The folder `--data` names: a link's target, followed to its end. The build goes beside
     the folder and is renamed onto it: onto the link itself it replaced the link with a folder
-    (the target keeping the old data) or, a link to nothing, failed once the build was done."""
+    (the target keeping the old data) or, a link to nothing, failed once the build was done;
+    a loop of links is refused now, not after the build (a rename onto it fails)."""
     out = Path(out)
-    return Path(os.path.realpath(out)) if out.is_symlink() else out
+    if not out.is_symlink():
+        return out
+    try:
+        return Path(os.path.realpath(out, strict=True))
+    except FileNotFoundError:  # a link to nothing: the folder is made where it points
+        return Path(os.path.realpath(out))
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise FibctlError(f"--data {out} is a symlink loop; name the data folder itself") from None
 
 
 def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,

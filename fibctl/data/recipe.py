@@ -13,18 +13,13 @@ import glob
 import os
 import re
 import stat
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from fibctl.errors import FibctlError
 from fibctl.names import check_name
 from fibctl.hashes import short_hash
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from fibctl import tomls
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 KINDS = ("hub", "local", "installed-docs", "generated")
@@ -185,15 +180,10 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if not path.is_file():
             raise FibctlError(f"no recipe {str(name_or_path)!r}: not a file, and not a shipped recipe "
                               f"({', '.join(shipped())})")
-    try:  # utf-8-sig: editors that save a byte-order mark
-        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
-    except UnicodeDecodeError as e:
-        raise FibctlError(f"cannot read recipe {shown_path(path)}: byte {e.object[e.start]:#04x} at offset "
-                          f"{e.start} is not UTF-8; save the recipe as UTF-8") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    try:
+        data = tomls.loads(tomls.read(path))
+    except (OSError, tomls.TomlError) as e:
         raise FibctlError(f"cannot read recipe {shown_path(path)}: {e}") from None
-    except RecursionError:  # the TOML parser recurses once per level of nesting
-        raise FibctlError(f"cannot read recipe {shown_path(path)}: it nests its values too deeply") from None
     return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
 
 

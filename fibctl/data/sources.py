@@ -189,21 +189,30 @@ _hub_reached: dict[str, str | None] = {}  # endpoint -> None when reachable, els
 
 
 ETAG_ENV = "HF_HUB_ETAG_TIMEOUT"
+DOWNLOAD_ENV = "HF_HUB_DOWNLOAD_TIMEOUT"  # huggingface_hub's alone, read as ETAG_ENV is
 
 
-def _probe_timeout() -> float:
-    """HF_HUB_ETAG_TIMEOUT, checked as huggingface_hub reads it (a whole number, with int()) and
-    positive: -1 was taken, then said as "waited at most -1 s"."""
-    given = os.environ.get(ETAG_ENV)
-    if not given:  # unset or empty: huggingface_hub's default, and the probe's own
-        return HUB_PROBE_TIMEOUT_S
+def _hub_timeout(name: str) -> float | None:
+    """The environment variable `name` (None when unset), checked as huggingface_hub reads it
+    when imported, with int() (set to '' or 'abc', it failed that import with a traceback),
+    and positive (-1 was taken, then said as "waited at most -1 s")."""
+    given = os.environ.get(name)
+    if given is None:
+        return None
     try:
         value = int(given)
     except ValueError:
         value = 0
     if value <= 0:
-        raise FibctlError(f"{ETAG_ENV}={given!r} must be a positive whole number of seconds")
+        raise FibctlError(f"{name}={given!r} must be a positive whole number of seconds")
     return float(value)
+
+
+def _probe_timeout() -> float:
+    """HF_HUB_ETAG_TIMEOUT, else the probe's own; HF_HUB_DOWNLOAD_TIMEOUT is checked with it."""
+    _hub_timeout(DOWNLOAD_ENV)
+    etag = _hub_timeout(ETAG_ENV)
+    return HUB_PROBE_TIMEOUT_S if etag is None else etag
 
 
 def check_hub(dataset: str) -> None:
@@ -215,7 +224,7 @@ def check_hub(dataset: str) -> None:
     import urllib.error
     import urllib.request
 
-    timeout = _probe_timeout()  # before huggingface_hub reads it: 'abc' was its traceback
+    timeout = _probe_timeout()  # before huggingface_hub reads them: 'abc' was its traceback
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:

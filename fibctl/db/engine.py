@@ -509,7 +509,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
     path = _sqlite_path(url)
     if path is not None:
         check_sqlite_file(path, must_exist=True, option=option)
-        engine = _create_engine(make_url(_readonly_sqlite_url(path)), option, db)
+        engine = _create_engine(_readonly_sqlite_url(path), option, db)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
@@ -529,7 +529,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
     return engine
 
 
-def _readonly_sqlite_url(path: Path) -> str:
+def _readonly_sqlite_url(path: Path) -> URL:
     """`mode=ro`; in a folder this process cannot write, `immutable=1` as well while the -wal
     file holds nothing: a read-only WAL database needs its -shm file, which such a folder
     cannot get. Immutable skips the -wal, so one holding committed rows (a writer on another
@@ -551,7 +551,11 @@ def _readonly_sqlite_url(path: Path) -> str:
         immutable = not pending
     else:
         immutable = not wal.exists() and not shm.exists() and not os.access(path, os.W_OK)
-    return f"sqlite:///file:{quote(str(path))}?mode=ro{'&immutable=1' if immutable else ''}&uri=true"
+    # a URL, not its text: make_url decoded the quoted name (%3F back to '?'), and SQLite took a
+    # '?' or '#' in a file name for the URI's query or fragment (`--db 'q?x.db'` created and
+    # read an empty `q`), a '%41' for 'A' (`--db a%41.db` read aA.db)
+    return URL.create("sqlite", database=f"file:{quote(str(path))}",
+                      query={"mode": "ro", **({"immutable": "1"} if immutable else {}), "uri": "true"})
 
 
 def refusal(e: BaseException) -> str | None:

@@ -55,7 +55,10 @@ JOB_NAME = "fibctl-worker"
 SIGNAL_DELAY_S = 120  # USR2 this long before the time limit: time to finish a step and checkpoint
 STOP_WAIT_S = 90  # how long task 0 waits for the workers to release their runs before requeueing
 MAX_TIME_S = 365 * 24 * 3600
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
+TOOL_TIMEOUT_S = 30  # squeue, sacct, scancel: SLURM's tools retry a missing config for 60 s
+# ASCII digits, the whole text: it goes into the script as given (a line break after it, or
+# '٠٤:٠٠:٠٠', which \d and int() took, made an #SBATCH --time line SLURM cannot read)
+_TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)", re.ASCII)
 _WORD = re.compile(r"^[A-Za-z0-9_.,:+@=-]+$")  # a partition or account: goes into the sbatch script
 
 
@@ -77,7 +80,7 @@ def require_slurm(command: str = "sbatch") -> str:
 
 def parse_time(text: str) -> int:
     """`HH:MM:SS` or `D-HH:MM:SS` -> seconds."""
-    m = _TIME.match(text.strip())
+    m = _TIME.fullmatch(text)
     if not m or int(m[3]) >= 60 or int(m[4]) >= 60:
         raise FibctlError(f"--time {text!r}: expected HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
     seconds = ((int(m[1] or 0) * 24 + int(m[2])) * 60 + int(m[3])) * 60 + int(m[4])
@@ -388,7 +391,8 @@ def _submit(submitit, task: "WorkerTask", params: dict, folder: Path, max_requeu
     reason, partition = blocked
     message = f"SLURM job {job.job_id} can never start in partition {partition}: {reason} ({_never_hint(reason)})"
     try:
-        cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, timeout=30)
+        cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, errors="replace",
+                                timeout=TOOL_TIMEOUT_S)
         why = None if cancel.returncode == 0 else (cancel.stderr.strip().splitlines() or ["no message"])[-1]
     except (OSError, subprocess.TimeoutExpired) as e:
         why = str(e)
@@ -596,8 +600,16 @@ def _job_key(job_id: str) -> tuple:
 
 def _slurm_lines(cmd: list[str]) -> list[str] | None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        # errors="replace": SLURM quotes what it read (a config file of other bytes) as it is,
+        # which strict UTF-8 failed with a UnicodeDecodeError traceback
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=TOOL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        if cmd[0] == "squeue":  # its silence was read as no jobs: `slurm status` listed none, exit 0
+            said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            why = (f"no answer in {TOOL_TIMEOUT_S} s" if isinstance(e, subprocess.TimeoutExpired)
+                   else e.strerror or str(e))
+            last = (said.strip().splitlines() or [""])[-1]
+            raise FibctlError(f"squeue failed: {why}" + (f" ({last})" if last else "")) from None
         return None
     if proc.returncode != 0:
         if cmd[0] == "squeue":  # sacct without accounting fails: that is not an error here

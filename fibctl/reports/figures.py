@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import os
 import re
 import textwrap
 from collections.abc import Callable
@@ -100,15 +101,22 @@ def check_path(path: str | Path) -> Path:
 
 
 def _load_matplotlib() -> None:
-    """matplotlib loads when a figure is drawn, not whenever the CLI starts."""
+    """matplotlib loads when a figure is drawn, not whenever the CLI starts. Without MPLBACKEND:
+    a name it does not know (a typo) failed its import with a ValueError traceback, and fibctl
+    draws on a Figure and saves by the file's suffix, with no backend of the user's."""
     global colormaps, rc_context, ScalarMappable, Normalize, Figure
     global FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, Line2D
-    from matplotlib import colormaps, rc_context
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+    backend = os.environ.pop("MPLBACKEND", None)
+    try:
+        from matplotlib import colormaps, rc_context
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+    finally:
+        if backend is not None:  # for the processes this one starts
+            os.environ["MPLBACKEND"] = backend
 
 
 def styled(draw):

@@ -87,6 +87,14 @@ def test_width_anneals_from_40_to_half_over_80_percent_then_holds():
     assert dataclasses.replace(p, width_end=0.25).width_at(2500, 2500) == 0.25
 
 
+def test_width_is_the_study_blend_whose_last_bit_sets_the_band_radius():
+    """The study blended the two widths, 40 (1 - p) + 0.5 p. At 395 steps, step 129 (p =
+    128 / 316) gives 24.000000000000004 that way and exactly 24 as 40 - 39.5 p: the band
+    radius ceil(2.5 w) is 61 offsets, not 60, so the band itself differs."""
+    w = ProbeConfig().width_at(128, 395)
+    assert w == 24.000000000000004 and math.ceil(2.5 * w) == 61
+
+
 def test_the_first_step_trains_at_the_starting_width(tmp_path):
     """As in the study's probe: step s (from 1) trains at the width after s - 1 steps, 40 at
     step 1 (not 40 - 39.5 / 2000), and the model is scored at the last step's width."""

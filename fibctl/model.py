@@ -197,11 +197,19 @@ class FibLM(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        std = self.cfg.d_model**-0.5
+        """normal(0, d ** -0.5), the residual outputs divided by sqrt(2 L), drawn as the study's
+        code drew them, so that the same generator state gives the same weights bit for bit:
+        its constructor also initialised an output layer (torch's default) that tying then
+        replaced, and it drew the embedding first and, as the tied head, again last."""
+        cfg = self.cfg
+        std = cfg.d_model**-0.5
+        nn.init.kaiming_uniform_(torch.empty(cfg.vocab_size, cfg.d_model), a=math.sqrt(5))  # the untied head
+        nn.init.normal_(self.embed.weight, 0.0, std)  # drawn over below: the study's first draw of it
         for name, p in self.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 and p is not self.embed.weight:
                 residual_out = name.endswith("attn.wo.weight") or name.endswith("ffn.w2.weight")
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers) if residual_out else std)
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * cfg.n_layers) if residual_out else std)
+        nn.init.normal_(self.embed.weight, 0.0, std)  # the tied head's draw, the embedding's for good
 
     def rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (T, str(device))

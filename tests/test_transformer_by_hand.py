@@ -157,3 +157,45 @@ def test_initial_weights_have_the_method_scales():
             assert abs(float(p.mean())) < 0.05 * expected, name
     assert seen == {"embed", "norm1", "norm2", "norm", "theta", "wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     assert not any(n.endswith("bias") for n, _ in model.named_parameters())
+
+
+def study_draws(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The initial weights as the study's code drew them, module by module: its constructor
+    built the embedding, each layer's q, k, v, o, gate, up and down projections and an output
+    layer (each with torch's default initialisation), tied the output layer to the embedding,
+    then drew normal(0, std) for the embedding and for every linear in that order, the output
+    layer last: the tied embedding is its second draw."""
+    d, L, D = cfg.d_model, cfg.n_layers, cfg.head_dim
+    std = d**-0.5
+    embed = torch.nn.Embedding(cfg.vocab_size, d)
+    layers = []
+    for _ in range(L):
+        shapes = [(d, cfg.n_heads * D), (d, cfg.n_kv_heads * D), (d, cfg.n_kv_heads * D), (cfg.n_heads * D, d),
+                  (d, cfg.ffn_hidden), (d, cfg.ffn_hidden), (cfg.ffn_hidden, d)]
+        layers.append([torch.nn.Linear(i, o, bias=False) for i, o in shapes])
+    head = torch.nn.Linear(d, cfg.vocab_size, bias=False)
+    head.weight = embed.weight
+    torch.nn.init.normal_(embed.weight, std=std)
+    for linears in layers:
+        for j, lin in enumerate(linears):  # o (3) and down (6) write into the residual stream
+            torch.nn.init.normal_(lin.weight, std=std / math.sqrt(2 * L) if j in (3, 6) else std)
+    torch.nn.init.normal_(head.weight, std=std)
+    names = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2"]
+    out = {"embed.weight": embed.weight}
+    for l, linears in enumerate(layers):
+        out.update({f"blocks.{l}.{n}.weight": lin.weight for n, lin in zip(names, linears)})
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["dense", "learned"])
+def test_initial_weights_are_the_study_draws_from_the_same_generator_state(schedule):
+    """Seeded alike, fibctl draws the very weights the study's code drew (its probe seeded
+    and then built its models: fibctl's probe runs start where the study's did)."""
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, seq_len=64,
+                      schedule=schedule).validate()
+    torch.manual_seed(3)
+    want = study_draws(cfg)
+    torch.manual_seed(3)
+    got = FibLM(cfg).state_dict()
+    for name, w in want.items():
+        assert torch.equal(got[name], w.detach()), name

@@ -214,7 +214,7 @@ def test_sql_never_splits_a_value_mid_word_to_fit():
     done = fibctl("sql", "--db", REPO_EXAMPLE, "SELECT * FROM evaluations ORDER BY id LIMIT 2")
     assert done.returncode == 0, done.stderr
     assert_fits(done.stdout)
-    for field, value in (("dataset", "docs_val"), ("eval_length", "128"), ("ppl", "271.7305445228495")):
+    for field, value in (("dataset", "docs_val"), ("eval_length", "128"), ("ppl", r"\d+\.\d{10,}")):
         assert re.search(rf"│ {field} +│ {value} +│", done.stdout), done.stdout
 
 

@@ -119,10 +119,20 @@ def test_headline_check(tmp_path):
 @pytest.mark.parametrize("ppl", [
     {"dense": (72.4, 78.0), "fib_fixed_w8": (81.1, 81.5)},  # dense rises < 10 %
     {"dense": (72.4, 83.5), "fib_fixed_w8": (81.1, 86.0)},  # a sparse model beyond 5 %
-    {"dense": (82.0, 95.0), "fib_fixed_w8": (81.1, 81.5)},  # dense not best at 1x
 ])
 def test_headline_fails_when_any_condition_fails(tmp_path, ppl):
     assert not demo.headline(_db_with(tmp_path, ppl), "docs_val", 128).holds
+
+
+def test_the_ranking_at_1x_is_reported_beside_the_length_claim_not_a_condition_of_it(tmp_path):
+    """The verdict states the paper's length claim and its thresholds; whether dense is the
+    best at the training length (a margin of about 1 % at the demo's scale, which another
+    draw of the same initial-weight distributions reversed) is said on its own line."""
+    h = demo.headline(_db_with(tmp_path, {"dense": (82.0, 95.0), "fib_fixed_w8": (81.1, 81.5)}), "docs_val", 128)
+    said = demo.describe(h)
+    assert h.holds and not h.dense_best_at_1x
+    assert "The dense model was NOT the best at the training length." in said
+    assert any("holds at this scale" in line for line in said)
 
 
 @pytest.mark.parametrize("sent, code, said", [("SIGINT", 130, ["interrupted; run the same command again to resume"]),

@@ -184,7 +184,10 @@ class Headline:
 
     @property
     def holds(self) -> bool:
-        return (self.dense_best_at_1x and self.dense_change > DENSE_MIN_RISE
+        # the length claim alone, as the claim printed with it says: at the demo's scale the
+        # ranking at 1x is a margin of about 1 % that one draw of the initial weights and
+        # one corpus decide (README), so it is reported beside the verdict, not counted in it
+        return (self.dense_change > DENSE_MIN_RISE
                 and self.dense_change >= DENSE_OVER_SPARSE * self.largest_sparse
                 and all(abs(v) <= SPARSE_MAX_CHANGE for v in self.sparse_change.values()))
 

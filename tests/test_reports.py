@@ -603,7 +603,7 @@ def test_a_perplexity_of_0_or_below_has_no_loss_in_table3(tmp_path):
                        "UPDATE evaluations SET ppl = -1 WHERE run_id = 3")
     rows = {r["Run"]: r for r in tables.table3(ro(db)).frame.to_dict("records")}
     assert np.isnan(rows["fib_fixed_w8"]["vs 1x loss"]) and np.isnan(rows["fib_stagger_w8"]["vs 1x loss"])
-    assert rows["dense"]["vs 1x loss"] == pytest.approx(0.784, abs=1e-3)  # the README's
+    assert rows["dense"]["vs 1x loss"] == pytest.approx(0.795, abs=1e-3)  # the README's
 
 
 def test_renderings_bold_the_best_and_keep_raw_numbers(study):

@@ -48,6 +48,15 @@ def program() -> None:
     finally:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _forget_interrupts_handled()
+
+
+def _forget_interrupts_handled() -> None:
+    """A KeyboardInterrupt that passed out of code run from a string (`eval` or `exec`: a
+    dataclass's methods as a module imports, an annotation typer evaluates) sets a flag in
+    CPython that makes the process end by SIGINT once Python is done, even when fibctl caught
+    it and exited 130 (the caller saw -2). Each `eval` of a string starts by clearing it."""
+    eval("None")
 
 
 def importing(frame=None) -> bool:

@@ -540,6 +540,29 @@ def test_a_held_ctrl_c_sent_again_before_the_command_s_handlers_are_set_exits_13
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "")
 
 
+def test_a_ctrl_c_caught_after_it_passed_through_code_run_from_a_string_still_exits_130(tmp_path):
+    """A KeyboardInterrupt out of an `eval` or `exec` of a string (a dataclass's methods as a
+    module imports, under `report all`) sets CPython's flag to end the process by SIGINT once
+    it is done: the command caught it, said so and exited 130, and its caller saw -2. Run as
+    a module, as `python -m fibctl` is (with -c, Python exits at the SystemExit itself)."""
+    script = ("import os, signal, sys\n"
+              "import fibctl.__main__ as entry\n"
+              "import fibctl.cli\n"
+              "def run(command):\n"
+              "    try:\n"
+              "        eval('[os.kill(os.getpid(), signal.SIGINT)] + [sum(range(10**6)) for _ in range(200)]')\n"
+              "    except KeyboardInterrupt:\n"
+              "        print('interrupted', file=sys.stderr)\n"
+              "        sys.exit(130)\n"
+              "fibctl.cli.main = run\n"
+              "sys.argv = ['fibctl', 'matrix', 'list']\n"
+              "entry.program()\n")
+    (tmp_path / "through_a_string.py").write_text(script)
+    done = subprocess.run([sys.executable, "-m", "through_a_string"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "interrupted\n")
+
+
 def test_a_ctrl_c_held_in_the_import_machinery_is_sent_again_once_it_is_done():
     """Sent again at once, a Ctrl-C held in the import machinery landed there again (held again,
     dozens of times) or in its own handler, which then raised it inside the import."""

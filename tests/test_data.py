@@ -494,3 +494,20 @@ def test_the_same_corpus_prepared_elsewhere_is_the_same_data(corpora, built, tmp
     assert again.inputs_hash != first.inputs_hash
     assert again.data_hash == first.data_hash and again.holds(first.data_hash)
     assert (again.data_dir / "train.bin").read_bytes() == (built / "train.bin").read_bytes()
+
+
+@pytest.mark.parametrize("body, said", [
+    ('name = "r"\n', "recipe has no [[sources]]"),
+    ('train_tokens = 1000\n[[sources]]\nname = "web"\nkind = "nope"\n', "source 'web': kind 'nope' is not one of"),
+    ('train_tokens = 1000\n[[sources]]\nkind = "local"\n', "source 1 has no name"),
+    ('train_tokens = 1000\n[[sources]]\nname = "web"\n', "source 'web' has no kind: give kind = one of hub,"),
+])
+def test_a_recipe_file_s_error_names_the_file(tmp_path, body, said):
+    """`fibctl data prepare sub/r.toml` said "recipe has no [[sources]]" without naming which
+    file, though a recipe may be named folders away or among several."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r.toml").write_text(body)
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "sub/r.toml", "--data", "out"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: sub/r.toml: {said}"), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -184,7 +184,10 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         data = tomls.loads(tomls.read(path))
     except (OSError, tomls.TomlError) as e:
         raise FibctlError(f"cannot read recipe {shown_path(path)}: {e}") from None
-    return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
+    try:
+        return parse_recipe(data, default_name=path.stem, base_dir=path.parent)
+    except FibctlError as e:  # which file is at fault: a recipe may be named folders away
+        raise FibctlError(f"{shown_path(path)}: {e}") from None
 
 
 def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path(".")) -> Recipe:
@@ -206,18 +209,22 @@ def parse_recipe(data: dict, default_name: str = "recipe", base_dir: Path = Path
         train_tokens=_int(data, "train_tokens", "recipe"),
         heldout_tokens=_int(data, "heldout_tokens", "recipe", 1_000_000),
         tokenizer_sample_chars=_int(data, "tokenizer_sample_chars", "recipe", 50_000_000),
-        sources=tuple(_parse_source(s, base_dir) for s in raw_sources),
+        sources=tuple(_parse_source(s, base_dir, i) for i, s in enumerate(raw_sources, 1)),
     )
     _validate(recipe)
     return recipe
 
 
-def _parse_source(raw: dict, base_dir: Path) -> Source:
-    name = check_name("source", raw.get("name"))
+def _parse_source(raw: dict, base_dir: Path, number: int) -> Source:
+    if "name" not in raw:  # check_name would say "source name None is not allowed"
+        raise FibctlError(f"source {number} has no name: give it name = \"...\", the label of its documents")
+    name = check_name("source", raw["name"])
     where = f"source {name!r}"
     _check_keys(where, raw, {f.name for f in dataclasses.fields(Source)})
     if raw.get("heldout") is not None:
         check_name(f"{where}: held-out set", raw["heldout"])
+    if "kind" not in raw:
+        raise FibctlError(f"{where} has no kind: give kind = one of {', '.join(KINDS)}")
     if raw.get("kind") not in KINDS:
         raise FibctlError(f"{where}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}")
     fields = dict(raw)

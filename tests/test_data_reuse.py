@@ -16,7 +16,6 @@ from fibctl.cli import app
 import fibctl.data.prepare as prepare_module
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import load_recipe
-from fibctl.data.streams import load_manifest
 from train_helpers import generated_recipe
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import text
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fibctl.config import ConfigError, ProbeConfig, RunConfig, get_preset
@@ -361,6 +362,34 @@ def test_probe_trainer_learns_alphas_and_scores_each_distance(tmp_path):
     assert metrics["depth"] == 2 and metrics["staggered_init"] == 1 and metrics["eval_sequences"] == 16
     assert 0 <= metrics["acc_d20"] <= 1 and 0 <= metrics["acc_d35"] <= 1 and metrics["heldout_loss"] > 0
     assert metrics["task"] == f"length {run.model.seq_len}, vocab {run.model.vocab_size}, distances 20/35"
+
+
+def test_a_distance_no_held_out_position_asks_for_has_no_accuracy(tmp_path, db_url):
+    """At distance T-1 only position T-1 can ask; with one held-out sequence, a model whose
+    position T-1 asks for the other distance scores nothing there. Its accuracy is none (NULL)
+    on every backend: recorded as NaN, it was a number on PostgreSQL and made Table 2's mean
+    over the seeds NaN, with no note. (The study's code divided by at least one position.)"""
+    task = MarkedCopy(512, 64, (20, 63))
+    asks = {seed: int(task.marker(task.sample(1, heldout_generator(seed))[0])[0, 63]) for seed in range(20)}
+    scored, unscored = (next(s for s, k in asks.items() if k == want) for want in (1, 0))
+    runs = probe_runs(depths=(2,), inits=("uniform",), seeds=(scored, unscored), steps=1, length=64,
+                      distances=(20, 63), eval_sequences=1)
+    assert ProbeTrainer(runs[1], tmp_path / "direct", NullReporter()).score()["acc_d63"] is None
+    engine = connect(db_url)
+    add_runs(engine, runs)
+    opts = WorkerOptions(data_dir=tmp_path / "no-data", runs_dir=tmp_path / "runs")
+    for run in runs:
+        assert train_named(engine, run.name, opts, Quiet()).status == "done"
+    with engine.connect() as conn:
+        accs = dict(conn.execute(text("SELECT r.name, m.value FROM aux_metrics m JOIN runs r ON r.id = m.run_id "
+                                      "WHERE m.metric = 'acc_d63'")).all())
+    assert accs[runs[1].name] is None and accs[runs[0].name] in (0.0, 1.0)
+    table = tables.table2(engine)
+    assert table.frame["acc d=63"].tolist() == [accs[runs[0].name]] and table.frame["Seeds"].tolist() == [2]
+    assert [n for n in table.notes if n.startswith("Fewer seeds")] == [
+        "Fewer seeds: depth 2 uniform's acc d=63 is the mean over 1 of its 2 models (the others scored no "
+        "position at that distance)."]
+    engine.dispose()
 
 
 def test_scoring_heartbeats_and_stops_when_the_run_is_taken_over(tmp_path, monkeypatch):

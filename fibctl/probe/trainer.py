@@ -115,11 +115,13 @@ class ProbeTrainer(Trainer):
                 for k in range(len(distances)):
                     correct[k] += int((hit & (marker == k)).sum())
                     total[k] += int((scored & (marker == k)).sum())
+        # a distance no scored position asks for has no accuracy: None, NULL in the database
+        # (a NaN is NULL on SQLite but a number on PostgreSQL, where it made Table 2's mean NaN)
         metrics = {"depth": self.config.model.n_layers, "staggered_init": int(self.probe.init == "staggered"),
-                   **{f"acc_d{d}": correct[k] / total[k] if total[k] else math.nan
+                   **{f"acc_d{d}": correct[k] / total[k] if total[k] else None
                       for k, d in enumerate(distances)},
                    "eval_sequences": n, "heldout_loss": loss_sum / max(1, loss_n)}
         for name, value in metrics.items():
-            self.reporter.log_metric(PROBE_METRICS, name, float(value))
+            self.reporter.log_metric(PROBE_METRICS, name, None if value is None else float(value))
         self.reporter.log_metric(PROBE_METRICS, "task", text=self.task.label)  # Table 2 groups by it
         return metrics

@@ -166,7 +166,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
-    console.print(fitted_view(headers, rows, title=plain(f"{m.name}: {m.description}"), names=("name",),
+    console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),
                                optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
                                right=("W", "seed", "layers", "T", "steps")))
 
@@ -527,8 +527,8 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
                 for dataset, by_length in o.perplexity.items()]
         headers = ["dataset", *(f"{n:,}" for n in lengths)]
-        say(f"perplexity at step {o.eval_step:,}, by evaluation length:")  # a title would wrap at the table's width
-        console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:]))
+        console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:],
+                                  title=f"perplexity at step {o.eval_step:,}, by evaluation length:"))
     if o.events:
         rows = [[f"{e['time']:%Y-%m-%d %H:%M:%S}", e["kind"], e["message"] or ""] for e in o.events]
         say(f"events, the newest {len(o.events)} of {o.event_count}:" if o.event_count > len(o.events) else "events:")

@@ -771,6 +771,20 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert all(len(line) <= 80 for line in paper.splitlines())
 
 
+def test_queue_show_says_the_step_a_running_run_has_trained_to(db):
+    """Its `trained:` line gave the tokens of its newest checkpoint and no step: the step is
+    what they are of (the runs row records a step only once the run is done)."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    claimed = queue.claim_next(engine, "w1")
+    RunRecorder(engine, claimed.id, "w1").update_run(tokens_trained=20 * 512, wall_seconds=75.0)  # micro: 512 a step
+    engine.dispose()
+    out = CliRunner().invoke(app, ["queue", "show", "r000", "--db", db], env={"COLUMNS": "80"}).output
+    assert "trained: step 20 of 30, 10,240 tokens, 1m15s, 1 attempt(s)\n" in out, out
+
+
 @pytest.mark.parametrize("args, line", [
     (["queue", "show", "r01"], "no run named 'r01'; did you mean 'r001'?"),
     (["queue", "show", "zzz"], "no run named 'zzz' (see fibctl queue ls)"),

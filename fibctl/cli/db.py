@@ -500,7 +500,10 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
             f"vocab {m.vocab_size:,}, T {m.seq_len:,}")
         say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {m.seq_len:,} tokens, lr {t.lr:g}, "
             f"seed {r['seed']}")
-    done = [f"step {r['final_step']:,}" if r["final_step"] is not None else None,
+    # a run not done records its tokens at each checkpoint, not its step: they give it
+    step = r["final_step"] if r["final_step"] is not None else (
+        r["tokens_trained"] // c.tokens_per_step if r["tokens_trained"] is not None and c is not None else None)
+    done = [None if step is None else f"step {step:,}" + (f" of {c.train.steps:,}" if c is not None else ""),
             f"{r['tokens_trained']:,} tokens" if r["tokens_trained"] else None,
             duration(r["wall_seconds"]) if r["wall_seconds"] else None,
             f"{r['attempts']} attempt(s)"]

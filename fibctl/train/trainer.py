@@ -219,7 +219,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.tc.batch_size * self.tc.grad_accum * self.config.model.seq_len
+        return self.config.tokens_per_step
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         """The MFU of `tokens_per_s` (global, over every rank's device), None without a peak;

@@ -771,6 +771,19 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert all(len(line) <= 80 for line in paper.splitlines())
 
 
+def test_queue_show_writes_a_length_as_the_report_tables_do(db):
+    """Its perplexity table's headers were 1,024 where the report tables write 1024."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    claimed = queue.claim_next(engine, "w1")
+    RunRecorder(engine, claimed.id, "w1").log_eval(10, "val", 1024, 2048, 4.3)
+    engine.dispose()
+    out = CliRunner().invoke(app, ["queue", "show", "r000", "--db", db], env={"COLUMNS": "80"}).output
+    assert re.search(r"┃ dataset ┃ +1024 ┃", out) and "1,024" not in out, out
+
+
 def test_queue_show_says_the_step_a_running_run_has_trained_to(db):
     """Its `trained:` line gave the tokens of its newest checkpoint and no step: the step is
     what they are of (the runs row records a step only once the run is done)."""

@@ -478,6 +478,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
 
     Example: fibctl queue show fib_fixed_w8 --events 20"""
     from fibctl.reports.overview import overview
+    from fibctl.reports.tables import length_label
 
     engine = db_engine.connect_readonly(db)
     o = overview(engine, name, events=events)
@@ -529,7 +530,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         lengths = sorted({n for by_length in o.perplexity.values() for n in by_length})
         rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
                 for dataset, by_length in o.perplexity.items()]
-        headers = ["dataset", *(f"{n:,}" for n in lengths)]
+        headers = ["dataset", *map(length_label, lengths)]
         console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:],
                                   title=f"perplexity at step {o.eval_step:,}, by evaluation length:"))
     if o.events:

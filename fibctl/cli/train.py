@@ -20,6 +20,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_d
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
+from fibctl.reports.tables import ppl  # perplexity as every table prints it
 from fibctl.train.loggers import LOGGERS, check_loggers
 from fibctl.units import duration
 
@@ -190,7 +191,7 @@ class EvalProgress:
         if self.progress is not None:
             self.progress.update(self.task, completed=self.done, total=total, left=left)
             return
-        console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f} "
+        console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {ppl(row['ppl'])} "
                                  f"({self.done}/{total}" + (f", {left})" if left else ")")),
                       highlight=False, soft_wrap=True)
 
@@ -223,7 +224,7 @@ def _3g(value: float) -> str:
 
 
 def _ppl(loss: float) -> str:
-    return f"{math.exp(loss):.2f}" if loss < 700 else "inf"
+    return ppl(math.exp(loss)) if loss < 700 else "inf"
 
 
 @app.command("train")
@@ -451,7 +452,7 @@ def _results_tables(df, speed: bool, width: int) -> list:
 
     headers = ["run", "step", "dataset", "length", "tokens", "loss", "ppl"]
     rows = [[r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
-             f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
+             ppl(r.ppl) if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
     shown = [fitted_view(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
                          right=("step", "length", "tokens", "loss", "ppl"))]
     if speed:  # one measurement per run and length, whatever the held-out sets

@@ -88,6 +88,8 @@ class Matrix:
             if clash:  # a matrix holding both `a` and `a_s43`, say
                 raise FibctlError(f"--seed: {clash}; pick the runs with --only")
         if suffix:
+            if not re.search("[A-Za-z0-9]", suffix):  # `..`, `-`: runs named `dense..`, no sweep told apart
+                raise FibctlError(f"--suffix {suffix!r} holds no letter or digit; name the sweep, e.g. --suffix _lr1e-3")
             entries = [dataclasses.replace(e, name=check_name("run", e.name + suffix)) for e in entries]
         if train:
             entries = [dataclasses.replace(e, train={**e.train, **train}) for e in entries]

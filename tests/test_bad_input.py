@@ -328,6 +328,9 @@ CASES = [
     (["queue", "retry", "run", "--from-start", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "rm", "run", "--checkpoints", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
+    # a suffix of dots or dashes alone queued dense.. beside dense: a name that tells no sweep apart
+    (["queue", "add", "demo", "--suffix", "..", "--db", "{tmp}/new.db"],
+     "--suffix '..' holds no letter or digit; name the sweep, e.g. --suffix _lr1e-3"),
     (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
     # lengths `coverage` refuses, refused by its figure too (it drew a title of T=99999999999)
     (["figure", "coverage", "--length", "99999999999", "--out", "{tmp}/cov.png"], "must be from 2 to 1,048,576"),

@@ -257,6 +257,9 @@ CASES = [
     (["queue", "add", "{m_lr_nan}", "--db", "{good_db}"], "train.lr = nan must be a finite number"),
     (["queue", "add", "{m_seed}", "--db", "{good_db}"], "matrix name 'm seed' is not allowed"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
+    # above 0, yet every live run abandoned at once: two workers trained each
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "1e-300"],
+     "--heartbeat-timeout 1e-300 must be a number of seconds of at least 1 and at most 1,000,000,000"),
     # a line break in a path (FIBCTL_DB pasted with one) took the error onto two lines
     (["queue", "ls", "--db", "{tmp}/a\nb.db"], "/a\\nb.db"),
     # a date 1e15 s back overflowed in the claim: a traceback

@@ -47,7 +47,8 @@ CompileOption = Annotated[bool, typer.Option(
     "--compile", help="Run the training steps through torch.compile (needs a C++ compiler on the CPU, triton on "
     "CUDA; the first steps wait for compilation). Equal to eager within float rounding, not bit for bit.")]
 HeartbeatOption = Annotated[float, typer.Option(
-    "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned.")]
+    "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned "
+    "(at least 1).")]
 DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
@@ -433,13 +434,16 @@ def check_worker_limits(heartbeat_timeout: float, max_attempts: int, max_runs: i
 
 
 HEARTBEAT_TIMEOUT_LIMIT_S = 10**9  # about 32 years: beyond it the claim's date arithmetic overflows
+# a worker heartbeats at each log line and evaluation: a timeout shorter than the time between
+# them counts a live run as abandoned, and two workers train it. 0 or 1e-300 always does; the
+# floor refuses those (a paper run wants minutes: the default is 600)
+HEARTBEAT_TIMEOUT_LEAST_S = 1
 
 
 def _positive_timeout(seconds: float) -> float:
-    # 0 would count every running run as abandoned: two workers would train the same run
-    if not 0 < seconds <= HEARTBEAT_TIMEOUT_LIMIT_S:  # also refuses nan and inf
-        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds above 0 and at most "
-                          f"{HEARTBEAT_TIMEOUT_LIMIT_S:,}")
+    if not HEARTBEAT_TIMEOUT_LEAST_S <= seconds <= HEARTBEAT_TIMEOUT_LIMIT_S:  # also refuses nan and inf
+        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds of at least "
+                          f"{HEARTBEAT_TIMEOUT_LEAST_S} and at most {HEARTBEAT_TIMEOUT_LIMIT_S:,}")
     return seconds
 
 

@@ -100,10 +100,17 @@ class Matrix:
 
     def _resolve(self, e: MatrixEntry, preset: str) -> RunConfig:
         try:
-            return RunConfig.resolve(e.name, self.name, preset, schedule=e.schedule, base=e.base,
-                                     window=e.window, seed=e.seed,
-                                     init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
-                                     **e.train)
+            config = RunConfig.resolve(e.name, self.name, preset, schedule=e.schedule, base=e.base,
+                                       window=e.window, seed=e.seed,
+                                       init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
+                                       **e.train)
+            train = config.train
+            # fewer steps than the warm-up (`--set train.steps=20` at tiny's 30): the lr never
+            # reaches train.lr nor decays. Refused when queued; a run already queued still trains
+            if train.warmup_steps > train.steps:
+                raise ConfigError(f"train.warmup_steps = {train.warmup_steps} is above train.steps = {train.steps}: "
+                                  "the learning rate would never reach train.lr; lower train.warmup_steps")
+            return config
         except ConfigError as err:  # which run, at a preset other than the one it was read at
             raise ConfigError(f"run {e.name}: {err}") from None
 

@@ -331,6 +331,9 @@ CASES = [
     (["queue", "retry", "run", "--from-start", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "rm", "run", "--checkpoints", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
+    # fewer steps than tiny's 30 warm-up steps: the learning rate never reached train.lr
+    (["queue", "add", "demo", "--set", "train.steps=20", "--db", "{tmp}/new.db"],
+     "run dense: train.warmup_steps = 30 is above train.steps = 20: the learning rate would never reach train.lr"),
     # a suffix of dots or dashes alone queued dense.. beside dense: a name that tells no sweep apart
     (["queue", "add", "demo", "--suffix", "..", "--db", "{tmp}/new.db"],
      "--suffix '..' holds no letter or digit; name the sweep, e.g. --suffix _lr1e-3"),

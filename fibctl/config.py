@@ -319,6 +319,10 @@ class RunConfig:
         """The replicate seed the tables group by: the data seed."""
         return self.data_seed
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.batch_size * self.train.grad_accum * self.model.seq_len
+
     @classmethod
     def resolve(cls, name: str, matrix: str, preset: str, *, schedule: str, base: str = "fib",
                 window: int = 8, seed: int = DEFAULT_SEED, init_seed: int | None = None, **overrides) -> "RunConfig":

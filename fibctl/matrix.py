@@ -88,6 +88,8 @@ class Matrix:
             if clash:  # a matrix holding both `a` and `a_s43`, say
                 raise FibctlError(f"--seed: {clash}; pick the runs with --only")
         if suffix:
+            if not re.search("[A-Za-z0-9]", suffix):  # `..`, `-`: runs named `dense..`, no sweep told apart
+                raise FibctlError(f"--suffix {suffix!r} holds no letter or digit; name the sweep, e.g. --suffix _lr1e-3")
             entries = [dataclasses.replace(e, name=check_name("run", e.name + suffix)) for e in entries]
         if train:
             entries = [dataclasses.replace(e, train={**e.train, **train}) for e in entries]
@@ -98,10 +100,17 @@ class Matrix:
 
     def _resolve(self, e: MatrixEntry, preset: str) -> RunConfig:
         try:
-            return RunConfig.resolve(e.name, self.name, preset, schedule=e.schedule, base=e.base,
-                                     window=e.window, seed=e.seed,
-                                     init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
-                                     **e.train)
+            config = RunConfig.resolve(e.name, self.name, preset, schedule=e.schedule, base=e.base,
+                                       window=e.window, seed=e.seed,
+                                       init_seed=e.init_seed if e.init_seed is not None else self.init_seed,
+                                       **e.train)
+            train = config.train
+            # fewer steps than the warm-up (`--set train.steps=20` at tiny's 30): the lr never
+            # reaches train.lr nor decays. Refused when queued; a run already queued still trains
+            if train.warmup_steps > train.steps:
+                raise ConfigError(f"train.warmup_steps = {train.warmup_steps} is above train.steps = {train.steps}: "
+                                  "the learning rate would never reach train.lr; lower train.warmup_steps")
+            return config
         except ConfigError as err:  # which run, at a preset other than the one it was read at
             raise ConfigError(f"run {e.name}: {err}") from None
 

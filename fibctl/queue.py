@@ -22,6 +22,7 @@ from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
 from fibctl.errors import FibctlError
+from fibctl.units import eta_s
 
 LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
                 "data_seed", "status", "attempts", "worker", "host", "device", "optimizer", "heartbeat_at",
@@ -222,12 +223,12 @@ def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
 
 def progress(engine: Engine) -> list[dict]:
     """Each running run with where it runs, its last logged step, training loss, throughput,
-    ETA and heartbeat (from its newest `train_steps` row); `steps` and `eta_s` are None for
-    a run whose stored config is damaged."""
+    ETA (fibctl.units.eta_s, as its training line has it) and heartbeat (from its newest
+    `train_steps` row); `steps` and `eta_s` are None for a run whose stored config is damaged."""
     last = (select(TrainStep.run_id, func.max(TrainStep.step).label("step"))
             .group_by(TrainStep.run_id).subquery())
     q = (select(Run.name, Run.host, Run.device, Run.worker, Run.heartbeat_at, Run.config_json,
-                TrainStep.step, TrainStep.loss, TrainStep.tokens_per_s)
+                TrainStep.step, TrainStep.loss, TrainStep.tokens_per_s, TrainStep.elapsed_s)
          .outerjoin(last, last.c.run_id == Run.id)
          .outerjoin(TrainStep, (TrainStep.run_id == Run.id) & (TrainStep.step == last.c.step))
          .where(Run.status == RunStatus.RUNNING).order_by(Run.id))
@@ -239,11 +240,9 @@ def progress(engine: Engine) -> list[dict]:
                 config = stored_config(r.name, r.config_json)
             except FibctlError:
                 config = None
-            if config is not None:
-                tc = config.train
-                steps = tc.steps
-                per_step = tc.batch_size * tc.grad_accum * config.model.seq_len
-                eta = (tc.steps - step) * per_step / r.tokens_per_s if r.tokens_per_s else None
+            if config is not None:  # the training line's ETA, from what its newest row records
+                steps = config.train.steps
+                eta = eta_s(step, steps, r.elapsed_s)
             out.append(dict(name=r.name, host=r.host, device=r.device, worker=r.worker, step=step,
                             steps=steps, loss=r.loss, tokens_per_s=r.tokens_per_s, eta_s=eta,
                             heartbeat_at=r.heartbeat_at))

@@ -257,6 +257,9 @@ CASES = [
     (["queue", "add", "{m_lr_nan}", "--db", "{good_db}"], "train.lr = nan must be a finite number"),
     (["queue", "add", "{m_seed}", "--db", "{good_db}"], "matrix name 'm seed' is not allowed"),
     (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
+    # above 0, yet every live run abandoned at once: two workers trained each
+    (["worker", "--db", "{good_db}", "--data", "{data}", "--heartbeat-timeout", "1e-300"],
+     "--heartbeat-timeout 1e-300 must be a number of seconds of at least 1 and at most 1,000,000,000"),
     # a line break in a path (FIBCTL_DB pasted with one) took the error onto two lines
     (["queue", "ls", "--db", "{tmp}/a\nb.db"], "/a\\nb.db"),
     # a date 1e15 s back overflowed in the claim: a traceback
@@ -328,6 +331,12 @@ CASES = [
     (["queue", "retry", "run", "--from-start", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "rm", "run", "--checkpoints", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
+    # fewer steps than tiny's 30 warm-up steps: the learning rate never reached train.lr
+    (["queue", "add", "demo", "--set", "train.steps=20", "--db", "{tmp}/new.db"],
+     "run dense: train.warmup_steps = 30 is above train.steps = 20: the learning rate would never reach train.lr"),
+    # a suffix of dots or dashes alone queued dense.. beside dense: a name that tells no sweep apart
+    (["queue", "add", "demo", "--suffix", "..", "--db", "{tmp}/new.db"],
+     "--suffix '..' holds no letter or digit; name the sweep, e.g. --suffix _lr1e-3"),
     (["matrix", "show", "demo", "--preset", ""], "unknown preset ''"),
     # lengths `coverage` refuses, refused by its figure too (it drew a title of T=99999999999)
     (["figure", "coverage", "--length", "99999999999", "--out", "{tmp}/cov.png"], "must be from 2 to 1,048,576"),

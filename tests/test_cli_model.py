@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -247,3 +248,21 @@ def test_bad_input_is_one_line_and_exit_2(args, needle, monkeypatch, capsys):
     assert done.value.code == 2
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_table_s_title_is_a_left_aligned_line_as_the_report_tables_have_theirs(monkeypatch):
+    """`model`, `coverage` and `bench ...` centred their titles and wrapped them at the
+    table's width ('   tiny: d=192 L=4 heads=6/2 T=128   ' over two lines), while the report
+    tables print theirs as a line of its own: one style now (render.title_line)."""
+    from fibctl.flows import bench_queue
+
+    fake = bench_queue.QueueBench("sqlite", 2, 20, 1.0, 0.5, 900.0, 1800.0, 2.0, 100.0)
+    monkeypatch.setattr(bench_queue, "bench_queue", lambda *a, **k: fake)
+    for command, title in ((["model", "--preset", "tiny"], "tiny: d=192 L=4 heads=6/2 T=128 V=4096 (fixed, fib, W=8)"),
+                           (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed, fib, W=8, L=2 T=64"),
+                           (["bench", "queue"], "queue claims, sqlite, 20 runs"),
+                           (["report", "table1", "--db", str(Path(__file__).parent.parent / "results.db.example")],
+                            "Table 1: final perplexity at the training length (seed 42)")):
+        r = runner.invoke(app, command, env={"COLUMNS": "80"})
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines()[0] == title, r.output

@@ -57,9 +57,10 @@ def test_compare_shows_the_settings_that_differ_how_each_trained_and_its_perplex
     assert "2m05s" in training and "4,321" in training and "3.2500" in training
     assert "23.10" in perplexity and "120.00" in perplexity
     # one held-out set: said once in the title, each length a header of its own on one line
-    # ("docs_val 1,024" in each header wrapped some and pushed lengths into a second table)
+    # ("docs_val 1,024" in each header wrapped some and pushed lengths into a second table);
+    # a length as the report tables write it, 1024 (it was 1,024 here alone)
     assert " ".join(perplexity.split()).startswith("on docs_val by evaluation length (the lowest in bold)")
-    assert re.search(r"┃ run +┃ +128 ┃ +256 ┃ +512 ┃ +1,024 ┃", perplexity), perplexity
+    assert re.search(r"┃ run +┃ +128 ┃ +256 ┃ +512 ┃ +1024 ┃", perplexity), perplexity
     assert "fixed_lr1e-3's perplexities are of step 400 (it has not finished)" in " ".join(perplexity.split())
     assert max(len(line) for line in out.splitlines()) <= 80
     every = compared("fixed", "dense", "--db", sweep, "--all")

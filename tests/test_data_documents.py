@@ -197,6 +197,21 @@ def test_a_source_whose_target_has_no_room_for_text_is_refused(tmp_path, shares,
         parse_recipe(recipe)
 
 
+def test_a_corpus_held_out_whole_says_so(tmp_path):
+    """A corpus whose one document hashes into the held-out set said 'the sources gave no
+    training documents', as an empty one does: it now says the held-out hash took them all."""
+    text = next(t for t in (f"held out text {i}" for i in range(1000)) if prep._hashed_below(t, 0.1))
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    recipe = parse_recipe({"vocab_size": 300, "train_tokens": 100, "sources": [
+        {"name": "a", "kind": "local", "format": "json", "files": [str(tmp_path / "a.jsonl")], "share": 1,
+         "heldout": "a_val", "heldout_fraction": 0.1}]})
+    with pytest.raises(FibctlError, match=r"^recipe '[^']+': no training documents: the held-out hash held out all 1 "
+                                          r"document\(s\) the sources gave \(each hashed below heldout_fraction 0\.1\); "
+                                          r"give the sources more documents, or lower heldout_fraction$"):
+        prepare(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_two_token_target_holds_a_token_of_text(tmp_path):
     recipe = _local_recipe(tmp_path, {"a": ["river stone lantern"] * 3}, 2)
     manifest = prepare(recipe, tmp_path / "out").manifest

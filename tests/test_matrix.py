@@ -73,7 +73,7 @@ def test_preset_override_and_only_glob():
 def test_matrix_file_by_path_with_train_overrides(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text('[matrix]\npreset = "micro"\n\n[[runs]]\nname = "a"\nschedule = "stagger"\nwindow = 4\n'
-                    'base = "pow2"\nseed = 7\ntrain = { steps = 3 }\n')
+                    'base = "pow2"\nseed = 7\ntrain = { steps = 3, warmup_steps = 3 }\n')
     (cfg,) = load_matrix(str(path)).resolve()
     assert (cfg.name, cfg.matrix, cfg.model.base, cfg.model.window, cfg.seed, cfg.train.steps) == (
         "a", "mine", "pow2", 4, 7, 3)
@@ -251,7 +251,7 @@ def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeyp
         load_matrix("paper").resolve(seeds=[43])  # its seed-42 runs re-seeded are its replicates
     clash = tmp_path / "clash.toml"
     clash.write_text("[[runs]]\nname = 'a'\nschedule = 'dense'\n[[runs]]\nname = 'a_s43'\nschedule = 'dense'\n"
-                     "seed = 43\ntrain = { steps = 9 }\n")
+                     "seed = 43\ntrain = { steps = 9, warmup_steps = 9 }\n")
     with pytest.raises(FibctlError, match="--seed: duplicate run name.*a_s43; pick the runs with --only"):
         load_matrix(str(clash)).resolve(seeds=[43])
 

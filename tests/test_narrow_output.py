@@ -207,7 +207,7 @@ def test_eval_results_cut_no_name_or_number(columns):
             assert column(part, 0) == "fib_stagger_w8_lr1e-3" + RUNS[0]
         else:  # names would fold under 8 columns: a field a line, as status and queue ls do
             assert all(name in "".join(part.split()) for name in ("fib_stagger_w8_lr1e-3", RUNS[0])), part
-    for number in ("164.848", "25.790", "5.1050", "4096", "123,456"):
+    for number in ("164.85", "25.79", "5.1050", "4096", "123,456"):
         assert number in text, (number, text)
 
 

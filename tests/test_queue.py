@@ -497,7 +497,7 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatc
                          env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     text_ = out.stdout
-    # micro: 4 x 2 x 64 = 512 tokens a step; 60 steps left at 512 tokens/s: 60 s
+    # 40 s for 40 steps: 60 steps left at 1 s a step, 60 s
     assert "r000" in text_ and "40/100" in text_ and "512" in text_ and "1m00s" in text_ and "3.500" in text_
     assert "host-a" in text_ and "1 running; 2 queued, 0 done" in text_
     assert "…" not in text_ and max(map(len, text_.splitlines())) <= 80
@@ -555,6 +555,21 @@ def test_status_queue_ls_and_queue_show_print_json_for_scripts(db, monkeypatch, 
     assert {r["status"] for r in listed["runs"]} == {"queued"} and listed["counts"]["running"] == 1
     code, err = _main_exit(monkeypatch, capsys, "status", "--db", db, "--json", "--watch")
     assert code == 2 and "--json prints one view; leave out --watch" in err
+
+
+def test_status_eta_is_the_training_line_s_pace_with_evaluations_and_checkpoints(db):
+    """`fibctl status` took its ETA from the newest row's tokens/s (training steps alone: 60 s
+    here) while the training line counted its evaluations and checkpoints too: two ETAs for
+    one run. Both now read the run's wall time per step (fibctl.units.eta_s)."""
+    from fibctl.units import eta_s
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1, steps=100))
+    run = queue.claim_next(engine, "host-a:1")
+    # 512 tokens a step at 512 tok/s is 1 s of training a step; with its evaluations, 2 s
+    RunRecorder(engine, run.id).log_step(40, 3.5, 1e-3, 0.5, tokens_per_s=512.0, elapsed_s=80.0)
+    [running] = queue.progress(engine)
+    assert running["eta_s"] == eta_s(40, 100, 80.0) == 120.0
 
 
 def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
@@ -754,6 +769,33 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     paper = runner.invoke(app, ["queue", "show", "f02__fib_learned_w8", "--db", db], env={"COLUMNS": "80"}).output
     assert "model: learned fib W 8; 16 layers, d 512, heads 8/2, vocab 32,768, T 1,024\n" in paper
     assert all(len(line) <= 80 for line in paper.splitlines())
+
+
+def test_queue_show_writes_a_length_as_the_report_tables_do(db):
+    """Its perplexity table's headers were 1,024 where the report tables write 1024."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    claimed = queue.claim_next(engine, "w1")
+    RunRecorder(engine, claimed.id, "w1").log_eval(10, "val", 1024, 2048, 4.3)
+    engine.dispose()
+    out = CliRunner().invoke(app, ["queue", "show", "r000", "--db", db], env={"COLUMNS": "80"}).output
+    assert re.search(r"┃ dataset ┃ +1024 ┃", out) and "1,024" not in out, out
+
+
+def test_queue_show_says_the_step_a_running_run_has_trained_to(db):
+    """Its `trained:` line gave the tokens of its newest checkpoint and no step: the step is
+    what they are of (the runs row records a step only once the run is done)."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    claimed = queue.claim_next(engine, "w1")
+    RunRecorder(engine, claimed.id, "w1").update_run(tokens_trained=20 * 512, wall_seconds=75.0)  # micro: 512 a step
+    engine.dispose()
+    out = CliRunner().invoke(app, ["queue", "show", "r000", "--db", db], env={"COLUMNS": "80"}).output
+    assert "trained: step 20 of 30, 10,240 tokens, 1m15s, 1 attempt(s)\n" in out, out
 
 
 @pytest.mark.parametrize("args, line", [

@@ -588,7 +588,7 @@ def test_a_perplexity_of_inf_is_shown_as_inf(tmp_path, monkeypatch):
     assert [rows["fib_fixed_w8"][n] for n in ("128", "1024")] == [np.inf, np.inf]
     assert np.isnan(rows["fib_fixed_w8"]["Δ at 4x"]) and rows["fib_stagger_w8"]["1024"] == np.inf
     shown = CliRunner().invoke(app, ["queue", "show", "fib_fixed_w8", "--db", db])
-    assert shown.exit_code == 0 and "│ docs_val │ inf │ inf │ inf │   inf │" in shown.output, shown.output
+    assert shown.exit_code == 0 and "│ docs_val │ inf │ inf │ inf │  inf │" in shown.output, shown.output
     (tmp_path / "every").mkdir()
     every = _example_with(tmp_path / "every", "UPDATE evaluations SET ppl = 'inf'")
     with pytest.raises(FibctlError, match=r"^extrapolation: every perplexity on docs_val is infinite \(seed 42\)"):

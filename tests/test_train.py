@@ -188,6 +188,28 @@ def test_a_checkpoint_whose_weights_are_not_a_dict_is_set_aside_and_the_run_resu
     assert "resuming from step 10" in damaged
 
 
+def test_a_resumed_run_s_eta_is_at_its_pace_over_every_attempt(data, tmp_path):
+    """The training line's ETA was at this attempt's pace alone, `fibctl status`'s at the last
+    logged tokens/s: one function (fibctl.units.eta_s), the run's wall time per step over every
+    attempt, gives both. Here an earlier attempt took 100 s a step."""
+    from fibctl.units import eta_s
+
+    stop = threading.Event()
+    first = Trainer(micro_run("run", **LONG), load_manifest(data), tmp_path, NullReporter(), stop=stop,
+                    on_progress=lambda p: p.step == 10 and stop.set())
+    assert first.run().status == "stopped"
+    path = tmp_path / "step_00000010.pt"
+    save_checkpoint(tmp_path, 10, {**load_checkpoint(path), "elapsed_s": 1000.0}, keep=3)
+    shown = []
+    second = Trainer(micro_run("run", **LONG), load_manifest(data), tmp_path, NullReporter(), stop=stop,
+                     on_progress=lambda p: (shown.append(p), stop.set()))
+    stop.clear()
+    assert second.run().status == "stopped"
+    [p] = shown
+    assert p.step == 11 and p.elapsed_s > 1000
+    assert p.eta_s == eta_s(11, 60, p.elapsed_s) and p.eta_s > 49 * 1000 / 11
+
+
 def test_a_checkpoint_without_a_config_has_no_hash_and_is_refused(data, tmp_path):
     config = micro_run("a")
     assert stored_config_hash({"model": {}, "step": 1}) == "(none recorded)"

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError
-from fibctl.reports.render import printable
+from fibctl.reports.render import printable, title_line
 
 MIN_COLUMNS, MAX_COLUMNS = 20, 1000  # the widths output is drawn at, whatever COLUMNS says
 
@@ -231,7 +231,7 @@ FOLD_LEAST = 8  # narrower, a folded name or text is hard to read: a table is sh
 
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int, optional: Sequence[str] = (),
                  fold: Sequence[str] = (), names: Sequence[str] = (), whole: Sequence[str] = (),
-                 right: Sequence[str] = (), title=None) -> tuple[Table, list[str]]:
+                 right: Sequence[str] = ()) -> tuple[Table, list[str]]:
     """A rich table no wider than `width` whose cells are never cut with '…': columns in
     `optional` are left out, in that order, until the rest fits; a header wraps at its spaces;
     a cell of a `fold` column (free text: errors, descriptions) folds onto more lines, as does a
@@ -269,7 +269,7 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
         widths = _narrowed(floors, most, room)
         if sum(widths) <= room:
             break
-    table = Table(title=title)
+    table = Table()
     # else numbers fold too, or names a few letters a line (a very narrow terminal): see `records`
     folded = [w for i, w in zip(shown, widths) if headers[i] in (*fold, *names)]
     table.cells_whole = tier == 0 or (tier == 1 and min(folded, default=FOLD_LEAST) >= FOLD_LEAST)
@@ -280,18 +280,20 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence], *, width: int
     return table, dropped
 
 
-def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], *, width: int | None = None, **fit) -> Group:
-    """What to print for `rows` at `width` (the terminal's): the `fitted_table` and a line naming
-    the columns it left out, or, where even that would fold numbers (or split a word of a
-    `whole` column), the rows as `records`. With `whole` columns, print it with crop=False: a
-    word longer than the terminal (a path) is shown whole, past the width, not cut."""
+def fitted_view(headers: Sequence[str], rows: Sequence[Sequence], *, width: int | None = None,
+                title: str | None = None, **fit) -> Group:
+    """What to print for `rows` at `width` (the terminal's): `title` (a `title_line`, as the
+    report tables have theirs), the `fitted_table` and a line naming the columns it left out,
+    or, where even that would fold numbers (or split a word of a `whole` column), the rows as
+    `records`. With `whole` columns, print it with crop=False: a word longer than the terminal
+    (a path) is shown whole, past the width, not cut."""
     width = width or console.width
     table, dropped = fitted_table(headers, rows, width=width, **fit)
+    above = [title_line(title)] if title is not None else []
     if not table.cells_whole:  # a very narrow terminal: a field a line
-        title = [plain(str(fit["title"]))] if fit.get("title") is not None else []
-        return Group(*title, *([records(headers, rows, whole=fit.get("whole", ()), width=width)] if rows else []))
+        return Group(*above, *([records(headers, rows, whole=fit.get("whole", ()), width=width)] if rows else []))
     note = left_out(headers, dropped, rows) if rows else None
-    return Group(table, *([plain(note)] if note else []))
+    return Group(*above, table, *([plain(note)] if note else []))
 
 
 def records(headers: Sequence[str], rows: Sequence[Sequence], *, whole: Sequence[str] = (),

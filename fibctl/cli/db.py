@@ -166,7 +166,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
-    console.print(fitted_view(headers, rows, title=plain(f"{m.name}: {m.description}"), names=("name",),
+    console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),
                                optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
                                right=("W", "seed", "layers", "T", "steps")))
 
@@ -478,6 +478,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
 
     Example: fibctl queue show fib_fixed_w8 --events 20"""
     from fibctl.reports.overview import overview
+    from fibctl.reports.tables import length_label
 
     engine = db_engine.connect_readonly(db)
     o = overview(engine, name, events=events)
@@ -500,7 +501,10 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
             f"vocab {m.vocab_size:,}, T {m.seq_len:,}")
         say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {m.seq_len:,} tokens, lr {t.lr:g}, "
             f"seed {r['seed']}")
-    done = [f"step {r['final_step']:,}" if r["final_step"] is not None else None,
+    # a run not done records its tokens at each checkpoint, not its step: they give it
+    step = r["final_step"] if r["final_step"] is not None else (
+        r["tokens_trained"] // c.tokens_per_step if r["tokens_trained"] is not None and c is not None else None)
+    done = [None if step is None else f"step {step:,}" + (f" of {c.train.steps:,}" if c is not None else ""),
             f"{r['tokens_trained']:,} tokens" if r["tokens_trained"] else None,
             duration(r["wall_seconds"]) if r["wall_seconds"] else None,
             f"{r['attempts']} attempt(s)"]
@@ -526,9 +530,9 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         lengths = sorted({n for by_length in o.perplexity.values() for n in by_length})
         rows = [[dataset, *(f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths)]
                 for dataset, by_length in o.perplexity.items()]
-        headers = ["dataset", *(f"{n:,}" for n in lengths)]
-        say(f"perplexity at step {o.eval_step:,}, by evaluation length:")  # a title would wrap at the table's width
-        console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:]))
+        headers = ["dataset", *map(length_label, lengths)]
+        console.print(fitted_view(headers, rows, names=("dataset",), right=headers[1:],
+                                  title=f"perplexity at step {o.eval_step:,}, by evaluation length:"))
     if o.events:
         rows = [[f"{e['time']:%Y-%m-%d %H:%M:%S}", e["kind"], e["message"] or ""] for e in o.events]
         say(f"events, the newest {len(o.events)} of {o.event_count}:" if o.event_count > len(o.events) else "events:")

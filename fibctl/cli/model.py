@@ -7,7 +7,6 @@ import dataclasses
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from fibctl.cli import app
@@ -288,14 +287,12 @@ def bench_queue_cmd(
 
     with on_interrupt(NOTHING_KEPT), console.status("benchmarking claims"):
         b = bench_queue(db, processes=processes, runs=runs)
-    t = Table(title=f"queue claims, {b.backend}, {b.runs} runs")
-    for col in ("processes", "claims/s", "plain UPDATE/s", "ratio", "ms per claim", "of a step"):
-        t.add_column(col, justify="right")
+    headers = ["processes", "claims/s", "plain UPDATE/s", "ratio", "ms per claim", "of a step"]
     # one process alone: what a claim costs; several: throughput, and the slowest one's wait
-    t.add_row("1", f"{1e3 / b.solo_claim_ms:,.0f}", f"{1e3 / b.solo_plain_ms:,.0f}", f"{b.solo_ratio:.2f}",
-              f"{b.solo_claim_ms:.2f}", f"{100 * b.solo_vs_step:.1f} %")
-    t.add_row(f"{b.processes}", f"{b.claims_per_s:,.0f}", f"{b.plain_per_s:,.0f}", f"{b.ratio:.2f}",
-              f"{b.claim_ms:.2f}", f"{100 * b.claim_vs_step:.1f} %")
-    console.print(t)
+    rows = [["1", f"{1e3 / b.solo_claim_ms:,.0f}", f"{1e3 / b.solo_plain_ms:,.0f}", f"{b.solo_ratio:.2f}",
+             f"{b.solo_claim_ms:.2f}", f"{100 * b.solo_vs_step:.1f} %"],
+            [f"{b.processes}", f"{b.claims_per_s:,.0f}", f"{b.plain_per_s:,.0f}", f"{b.ratio:.2f}",
+             f"{b.claim_ms:.2f}", f"{100 * b.claim_vs_step:.1f} %"]]
+    console.print(fitted_view(headers, rows, right=headers, title=f"queue claims, {b.backend}, {b.runs} runs"))
     console.print(f"micro step: {b.step_ms:.1f} ms (timed as bench train does); "
                   "goal: a claim < 1 % of it", highlight=False)

@@ -319,7 +319,8 @@ def compare_cmd(
         # header it wrapped some of them and pushed lengths into a continued table at 80 columns
         sets = {d for d, _ in c.perplexity}
         one = tables.dataset_label(next(iter(sets))) if len(sets) == 1 else None
-        ppl = pd.DataFrame({"run": c.runs, **{(f"{n:,}" if one else f"{tables.dataset_label(d)} {n:,}"): values
+        label = tables.length_label
+        ppl = pd.DataFrame({"run": c.runs, **{(label(n) if one else f"{tables.dataset_label(d)} {label(n)}"): values
                                               for (d, n), values in c.perplexity.items()}})
         columns = [col for col in ppl.columns if col != "run"]
         title = (f"Perplexity on {one} by evaluation length" if one else

@@ -20,6 +20,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_d
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
+from fibctl.reports.tables import ppl  # perplexity as every table prints it
 from fibctl.train.loggers import LOGGERS, check_loggers
 from fibctl.units import duration
 
@@ -46,7 +47,8 @@ CompileOption = Annotated[bool, typer.Option(
     "--compile", help="Run the training steps through torch.compile (needs a C++ compiler on the CPU, triton on "
     "CUDA; the first steps wait for compilation). Equal to eager within float rounding, not bit for bit.")]
 HeartbeatOption = Annotated[float, typer.Option(
-    "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned.")]
+    "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned "
+    "(at least 1).")]
 DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
@@ -190,7 +192,7 @@ class EvalProgress:
         if self.progress is not None:
             self.progress.update(self.task, completed=self.done, total=total, left=left)
             return
-        console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {row['ppl']:.3f} "
+        console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {ppl(row['ppl'])} "
                                  f"({self.done}/{total}" + (f", {left})" if left else ")")),
                       highlight=False, soft_wrap=True)
 
@@ -223,7 +225,7 @@ def _3g(value: float) -> str:
 
 
 def _ppl(loss: float) -> str:
-    return f"{math.exp(loss):.2f}" if loss < 700 else "inf"
+    return ppl(math.exp(loss)) if loss < 700 else "inf"
 
 
 @app.command("train")
@@ -432,13 +434,16 @@ def check_worker_limits(heartbeat_timeout: float, max_attempts: int, max_runs: i
 
 
 HEARTBEAT_TIMEOUT_LIMIT_S = 10**9  # about 32 years: beyond it the claim's date arithmetic overflows
+# a worker heartbeats at each log line and evaluation: a timeout shorter than the time between
+# them counts a live run as abandoned, and two workers train it. 0 or 1e-300 always does; the
+# floor refuses those (a paper run wants minutes: the default is 600)
+HEARTBEAT_TIMEOUT_LEAST_S = 1
 
 
 def _positive_timeout(seconds: float) -> float:
-    # 0 would count every running run as abandoned: two workers would train the same run
-    if not 0 < seconds <= HEARTBEAT_TIMEOUT_LIMIT_S:  # also refuses nan and inf
-        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds above 0 and at most "
-                          f"{HEARTBEAT_TIMEOUT_LIMIT_S:,}")
+    if not HEARTBEAT_TIMEOUT_LEAST_S <= seconds <= HEARTBEAT_TIMEOUT_LIMIT_S:  # also refuses nan and inf
+        raise FibctlError(f"--heartbeat-timeout {seconds:g} must be a number of seconds of at least "
+                          f"{HEARTBEAT_TIMEOUT_LEAST_S} and at most {HEARTBEAT_TIMEOUT_LIMIT_S:,}")
     return seconds
 
 
@@ -451,7 +456,7 @@ def _results_tables(df, speed: bool, width: int) -> list:
 
     headers = ["run", "step", "dataset", "length", "tokens", "loss", "ppl"]
     rows = [[r.run, str(r.step), r.dataset, str(r.eval_length), f"{r.tokens:,}", f"{r.loss:.4f}",
-             f"{r.ppl:.3f}" if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
+             ppl(r.ppl) if math.isfinite(r.ppl) else "inf"] for r in df.itertuples()]
     shown = [fitted_view(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
                          right=("step", "length", "tokens", "loss", "ppl"))]
     if speed:  # one measurement per run and length, whatever the held-out sets

@@ -300,6 +300,7 @@ class _Feed:
         self.cut = cut  # documents whose key hashes below it are not trained on (_training_cut)
         self.queue: deque[tuple[str, np.ndarray]] = deque()
         self.train = self.train_documents = self.read = 0
+        self.held_out = 0  # documents read that hashed below the training cut: trained on by no source
         self.exhausted = False  # ran out of documents before its share was full
 
     def next(self) -> tuple[str, np.ndarray] | None:
@@ -342,6 +343,8 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
             active.remove(feed)
             continue
         route, ids = item
+        if route != "train":
+            feed.held_out += 1
         if route == "heldout":
             writer = heldout[feed.source.heldout]
             if writer.tokens < recipe.heldout_tokens:  # full: the document is dropped, not trained on
@@ -442,6 +445,11 @@ def _batch(docs: Iterator[str]) -> list[str]:
 
 def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer], feeds: list[_Feed]) -> None:
     if train.tokens == 0:
+        read = sum(f.read for f in feeds)
+        if read and sum(f.held_out for f in feeds) == read:  # a corpus of a few documents: say why
+            raise FibctlError(f"recipe {recipe.name!r}: no training documents: the held-out hash held out all "
+                              f"{read:,} document(s) the sources gave (each hashed below heldout_fraction "
+                              f"{_training_cut(recipe)}); give the sources more documents, or lower heldout_fraction")
         raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
     for feed in feeds:
         s = feed.source

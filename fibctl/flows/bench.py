@@ -221,16 +221,26 @@ def bench_train(bench: TrainBench, schedules: tuple[str, ...] = TRAIN_SCHEDULES,
         dataclasses.replace(get_preset(bench.preset).model, schedule=schedule, window=bench.window, base=bench.base,
                             seq_len=bench.seq_len).validate().check_window()
     order = ["dense", *dict.fromkeys(s for s in schedules if s != "dense")]
+    return _each_in_fresh_process(
+        _measure_train, bench, order,
+        lambda schedule: f"bench train: {schedule} at seq-len {bench.seq_len:,}, batch {bench.batch_size:,} "
+                         f"on {bench.device}",
+        progress, {"speed_vs_dense": "tokens_per_s", "memory_vs_dense": "peak_memory_mb"})
+
+
+def _each_in_fresh_process(measure: Callable[..., dict], bench, names: list[str], what: Callable[[str], str],
+                           progress: Callable[[str], None] | None, ratios: dict[str, str]) -> "pd.DataFrame":
+    """`measure(bench, name)` for each of `names`, each in a fresh process (`in_fresh_process`,
+    `what(name)` naming it), a row each; each column of `ratios` is the column it names over
+    that column's value in the first row (the baseline, measured in this same run)."""
     rows = []
-    for schedule in order:
+    for name in names:
         if progress:
-            progress(schedule)
-        rows.append(in_fresh_process(_measure_train, bench, schedule, what=(
-            f"bench train: {schedule} at seq-len {bench.seq_len:,}, batch {bench.batch_size:,} on {bench.device}")))
+            progress(name)
+        rows.append(in_fresh_process(measure, bench, name, what=what(name)))
     df = pd.DataFrame(rows)
-    dense = df.iloc[0]
-    df["speed_vs_dense"] = df.tokens_per_s / dense.tokens_per_s
-    df["memory_vs_dense"] = df.peak_memory_mb / dense.peak_memory_mb
+    for ratio, column in ratios.items():
+        df[ratio] = df[column] / df[column].iloc[0]
     return df
 
 
@@ -391,17 +401,10 @@ class ProbeBench:
 def bench_probe(bench: ProbeBench, progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
     """Forward+backward time (median) and memory of the blur attention's reference and fast
     path, each in a fresh process; ratios are fast / reference, from this same run."""
-    rows = []
-    for impl in BLUR_IMPLS:
-        if progress:
-            progress(impl)
-        rows.append(in_fresh_process(_measure_blur, bench, impl, what=(
-            f"bench probe: {impl} at width {bench.width:g}, length {bench.length:,}, batch {bench.batch:,}")))
-    df = pd.DataFrame(rows)
-    ref = df.iloc[0]
-    df["time_vs_reference"] = df.fwd_bwd_ms / ref.fwd_bwd_ms
-    df["memory_vs_reference"] = df.memory_mb / ref.memory_mb
-    return df
+    return _each_in_fresh_process(
+        _measure_blur, bench, list(BLUR_IMPLS),
+        lambda impl: f"bench probe: {impl} at width {bench.width:g}, length {bench.length:,}, batch {bench.batch:,}",
+        progress, {"time_vs_reference": "fwd_bwd_ms", "memory_vs_reference": "memory_mb"})
 
 
 def _measure_blur(bench: ProbeBench, impl: str) -> dict:

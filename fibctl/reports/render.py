@@ -30,6 +30,15 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
+def title_line(title: str):
+    """A table's title as every table fibctl prints shows it: a line of its own, left-aligned
+    and wrapped at the terminal's width (rich's own table title is centred and wrapped at the
+    table's width, a narrow table's over several lines)."""
+    from rich.text import Text
+
+    return Text(printable(title), style="table.title")
+
+
 def cell(table: Table, column: str, value) -> str:
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return MISSING
@@ -93,10 +102,9 @@ def fitted(table: Table, width: int):
             excess -= cut
         if excess > 0:  # a long run name and one column: the names fold (rich cut 'Schedul'/'e')
             widths[0] = max(1, widths[0] - excess)
-        # the title and notes as lines of their own: a table's own wrapped at its width, the
-        # notes under a narrow continued part at 19 columns
-        title = table.title if n == 0 else f"{table.title} (continued)"
-        parts.append(Text(printable(title), style="table.title"))
+        # the notes as lines of their own too: a table's own wrapped under a narrow continued
+        # part at 19 columns
+        parts.append(title_line(table.title if n == 0 else f"{table.title} (continued)"))
         out = RichTable()
         for i in chunk:
             c = table.frame.columns[i]

@@ -62,6 +62,12 @@ def loss(x: float) -> str:
     return f"{x:.3f}"
 
 
+def length_label(n: int) -> str:
+    """A sequence length as a header or label: 1024, as papers write lengths (no thousands
+    separator), in every table, `compare` and `queue show` alike."""
+    return str(int(n))
+
+
 def percent(x: float) -> str:
     return f"{x:+.0f} %" if abs(x) >= 100 else f"{x:+.1f} %"
 
@@ -529,7 +535,7 @@ ORDER BY r.name, e.eval_length"""
         # a perplexity of 0 or below (a row edited by hand) has no loss: shown as -, not a math error
         loss_at = np.log(np.where(ppl_at > 0, ppl_at, np.nan))
     cols = ["run", "base", "schedule", "window", *lengths, "Δ at 4x"]
-    formats = {str(n): ppl for n in lengths} | {"Δ at 4x": percent}
+    formats = {length_label(n): ppl for n in lengths} | {"Δ at 4x": percent}
     if wide["loss_beyond"].notna().any():
         # the collapse is plainest here: positions a model never trained on, against its 1x loss
         wide["Loss past T at 4x"] = wide["loss_beyond"]
@@ -540,7 +546,7 @@ ORDER BY r.name, e.eval_length"""
         cols += ["Loss past T at 4x", "vs 1x loss"]
         formats["Loss past T at 4x"] = loss
         formats["vs 1x loss"] = lambda x: f"{x:+.3f}"
-    frame = _run_labels(wide[cols].rename(columns={n: str(n) for n in lengths}))
+    frame = _run_labels(wide[cols].rename(columns={n: length_label(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
     notes = (left_out + unfinished_notes(engine, frame["Run"]) + deviation_notes(engine, frame["Run"])
              + settings_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])]))

@@ -50,6 +50,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
 from fibctl.train.optim import build_optimizer, lr_at, set_lr
 from fibctl.train.sampler import WindowSampler
+from fibctl.units import eta_s
 
 
 class Reporter(Protocol):
@@ -83,7 +84,7 @@ class Progress:
     elapsed_s: float
     lr: float = 0.0
     step_s: float = 0.0  # mean seconds of a training step since the last logged one
-    eta_s: float | None = None  # at this attempt's pace, evaluations and checkpoints included
+    eta_s: float | None = None  # fibctl.units.eta_s: the run's pace over every attempt
     evals: dict[str, float] = field(default_factory=dict)  # held-out loss by set, at this step
 
 
@@ -218,7 +219,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.tc.batch_size * self.tc.grad_accum * self.config.model.seq_len
+        return self.config.tokens_per_step
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         """The MFU of `tokens_per_s` (global, over every rank's device), None without a peak;
@@ -248,7 +249,6 @@ class Trainer:
         if self.group is not None:
             self._check_same_start()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
-        start_step = self.step
         if self.step == 0 and self.config.model.schedule != "dense":
             self.reporter.log_alphas(0, self.model.alphas())
         step_time, steps_timed = 0.0, 0  # training time since the last log line: tokens/s
@@ -283,10 +283,9 @@ class Trainer:
                     self.complete_step = self.step
             if self.on_progress and unscored is None:  # after the evaluations, so that it shows them
                 self._tick()
-                pace = (self.elapsed_s - self._elapsed_before) / (self.step - start_step)
                 self.on_progress(Progress(self.step, self.tc.steps, loss, tokens_per_s, self.elapsed_s,
-                                          lr_at(self.step, self.tc), step_s, pace * (self.tc.steps - self.step),
-                                          self.evals))
+                                          lr_at(self.step, self.tc), step_s,
+                                          eta_s(self.step, self.tc.steps, self.elapsed_s), self.evals))
             stopping = self.stop.is_set()  # read once: a signal may set it at any moment
             if self.group is not None:  # every rank leaves the loop at the same step, the same way
                 self.lost, stopping, diverged = self.group.any(self.lost, stopping, unscored is not None,

@@ -177,7 +177,7 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
               set_: Annotated[list[str] | None, typer.Option(
                   "--set", metavar="train.KEY=VALUE",
                   help="Override a training setting of every run, e.g. --set train.lr=1e-3 --set "
-                       "train.steps=200 (the keys of the matrix file's `train` table).")] = None,
+                       "train.steps=2000 (the keys of the matrix file's `train` table).")] = None,
               suffix: Annotated[str, typer.Option(
                   help="End every run's name with this, e.g. _lr1e-3: a sweep's runs are new runs beside "
                        "the matrix's own.")] = "",
@@ -498,8 +498,8 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         m, t = c.model, c.train
         sparse = "dense" if m.schedule == "dense" else f"{m.schedule} {m.base} W {m.window}"
         say(f"model: {sparse}; {m.n_layers} layers, d {m.d_model}, heads {m.n_heads}/{m.n_kv_heads}, "
-            f"vocab {m.vocab_size:,}, T {m.seq_len:,}")
-        say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {m.seq_len:,} tokens, lr {t.lr:g}, "
+            f"vocab {m.vocab_size:,}, T {length_label(m.seq_len)}")
+        say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {length_label(m.seq_len)} tokens, lr {t.lr:g}, "
             f"seed {r['seed']}")
     # a run not done records its tokens at each checkpoint, not its step: they give it
     step = r["final_step"] if r["final_step"] is not None else (

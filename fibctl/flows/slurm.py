@@ -134,7 +134,7 @@ class JobSpec:
                               f"{self.signal_delay_s} s before the limit, so give at least "
                               f"{_hms(self.signal_delay_s + 120)}")
 
-    def parameters(self, folder: Path, setup: list[str]) -> dict:
+    def parameters(self, setup: list[str]) -> dict:
         """submitit's SlurmExecutor parameters."""
         limit = parse_time(self.time)
         params = dict(job_name=JOB_NAME, nodes=self.nodes, ntasks_per_node=self.tasks(),
@@ -289,7 +289,7 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     # the paths travel as variables: a node whose filesystem differs sets its own in its TaskProlog
     setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
              f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]
-    params = spec.parameters(folder / "%j", setup)
+    params = spec.parameters(setup)
     task = WorkerTask(settings, spec.gpus_per_node, folder)
     if dry_run:
         from submitit.slurm.slurm import _make_sbatch_string

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fibctl.config import get_preset
+from fibctl.config import SCHEDULES, get_preset
 from fibctl.data.streams import load_manifest
 from fibctl.errors import FibctlError
 from fibctl.flops import PEAK_ENV, attended_pairs, mfu, peak_flops, training_flops_per_token
@@ -58,7 +58,7 @@ def attention_flops(model: FibLM) -> float:
     return training_flops_per_token(model, T) - weight_flops(model)
 
 
-@pytest.mark.parametrize("schedule", ["dense", "fixed", "stagger", "learned"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_weight_matrices_cost_what_torch_counts(schedule):
     # the reference paths score sparse columns elementwise: every aten.mm is a weight matrix
     # (the projections, the SwiGLU and the tied head), forward and backward

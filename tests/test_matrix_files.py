@@ -12,7 +12,8 @@ import pytest
 
 from fibctl.config import ConfigError, RunConfig
 from fibctl.errors import FibctlError
-from fibctl.matrix import load_matrix
+from fibctl.matrix import load_matrix, shipped_matrices
+from fibctl.probe.cells import PROBE_MATRIX
 
 MICRO = 'preset = "micro"'
 RUN = '[[runs]]\nname = "a"\nschedule = "fixed"\nwindow = 4\n'
@@ -140,7 +141,7 @@ def test_a_fifo_or_a_device_is_not_a_regular_file(tmp_path):
     refused(str(tmp_path / "missing.toml"), "no matrix file")
 
 
-@pytest.mark.parametrize("name", ["paper", "demo", "probe"])
+@pytest.mark.parametrize("name", [*shipped_matrices(), PROBE_MATRIX])
 def test_a_file_named_like_fibctls_own_matrix_is_refused(tmp_path, name):
     path = write(tmp_path, f'[matrix]\npreset = "micro"\n\n{RUN}', f"sub/{name}.toml")
     refused(path, f"matrix file {path}: '{name}' names a matrix of fibctl's own; rename the file")

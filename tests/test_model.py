@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from fibctl.config import SCHEDULES, ConfigError, ModelConfig, get_preset
+from fibctl.config import BASES, SCHEDULES, ConfigError, ModelConfig, get_preset
 from fibctl.model import FibLM
 
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ def test_paper_parameter_counts(schedule, total):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("base", ["fib", "pow2"])
+@pytest.mark.parametrize("base", BASES)
 def test_weights_saved_at_one_length_load_at_another(schedule, base, tmp_path):
     cfg = dataclasses.replace(get_preset("micro").model, schedule=schedule, base=base, seq_len=64)
     torch.manual_seed(0)

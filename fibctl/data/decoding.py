@@ -20,8 +20,7 @@ import os
 import re
 from typing import IO
 
-from fibctl.data.recipe import shown_path
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 
 # the first bytes of each compressed format (bzip2's: "BZh", the block size, then the magic
 # of a block or of the stream's end; its first three alone may begin a text)

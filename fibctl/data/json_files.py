@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from typing import IO
 
 from fibctl.data.decoding import open_text
-from fibctl.data.recipe import shown_path
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may stand for half a character
 _LONE = re.compile("[\ud800-\udfff]")

@@ -17,8 +17,7 @@ import json
 from collections.abc import Iterator
 
 from fibctl.data.decoding import open_text
-from fibctl.data.recipe import shown_path
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 
 # a document is one cell: the csv module's default cap (128 KiB) would refuse a long one (the
 # cap is a C long: 2**31 - 1 where that is 32 bits)

@@ -11,12 +11,11 @@ import dataclasses
 import errno
 import glob
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.names import check_name
 from fibctl.hashes import short_hash
 from fibctl import tomls
@@ -33,17 +32,6 @@ KIND_KEYS = {"hub": ("text", "heldout_by", "dataset", "configs", "split", "revis
              "local": ("text", "heldout_by", "format", "files", "sample_by", "delimiter"),
              "installed-docs": ("packages",), "generated": ("seed", "documents")}
 FORMAT_KEYS = {"sample_by": "text", "delimiter": "csv"}
-# what would break a message's line or be obeyed by a terminal: control characters (the line
-# break too), line and paragraph separators, and an undecodable byte of a file name (a surrogate)
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-
-
-def shown_path(path: str | os.PathLike) -> str:
-    """A path as messages show it: on one line, its control characters escaped (\\n, \\x1b)
-    and an undecodable byte of its name as Python escapes it (\\udcff)."""
-    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], os.fspath(path))
-
-
 @dataclass(frozen=True)
 class Source:
     """One corpus of the mixture. Which fields apply depends on `kind`."""

@@ -19,8 +19,8 @@ from pathlib import Path
 from rich.progress import Progress
 
 from fibctl.data import decoding, generated, installed_docs, json_files, local_files
-from fibctl.data.recipe import Recipe, Source, shown_path
-from fibctl.errors import FibctlError
+from fibctl.data.recipe import Recipe, Source
+from fibctl.errors import FibctlError, shown_path
 
 
 class Document(str):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fibctl"
+MIGRATIONS = PACKAGE.parent / "migrations"
 STRATA = ("compute", "record", "flows", "cli")
 
 
@@ -28,10 +29,11 @@ def stratum(module: str) -> str:
 
 def modules() -> dict[str, Path]:
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        name = ".".join(p for p in rel.parts if p != "__init__")
-        found[name] = path
+    # migrations/ ships as fibctl.migrations (pyproject's package-dir): record, walked too
+    for folder, package in ((PACKAGE, "fibctl"), (MIGRATIONS, "fibctl.migrations")):
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            found[".".join([package, *(p for p in rel.parts if p != "__init__")])] = path
     return found
 
 
@@ -80,3 +82,4 @@ def test_the_strata_are_all_populated():
     assert {stratum(m) for m in MODULES} == set(STRATA)
     assert stratum("fibctl.train.trainer") == "compute" and stratum("fibctl.db.importer") == "record"
     assert stratum("fibctl.flows.worker") == "flows" and stratum("fibctl.cli.report") == "cli"
+    assert any(m.startswith("fibctl.migrations.versions.") for m in MODULES)

@@ -163,7 +163,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
     for c in configs:
         dense = c.model.schedule == "dense"
         rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
-                     str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
+                     str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), f"{c.train.steps:,}",
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),

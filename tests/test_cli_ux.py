@@ -321,6 +321,20 @@ def test_dash_h_is_help_and_version_names_fibctl_python_and_torch():
                         done.stdout), done.stdout
 
 
+def test_shell_completion_completes_commands_and_options():
+    """Tab completion was switched off (`fibctl --install-completion`: no such option), as the
+    shell's hook found nothing; bash is asked the way its installed script asks."""
+    assert "--install-completion" in help_text()
+    for words, cword, expected in (("fibctl qu", "1", ["queue"]),
+                                   ("fibctl queue ", "2", ["add", "ls", "cancel", "retry", "rm", "show"]),
+                                   ("fibctl report table1 --com", "3", ["--compare"])):
+        done = fibctl(env={**ENV80, "_FIBCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
+        assert (done.returncode, done.stdout.split(), done.stderr) == (0, expected, ""), words
+    script = subprocess.run([Path(sys.executable).parent / "fibctl", "--show-completion"], capture_output=True,
+                            text=True, env={**ENV80, "SHELL": "/bin/bash"}, timeout=120)
+    assert script.returncode == 0 and "_FIBCTL_COMPLETE=complete_bash" in script.stdout, script.stdout
+
+
 @pytest.mark.parametrize("args,line", [
     (["eval", "x", "--length", "nan"], r"error: Invalid value for '--length': .* \(see `.*fibctl eval --help`\)"),
     (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),

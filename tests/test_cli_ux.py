@@ -339,6 +339,8 @@ def test_shell_completion_completes_commands_and_options():
     (["eval", "x", "--length", "nan"], r"error: Invalid value for '--length': .* \(see `.*fibctl eval --help`\)"),
     (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),
     (["bogus"], r"error: No such command 'bogus'. \(see `.*fibctl --help`\)"),
+    # two letters swapped: typer's close matches missed it
+    (["queue", "sl"], r"error: No such command 'sl'. Did you mean 'ls'\? \(see `.*fibctl queue --help`\)"),
     (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
     # click raises this one without the command's context: it had no hint
     (["queue", "ls", "--db"], r"error: Option '--db' requires an argument. \(see `.*fibctl queue ls --help`\)"),

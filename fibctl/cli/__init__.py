@@ -209,6 +209,26 @@ def _raise_broken_pipe(self) -> None:
 Console.on_broken_pipe = _raise_broken_pipe
 
 
+_suggesting_resolve = typer.core.TyperGroup.resolve_command
+# click's UsageError, whichever click typer uses (newer typers vendor their own)
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _resolve_command(self, ctx, args):
+    """typer's, suggesting also a command whose letters the typo swapped (`queue sl`: 'ls'),
+    which its close-match cutoff missed."""
+    try:
+        return _suggesting_resolve(self, ctx, args)
+    except _UsageError as e:
+        swapped = [name for name in self.commands if args and sorted(name) == sorted(args[0])]
+        if swapped and "Did you mean" not in e.message:
+            e.message = f"{e.message.rstrip('.')}. Did you mean {', '.join(map(repr, swapped))}?"
+        raise
+
+
+typer.core.TyperGroup.resolve_command = _resolve_command  # every group's: the top one and queue, report, ...
+
+
 app = typer.Typer(
     cls=_InOrder,
     name="fibctl",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +24,7 @@ from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
 from fibctl.errors import FibctlError
-from fibctl.units import eta_s
+from fibctl.units import duration, eta_s
 
 LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
                 "data_seed", "status", "attempts", "worker", "host", "device", "optimizer", "heartbeat_at",
@@ -477,36 +479,63 @@ def run_config(engine: Engine, run_name: str) -> RunConfig:
     return stored_config(run_name, config_json)
 
 
+def ended_here(worker: str | None) -> bool:
+    """Whether `worker` (`host:pid`, `host:pid:gpuN`) ran on this machine and its process has
+    ended (killed, its terminal closed): its run's fresh heartbeat no longer means anything."""
+    on, _, rest = (worker or "").partition(":")
+    pid = rest.split(":")[0]
+    if on != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # another user's process: alive; no such pid: not one of ours
+        return False
+    return False
+
+
 def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
                 heartbeat_timeout_s: float, check: Callable[[RunConfig], object] = lambda _: None) -> ClaimedRun:
     """Claim one run by name. Raises FibctlError, changing nothing, when the run is unknown,
-    done, or running with a live heartbeat, or when `check(config)` rejects its config."""
+    done, or running with a live heartbeat, or when `check(config)` rejects its config. A run
+    whose worker on this machine has ended is taken at once, heartbeat or not: `fibctl train
+    NAME` again after a kill refused it for --heartbeat-timeout (10 minutes) without saying so."""
     runs = {r["name"]: r for r in list_runs(engine)}
     if run_name not in runs:
         raise no_run_named([run_name], runs, " in the database", NOT_QUEUED)
     row = runs[run_name]
-    stale = utcnow() - timedelta(seconds=heartbeat_timeout_s)
+    now = utcnow()
+    stale = now - timedelta(seconds=heartbeat_timeout_s)
     if row["status"] == RunStatus.DONE:
         raise FibctlError(f"run {run_name!r} is already done")
+    ended = None  # the worker of this machine whose run is taken although its heartbeat is fresh
     if row["status"] == RunStatus.RUNNING and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
-        raise FibctlError(f"run {run_name!r} is running on {row['worker']}")
+        if not ended_here(row["worker"]):
+            raise FibctlError(f"run {run_name!r} is running on {row['worker']} (heartbeat "
+                              f"{duration((now - row['heartbeat_at']).total_seconds())} ago); a run whose worker "
+                              f"has ended elsewhere is taken once its heartbeat is older than --heartbeat-timeout "
+                              f"({duration(heartbeat_timeout_s)})")
+        ended = row["worker"]
     with engine.connect() as conn:
         config_json = conn.execute(select(Run.config_json).where(Run.name == run_name)).scalar_one()
     config = stored_config(run_name, config_json)
     check(config)
     now = utcnow()
+    taken = (Run.heartbeat_at < stale) if ended is None else or_(Run.heartbeat_at < stale, Run.worker == ended)
     with engine.begin() as conn:
         run = conn.execute(
             update(Run).where(Run.name == run_name, or_(
                 Run.status.in_((RunStatus.QUEUED, RunStatus.FAILED, RunStatus.CANCELLED)),
-                (Run.status == RunStatus.RUNNING) & (Run.heartbeat_at < stale)))
+                (Run.status == RunStatus.RUNNING) & taken))
             .values(status=RunStatus.RUNNING, worker=worker, host=host, device=device, heartbeat_at=now,
                     started_at=func.coalesce(Run.started_at, now), attempts=Run.attempts + 1,
                     error=None, finished_at=None)
             .returning(Run.id, Run.attempts, Run.checkpoint_path)).first()
         if run is None:
             raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
-        add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)", {"attempt": run.attempts})
+        add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)"
+                  + (f"; its worker {ended} on this machine had ended" if ended else ""), {"attempt": run.attempts})
     return ClaimedRun(run.id, run_name, run.attempts, config, run.checkpoint_path)
 
 

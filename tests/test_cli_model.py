@@ -258,8 +258,10 @@ def test_a_table_s_title_is_a_left_aligned_line_as_the_report_tables_have_theirs
 
     fake = bench_queue.QueueBench("sqlite", 2, 20, 1.0, 0.5, 900.0, 1800.0, 2.0, 100.0)
     monkeypatch.setattr(bench_queue, "bench_queue", lambda *a, **k: fake)
-    for command, title in ((["model", "--preset", "tiny"], "tiny: d=192 L=4 heads=6/2 T=128 V=4096 (fixed, fib, W=8)"),
-                           (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed, fib, W=8, L=2 T=64"),
+    # model and coverage say the model as queue show does (model said V=4096 beside its vocab 4,096)
+    for command, title in ((["model", "--preset", "tiny"],
+                            "tiny: fixed fib W 8; 4 layers, d 192, heads 6/2, vocab 4,096, T 128"),
+                           (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed fib W 8; 2 layers, T 64"),
                            (["bench", "queue"], "queue claims, sqlite, 20 runs"),
                            (["report", "table1", "--db", str(Path(__file__).parent.parent / "results.db.example")],
                             "Table 1: final perplexity at the training length (seed 42)")):

@@ -192,7 +192,8 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     for config in load_matrix("paper").resolve(None, None):
         split = f"{config.train.batch_size}x{config.train.grad_accum}"  # the micro-batch split, per run
         assert re.search(rf"│ {config.name} .*│ {split} +│", done.stdout), config.name
-    assert "preset paper; layers 16; T 1024; steps 13000" in " ".join(done.stdout.split())
+    # steps with a thousands separator, as queue show and the docs write them (it said 13000)
+    assert "preset paper; layers 16; T 1024; steps 13,000" in " ".join(done.stdout.split())
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 
@@ -320,10 +321,26 @@ def test_dash_h_is_help_and_version_names_fibctl_python_and_torch():
                         done.stdout), done.stdout
 
 
+def test_shell_completion_completes_commands_and_options():
+    """Tab completion was switched off (`fibctl --install-completion`: no such option), as the
+    shell's hook found nothing; bash is asked the way its installed script asks."""
+    assert "--install-completion" in help_text()
+    for words, cword, expected in (("fibctl qu", "1", ["queue"]),
+                                   ("fibctl queue ", "2", ["add", "ls", "cancel", "retry", "rm", "show"]),
+                                   ("fibctl report table1 --com", "3", ["--compare"])):
+        done = fibctl(env={**ENV80, "_FIBCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
+        assert (done.returncode, done.stdout.split(), done.stderr) == (0, expected, ""), words
+    script = subprocess.run([Path(sys.executable).parent / "fibctl", "--show-completion"], capture_output=True,
+                            text=True, env={**ENV80, "SHELL": "/bin/bash"}, timeout=120)
+    assert script.returncode == 0 and "_FIBCTL_COMPLETE=complete_bash" in script.stdout, script.stdout
+
+
 @pytest.mark.parametrize("args,line", [
     (["eval", "x", "--length", "nan"], r"error: Invalid value for '--length': .* \(see `.*fibctl eval --help`\)"),
     (["queue", "ls", "--bogus"], r"error: No such option: --bogus \(see `.*fibctl queue ls --help`\)"),
     (["bogus"], r"error: No such command 'bogus'. \(see `.*fibctl --help`\)"),
+    # two letters swapped: typer's close matches missed it
+    (["queue", "sl"], r"error: No such command 'sl'. Did you mean 'ls'\? \(see `.*fibctl queue --help`\)"),
     (["eval", "x"], r"error: Missing option '--length'. \(see `.*fibctl eval --help`\)"),
     # click raises this one without the command's context: it had no hint
     (["queue", "ls", "--db"], r"error: Option '--db' requires an argument. \(see `.*fibctl queue ls --help`\)"),

@@ -167,6 +167,30 @@ def test_dead_worker_run_is_reclaimed_then_failed_after_max_attempts(db):
     assert _events(engine, run.id) == ["claimed", "reclaimed", "abandoned"]
 
 
+def test_train_by_name_takes_at_once_a_run_whose_worker_on_this_machine_has_ended(db):
+    """`fibctl train NAME` again after a kill was refused ('is running on host:pid') until the
+    heartbeat was 10 minutes old, saying neither; a live worker's run is still refused, with
+    its heartbeat's age and the way a dead one elsewhere is taken."""
+    import socket
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    live = f"{socket.gethostname()}:{os.getpid()}"
+    queue.claim_named(engine, "r000", live, "h", "cpu", 600)
+    with pytest.raises(FibctlError, match=rf"is running on {live} \(heartbeat \d+s ago\); .* older than "
+                                          r"--heartbeat-timeout \(10m00s\)"):
+        queue.claim_named(engine, "r000", "w2", "h", "cpu", 600)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    with engine.begin() as conn:  # as a worker killed mid-run leaves it: running, heartbeat fresh
+        conn.execute(text("UPDATE runs SET worker = :w"), {"w": f"{socket.gethostname()}:{ended.pid}"})
+    run = queue.claim_named(engine, "r000", "w2", "h", "cpu", 600)
+    assert (run.name, run.attempts) == ("r000", 2)
+    (row,) = queue.list_runs(engine)
+    assert (row["status"], row["worker"]) == ("running", "w2")
+    assert _event_rows(engine, run.id)[-1][1].endswith("on this machine had ended")
+
+
 def _event_rows(engine, run_id):
     from sqlalchemy import select
 

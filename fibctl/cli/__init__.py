@@ -15,6 +15,7 @@ import sys
 from typing import Annotated
 
 import typer
+from typer.completion import completion_init, install_callback, show_callback
 from rich.console import Console
 from rich.markup import escape
 
@@ -208,6 +209,26 @@ def _raise_broken_pipe(self) -> None:
 Console.on_broken_pipe = _raise_broken_pipe
 
 
+_suggesting_resolve = typer.core.TyperGroup.resolve_command
+# click's UsageError, whichever click typer uses (newer typers vendor their own)
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _resolve_command(self, ctx, args):
+    """typer's, suggesting also a command whose letters the typo swapped (`queue sl`: 'ls'),
+    which its close-match cutoff missed."""
+    try:
+        return _suggesting_resolve(self, ctx, args)
+    except _UsageError as e:
+        swapped = [name for name in self.commands if args and sorted(name) == sorted(args[0])]
+        if swapped and "Did you mean" not in e.message:
+            e.message = f"{e.message.rstrip('.')}. Did you mean {', '.join(map(repr, swapped))}?"
+        raise
+
+
+typer.core.TyperGroup.resolve_command = _resolve_command  # every group's: the top one and queue, report, ...
+
+
 app = typer.Typer(
     cls=_InOrder,
     name="fibctl",
@@ -215,7 +236,7 @@ app = typer.Typer(
     "runs, train them, evaluate them at any length, and report from one SQL database.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=False,  # _top's own options: typer's --show-completion made the top help a screen and a line
     context_settings={"help_option_names": ["-h", "--help"]},  # every command's, as click passes them down
 )
 
@@ -239,10 +260,19 @@ def _print_version(asked: bool) -> None:
     raise typer.Exit(0)
 
 
+completion_init()  # the shells typer completes for: bash, zsh, fish, PowerShell
+
+
 @app.callback()
 def _top(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                                help="Print fibctl's version (and git commit), Python's "
-                                                    "and torch's, and exit.")] = False) -> None:
+                                                    "and torch's, and exit.")] = False,
+         install_completion: Annotated[bool, typer.Option(
+             "--install-completion", callback=install_callback, is_eager=True, expose_value=False,
+             help="Install tab completion for this shell.")] = False,
+         show_completion: Annotated[bool, typer.Option(  # docs/cli.md has it
+             "--show-completion", callback=show_callback, is_eager=True, expose_value=False, hidden=True)] = False,
+         ) -> None:
     pass  # the top command's own options (its help is app's)
 
 
@@ -300,7 +330,9 @@ def main(command=None) -> None:
 
 def _run(command) -> None:
     try:
-        (command or build())()  # what app() does, pretty exceptions being off
+        # what app() does, pretty exceptions being off; completion's variable is the installed
+        # command's under `python -m fibctl` too (its name is not fibctl there)
+        (command or build())(complete_var="_FIBCTL_COMPLETE")
     except KeyboardInterrupt:  # typer building the options: 130, as one in a command is
         if interrupted.is_set():  # a Ctrl-C (a test's KeyboardInterrupt is not noted)
             _interrupted()

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from fibctl.errors import FibctlError
 from fibctl.reports.render import printable, title_line
+from fibctl.reports.tables import length_label
 
 MIN_COLUMNS, MAX_COLUMNS = 20, 1000  # the widths output is drawn at, whatever COLUMNS says
 
@@ -208,6 +209,18 @@ def unencodable_shown_as_question_marks() -> Iterator[None]:
 def step_of(step: int, steps: int | None) -> str:
     """A running run's `step/steps` (`?` for the steps of one whose stored config is damaged)."""
     return f"{step:,}/" + (f"{steps:,}" if steps is not None else "?")
+
+
+def attention_label(schedule: str, base: str | None, window: int | None) -> str:
+    """A model's attention in words (`stagger fib W 12`); dense has no base or window to show."""
+    return "dense" if schedule == "dense" else f"{schedule} {base} W {window}"
+
+
+def model_line(m) -> str:
+    """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W 12; 16
+    layers, d 512, heads 8/2, vocab 32,768, T 1024`."""
+    return (f"{attention_label(m.schedule, m.base, m.window)}; {m.n_layers} layers, d {m.d_model}, "
+            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T {length_label(m.seq_len)}")
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:

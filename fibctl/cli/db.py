@@ -14,7 +14,7 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
-                               goes_with, interactive, plain, runs_dir_value, step_of, unbroken)
+                               goes_with, interactive, model_line, plain, runs_dir_value, step_of, unbroken)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -163,7 +163,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
     for c in configs:
         dense = c.model.schedule == "dense"
         rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
-                     str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), str(c.train.steps),
+                     str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), f"{c.train.steps:,}",
                      f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),
@@ -496,9 +496,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         say(o.config_error)
     else:
         m, t = c.model, c.train
-        sparse = "dense" if m.schedule == "dense" else f"{m.schedule} {m.base} W {m.window}"
-        say(f"model: {sparse}; {m.n_layers} layers, d {m.d_model}, heads {m.n_heads}/{m.n_kv_heads}, "
-            f"vocab {m.vocab_size:,}, T {length_label(m.seq_len)}")
+        say(f"model: {model_line(m)}")
         say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {length_label(m.seq_len)} tokens, lr {t.lr:g}, "
             f"seed {r['seed']}")
     # a run not done records its tokens at each checkpoint, not its step: they give it

@@ -10,9 +10,10 @@ import typer
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import console, fitted_view, on_interrupt
+from fibctl.cli.common import attention_label, console, fitted_view, model_line, on_interrupt
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
+from fibctl.reports.tables import length_label
 from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
 
 COVERAGE_MAX_LAYERS = 1024
@@ -31,11 +32,6 @@ def _model_config(preset: str, schedule: str, base: str, window: int, length: in
     cfg = dataclasses.replace(get_preset(preset).model, schedule=schedule, base=base, window=window)
     cfg = cfg.validate().check_window()
     return cfg if length is None else cfg.with_length(check_length(length)).validate()
-
-
-def _attention(schedule: str, base: str, window: int) -> str:
-    # dense attention has no base or window (a matrix refuses them): none to show
-    return schedule if schedule == "dense" else f"{schedule}, {base}, W={window}"
 
 
 @app.command("model")
@@ -59,8 +55,7 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
             "attention q,k,v,o" if ".attn." in name else
             "ffn (SwiGLU)" if ".ffn." in name else "norms")
         groups[key] = groups.get(key, 0) + p.numel()
-    title = (f"{preset}: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
-             f"T={cfg.seq_len} V={cfg.vocab_size} ({_attention(schedule, base, window)})")
+    title = f"{preset}: {model_line(cfg)}"  # as queue show says it (it said V=4096 beside vocab 4,096)
     rows = [[k, f"{v:,}"] for k, v in groups.items()]
     rows += [[Text(label, style), Text(f"{counts[key]:,}", style)]
              for label, key, style in (("non-embedding", "non_embedding", "dim"), ("total", "total", "bold"))]
@@ -104,7 +99,8 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     rows = [[str(l), str(n)] for l, n in enumerate(per_layer)]
     rows.append([Text("union over layers", "bold"), Text(str(union), "bold")])
     console.print(fitted_view(["layer", "distinct distances"], rows, whole=("layer",), right=("distinct distances",),
-                              title=f"coverage: {_attention(schedule, base, window)}, L={layers} T={length}"))
+                              title=f"coverage: {attention_label(schedule, base, window)}; {layers} layers, "
+                                    f"T {length_label(length)}"))
     for note in deviations(schedule, layers):
         console.print(f"note: {note}", highlight=False, markup=False)
 

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import re
 import shlex
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -120,27 +119,14 @@ def release_ended_workers(engine: Engine) -> list[str]:
     """Runs marked running by a worker of this machine whose process has ended (a demo killed,
     its terminal closed): queued again at once, where a heartbeat timeout would leave them
     running a minute and the demo go on without them. Returns their names."""
-    host = socket.gethostname()
     with engine.connect() as conn:
         running = conn.execute(text("SELECT id, name, worker FROM runs WHERE status = 'running'")).all()
     released = []
     for run_id, name, worker in running:
-        on, _, pid = (worker or "").partition(":")
-        pid = pid.split(":")[0]
-        if on == host and pid.isdigit() and not _alive(int(pid)) and queue.release(
+        if queue.ended_here(worker) and queue.release(
                 engine, run_id, f"released: its worker {worker} on this machine has ended", worker=worker):
             released.append(name)
     return released
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def still_running(engine: Engine) -> list[tuple[str, str]]:

@@ -256,6 +256,25 @@ def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeyp
         load_matrix(str(clash)).resolve(seeds=[43])
 
 
+def test_matrix_show_previews_a_sweep_as_queue_add_would_queue_it(tmp_path, monkeypatch, capsys):
+    """`matrix show` took --only and --seed but not --set or --suffix, so a sweep could not be
+    seen before it was queued. With the same options it names the runs, their lr and the
+    config hashes that `queue add` stores."""
+    import sqlite3
+
+    options = ["demo", "--preset", "micro", "--set", "train.lr=1e-3", "--suffix", "_lr1e-3", "--seed", "43"]
+    monkeypatch.setenv("COLUMNS", "200")
+    code, shown, err = ran(monkeypatch, capsys, "matrix", "show", *options)
+    assert code == 0, err
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", *options, "--db", str(tmp_path / "r.db"))
+    assert code == 0, err
+    queued = sqlite3.connect(tmp_path / "r.db").execute("SELECT name, config_hash FROM runs").fetchall()
+    assert len(queued) == 3  # the demo's three runs at seed 43
+    for name, config_hash in queued:
+        assert re.search(rf"│ {re.escape(name)} +│.*│ +0\.001 │ {config_hash} │", shown), (name, shown)
+    assert "dense_s43_lr1e-3" in shown
+
+
 def test_queue_add_seed_refuses_a_run_whose_config_another_name_holds(tmp_path, monkeypatch, capsys):
     """`paper --only 'f*' --seed 43` after `paper`: f08's seed-43 run is the matrix's g01, which
     would be trained twice, and Table 5 refuses two runs of one cell."""

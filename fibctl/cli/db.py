@@ -148,40 +148,47 @@ def matrix_list() -> None:
     console.print(table)
 
 
+# `matrix show` previews what `queue add` with the same options would queue
+SetOption = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="train.KEY=VALUE",
+    help="Override a training setting of every run, e.g. --set train.lr=1e-3 --set "
+         "train.steps=2000 (the keys of the matrix file's `train` table).")]
+SuffixOption = Annotated[str, typer.Option(
+    help="End every run's name with this, e.g. _lr1e-3: a sweep's runs are new runs beside "
+         "the matrix's own.")]
+
+
 @matrix_app.command("show")
 def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
                 only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob.")] = None,
-                seed: SeedOption = None,
+                set_: SetOption = None, suffix: SuffixOption = "", seed: SeedOption = None,
                 ) -> None:
     """Show each run of a matrix with its resolved settings and config hash.
 
-    Example: fibctl matrix show demo --preset micro"""
+    With --set, --suffix and --seed it shows what `fibctl queue add` with the same
+    options would queue, without a database.
+
+    Example: fibctl matrix show demo --preset micro --set train.lr=1e-3 --suffix _lr1e-3"""
     m = load_matrix(matrix)
-    configs = m.resolve(preset, only, seeds=seed or ())
-    headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "batch", "config hash"]
+    configs = m.resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
+    headers = ["name", "base", "schedule", "W", "seed", "preset", "layers", "T", "steps", "batch", "lr",
+               "config hash"]
     rows = []
     for c in configs:
         dense = c.model.schedule == "dense"
         rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), f"{c.train.steps:,}",
-                     f"{c.train.batch_size}x{c.train.grad_accum}", c.config_hash])
+                     f"{c.train.batch_size}x{c.train.grad_accum}", f"{c.train.lr:g}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),
-                               optional=("preset", "layers", "T", "steps", "config hash", "batch", "seed"),
-                               right=("W", "seed", "layers", "T", "steps")))
+                               optional=("preset", "layers", "T", "steps", "config hash", "lr", "batch", "seed"),
+                               right=("W", "seed", "layers", "T", "steps", "lr")))
 
 
 @queue_app.command("add")
 def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption = None,
               only: Annotated[str | None, typer.Option(help="Only runs whose name matches this glob, e.g. 'f1*'.")] = None,
-              set_: Annotated[list[str] | None, typer.Option(
-                  "--set", metavar="train.KEY=VALUE",
-                  help="Override a training setting of every run, e.g. --set train.lr=1e-3 --set "
-                       "train.steps=2000 (the keys of the matrix file's `train` table).")] = None,
-              suffix: Annotated[str, typer.Option(
-                  help="End every run's name with this, e.g. _lr1e-3: a sweep's runs are new runs beside "
-                       "the matrix's own.")] = "",
-              seed: SeedOption = None,
+              set_: SetOption = None, suffix: SuffixOption = "", seed: SeedOption = None,
               ) -> None:
     """Queue a matrix's runs. Idempotent: runs already queued with the same config are skipped.
 

@@ -184,6 +184,8 @@ class Trainer:
         # checkpoint of a later one would resume past rows the database never got
         self.complete_step = 0
         self.recorded: Recorded | None = None
+        # reads `recorded` again (None: it cannot change, as under DDP, where every rank has rank 0's)
+        self.recount: Callable[[], Recorded] | None = None
         self.peak = peak_flops(device)  # None on the CPU: no MFU
         self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
 
@@ -511,6 +513,10 @@ class Trainer:
             logged = (step - 1) // self.tc.log_interval * self.tc.log_interval if step > 0 else 0
         if r is None:
             return logged
+        if logged > r.step and self.recount is not None:
+            # read before the model was built: the worker this run was taken from may have
+            # recorded the steps since, and it writes a checkpoint's rows before the file
+            self.recorded = r = self.recount()
         restarts = state.get("restarts")
         if isinstance(restarts, int) and restarts < r.restarts:
             raise WorkerError(f"run {name!r} was queued again from step 0 (fibctl queue retry --from-start) after "

@@ -457,6 +457,21 @@ def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_pa
     assert sqlite3.connect(tmp_path / "r.db").execute("select status from runs").fetchone() == ("cancelled",)
 
 
+def test_a_run_taken_over_during_a_checkpoints_evaluation_writes_no_checkpoint(data, tmp_path):
+    """Its heartbeat after the evaluation said the run was another worker's, yet it went on to
+    save into the folder its new owner trains in (and prune that owner's checkpoints)."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", steps=30, log_interval=3, eval_interval=10,
+                                                    checkpoint_interval=10))
+
+    def take_over(p):  # after step 9's heartbeat: step 10 logs nothing, its evaluation heartbeats
+        if p.step == 9:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE runs SET worker = 'thief:1'")
+    [outcome] = work(engine, opts(data, tmp_path), Quiet(on_step=take_over))
+    assert (outcome.status, outcome.step) == ("lost", 10)
+    assert list_checkpoints(tmp_path / "runs" / "run") == []
+
+
 def test_a_worker_reads_the_manifest_and_checks_each_stream_once(tmp_path, monkeypatch):
     """Resolve once, pass the object: two runs, one manifest read, one check per split."""
     from fibctl.data import streams

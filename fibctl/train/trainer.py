@@ -351,6 +351,8 @@ class Trainer:
             unscored = self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
             if unscored is not None:
                 return None, unscored
+        if self.lost:  # its heartbeat said the run is another worker's now: not into that one's folder
+            return None, None
         if save and self.config.model.schedule == "learned":
             try:  # a checkpoint without an evaluation before it: no NaN alpha is saved to resume from
                 self.model.finite_alphas()

@@ -446,10 +446,11 @@ class Trainer:
         self._check_belongs(state, path)
         logged = self._check_recorded(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
-        if used != self.optimizer_name:
-            raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
+        if used != self.optimizer_name:  # this worker's lack (no CUDA, no bitsandbytes), not the run's
+            raise WorkerError(f"checkpoint {path} was trained with {used}, but this worker would resume "
                               f"with {self.optimizer_name}" + (f" ({self.optimizer_warning})"
-                                                               if self.optimizer_warning else ""))
+                                                               if self.optimizer_warning else "")
+                              + "; the run stays queued for a worker that can")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -432,6 +432,26 @@ def test_cli_refuses_an_in_memory_database_in_one_line(args, tmp_path, monkeypat
         "(e.g. results.db)"]
 
 
+def test_a_sqlite_url_option_its_driver_would_ignore_is_refused(tmp_path, monkeypatch, capsys):
+    """`sqlite:///r.db?mode=ro`: SQLAlchemy warned in two lines of Python and ignored it, and
+    `queue add` then made and wrote the database the user had asked to open read-only."""
+    import sys
+
+    from fibctl.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "add", "demo", "--db", "sqlite:///r.db?mode=ro"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.strip().splitlines() == [
+        "error: --db sqlite:///r.db?mode=ro: the SQLite driver ignores mode without uri=true; name the file "
+        "alone (commands that only read open it read-only themselves)"]
+    assert list(tmp_path.iterdir()) == []
+    resolve_url("sqlite:///r.db?timeout=5")  # one the driver takes
+
+
 @pytest.mark.parametrize("url", ["postgresql+psycopg://u:secret@localhost:notaport/x",
                                  "postgresql://u@[::1/x"])
 def test_a_url_whose_port_is_not_a_number_is_one_line(url, tmp_path, monkeypatch, capsys):

@@ -345,6 +345,43 @@ def test_eval_whose_output_pipe_closes_stops_with_141_and_keeps_what_it_measured
                     "where r.name = 'stagger' and e.eval_length in (48, 96)")[0][0] == before + 1
 
 
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_run_in_training_is_measured_at_its_newest_checkpoint_when_the_recorded_one_is_gone(
+        when, trained, tmp_path):
+    """A run in training keeps only its newest checkpoints: the one its row named was deleted
+    before eval looked (`before`), or while eval measured the runs before it (`during`), and
+    eval stopped with `checkpoint ... does not exist` (`give the --runs-dir it was trained in`)."""
+    import threading
+
+    from fibctl.train.checkpoint import checkpoint_path
+
+    _, data, _ = trained
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    engine = queued_db(db, micro_run("first", **SHORT), micro_run("live", steps=40, checkpoint_interval=10,
+                                                                   keep_checkpoints=3))
+    work(engine, WorkerOptions(data_dir=data, runs_dir=runs, max_runs=1), Quiet())
+    stop = threading.Event()
+
+    class StopsAt23(Quiet):
+        def start(self, name, steps):
+            return lambda p: p.step == 23 and stop.set()
+
+        def finish(self, outcome):
+            pass
+    work(engine, WorkerOptions(data_dir=data, runs_dir=runs), StopsAt23(), stop=stop)  # checkpoints 10, 20, 23
+    with engine.begin() as conn:  # as its worker left it, training on
+        conn.exec_driver_sql("UPDATE runs SET status = 'running' WHERE name = 'live'")
+    recorded = checkpoint_path(runs / "live", 23)
+
+    def prune(item, total):  # its worker moved on and deleted what the row named
+        recorded.unlink(missing_ok=True)
+    if when == "before":
+        prune(None, 0)
+    frame = evaluate(engine, ["first", "live"], [64], data_dir=data, datasets=["stories_val"],
+                     on_start=prune if when == "during" else None)
+    assert list(frame["run"]) == ["first", "live"] and list(frame["step"]) == [10, 20]
+
+
 def test_eval_of_a_run_not_finished_says_which_step_it_measures(trained, tmp_path, capsys, monkeypatch):
     """A run stopped and released part-way was evaluated from that checkpoint without a word, its
     numbers then read as the run's own: one note on stderr names the status and the step; the

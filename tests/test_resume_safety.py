@@ -89,6 +89,38 @@ def test_a_checkpoint_past_what_a_restored_database_records_is_refused(data, tmp
     assert_same_run(db, ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
 
 
+def test_rows_and_a_checkpoint_landing_while_the_worker_starts_are_accounted_for(data, tmp_path, reference,
+                                                                                  monkeypatch):
+    """The worker read what the database holds of the run, then (seconds later, its model
+    built) found a newer checkpoint, written meanwhile with its rows by the worker it took the
+    run from (stalled past the heartbeat timeout): it refused it as 'a database restored from
+    an older copy', put the run back and stopped (exit 2)."""
+    from fibctl.train.trainer import Trainer
+
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    engine = queued_db(db, micro_run("run", **LONG))
+    stop_at(engine, data, runs, 23)  # checkpoints 20 and 23, rows up to 20
+    c = sqlite3.connect(db)
+    late = {t: c.execute(f"select * from {t} where step > 10").fetchall() for t in ("train_steps", "evaluations")}
+    for t in late:
+        c.execute(f"delete from {t} where step > 10")
+    c.commit()
+    newest = runs / "run" / "step_00000023.pt"
+    newest.rename(tmp_path / "late.pt")
+
+    def resume(self):  # the old owner's rows, then its checkpoint, land now
+        for t, got in late.items():
+            c.executemany(f"insert into {t} values ({', '.join('?' * len(got[0]))})", got)
+        c.commit()
+        (tmp_path / "late.pt").rename(newest)
+        return original(self)
+    original = Trainer.resume
+    monkeypatch.setattr(Trainer, "resume", resume)
+    [outcome] = work(engine, opts(data, runs), Quiet())
+    assert outcome.status == "done", outcome
+    assert_same_run(db, ckpt.load_checkpoint(outcome.checkpoint)["model"], reference)
+
+
 # ----------------------------------------------------------------------------- retry --from-start
 
 

@@ -232,6 +232,28 @@ def test_a_checkpoint_of_another_optimizer_is_not_resumed(data, tmp_path):
         trainer.resume()
 
 
+def test_a_worker_that_cannot_run_the_checkpoints_optimizer_leaves_the_run_queued(data, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A paper run checkpointed by adamw8bit on a GPU, claimed by a worker without bitsandbytes:
+    the run was marked failed ('FibctlError: checkpoint ... was trained with adamw8bit'), though
+    only that worker could not resume it; a GPU worker then passed it by."""
+    config = micro_run("a", optimizer="adamw8bit")
+    queued_db(tmp_path / "r.db", config)
+    trainer = Trainer(config, load_manifest(data), tmp_path / "runs" / "a", reporter=NullReporter())
+    save_checkpoint(tmp_path / "runs" / "a", 5, {"model": trainer.model.state_dict(), "step": 5,
+                                                 "config": config.to_dict(), "data_hash": trainer.data_hash,
+                                                 "optimizer_name": "adamw8bit", "logged_step": 0}, keep=2)
+    with sqlite3.connect(tmp_path / "r.db") as c:  # as the GPU worker stopped left it
+        c.execute("update runs set checkpoint_path = 'a/step_00000005.pt'")
+    code, err = _cli(["worker", "--db", str(tmp_path / "r.db"), "--data", str(data), "--runs-dir",
+                      str(tmp_path / "runs"), "--plain"], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("error: checkpoint "), err
+    assert "was trained with adamw8bit, but this worker would resume with adamw" in err.splitlines()[-1]
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status, attempts, error from runs").fetchall() == [
+        ("queued", 0, None)]
+
+
 def test_a_training_stream_shorter_than_two_windows_starts_is_one_error():
     with pytest.raises(FibctlError, match="training stream has 17 tokens; training at length 16 needs 18"):
         WindowSampler(np.arange(17, dtype=np.uint16), 16, 4, seed=1)
@@ -477,6 +499,21 @@ def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_pa
     [outcome] = work(engine, opts(data, tmp_path), display)
     assert (outcome.status, outcome.step) == ("lost", 5)  # log_interval 5: the first heartbeat after
     assert sqlite3.connect(tmp_path / "r.db").execute("select status from runs").fetchone() == ("cancelled",)
+
+
+def test_a_run_taken_over_during_a_checkpoints_evaluation_writes_no_checkpoint(data, tmp_path):
+    """Its heartbeat after the evaluation said the run was another worker's, yet it went on to
+    save into the folder its new owner trains in (and prune that owner's checkpoints)."""
+    engine = queued_db(tmp_path / "r.db", micro_run("run", steps=30, log_interval=3, eval_interval=10,
+                                                    checkpoint_interval=10))
+
+    def take_over(p):  # after step 9's heartbeat: step 10 logs nothing, its evaluation heartbeats
+        if p.step == 9:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE runs SET worker = 'thief:1'")
+    [outcome] = work(engine, opts(data, tmp_path), Quiet(on_step=take_over))
+    assert (outcome.status, outcome.step) == ("lost", 10)
+    assert list_checkpoints(tmp_path / "runs" / "run") == []
 
 
 def test_a_worker_reads_the_manifest_and_checks_each_stream_once(tmp_path, monkeypatch):

@@ -71,7 +71,27 @@ def resolve_url(db: str, option: str = "--db") -> URL:
     if _in_memory(url):
         raise FibctlError(f"{option} {shown(url) if has_password(url) else db} is an in-memory database: "
                           "it keeps nothing between commands; name a file (e.g. results.db)")
+    ignored = _ignored_sqlite_options(url)
+    if ignored:  # SQLAlchemy only warns, and a `mode=ro` asked for would not be kept
+        raise FibctlError(f"{option} {db}: the SQLite driver ignores {', '.join(ignored)} without uri=true; "
+                          "name the file alone (commands that only read open it read-only themselves)")
     return url
+
+
+# what the pysqlite driver takes from a URL's query (sqlalchemy.dialects.sqlite.pysqlite)
+SQLITE_DRIVER_OPTIONS = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread",
+                         "cached_statements"}
+
+
+def _ignored_sqlite_options(url: URL) -> list[str]:
+    """A SQLite URL's query keys its driver drops: SQLite URI options (mode, cache, ...)
+    without uri=true."""
+    from sqlalchemy.util import asbool  # as the driver reads uri=
+
+    uri = url.query.get("uri")
+    if url.get_backend_name() != "sqlite" or (isinstance(uri, str) and asbool(uri)):
+        return []
+    return sorted(set(url.query) - SQLITE_DRIVER_OPTIONS)
 
 
 def _in_memory(url: URL) -> bool:

@@ -28,7 +28,7 @@ from fibctl.errors import FibctlError
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.queue import no_run_named, stored_config
-from fibctl.train.checkpoint import DAMAGED, load_checkpoint, resolve_path, stored_config_hash
+from fibctl.train.checkpoint import DAMAGED, latest_checkpoint, load_checkpoint, resolve_path, stored_config_hash
 from fibctl.train.trainer import no_checkpoint_loads
 
 
@@ -37,6 +37,27 @@ class _Target:
     run: Run
     config: RunConfig
     checkpoint: Path
+
+
+def _current(path: Path, run: Run) -> Path:
+    """`path`, or, where a run still in training has deleted it since its row named it (it keeps
+    only its newest checkpoints), the newest one in its folder now."""
+    if path.is_file() or run.status == "done":
+        return path
+    return latest_checkpoint(path.parent) or path
+
+
+def _load(t: _Target) -> dict:
+    """The target's checkpoint, followed to the newest of a run in training that deleted it
+    after the plan found it (while eval measured the runs before it, say)."""
+    while True:  # each turn a newer file: a trainer saving every second may outpace one
+        try:
+            return load_checkpoint(t.checkpoint)
+        except FibctlError:
+            newer = _current(t.checkpoint, t.run)
+            if newer == t.checkpoint:
+                raise
+            t.checkpoint = newer
 
 
 def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None) -> list[_Target]:
@@ -67,7 +88,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
                               "(fibctl report table2); fibctl eval measures text")
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
-        path = resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name)
+        path = _current(resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name), r)
         if path.exists() and not path.is_file():
             raise FibctlError(f"run {r.name!r}: its checkpoint {path} is not a file")
         if not path.is_file() and path.with_name(path.name + DAMAGED).is_file():
@@ -163,7 +184,7 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
                   log_to: tuple[str, ...] = (), *, data: DataManifest,
                   on_note: Callable[[str], None] | None = None,
                   on_start: Callable[[dict], None] | None = None) -> list[dict]:
-    ckpt = load_checkpoint(t.checkpoint)
+    ckpt = _load(t)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
         raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "

@@ -467,6 +467,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             trainer = Trainer(claimed.config, data, run_dir, recorder, device=device, stop=stop,
                               on_checkpoint=on_checkpoint, compile=opts.compile, group=group)
         trainer.recorded = recorded  # a checkpoint ahead of it is refused (WorkerError: back to the queue)
+        if group is None:
+            trainer.recount = lambda: _recorded(engine, claimed)
         counts = trainer.model.param_counts()
         recorder.update_run(device=_describe(device, group),
                             **provenance(manifest) | {"data_hash": trainer.data_hash},

@@ -185,6 +185,8 @@ class Trainer:
         # checkpoint of a later one would resume past rows the database never got
         self.complete_step = 0
         self.recorded: Recorded | None = None
+        # reads `recorded` again (None: it cannot change, as under DDP, where every rank has rank 0's)
+        self.recount: Callable[[], Recorded] | None = None
         self.peak = peak_flops(device)  # None on the CPU: no MFU
         self.evals: dict[str, float] = {}  # the held-out losses of the step in progress, for the display
 
@@ -348,6 +350,8 @@ class Trainer:
             unscored = self.evaluate(self.tc.final_eval_tokens if full else self.tc.eval_tokens, positions=final)
             if unscored is not None:
                 return None, unscored
+        if self.lost:  # its heartbeat said the run is another worker's now: not into that one's folder
+            return None, None
         if save and self.config.model.schedule == "learned":
             try:  # a checkpoint without an evaluation before it: no NaN alpha is saved to resume from
                 self.model.finite_alphas()
@@ -441,10 +445,11 @@ class Trainer:
         self._check_belongs(state, path)
         logged = self._check_recorded(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
-        if used != self.optimizer_name:
-            raise FibctlError(f"checkpoint {path} was trained with {used}, but this worker would resume "
+        if used != self.optimizer_name:  # this worker's lack (no CUDA, no bitsandbytes), not the run's
+            raise WorkerError(f"checkpoint {path} was trained with {used}, but this worker would resume "
                               f"with {self.optimizer_name}" + (f" ({self.optimizer_warning})"
-                                                               if self.optimizer_warning else ""))
+                                                               if self.optimizer_warning else "")
+                              + "; the run stays queued for a worker that can")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -510,6 +515,10 @@ class Trainer:
             logged = (step - 1) // self.tc.log_interval * self.tc.log_interval if step > 0 else 0
         if r is None:
             return logged
+        if logged > r.step and self.recount is not None:
+            # read before the model was built: the worker this run was taken from may have
+            # recorded the steps since, and it writes a checkpoint's rows before the file
+            self.recorded = r = self.recount()
         restarts = state.get("restarts")
         if isinstance(restarts, int) and restarts < r.restarts:
             raise WorkerError(f"run {name!r} was queued again from step 0 (fibctl queue retry --from-start) after "

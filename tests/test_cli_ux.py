@@ -757,6 +757,7 @@ def test_a_worker_shows_the_names_and_errors_of_the_runs_it_failed_as_written(tm
                                  str(write_data(tmp_path / "data")), "--runs-dir", str(tmp_path / "runs"))
     assert code == 1, out + err  # neither name is one a run folder may have
     assert out.count("failed while starting") == 2, out
+    assert "Error:" not in out, out  # fibctl's own error as written, not `FibctlError: ...`
     _shown_not_obeyed(out)
 
 

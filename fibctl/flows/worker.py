@@ -368,7 +368,7 @@ def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: to
         if peer_failure(e) or isinstance(e, WorkerError):  # as rank 0 does (train_claimed)
             raise
         # the run's own error: rank 0 meets it too, marks the run failed and claims the next
-        return Outcome(config.name, "failed", trainer.step if trainer else None, f"{type(e).__name__}: {e}")
+        return Outcome(config.name, "failed", trainer.step if trainer else None, _error_line(e))
     status = {"stopped": "released", "diverged": "failed"}.get(result.status, result.status)
     return Outcome(config.name, status, result.step, result.error, result.checkpoint)
 
@@ -510,9 +510,9 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if isinstance(e, IntegrityError) and queue.removed(engine, claimed.id):  # nothing left to record
             outcome = Outcome(claimed.name, "lost", step, "the run was removed from the database")
         elif queue.fail(engine, claimed.id, f"{at}: {_error_text(e)}", worker):
-            outcome = Outcome(claimed.name, "failed", step, f"{type(e).__name__}: {e}")
+            outcome = Outcome(claimed.name, "failed", step, _error_line(e))
         else:  # cancelled or taken over meanwhile: the row is no longer ours to fail
-            outcome = Outcome(claimed.name, "lost", step, f"{type(e).__name__}: {e}")
+            outcome = Outcome(claimed.name, "lost", step, _error_line(e))
     finally:
         if tee is not None:
             tee.close()
@@ -622,6 +622,12 @@ def _record(recorder: RunRecorder, opts: WorkerOptions, name: str, result: Train
     stored = ckpt.stored_path(result.checkpoint, opts.runs_dir, name) if result.checkpoint else None
     recorder.update_run(tokens_trained=result.tokens_trained, wall_seconds=result.wall_seconds,
                         checkpoint_path=stored)
+
+
+def _error_line(e: Exception) -> str:
+    """The outcome line of a run that raised: fibctl's own errors are written for the user as
+    they are; anything else is named by its class, which says what went wrong."""
+    return str(e) if isinstance(e, FibctlError) else f"{type(e).__name__}: {e}"
 
 
 def _error_text(e: Exception) -> str:

@@ -255,8 +255,9 @@ def _print_version(asked: bool) -> None:
         torch = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch = "not installed"
-    print(f"fibctl {fibctl.__version__}" + (f" (git {commit})" if commit else "")
-          + f", Python {platform.python_version()}, torch {torch}")
+    # the commit on a line of its own: whole (it names the code exactly), and within 80 columns
+    print(f"fibctl {fibctl.__version__}, Python {platform.python_version()}, torch {torch}"
+          + (f"\ngit {commit}" if commit else ""))
     raise typer.Exit(0)
 
 

@@ -67,3 +67,17 @@ def test_help_shows_bracketed_text_as_written():
             assert token in out, f"fibctl {path} --help lost {token}"
         checked += 1
     assert checked >= 2  # worker's --log-to and slurm submit name their extras
+
+
+def test_every_study_run_name_in_the_docs_is_a_run_of_the_paper_matrix():
+    """The docs name the study's runs (f06__fib_fixed_w8); a name no run has (fixed W8 is f06,
+    f05 is W6) sends a reader's `fibctl eval` to an error or to the wrong run."""
+    import re
+
+    from fibctl.matrix import load_matrix
+
+    runs = {e.name for e in load_matrix("paper").entries}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(p.name, n) for p in pages for n in re.findall(r"\b[fgh]\d\d__\w+", p.read_text())}
+    assert len(named) > 10
+    assert not {(page, n) for page, n in named if n not in runs}

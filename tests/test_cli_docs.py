@@ -4,6 +4,7 @@ command, table or figure without docs fails here."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,6 @@ def test_help_shows_bracketed_text_as_written():
 def test_every_study_run_name_in_the_docs_is_a_run_of_the_paper_matrix():
     """The docs name the study's runs (f06__fib_fixed_w8); a name no run has (fixed W8 is f06,
     f05 is W6) sends a reader's `fibctl eval` to an error or to the wrong run."""
-    import re
-
     from fibctl.matrix import load_matrix
 
     runs = {e.name for e in load_matrix("paper").entries}
@@ -81,3 +80,19 @@ def test_every_study_run_name_in_the_docs_is_a_run_of_the_paper_matrix():
     named = {(p.name, n) for p in pages for n in re.findall(r"\b[fgh]\d\d__\w+", p.read_text())}
     assert len(named) > 10
     assert not {(page, n) for page, n in named if n not in runs}
+
+
+def test_every_table_and_column_of_the_schema_is_in_schema_md():
+    """docs/schema.md is the SQL API's reference: a column the schema gained (revision 0006's
+    provenance, say) must be described there, under its table."""
+    from fibctl.db.schema import Base
+
+    doc = (ROOT / "docs" / "schema.md").read_text()
+    sections = dict(re.findall(r"\*\*`(\w+)`\*\*(.*?)(?=\n\*\*`|\n## |\Z)", doc, re.S))
+    for table in Base.metadata.sorted_tables:
+        assert table.name in sections, f"docs/schema.md has no section for {table.name}"
+        text = sections[table.name]
+        key = re.match(r"\s*\[([\w, ]+)\]", text)  # a metric table's natural key: [run_id, step]
+        said = set(re.findall(r"`(\w+)`", text)) | set(key.group(1).replace(" ", "").split(",") if key else ())
+        missing = [c.name for c in table.columns if c.name != "id" and c.name not in said]
+        assert not missing, f"docs/schema.md does not describe {table.name}: {missing}"

@@ -96,3 +96,18 @@ def test_every_table_and_column_of_the_schema_is_in_schema_md():
         said = set(re.findall(r"`(\w+)`", text)) | set(key.group(1).replace(" ", "").split(",") if key else ())
         missing = [c.name for c in table.columns if c.name != "id" and c.name not in said]
         assert not missing, f"docs/schema.md does not describe {table.name}: {missing}"
+
+
+def test_every_preset_and_manifest_key_is_in_the_docs():
+    """docs/cli.md lists the presets `--preset` takes; docs/data.md every key a data folder's
+    manifest.json holds."""
+    import dataclasses
+
+    from fibctl.config import PRESETS
+    from fibctl.data.streams import DataManifest
+
+    presets = re.search(r"\nPresets: (.*?)\n\n", (ROOT / "docs" / "cli.md").read_text(), re.S).group(1)
+    assert not [p for p in PRESETS if f"`{p}` (" not in presets]
+    fields = {f.name: None for f in dataclasses.fields(DataManifest)}
+    manifest = (ROOT / "docs" / "data.md").read_text().split("`manifest.json`: ", 1)[1].split("\n\n", 1)[0]
+    assert not [k for k in DataManifest(**fields).to_dict() if f"`{k}`" not in manifest]

@@ -111,3 +111,20 @@ def test_every_preset_and_manifest_key_is_in_the_docs():
     fields = {f.name: None for f in dataclasses.fields(DataManifest)}
     manifest = (ROOT / "docs" / "data.md").read_text().split("`manifest.json`: ", 1)[1].split("\n\n", 1)[0]
     assert not [k for k in DataManifest(**fields).to_dict() if f"`{k}`" not in manifest]
+
+
+def test_the_readme_s_demo_table_is_results_db_example_s_table3():
+    """The README shows what the demo printed: Table 3 of results.db.example as the demo
+    reports it (its title, every column, each cell as printed)."""
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports import render
+
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"\n```\n(Table 3: .*?)```", readme, re.S)
+    assert shown, "the README shows no Table 3 under its title"
+    lines = shown.group(1).splitlines()
+    table = tables.table3(connect_readonly(str(ROOT / "results.db.example")), matrix="demo", all_runs=True)
+    assert lines[0] == table.title
+    assert re.split(r"\s{2,}", lines[1]) == list(table.frame.columns)
+    cells = [[render.cell(table, c, v) for c, v in row.items()] for row in table.frame.to_dict("records")]
+    assert [re.split(r"\s{2,}", line.strip()) for line in lines[2:]] == cells

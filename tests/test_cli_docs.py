@@ -128,3 +128,14 @@ def test_the_readme_s_demo_table_is_results_db_example_s_table3():
     assert re.split(r"\s{2,}", lines[1]) == list(table.frame.columns)
     cells = [[render.cell(table, c, v) for c, v in row.items()] for row in table.frame.to_dict("records")]
     assert [re.split(r"\s{2,}", line.strip()) for line in lines[2:]] == cells
+
+
+def test_the_readme_s_map_of_the_package_names_every_module():
+    """The README's Development section maps fibctl's modules to their strata; a module or
+    package added since (flops.py, provenance.py) must find its place there."""
+    readme = (ROOT / "README.md").read_text()
+    tree = readme.split("## Development", 1)[1].split("```", 2)[1]
+    package = ROOT / "fibctl"
+    names = [p.name + ("/" if p.is_dir() else "") for p in package.iterdir()
+             if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").is_file()]
+    assert not [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree)]

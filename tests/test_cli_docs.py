@@ -33,6 +33,8 @@ COMMANDS = dict(leaf_commands())
 def test_every_command_has_help_and_is_in_the_readme(path):
     command = COMMANDS[path]
     assert (command.help or "").strip(), f"fibctl {path} has no help text"
+    assert (command.help or "").strip().splitlines()[-1].strip().startswith("Example: fibctl "), \
+        f"fibctl {path}'s help does not end with an Example: line"
     for param in command.params:
         if param.name != "help" and getattr(param, "param_type_name", "") == "option":
             assert (param.help or "").strip(), f"fibctl {path} {param.opts[0]} has no help text"

@@ -248,8 +248,9 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "tiny",
             ModelConfig(vocab_size=4096, d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, seq_len=128),
-            # long enough that dense overtakes the sparse models at the training length, as in
-            # the paper (docs/benchmarks.md, "fibctl demo")
+            # long enough for the paper's length effect: dense's perplexity climbs past the
+            # training length while the sparse models' stays (README; docs/benchmarks.md,
+            # "fibctl demo"). Which leads at the training length, a ~1 % margin, it does not settle
             TrainConfig(
                 steps=1400, batch_size=16, grad_accum=1, lr=3e-3, warmup_steps=30, log_interval=10,
                 eval_interval=200, eval_tokens=32_768, final_eval_tokens=131_072,

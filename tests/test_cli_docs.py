@@ -4,6 +4,7 @@ command, table or figure without docs fails here."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ COMMANDS = dict(leaf_commands())
 def test_every_command_has_help_and_is_in_the_readme(path):
     command = COMMANDS[path]
     assert (command.help or "").strip(), f"fibctl {path} has no help text"
+    assert (command.help or "").strip().splitlines()[-1].strip().startswith("Example: fibctl "), \
+        f"fibctl {path}'s help does not end with an Example: line"
     for param in command.params:
         if param.name != "help" and getattr(param, "param_type_name", "") == "option":
             assert (param.help or "").strip(), f"fibctl {path} {param.opts[0]} has no help text"
@@ -67,3 +70,74 @@ def test_help_shows_bracketed_text_as_written():
             assert token in out, f"fibctl {path} --help lost {token}"
         checked += 1
     assert checked >= 2  # worker's --log-to and slurm submit name their extras
+
+
+def test_every_study_run_name_in_the_docs_is_a_run_of_the_paper_matrix():
+    """The docs name the study's runs (f06__fib_fixed_w8); a name no run has (fixed W8 is f06,
+    f05 is W6) sends a reader's `fibctl eval` to an error or to the wrong run."""
+    from fibctl.matrix import load_matrix
+
+    runs = {e.name for e in load_matrix("paper").entries}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(p.name, n) for p in pages for n in re.findall(r"\b[fgh]\d\d__\w+", p.read_text())}
+    assert len(named) > 10
+    assert not {(page, n) for page, n in named if n not in runs}
+
+
+def test_every_table_and_column_of_the_schema_is_in_schema_md():
+    """docs/schema.md is the SQL API's reference: a column the schema gained (revision 0006's
+    provenance, say) must be described there, under its table."""
+    from fibctl.db.schema import Base
+
+    doc = (ROOT / "docs" / "schema.md").read_text()
+    sections = dict(re.findall(r"\*\*`(\w+)`\*\*(.*?)(?=\n\*\*`|\n## |\Z)", doc, re.S))
+    for table in Base.metadata.sorted_tables:
+        assert table.name in sections, f"docs/schema.md has no section for {table.name}"
+        text = sections[table.name]
+        key = re.match(r"\s*\[([\w, ]+)\]", text)  # a metric table's natural key: [run_id, step]
+        said = set(re.findall(r"`(\w+)`", text)) | set(key.group(1).replace(" ", "").split(",") if key else ())
+        missing = [c.name for c in table.columns if c.name != "id" and c.name not in said]
+        assert not missing, f"docs/schema.md does not describe {table.name}: {missing}"
+
+
+def test_every_preset_and_manifest_key_is_in_the_docs():
+    """docs/cli.md lists the presets `--preset` takes; docs/data.md every key a data folder's
+    manifest.json holds."""
+    import dataclasses
+
+    from fibctl.config import PRESETS
+    from fibctl.data.streams import DataManifest
+
+    presets = re.search(r"\nPresets: (.*?)\n\n", (ROOT / "docs" / "cli.md").read_text(), re.S).group(1)
+    assert not [p for p in PRESETS if f"`{p}` (" not in presets]
+    fields = {f.name: None for f in dataclasses.fields(DataManifest)}
+    manifest = (ROOT / "docs" / "data.md").read_text().split("`manifest.json`: ", 1)[1].split("\n\n", 1)[0]
+    assert not [k for k in DataManifest(**fields).to_dict() if f"`{k}`" not in manifest]
+
+
+def test_the_readme_s_demo_table_is_results_db_example_s_table3():
+    """The README shows what the demo printed: Table 3 of results.db.example as the demo
+    reports it (its title, every column, each cell as printed)."""
+    from fibctl.db.engine import connect_readonly
+    from fibctl.reports import render
+
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"\n```\n(Table 3: .*?)```", readme, re.S)
+    assert shown, "the README shows no Table 3 under its title"
+    lines = shown.group(1).splitlines()
+    table = tables.table3(connect_readonly(str(ROOT / "results.db.example")), matrix="demo", all_runs=True)
+    assert lines[0] == table.title
+    assert re.split(r"\s{2,}", lines[1]) == list(table.frame.columns)
+    cells = [[render.cell(table, c, v) for c, v in row.items()] for row in table.frame.to_dict("records")]
+    assert [re.split(r"\s{2,}", line.strip()) for line in lines[2:]] == cells
+
+
+def test_the_readme_s_map_of_the_package_names_every_module():
+    """The README's Development section maps fibctl's modules to their strata; a module or
+    package added since (flops.py, provenance.py) must find its place there."""
+    readme = (ROOT / "README.md").read_text()
+    tree = readme.split("## Development", 1)[1].split("```", 2)[1]
+    package = ROOT / "fibctl"
+    names = [p.name + ("/" if p.is_dir() else "") for p in package.iterdir()
+             if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").is_file()]
+    assert not [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree)]

@@ -137,7 +137,9 @@ def show_cmd(
 
 @data_app.command("recipes")
 def recipes_cmd() -> None:
-    """List the recipes shipped with fibctl."""
+    """List the recipes shipped with fibctl.
+
+    Example: fibctl data recipes"""
     rows = [[name, f"{r.vocab_size:,}", f"{r.train_tokens:,}", "\n".join(r.heldout), r.description]
             for name, r in ((name, load_recipe(name)) for name in shipped())]
     # held-out set names are what --dataset takes: whole at any width (a plain table cut them

@@ -138,7 +138,9 @@ def db_current(db: DbOption = DEFAULT_DB) -> None:
 
 @matrix_app.command("list")
 def matrix_list() -> None:
-    """List the matrices shipped with fibctl."""
+    """List the matrices shipped with fibctl.
+
+    Example: fibctl matrix list"""
     rows = []
     for name in shipped_matrices():
         m = load_matrix(name)

@@ -177,6 +177,38 @@ def test_a_removed_runs_checkpoints_are_not_taken_by_the_run_queued_again(data, 
     assert runs(tmp_path / "r.db") == before
 
 
+def test_a_worker_settles_the_folder_a_killed_queue_rm_moved_aside(data, tmp_path):
+    """`queue rm --checkpoints` moves RUNS/NAME to RUNS/.NAME.removing-PID before its commit.
+    Killed in the commit, the run stayed with its folder hidden: the worker found no
+    checkpoint and stopped. Killed after it, the hidden folder stayed for good beside the
+    name queued again. The worker moves back the run's own, deletes a removed run's, and
+    leaves one whose process still runs."""
+    import os
+
+    from fibctl.queue import remove
+    dead = 2**22 + 1  # above any pid_max: no process has it
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, runs_dir), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    live = runs_dir / f".run.removing-{os.getpid()}"  # a `queue rm` still at work: left alone
+    (runs_dir / "run").rename(live)
+    with pytest.raises(WorkerError, match="step_00000003.pt does not exist"):
+        work(engine, opts(data, runs_dir), Quiet())
+    live.rename(runs_dir / f".run.removing-{dead}")
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done"
+    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert [m for (m,) in resumed] == [f"resumed from step 3: {runs_dir / 'run' / 'step_00000003.pt'}"]
+
+    (runs_dir / "run").rename(runs_dir / f".run.removing-{dead}")
+    remove(engine, "run")  # committed before the kill
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))  # the name queued again
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done" and sorted(p.name for p in runs_dir.iterdir()) == ["run"]
+    assert sorted(p.name for p in (runs_dir / "run").glob("step_*.pt")) == ["step_00000010.pt"]
+
+
 def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()

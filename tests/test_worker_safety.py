@@ -398,6 +398,40 @@ def test_a_run_that_raises_records_the_step_it_failed_at(data, tmp_path, monkeyp
     assert runs(tmp_path / "r.db")[0][4].startswith("at step 7: RuntimeError: simulated fault")
 
 
+@pytest.mark.parametrize("stop_at", [None, 9], ids=["checkpoint-due", "stopped"])
+def test_a_run_removed_while_it_trains_gets_no_checkpoint_and_its_folder_stays_gone(data, tmp_path, stop_at):
+    """`queue cancel` and `queue rm --checkpoints` after the trainer's last heartbeat, with no
+    evaluation due before its next checkpoint (full_eval_interval not dividing the checkpoint
+    interval), or a stop asked: it wrote that checkpoint, making the folder again, which then
+    refused the name queued anew. It checks the run is still its own first."""
+    import shutil
+
+    from fibctl import queue
+
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("gone", steps=30, log_interval=7, eval_interval=50,
+                                                   checkpoint_interval=10, full_eval_interval=20))
+    stop = threading.Event()
+
+    def removed_meanwhile(self):
+        if self.step == 8:  # after its heartbeat at step 7
+            queue.cancel(engine, "gone")
+            queue.remove(engine, "gone")
+            shutil.rmtree(runs_dir / "gone", ignore_errors=True)
+            if stop_at:
+                stop.set()
+        return original(self)
+    original = Trainer.train_step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "train_step", removed_meanwhile)
+        [outcome] = work(engine, opts(data, runs_dir), Quiet(), stop=stop)
+    assert outcome.status == "lost"
+    assert not (runs_dir / "gone").exists()
+    queued_db(tmp_path / "r.db", micro_run("gone", **SHORT))  # the name queued again trains
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done"
+
+
 def test_a_run_cancelled_and_removed_while_it_trains_is_lost_and_the_worker_goes_on(data, tmp_path, monkeypatch):
     """`queue cancel` then `queue rm` before the worker's next heartbeat: its next write failed
     on the missing row, and so did marking the run failed; the worker died with a traceback

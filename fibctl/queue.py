@@ -122,6 +122,12 @@ def no_run_named(names: Sequence[str], known, where: str = "", advice: str = "")
     return FibctlError(f"no run named {', '.join(map(repr, names))}{where}{said}")
 
 
+def exists(engine: Engine, name: str) -> bool:
+    """Whether a run of that name is in the database (of any revision, or none)."""
+    with engine.connect() as conn:
+        return _has_runs(conn) and conn.execute(select(Run.id).where(Run.name == name)).first() is not None
+
+
 def _run_names(conn: Connection) -> list[str]:
     return list(conn.execute(select(Run.name)).scalars()) if _has_runs(conn) else []
 

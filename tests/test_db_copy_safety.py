@@ -243,3 +243,26 @@ def test_db_copy_refuses_the_nan_before_it_touches_an_existing_sqlite_target(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target.db"]
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
     assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+@pytest.mark.parametrize("to", ["new.db", "sqlite:///new.db"])
+def test_db_copy_names_the_target_the_user_gave_not_its_temporary(tmp_path, monkeypatch, capsys, to):
+    """A new SQLite target is built as .new.db.partial-PID: a failure there (a full disk
+    failing its upgrade) named that hidden file, gone by the time the user read the line."""
+    import sqlite3
+
+    from alembic import command
+
+    from cli_helpers import refused
+    from fibctl.db.engine import head_revision
+
+    add_runs(connect(str(tmp_path / "source.db")), [micro_run("a")])
+    monkeypatch.chdir(tmp_path)
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(command, "upgrade", full)
+    line = refused(monkeypatch, capsys, "db", "copy", "--from", "source.db", "--to", to)
+    assert line == f"error: upgrading {to} to {head_revision()} failed, nothing changed: database or disk is full\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source.db"]

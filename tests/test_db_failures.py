@@ -269,3 +269,79 @@ def test_a_damaged_database_is_one_line_wherever_a_query_meets_it(args, tmp_path
     err = refused(monkeypatch, capsys, *args)
     assert "corrupt.db is not a usable database: database disk image is malformed" in err
     assert _state(tmp_path) == before  # no out.db either
+
+
+def _sqlite_error(message: str, code: int) -> sqlite3.OperationalError:
+    e = sqlite3.OperationalError(message)
+    e.sqlite_errorcode = code  # as the driver sets it: the extended code, its low byte the primary
+    return e
+
+
+DISK = [("disk I/O error", 10 | 19 << 8), ("database or disk is full", 13)]  # SQLITE_IOERR_SHMSIZE, SQLITE_FULL
+
+
+@pytest.mark.parametrize("message, code", DISK, ids=["io", "full"])
+@pytest.mark.parametrize("args", [["db", "upgrade"], ["queue", "ls"], ["queue", "add", "m.toml"]],
+                         ids=lambda a: " ".join(a[:2]))
+def test_a_disk_that_refuses_writes_is_named_not_the_database(args, message, code, tmp_path, monkeypatch, capsys):
+    """A WAL database on a full disk (its -shm file cannot grow) was "t.db is not a usable
+    database: disk I/O error", for a database that is whole: the line points at the disk."""
+    from sqlalchemy.exc import OperationalError
+
+    from fibctl.db import engine
+
+    _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    def refuses(conn, db):
+        raise OperationalError("SELECT version_num FROM alembic_version", {}, _sqlite_error(message, code))
+
+    monkeypatch.setattr(engine, "_stored_revision", refuses)
+    err = refused(monkeypatch, capsys, *args, "--db", "t.db")
+    assert err == f"error: t.db: its disk is full or not writable ({message})\n"
+
+
+@pytest.mark.parametrize("message, code", DISK, ids=["io", "full"])
+def test_an_upgrade_the_disk_refuses_names_the_disk(message, code, tmp_path, monkeypatch, capsys):
+    from alembic import command
+
+    monkeypatch.chdir(tmp_path)
+
+    def refuses(*args, **kwargs):
+        raise _sqlite_error(message, code)
+
+    monkeypatch.setattr(command, "upgrade", refuses)
+    err = refused(monkeypatch, capsys, "db", "upgrade", "--db", "new.db")
+    assert err == (f"error: upgrading new.db to {head_revision()} failed, nothing changed: its disk is full or "
+                   f"not writable ({message})\n")
+
+
+def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys):
+    """The same on a real full disk: a 3 MB tmpfs, where this may mount one (root). Switching
+    a database to WAL mode there was a traceback."""
+    import os
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        for wal in (False, True):
+            shutil.copy(EXAMPLE, disk / f"{'wal' if wal else 'r'}.db")
+        conn = sqlite3.connect(disk / "wal.db")
+        conn.execute("PRAGMA journal_mode=WAL")  # its readers need a -shm file, its writers a -wal
+        conn.close()
+        with contextlib.suppress(OSError), open(disk / "fill", "wb") as fill:
+            while True:  # to the last byte
+                fill.write(b"\0" * 4096)
+                fill.flush()
+        monkeypatch.chdir(disk)
+        # a rollback-journal database to switch to WAL mode; WAL ones to read and to write
+        for args, db in ((["db", "upgrade"], "r.db"), (["db", "upgrade"], "wal.db"), (["queue", "ls"], "wal.db"),
+                         (["queue", "cancel", "dense"], "wal.db")):
+            err = refused(monkeypatch, capsys, *args, "--db", db)
+            assert err.startswith(f"error: {db}: its disk is full or not writable ("), err
+    finally:
+        monkeypatch.chdir(tmp_path)
+        subprocess.run(["umount", str(disk)], check=True)

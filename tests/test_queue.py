@@ -685,6 +685,43 @@ def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_pa
     assert sorted(p.name for p in runs.iterdir()) == ["r000", "r001"]  # nothing hidden left behind
 
 
+def test_queue_rm_settles_the_folder_a_killed_queue_rm_moved_aside(db, tmp_path, monkeypatch, capsys):
+    """`queue rm --checkpoints` renames RUNS/NAME to RUNS/.NAME.removing-PID, commits, then
+    deletes it. Killed (SIGKILL) after the commit, the hidden folder stayed for good; killed in
+    the commit, the run stayed with its folder hidden. The next `queue rm` of the name moves it
+    back where the run is there, deletes it where the run is gone; a live process's stays."""
+    from fibctl.cli import main
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(4))
+    runs = tmp_path / "runs"
+    dead = 2**22 + 1  # above any pid_max: no process has it
+    live = runs / f".r002.removing-{os.getpid()}"  # a `queue rm` still at work
+    for hidden in (*(runs / f".r00{i}.removing-{dead}" for i in (0, 1, 3)), live):
+        hidden.mkdir(parents=True)
+        (hidden / "step_00000010.pt").write_bytes(b"x")
+    queue.remove(engine, "r001")  # its removal committed before the kill
+    monkeypatch.chdir(tmp_path)  # the default runs folder, ./runs
+
+    def rm(*args: str) -> tuple[int, str]:
+        monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "rm", *args, "--db", db])
+        with pytest.raises(SystemExit) as done:
+            main()
+        said = capsys.readouterr()
+        return done.value.code, " ".join((said.out + said.err).split())
+
+    assert rm("r000") == (0, "removed run r000 (queued) and 0 metric and event row(s); its checkpoints stay in "
+                             "runs/r000 (--checkpoints deletes them)")
+    assert (runs / "r000" / "step_00000010.pt").is_file()
+    assert rm("r003", "--checkpoints") == (0, "removed run r003 (queued) and 0 metric and event row(s); "
+                                              "deleted runs/r003")
+    assert rm("r001", "--checkpoints") == (2, "error: no run named 'r001'; did you mean 'r002'?")
+    assert rm("r002", "--checkpoints") == (0, "removed run r002 (queued) and 0 metric and event row(s); "
+                                              "no checkpoint folder at runs/r002")
+    assert sorted(p.name for p in runs.iterdir()) == [live.name, "r000"]
+    assert [r["name"] for r in queue.list_runs(engine)] == []
+
+
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"name": 5}', "[" * 100_000 + "]" * 100_000])
 def test_a_run_whose_stored_config_is_damaged_is_one_line_and_no_worker_crashes_on_it(
         db, damage, monkeypatch, capsys):

@@ -141,6 +141,20 @@ def test_retry_from_start_looks_in_the_folder_the_run_last_trained_in(data, tmp_
     assert rows(db) == before and status(db)[0] == "cancelled"
 
 
+def test_retry_from_start_sees_the_checkpoints_a_killed_queue_rm_moved_aside(data, tmp_path, capsys, monkeypatch):
+    """`queue rm --checkpoints` killed in its commit left the run with its folder hidden
+    (RUNS/.NAME.removing-PID): the retry found no checkpoint and deleted the run's rows."""
+    db, runs = tmp_path / "r.db", tmp_path / "runs"
+    engine = queued_db(db, micro_run("run", **LONG))
+    stop_at(engine, data, runs, 13)
+    queue.cancel(engine, "run")
+    (runs / "run").rename(runs / f".run.removing-{2**22 + 1}")  # above any pid_max: its process is gone
+    before = rows(db)
+    code, _, err = cli(["queue", "retry", "run", "--from-start", "--db", str(db)], capsys, monkeypatch)
+    assert code == 2 and err.startswith(f"error: {runs.resolve() / 'run' / 'step_00000013.pt'} is still there"), err
+    assert rows(db) == before and status(db)[0] == "cancelled" and [p.name for p in runs.iterdir()] == ["run"]
+
+
 @pytest.mark.parametrize("at", [23, 3])  # 3: before the run's first train_steps row
 def test_a_checkpoint_written_before_a_retry_from_start_is_not_resumed(at, data, tmp_path, capsys, monkeypatch,
                                                                        reference):

@@ -177,6 +177,38 @@ def test_a_removed_runs_checkpoints_are_not_taken_by_the_run_queued_again(data, 
     assert runs(tmp_path / "r.db") == before
 
 
+def test_a_worker_settles_the_folder_a_killed_queue_rm_moved_aside(data, tmp_path):
+    """`queue rm --checkpoints` moves RUNS/NAME to RUNS/.NAME.removing-PID before its commit.
+    Killed in the commit, the run stayed with its folder hidden: the worker found no
+    checkpoint and stopped. Killed after it, the hidden folder stayed for good beside the
+    name queued again. The worker moves back the run's own, deletes a removed run's, and
+    leaves one whose process still runs."""
+    import os
+
+    from fibctl.queue import remove
+    dead = 2**22 + 1  # above any pid_max: no process has it
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, runs_dir), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    live = runs_dir / f".run.removing-{os.getpid()}"  # a `queue rm` still at work: left alone
+    (runs_dir / "run").rename(live)
+    with pytest.raises(WorkerError, match="step_00000003.pt does not exist"):
+        work(engine, opts(data, runs_dir), Quiet())
+    live.rename(runs_dir / f".run.removing-{dead}")
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done"
+    resumed = sqlite3.connect(tmp_path / "r.db").execute("select message from events where kind = 'resumed'")
+    assert [m for (m,) in resumed] == [f"resumed from step 3: {runs_dir / 'run' / 'step_00000003.pt'}"]
+
+    (runs_dir / "run").rename(runs_dir / f".run.removing-{dead}")
+    remove(engine, "run")  # committed before the kill
+    queued_db(tmp_path / "r.db", micro_run("run", **SHORT))  # the name queued again
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done" and sorted(p.name for p in runs_dir.iterdir()) == ["run"]
+    assert sorted(p.name for p in (runs_dir / "run").glob("step_*.pt")) == ["step_00000010.pt"]
+
+
 def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()
@@ -364,6 +396,40 @@ def test_a_run_that_raises_records_the_step_it_failed_at(data, tmp_path, monkeyp
     [outcome] = work(engine, opts(data, tmp_path / "runs"), Quiet())
     assert (outcome.status, outcome.step) == ("failed", 7)
     assert runs(tmp_path / "r.db")[0][4].startswith("at step 7: RuntimeError: simulated fault")
+
+
+@pytest.mark.parametrize("stop_at", [None, 9], ids=["checkpoint-due", "stopped"])
+def test_a_run_removed_while_it_trains_gets_no_checkpoint_and_its_folder_stays_gone(data, tmp_path, stop_at):
+    """`queue cancel` and `queue rm --checkpoints` after the trainer's last heartbeat, with no
+    evaluation due before its next checkpoint (full_eval_interval not dividing the checkpoint
+    interval), or a stop asked: it wrote that checkpoint, making the folder again, which then
+    refused the name queued anew. It checks the run is still its own first."""
+    import shutil
+
+    from fibctl import queue
+
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("gone", steps=30, log_interval=7, eval_interval=50,
+                                                   checkpoint_interval=10, full_eval_interval=20))
+    stop = threading.Event()
+
+    def removed_meanwhile(self):
+        if self.step == 8:  # after its heartbeat at step 7
+            queue.cancel(engine, "gone")
+            queue.remove(engine, "gone")
+            shutil.rmtree(runs_dir / "gone", ignore_errors=True)
+            if stop_at:
+                stop.set()
+        return original(self)
+    original = Trainer.train_step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "train_step", removed_meanwhile)
+        [outcome] = work(engine, opts(data, runs_dir), Quiet(), stop=stop)
+    assert outcome.status == "lost"
+    assert not (runs_dir / "gone").exists()
+    queued_db(tmp_path / "r.db", micro_run("gone", **SHORT))  # the name queued again trains
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done"
 
 
 def test_a_run_cancelled_and_removed_while_it_trains_is_lost_and_the_worker_goes_on(data, tmp_path, monkeypatch):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,7 +19,7 @@ from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix, parse_settings, shipped_matrices
-from fibctl.names import check_name, refuse_foreign
+from fibctl.names import check_name
 
 db_app = typer.Typer(help="The results database: its schema revision, upgrades and copies.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
@@ -341,6 +340,7 @@ def queue_retry(ctx: typer.Context,
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
+        from fibctl.flows.removal import settle_aside
         from fibctl.train import checkpoint as ckpt
 
         def check(recorded_dir: str | None, recorded: str | None) -> None:
@@ -348,6 +348,7 @@ def queue_retry(ctx: typer.Context,
             # worker given that one would find the checkpoint after the rows were deleted
             for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
                                         *([Path(recorded_dir)] if recorded_dir else [])]):
+                settle_aside(where, name, owned=True)  # a killed `queue rm` hid them: back, and seen
                 folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
@@ -390,91 +391,20 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     terminal.
 
     Example: fibctl queue rm dense_lr1e-3 --checkpoints"""
+    from fibctl.flows.removal import remove_run
+
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
     if checkpoints and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
         raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
 
-    def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
-        return _checkpoint_folder(name, runs_dir or Path(recorded_dir or "runs"))
-
-    removable = queue.check_remove(name, folder_of if checkpoints else None)
-    older: list[int] = []  # the run's rows in a database of an older revision, before its upgrade
-
-    def check(reader) -> None:  # a read-only engine on the database as it is
-        removable(reader)
-        r = queue.to_remove(reader, name)
-        if db_engine.current_revision(reader) != db_engine.head_revision():
-            older.append(r.rows)
+    def ask(question: str) -> None:
         if not yes and interactive():  # a person at a terminal: results are deleted for good
-            what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
-            if not confirmed(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?")):
+            if not confirmed(question):
                 err_console.print(plain("nothing was removed"))
                 raise typer.Exit(1)
 
-    # on the database as it is, before any upgrade: a refusal, or a "no", leaves it as it was
-    engine = db_engine.connect(db, must_exist=True, check=check)
-    # rows the upgrade itself just derived (0007 names a probe model's task) are not counted:
-    # the run's rows are said as the question said them, as the database held them
-    derived = queue.to_remove(engine, name).rows - older[0] if older else 0
-    folder: list[Path] = []
-    aside: list[Path] = []
-    kept: list[Path] = []  # without --checkpoints: where they stay, said (a run queued again by the name refuses them)
-
-    def check(recorded: str | None) -> None:  # before any row is deleted (checked again: it may have changed)
-        if checkpoints:
-            folder.append(folder_of(recorded))
-        else:
-            kept.append((runs_dir or Path(recorded or "runs")) / name)
-
-    def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
-        if folder and folder[0].exists():
-            hidden = folder[0].with_name(f".{name}.removing-{os.getpid()}")
-            try:
-                folder[0].rename(hidden)
-            except OSError as e:
-                raise FibctlError(f"cannot delete {folder[0]}: {e.strerror or e}; nothing was removed") from None
-            aside.append(hidden)
-
-    try:
-        removed = queue.remove(engine, name, check, move_aside)
-    except BaseException:
-        for hidden in aside:  # the rows stay: so does the folder, where it was
-            hidden.rename(folder[0])
-        raise
-    message = f"removed run {name} ({removed.status}) and {removed.rows - derived} metric and event row(s)"
-    if aside:
-        try:
-            shutil.rmtree(aside[0])
-        except OSError as e:
-            left = folder[0]
-            try:
-                aside[0].rename(left)
-            except OSError:
-                left = aside[0]
-            raise FibctlError(f"{message}, but not all of its checkpoint folder ({e.filename}: "
-                              f"{e.strerror or e}); what is left is at {left}: delete it by hand") from None
-        message += f"; deleted {folder[0]}"
-    elif folder:
-        message += f"; no checkpoint folder at {folder[0]}"
-    elif kept and kept[0].is_dir() and any(kept[0].glob("step_*.pt")):
-        message += f"; its checkpoints stay in {kept[0]} (--checkpoints deletes them)"
-    console.print(plain(message), highlight=False)
-
-
-def _checkpoint_folder(name: str, runs_dir: Path) -> Path:
-    """RUNS_DIR/NAME, refused unless it is a real folder directly inside the runs folder."""
-    check_name("run", name)
-    folder = runs_dir / name
-    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
-    if folder.exists() and folder.resolve().parent != runs_dir.resolve():
-        raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
-    from fibctl.train.checkpoint import OWN  # torch: only for this command
-
-    if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
-        refuse_foreign(folder, OWN, "fibctl", "nothing was removed")
-    return folder
+    console.print(plain(remove_run(db, name, checkpoints, runs_dir, ask)), highlight=False)
 
 
 @queue_app.command("show")

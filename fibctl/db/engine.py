@@ -280,6 +280,17 @@ def _raised_on(record: logging.LogRecord) -> bool:
 
 # SQLite's result codes for a file that is damaged (a bad page, a truncated file) or is no database
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
+# ... and for a disk that refused a write: an I/O error (a -shm file it could not grow, say), full
+SQLITE_IOERR, SQLITE_FULL = 10, 13
+
+
+def _disk_refused(e: BaseException) -> bool:
+    """Whether SQLite failed on its disk (full, or refusing writes), not on the database."""
+    return isinstance(e, sqlite3.Error) and (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (SQLITE_IOERR, SQLITE_FULL)
+
+
+def _disk_line(reason: str) -> str:
+    return f"its disk is full or not writable ({reason})"
 
 
 def _refuse_damaged(engine: Engine, db: str | URL) -> None:
@@ -393,6 +404,8 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
             doing = "write to" if path.exists() else "create"
             raise FibctlError(f"cannot {doing} database {path}: directory {path.absolute().parent} "
                               "is not writable") from None
+        if _disk_refused(e.orig):  # the database may be whole: it is the disk to look at
+            raise FibctlError(f"{shown(db)}: {_disk_line(reason)}") from None
         raise FibctlError(f"{shown(db)} is not a usable database: {reason}") from None
     if rev is None and tables:
         raise FibctlError(
@@ -454,6 +467,8 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
             except Exception as e:  # the transaction rolled back: the database is as it was
                 # the driver's first line (e.g. permission denied), not the statement SQLAlchemy appends
                 reason = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0]
+                if _disk_refused(getattr(e, "orig", None) or e):
+                    reason = _disk_line(reason)
                 raise FibctlError(f"upgrading {shown(db)} to {target} failed, nothing changed: {reason}") from e
         return before, current_revision(engine)
     finally:
@@ -475,6 +490,8 @@ def _set_wal(engine: Engine) -> None:
             if "readonly" in str(e) or "unable to open" in str(e):  # a read-only mount, say
                 path = Path(engine.url.database)
                 raise FibctlError(f"cannot write to database {path}: {e}") from None
+            if _disk_refused(e):  # a full disk: it was a traceback
+                raise FibctlError(f"{Path(engine.url.database)}: {_disk_line(str(e))}") from None
             if "locked" not in str(e) or time.monotonic() > deadline:
                 raise
         finally:

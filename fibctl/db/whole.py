@@ -53,6 +53,18 @@ def _remove_stale(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def _named_as(db: str, path: Path, into: str, tmp: Path) -> Iterator[None]:
+    """An error that names the temporary (a full disk failing its upgrade, say) names the
+    database the user gave instead: the temporary is gone once the error is said."""
+    try:
+        yield
+    except FibctlError as e:
+        e.args = tuple(a.replace(shown(into), shown(db)).replace(str(tmp), str(path)) if isinstance(a, str) else a
+                       for a in e.args)
+        raise
+
+
+@contextlib.contextmanager
 def created_whole(db: str, option: str = "--db") -> Iterator[str]:
     """The database to write `db` through. For a SQLite file that does not exist yet: a
     temporary one beside it, moved to `db` when the block ends normally (every engine on it
@@ -72,8 +84,10 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
         raise FibctlError(f"cannot create database {path}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # ours while we live (flock: apart from SQLite's own locks)
+        into = url.set(database=str(tmp)).render_as_string(hide_password=False)
         try:
-            yield url.set(database=str(tmp)).render_as_string(hide_password=False)
+            with _named_as(db, path, into, tmp):
+                yield into
             last = sqlite3.connect(tmp)  # the last connection: WAL checkpointed into the file, -wal gone
             try:
                 last.execute("PRAGMA schema_version")  # a read: closing checkpoints only a WAL it opened

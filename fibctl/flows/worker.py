@@ -50,6 +50,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.flops import peak_flops
+from fibctl.flows.removal import settle_aside
 from fibctl.matrix import queue_again
 from fibctl.names import check_name
 from fibctl.provenance import provenance
@@ -527,6 +528,13 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
     silently discard the run's progress."""
     check_name("run", claimed.name)
     own = opts.runs_dir / claimed.name
+    # a `queue rm --checkpoints` killed before its commit moved the run's own folder aside;
+    # one killed after it left a removed run's (this name queued again), its rows gone
+    owned = bool(claimed.checkpoint_path) or queue.claimed_before(engine, claimed.id)
+    try:
+        settle_aside(opts.runs_dir, claimed.name, owned)
+    except FibctlError as e:  # the runs folder's fault, not the run's: back to the queue
+        raise WorkerError(str(e)) from None
     if not claimed.checkpoint_path:
         _refuse_link(own)
         left = ckpt.latest_checkpoint(own)

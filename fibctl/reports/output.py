@@ -11,6 +11,8 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from fibctl.durable import alive
+
 
 def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
     """Call `write` with a new file's path in path's folder (same suffix), then rename it to `path`.
@@ -44,19 +46,7 @@ def remove_leftovers(paths: Iterable[Path]) -> list[Path]:
         own = re.compile(rf"\.{re.escape(path.stem)}\.(\d+)-[0-9a-f]{{8}}\.part{re.escape(path.suffix)}")
         for tmp in path.parent.glob(f".{glob.escape(path.stem)}.*.part{glob.escape(path.suffix)}"):
             m = own.fullmatch(tmp.name)
-            if m and not _alive(int(m.group(1))) and tmp.is_file() and not tmp.is_symlink():
+            if m and not alive(int(m.group(1))) and tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
                 gone.append(tmp)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except (ProcessLookupError, OverflowError):  # none has that number
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True

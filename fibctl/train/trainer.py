@@ -297,10 +297,13 @@ class Trainer:
             if unscored is not None:
                 return self._diverged(unscored)
             if self.lost:
-                return self._result("lost", last, "the run was cancelled or taken over by another worker")
+                return self._result("lost", last, LOST)
             if stopping and self.step < self.tc.steps:
                 if last != ckpt.checkpoint_path(self.run_dir, self.step):
-                    last = self.save() if self.main else ckpt.checkpoint_path(self.run_dir, self.step)
+                    saved = self.save() if self.main else ckpt.checkpoint_path(self.run_dir, self.step)
+                    if saved is None:
+                        return self._result("lost", last, LOST)
+                    last = saved
                 self.reporter.event("stopped", f"stopped at step {self.step}; checkpoint {last}",
                                     {"step": self.step})
                 return self._result("stopped", last)
@@ -398,7 +401,13 @@ class Trainer:
         }
         return ckpt.save_checkpoint(self.run_dir, self.step, state, self.tc.keep_checkpoints)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write the step's checkpoint and report it; None, nothing written, where a heartbeat
+        finds the run no longer ours: one removed (`queue rm --checkpoints`) since the last
+        heartbeat would have its folder made again, in the way of the name queued anew."""
+        self._heartbeat()
+        if self.lost:
+            return None
         path = self.write_checkpoint()
         self.reporter.event("checkpoint", f"step {self.step}: {path}", {"step": self.step, "path": str(path)})
         if self.on_checkpoint:
@@ -547,6 +556,9 @@ class Trainer:
     def _result(self, status: str, last: Path | None, error: str | None = None) -> TrainResult:
         self._tick()
         return TrainResult(status, self.step, last, self.step * self.tokens_per_step, self.elapsed_s, error)
+
+
+LOST = "the run was cancelled or taken over by another worker"
 
 
 def no_checkpoint_loads(name: str, why: str) -> str:

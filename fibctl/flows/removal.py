@@ -1,0 +1,132 @@
+"""`fibctl queue rm`: a run's rows, and with --checkpoints its checkpoint folder RUNS_DIR/NAME.
+
+The folder is renamed aside, to RUNS_DIR/.NAME.removing-PID, before the rows' delete
+commits, and deleted after it: a folder that cannot move keeps the run. A kill (SIGKILL: no
+cleanup runs) between the rename and the deletion leaves the hidden folder behind, its run
+either still in the database (killed before the commit was on disk) or gone. `settle_aside`
+finishes that removal's work for the next command that uses the name's folder (`queue rm`,
+a worker or `fibctl train` claiming the run): moved back where the run still has it as its
+own, deleted where it does not. One whose process still runs is left alone."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from fibctl import queue
+from fibctl.db import engine as db_engine
+from fibctl.durable import alive
+from fibctl.errors import FibctlError
+from fibctl.names import check_name, is_name, refuse_foreign
+
+
+def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
+    """Finish what a killed `queue rm --checkpoints` left of RUNS_DIR/NAME: the folder moved
+    aside by a process now dead goes back where the run of that name has it as its own
+    (`owned`; unless a folder of the name is there again, which its run trains in), else is
+    deleted, as that command was asked."""
+    check_name("run", name)  # a path component: never a way out of the runs folder
+    folder = runs_dir / name
+    pattern = re.compile(rf"\.{re.escape(name)}\.removing-(\d+)")
+    for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
+        m = pattern.fullmatch(hidden.name)
+        if not m or alive(int(m.group(1))) or hidden.is_symlink() or not hidden.is_dir():
+            continue
+        try:
+            if not owned:
+                shutil.rmtree(hidden)
+            elif not os.path.lexists(folder):  # a rename onto an empty folder would replace it
+                hidden.rename(folder)
+        except OSError as e:
+            raise FibctlError(f"cannot {'move' if owned else 'delete'} {hidden}, the checkpoint folder of run "
+                              f"{name} a killed `fibctl queue rm` left ({e.strerror or e}): "
+                              f"{f'move it back to {folder}' if owned else 'delete it'} by hand") from None
+
+
+def checkpoint_folder(name: str, runs_dir: Path) -> Path:
+    """RUNS_DIR/NAME, refused unless it is a real folder directly inside the runs folder."""
+    check_name("run", name)
+    folder = runs_dir / name
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
+    if folder.exists() and folder.resolve().parent != runs_dir.resolve():
+        raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
+    from fibctl.train.checkpoint import OWN  # torch: only for this command
+
+    if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
+        refuse_foreign(folder, OWN, "fibctl", "nothing was removed")
+    return folder
+
+
+def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask: Callable[[str], None]) -> str:
+    """Remove run `name` (and with `checkpoints` its folder in `runs_dir`, default the one it
+    last trained in, else runs); the line that says what went. `ask(question)` is called
+    with what it will delete before anything is: what it raises removes nothing."""
+    def runs_of(recorded_dir: str | None) -> Path:
+        return runs_dir or Path(recorded_dir or "runs")
+
+    def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
+        settle_aside(runs_of(recorded_dir), name, owned=True)  # the run is there: what it left is its own
+        return checkpoint_folder(name, runs_of(recorded_dir)) if checkpoints else runs_of(recorded_dir) / name
+
+    removable = queue.check_remove(name, folder_of)
+    older: list[int] = []  # the run's rows in a database of an older revision, before its upgrade
+
+    def check(reader) -> None:  # a read-only engine on the database as it is
+        try:
+            removable(reader)
+        except FibctlError:
+            if is_name(name) and not queue.exists(reader, name):  # one killed after its commit: its folder goes
+                settle_aside(runs_of(None), name, owned=False)
+            raise
+        r = queue.to_remove(reader, name)
+        if db_engine.current_revision(reader) != db_engine.head_revision():
+            older.append(r.rows)
+        what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
+        ask(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?"))
+
+    # on the database as it is, before any upgrade: a refusal, or a "no", leaves it as it was
+    engine = db_engine.connect(db, must_exist=True, check=check)
+    # rows the upgrade itself just derived (0007 names a probe model's task) are not counted:
+    # the run's rows are said as the question said them, as the database held them
+    derived = queue.to_remove(engine, name).rows - older[0] if older else 0
+    folder: list[Path] = []  # checked again before any row is deleted: it may have changed
+    aside: list[Path] = []
+
+    def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
+        if checkpoints and folder[0].exists():
+            hidden = folder[0].with_name(f".{name}.removing-{os.getpid()}")
+            try:
+                folder[0].rename(hidden)
+            except OSError as e:
+                raise FibctlError(f"cannot delete {folder[0]}: {e.strerror or e}; nothing was removed") from None
+            aside.append(hidden)
+
+    try:
+        removed = queue.remove(engine, name, lambda recorded: folder.append(folder_of(recorded)), move_aside)
+    except BaseException:
+        for hidden in aside:  # the rows stay: so does the folder, where it was
+            hidden.rename(folder[0])
+        raise
+    message = f"removed run {name} ({removed.status}) and {removed.rows - derived} metric and event row(s)"
+    if aside:
+        try:
+            shutil.rmtree(aside[0])
+        except OSError as e:
+            left = folder[0]
+            try:
+                aside[0].rename(left)
+            except OSError:
+                left = aside[0]
+            raise FibctlError(f"{message}, but not all of its checkpoint folder ({e.filename}: "
+                              f"{e.strerror or e}); what is left is at {left}: delete it by hand") from None
+        return message + f"; deleted {folder[0]}"
+    if checkpoints:
+        return message + f"; no checkpoint folder at {folder[0]}"
+    if folder[0].is_dir() and any(folder[0].glob("step_*.pt")):
+        return message + f"; its checkpoints stay in {folder[0]} (--checkpoints deletes them)"
+    return message

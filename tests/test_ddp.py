@@ -19,6 +19,7 @@ from fibctl.config import RunConfig
 from fibctl.data.streams import load_manifest
 from fibctl.errors import FibctlError
 from fibctl.train.checkpoint import load_checkpoint
+from fibctl.train.distributed import PeerLost
 from fibctl.flows.torchrun import ENVIRONMENT
 from fibctl.train.trainer import Trainer
 from cli_helpers import refused
@@ -574,3 +575,61 @@ def test_a_gradient_exchange_failing_in_a_step_is_a_lost_peer_and_one_process_s_
     monkeypatch.setattr(alone, "train_step", exchange_failed)
     with pytest.raises(RuntimeError, match="Connection closed"):
         alone.run()
+
+
+class _RankZero:
+    """Rank 0 of a group whose other rank dies as rank 0 sends it the run it claimed: a rank
+    still starting when the launcher stopped the group (SIGTERM's default ended it)."""
+
+    rank, world, local_rank, main = 0, 2, 0, True
+
+    def __init__(self, mark: Path | None):
+        self.mark = mark  # the launcher's: the group is being stopped
+
+    def broadcast(self, obj):
+        if isinstance(obj, dict):  # the run to train
+            if self.mark:
+                self.mark.touch()
+            raise PeerLost("another rank of the group died or stopped answering (Connection reset by peer)")
+        return obj
+
+    def any(self, *flags, device):
+        return list(flags)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("signalled", [True, False])
+def test_a_rank_the_group_s_stop_ended_first_is_the_stop_not_a_failure(data, tmp_path, monkeypatch, signalled):
+    """Ctrl-C as a group starts: the launcher sends every rank a SIGTERM, and a rank still
+    starting dies of it before rank 0 handles its own. Rank 0 read that death as a failure
+    (exit 2, the claimed run left running until its heartbeat was stale); the launcher marks
+    the stop first, and it is the stop. A rank that dies alone (torchrun's SIGTERM follows)
+    is still a failure; either way the run goes back to the queue at once."""
+    import threading
+
+    from fibctl.db.engine import connect
+    from fibctl.flows import worker
+    from train_helpers import Quiet
+
+    from fibctl.flows.torchrun import STOP_MARK
+
+    stop = threading.Event()  # this rank's own SIGTERM not handled yet
+    monkeypatch.setenv(STOP_MARK, str(tmp_path / "stopping"))
+    group = _RankZero(tmp_path / "stopping" if signalled else None)
+    monkeypatch.setattr(worker, "join", lambda *a: (group, torch.device("cpu")))
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run")).dispose()
+    opts = worker.WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs", device="cpu")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # a rank keeps its own
+    try:
+        if signalled:
+            assert worker.work_distributed(lambda: connect(str(db)), opts, Quiet(), stop) == []
+        else:
+            with pytest.raises(PeerLost):
+                worker.work_distributed(lambda: connect(str(db)), opts, Quiet(), stop)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert sqlite3.connect(db).execute("select status from runs").fetchall() == [("queued",)]

@@ -17,6 +17,10 @@ from pathlib import Path
 
 LAUNCHER = "FIBCTL_LAUNCHER_PID"  # the fibctl command whose end stops this group (launch_ddp sets it)
 PR_SET_PDEATHSIG = 1
+# a file made before the group is stopped (Ctrl-C or SIGTERM at the launcher, the launcher's
+# end): a rank dying after it died of that stop (a rank still starting ends at its SIGTERM),
+# where torchrun's own SIGTERM after a rank's death looks the same to the others
+STOP_MARK = "FIBCTL_STOP_MARK"
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives each rank
 
 
@@ -29,6 +33,19 @@ def reports() -> bool:
     """Whether this process reports the runs it trains: a single process, or rank 0 of a group
     (the other ranks train what it claims and say nothing)."""
     return not launched() or os.environ["RANK"] == "0"
+
+
+def mark_stop(path: str | None) -> None:
+    """Say the group is being stopped (STOP_MARK), before any rank is signalled."""
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).touch()
+
+
+def stop_marked() -> bool:
+    """Whether this rank's group is being stopped by its launcher (STOP_MARK)."""
+    path = os.environ.get(STOP_MARK)
+    return bool(path) and os.path.exists(path)
 
 
 def exit_code(codes: dict[int, int]) -> int:
@@ -68,6 +85,7 @@ def end_with_launcher() -> None:
     def stop(_signum, _frame):
         if not stopped:
             stopped.append(True)
+            mark_stop(os.environ.get(STOP_MARK))
             for pid in children(os.getpid()) or [os.getpid()]:  # no ranks yet: torchrun stops itself
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)

@@ -59,7 +59,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
-from fibctl.flows.torchrun import LAUNCHER, children
+from fibctl.flows.torchrun import LAUNCHER, STOP_MARK, children, mark_stop, stop_marked
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Recorded, Trainer, TrainResult, check_data, no_checkpoint_loads
 
@@ -291,9 +291,14 @@ def _distributed(connect: Callable[[], Engine], claim: Callable, opts: WorkerOpt
     try:
         with stop_on_signals(stop, rank=True):
             while opts.max_runs is None or len(outcomes) < opts.max_runs:
-                if outcomes and group.any(stop.is_set(), device=device)[0]:
-                    break
-                outcome = lead.next() if lead else _follow(opts, stop, group, device)
+                try:
+                    if outcomes and group.any(stop.is_set(), device=device)[0]:
+                        break
+                    outcome = lead.next() if lead else _follow(opts, stop, group, device)
+                except PeerLost:
+                    if stopped_with_the_group(stop):  # what the stop asked for, not a failure
+                        break
+                    raise
                 if outcome is None:
                     break
                 outcomes.append(outcome)
@@ -336,13 +341,27 @@ class _Lead:
                 queue.fail(self.engine, claimed.id, str(e), self.name)
             self.group.broadcast(None)
             raise
-        self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir),
-                              "recorded": dataclasses.asdict(recorded)})
+        try:
+            self.group.broadcast({"config": claimed.config.to_dict(), "run_dir": str(run_dir),
+                                  "recorded": dataclasses.asdict(recorded)})
+        except PeerLost as e:  # claimed, never trained: back to the queue now, not at a stale heartbeat
+            queue.release(self.engine, claimed.id, f"released while starting: {e}", self.name)
+            raise
         return train_claimed(self.engine, claimed, self.opts, self.manifest, self.device, self.name,
                              self.display, self.stop, self.group, recorded)
 
 
 RANK_0_EXIT_S = 60  # at most, for a rank 0 that has closed the group to exit
+
+
+def stopped_with_the_group(stop: threading.Event) -> bool:
+    """Whether another rank's death is the group being stopped: its launcher marked the stop
+    before signalling the ranks (a rank still starting dies of its SIGTERM, before this rank
+    handles its own). Then this rank stops as asked too."""
+    if stop_marked():
+        stop.set()
+        return True
+    return False
 
 
 def _follow(opts: WorkerOptions, stop: threading.Event, group: Group, device: torch.device) -> Outcome | None:
@@ -420,15 +439,18 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     with them); where the ranks cannot be listed (no /proc), to torchrun, which stops them the
     same way but reports the signal. After a stop request that every rank obeyed, the exit code
     is 128 + the signal received (130 after Ctrl-C, 143 after SIGTERM)."""
+    marks = tempfile.TemporaryDirectory(prefix="fibctl-group-")
+    mark = os.path.join(marks.name, "stopping")
     # OMP_NUM_THREADS: torchrun's own default, given so that it does not print a banner about it
     child = subprocess.Popen([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone",
                               f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
                              env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
-                                  LAUNCHER: str(os.getpid())}, start_new_session=True)
+                                  LAUNCHER: str(os.getpid()), STOP_MARK: mark}, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, _frame):
         received.append(signum)
+        mark_stop(mark)
         for pid in children(child.pid) or ([child.pid] if child.poll() is None else []):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -441,6 +463,7 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        marks.cleanup()
 
 
 def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions, manifest: DataManifest,
@@ -505,6 +528,11 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         at = "while starting" if step is None else f"at step {step}"
         if group is not None and peer_failure(e):  # not the run's fault: back to the queue
             lost = as_peer_lost(e)
+            if stopped_with_the_group(stop):  # a rank the group's stop ended first
+                queue.release(engine, claimed.id, f"released {at}: stopped by a signal", worker)
+                outcome = Outcome(claimed.name, "released", step, "stopped; it resumes from its last checkpoint")
+                display.finish(outcome)
+                return outcome
             queue.release(engine, claimed.id, f"released {at}: {lost}", worker)
             display.finish(Outcome(claimed.name, "released", step))
             raise FibctlError(f"run {claimed.name!r}: {lost}; it is queued again") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
+from fibctl.durable import alive
 from fibctl.errors import FibctlError
 from fibctl.units import duration, eta_s
 
@@ -490,15 +490,7 @@ def ended_here(worker: str | None) -> bool:
     ended (killed, its terminal closed): its run's fresh heartbeat no longer means anything."""
     on, _, rest = (worker or "").partition(":")
     pid = rest.split(":")[0]
-    if on != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):  # another user's process: alive; no such pid: not one of ours
-        return False
-    return False
+    return on == socket.gethostname() and pid.isdigit() and not alive(int(pid))
 
 
 def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import pytest
 
 from fibctl.errors import FibctlError
-from fibctl.train.loggers import Tee, check_loggers, open_sinks, wandb_run_id
+from fibctl.train.loggers import Tee, check_loggers, open_sinks, wandb_records, wandb_run_id
 
 from cli_helpers import ran
 
@@ -36,32 +37,16 @@ class Recorder:
     def heartbeat(self):
         return True
 
-
-def wandb_records(path) -> list:
-    """The records of a W&B run file (`run-ID.wandb`, LevelDB's log format: 32 KiB blocks of
-    chunks, each a 7-byte header of crc32, length and type 1 whole, 2 first, 3 middle, 4 last),
-    as W&B's own protobuf Records: what `wandb sync` would upload."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    data, records, pos, pending = path.read_bytes(), [], 7, b""
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            pending = chunk
-        elif kind in (3, 4):
-            pending += chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
+    def history(self, upto):  # as RunRecorder.history reads the database back
+        out = []
+        for kind, args in self.calls:
+            if kind == "step" and args[0] <= upto:
+                out.append((args[0], kind, dict(zip(("loss", "lr", "grad_norm", "tokens_per_s"), args[1:5]))))
+            elif kind == "eval" and args[0] <= upto:
+                out.append((args[0], kind, dict(zip(("dataset", "eval_length", "tokens", "loss"), args[1:5]))))
+            elif kind == "alphas" and args[0] <= upto:
+                out.append((args[0], kind, {"alphas": args[1]}))
+        return out
 
 
 def wandb_history(records) -> dict[str, list[tuple[int, float]]]:
@@ -103,28 +88,28 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     assert [e.value for e in events.Scalars("alpha/layer1")] == [1.5]
 
 
+def hparams_data(folder) -> list:
+    """The HParams plugin's records in a run's event files."""
+    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    return [plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+            for path in sorted(folder.glob("events.out.tfevents.*"))
+            for event in event_file_loader.EventFileLoader(str(path)).Load() for value in event.summary.value
+            if value.metadata.plugin_data.plugin_name == "hparams"]
+
+
 def test_tensorboard_gets_a_runs_settings_as_hyperparameters(tmp_path):
     """The config was a text entry only: TensorBoard's HParams tab could not filter or sort
     runs by schedule, W or lr."""
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing import event_file_loader
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
     from fibctl.config import RunConfig
 
     config = RunConfig.resolve("r", "m", "micro", schedule="stagger", window=8).to_dict()
     sink = open_sinks(check_loggers(["tensorboard"]), tmp_path, "r", config)[0]
     sink.close()
-    started = []
-    for path in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
-        for event in event_file_loader.EventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == "hparams":
-                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
-                    if data.HasField("session_start_info"):
-                        started.append({k: v.string_value or v.number_value
-                                        for k, v in data.session_start_info.hparams.items()})
-    [settings] = started
+    [settings] = [{k: v.string_value or v.number_value for k, v in data.session_start_info.hparams.items()}
+                  for data in hparams_data(tmp_path / "tensorboard") if data.HasField("session_start_info")]
     assert (settings["model.schedule"], settings["model.window"], settings["train.lr"]) == ("stagger", 8, 0.003)
     assert settings["name"] == "r" and settings["preset"] == "micro"
 
@@ -136,11 +121,12 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    first = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
+    db = Recorder()
+    first = Tee(db, open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     for step in (10, 20, 30):
         first.log_step(step, 1.0, 1e-3, 0.5, 1000.0, 1.0)
     first.close()
-    again = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
+    again = Tee(db, open_sinks(["tensorboard"], tmp_path, "run_a", {"seed": 42}))
     again.event("resumed", "resumed from step 10", {"step": 10})
     for step in (20, 30, 40):
         again.log_step(step, 2.0, 1e-3, 0.5, 1000.0, 1.0)
@@ -149,6 +135,63 @@ def test_a_resumed_run_does_not_draw_its_steps_twice_in_tensorboard(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0), (30, 2.0), (40, 2.0)]
     assert len(events.Tensors("config/text_summary")) == 1  # the config once, not once per attempt
+
+
+def test_tensorboard_hparams_compare_runs_on_their_held_out_evaluations(tmp_path):
+    """The HParams metric was the training loss alone; the paper compares held-out loss and
+    perplexity at the training length. Each is a metric now, named as log_eval names it: a
+    light evaluation's and a full one's (the final among them)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from train_helpers import micro_run
+
+    config = micro_run("r").to_dict()
+    tee = Tee(Recorder(), open_sinks(["tensorboard"], tmp_path, "r", config, ("docs_val", "code_val")),
+              light_tokens=config["train"]["eval_tokens"])
+    tee.log_step(10, 3.0, 1e-3, 0.5, 1000.0, 1.0)
+    for tokens in (config["train"]["eval_tokens"], config["train"]["final_eval_tokens"]):
+        for dataset in ("docs_val", "code_val"):
+            tee.log_eval(30, dataset, 64, tokens, 2.0)
+    tee.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    [listed] = [[m.name.tag for m in data.experiment.metric_infos]
+                for data in hparams_data(tmp_path / "tensorboard") if data.HasField("experiment")]
+    assert listed == ["train/loss", *(f"{kind}/{d}@64/{m}" for kind in ("eval", "eval_full")
+                                      for d in ("docs_val", "code_val") for m in ("loss", "ppl"))]
+    # the tags the run writes: each evaluation's listed
+    assert set(listed) == {"train/loss", *(t for t in events.Tags()["scalars"] if t.startswith("eval"))}
+
+
+def test_tensorboard_gets_the_history_it_lacks_on_resuming_without_drawing_any_twice(tmp_path):
+    """A run logged to TensorBoard up to step 10, trained on without --log-to to 30 and
+    resumed from 20 with it again: TensorBoard's curve went from 10 to the steps after 20.
+    The database's rows from 11 to 20 are sent on resuming, those up to 10 not again."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    db = Recorder()
+    first = Tee(db, open_sinks(["tensorboard"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    first.log_step(10, 4.0, 1e-3, 0.5, 1000.0, 1.0)
+    first.log_eval(10, "docs_val", 64, 1024, 3.5)
+    first.log_alphas(10, [0.5, 1.5])
+    first.close()
+    for step in (20, 30):  # trained without the back-end
+        db.log_step(step, 4.0 - step / 20, 1e-3, 0.5, 1000.0, 1.0)
+        db.log_eval(step, "docs_val", 64, 4096 if step == 30 else 1024, 3.5 - step / 20)
+        db.log_alphas(step, [0.5 + step / 100, 1.5])
+    again = Tee(db, open_sinks(["tensorboard"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    again.event("resumed", "resumed from step 20", {"step": 20})
+    again.log_step(30, 2.0, 1e-3, 0.5, 1000.0, 1.0)
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 4.0), (20, 3.0), (30, 2.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/docs_val@64/loss")] == [(10, 3.5), (20, 2.5)]
+    assert [e.step for e in events.Scalars("alpha/layer0")] == [10, 20]
+    assert "eval_full/docs_val@64/loss" not in events.Tags()["scalars"]  # step 30's: after the checkpoint
+    assert "train/mfu" not in events.Tags()["scalars"]  # not recorded: not replayed
 
 
 def test_wandb_offline_run_folder(tmp_path, monkeypatch):
@@ -164,6 +207,52 @@ def test_wandb_offline_run_folder(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")) and (runs[0] / "files").is_dir()
+
+
+def wandb_points(folder, key: str) -> list[tuple[int, float]]:
+    """A key's points over every W&B run file in `folder`, in the order `wandb sync` uploads them."""
+    return [point for path in sorted(folder.glob("*run-*/run-*.wandb"))
+            for point in wandb_history(wandb_records(path)).get(key, [])]
+
+
+def test_wandb_gets_the_history_it_lacks_on_resuming_once_and_without_warnings(tmp_path, monkeypatch, capfd):
+    """A run trained without --log-to and resumed with it: W&B's run began at the checkpoint.
+    An attempt killed before W&B wrote out its file left it holding nothing. The database's
+    rows up to the resume step are sent on resuming, but none that an earlier offline file of
+    the run holds (`wandb sync` uploads them all, and W&B drops a step below its last with a
+    warning a row), nor one below the W&B run's own step (a resumed online run's)."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    db = Recorder()
+    for step in (10, 20):  # trained without the back-end
+        db.log_step(step, 5.0 - step / 10, 1e-3, 0.5, 1000.0, 1.0)
+    db.log_eval(20, "docs_val", 64, 4096, 2.0)
+    db.log_alphas(20, [0.5, 1.5])
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    tee.event("resumed", "resumed from step 20", {"step": 20})
+    tee.log_step(30, 2.0, 1e-3, 0.5, 1000.0, 1.0)
+    tee.close()
+    folder = tmp_path / "wandb"
+    assert wandb_points(folder, "train/loss") == [(10, 4.0), (20, 3.0), (30, 2.0)]
+    assert wandb_points(folder, "eval_full/docs_val@64/ppl") == [(20, pytest.approx(math.exp(2.0)))]
+    assert wandb_points(folder, "alpha/layer1") == [(20, 1.5)]
+
+    for step in (40, 50):  # an attempt whose W&B file held nothing of them: killed
+        db.log_step(step, 1.0, 1e-3, 0.5, 1000.0, 1.0)
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    tee.log_step(45, 1.0, 1e-3, 0.5, 1000.0, 1.0)  # W&B's run at step 45: as an online one resumed there
+    tee.event("resumed", "resumed from step 50", {"step": 50})
+    tee.close()
+    assert [s for s, _ in wandb_points(folder, "train/loss")] == [10, 20, 30, 45, 50]
+    # resumed from 50 again: the earlier files hold every step, this one gets none again
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    tee.event("resumed", "resumed from step 50", {"step": 50})
+    tee.close()
+    assert len(list(folder.glob("*run-*/run-*.wandb"))) == 3
+    assert [s for s, _ in wandb_points(folder, "train/loss")] == [10, 20, 30, 45, 50]
+    assert "less than the current step" not in capfd.readouterr().err
 
 
 def test_a_runs_wandb_id_stays_with_its_folder_and_differs_from_another_databases(tmp_path):
@@ -263,6 +352,18 @@ def test_worker_and_eval_log_to_tensorboard_and_train_to_wandb(tmp_path, monkeyp
     assert [s for s, _ in history["eval_full/math_val@64/ppl"]] == [30]
     assert not (runs / "wb_run" / "tensorboard").exists() and not (runs / "tb_run" / "wandb").exists()
 
+    # W&B attached to a run by its evaluation: the run's history first, then the evaluation
+    code, err = _fibctl(["eval", "tb_run", "--length", "128", "--dataset", "stories_val", "--tokens", "1024",
+                         "--db", db, "--data", str(data), "--runs-dir", str(runs), "--log-to", "wandb"],
+                        monkeypatch, capsys)
+    assert code == 0, err
+    history = wandb_history(wandb_records(next((runs / "tb_run" / "wandb").glob("*run-*/run-*.wandb"))))
+    stored = sqlite3.connect(db).execute(
+        "SELECT step, loss FROM train_steps JOIN runs ON runs.id = run_id WHERE name = 'tb_run' ORDER BY step").fetchall()
+    assert history["train/loss"] == [(s, pytest.approx(v)) for s, v in stored]
+    assert [s for s, _ in history["eval/stories_val@64/ppl"]] == [10, 20]
+    assert [s for s, _ in history["eval/stories_val@128/ppl"]] == [30]
+
 
 def test_a_back_end_that_is_not_installed_is_refused_before_any_claim(tmp_path, monkeypatch, capsys):
     import sqlite3
@@ -325,3 +426,40 @@ def test_a_back_end_that_cannot_start_leaves_the_run_queued(tmp_path, monkeypatc
     assert not list((tmp_path / "outside").iterdir())
     assert sqlite3.connect(db).execute("SELECT status, attempts, error FROM runs").fetchall() == [
         ("queued", 0, None), ("queued", 0, None)]
+
+
+def test_a_sigkilled_attempts_steps_reach_wandb_once_through_the_resumed_one(tmp_path, monkeypatch):
+    """`fibctl train --log-to wandb` SIGKILLed after its checkpoint at step 10: its offline
+    W&B file held its header alone (W&B writes it out late), and the resumed attempt's run
+    began at step 15, the steps up to 10 missing from W&B though the database has them. Now
+    the resumed attempt sends them: every recorded step and evaluation once over the run's
+    files, as `wandb sync` uploads them."""
+    pytest.importorskip("wandb")
+    import sqlite3
+
+    from test_kills import fibctl, killed_at
+    from train_helpers import micro_run, queued_db, write_data
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # each attempt its own W&B service, as a worker's: this process's (an earlier test's) would
+    # hold the killed attempt's run "in use"
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    data, runs, db = write_data(tmp_path / "data"), tmp_path / "runs", str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("run")).dispose()
+    args = ["train", "run", "--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain",
+            "--heartbeat-timeout", "1", "--log-to", "wandb"]
+    killed_at(tmp_path, "fibctl.train.trainer:Trainer.save", *args, after=True)  # the step-10 checkpoint
+    time.sleep(1.5)  # its heartbeat stale: the next claim takes the run back
+    fibctl(tmp_path, *args)
+    folder = runs / "run" / "wandb"
+    assert len(list(folder.glob("*run-*/run-*.wandb"))) == 2
+    stored = sqlite3.connect(db).execute("SELECT step, loss FROM train_steps ORDER BY step").fetchall()
+    assert [s for s, _ in stored] == [5, 10, 15, 20, 25, 30]
+    assert wandb_points(folder, "train/loss") == [(s, pytest.approx(v)) for s, v in stored]
+    stored = sqlite3.connect(db).execute("SELECT step, ppl FROM evaluations WHERE dataset = 'math_val' "
+                                         "ORDER BY step").fetchall()
+    assert [s for s, _ in stored] == [10, 20, 30]  # each with a checkpoint: the full budget
+    assert wandb_points(folder, "eval_full/math_val@64/ppl") == [(s, pytest.approx(v)) for s, v in stored]
+    assert [s for s, _ in wandb_points(folder, "alpha/layer0")] == [0]

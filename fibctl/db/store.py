@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
-from sqlalchemy import Table, UniqueConstraint, and_, delete, insert, or_, update
+from sqlalchemy import Table, UniqueConstraint, and_, delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
@@ -152,6 +152,29 @@ class RunRecorder:
         """alpha_l of every layer l (index = layer) at `step`."""
         self._replace((Alpha.__table__, {"step": step},
                        [dict(layer=i, alpha=float(a)) for i, a in enumerate(alphas)]))
+
+    def history(self, upto: int) -> list[tuple[int, str, dict]]:
+        """The run's recorded steps, evaluations and alphas up to step `upto`, as (step, kind,
+        fields), each kind's fields named as its log_ call names them (kind "step": loss, lr,
+        grad_norm, tokens_per_s; "eval": dataset, eval_length, tokens, loss; "alphas": alphas):
+        what a metric back-end attached late, or one that lost an attempt, is sent again."""
+        with self.engine.connect() as conn:
+            def rows(table: Table, *columns: str):
+                return conn.execute(select(*(table.c[c] for c in ("step", *columns))).where(
+                    table.c.run_id == self.run_id, table.c.step <= upto)).all()
+
+            out = [(step, "step", dict(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps))
+                   for step, loss, lr, grad_norm, tps in rows(TrainStep.__table__, "loss", "lr", "grad_norm",
+                                                              "tokens_per_s")]
+            out += [(step, "eval", dict(dataset=dataset, eval_length=length, tokens=tokens, loss=loss))
+                    for step, dataset, length, tokens, loss in rows(Evaluation.__table__, "dataset",
+                                                                    "eval_length", "tokens", "loss")]
+            alphas: dict[int, dict[int, float]] = {}
+            for step, layer, alpha in rows(Alpha.__table__, "layer", "alpha"):
+                alphas.setdefault(step, {})[layer] = alpha
+        out += [(step, "alphas", dict(alphas=[by_layer[i] for i in sorted(by_layer)]))
+                for step, by_layer in alphas.items()]
+        return sorted(out, key=lambda row: row[0])
 
     def log_metric(self, name: str, metric: str, value: float | None = None,
                    text: str | dict | list | None = None) -> None:

@@ -214,9 +214,10 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     if not log_to:
         return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
                         on_result, on_start)
-    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict()),
-                      light_tokens=t.config.train.eval_tokens)
+    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict(),
+                                                   data.heldout), light_tokens=t.config.train.eval_tokens)
     try:
+        tee.catch_up(step)  # a run trained without --log-to: its history first
         return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
                         on_result, on_start)
     finally:

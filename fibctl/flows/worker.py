@@ -479,7 +479,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         recorded = recorded or _recorded(engine, claimed)
         if opts.log_to:  # copies of the metrics beside the database, under the run's folder
             tee = recorder = loggers.Tee(recorder, loggers.open_sinks(opts.log_to, run_dir, claimed.name,
-                                                                      claimed.config.to_dict()),
+                                                                      claimed.config.to_dict(),
+                                                                      data.heldout if data else ()),
                                          light_tokens=claimed.config.train.eval_tokens)
         on_checkpoint = lambda result: _record(recorder, opts, claimed.name, result)  # noqa: E731
         if claimed.config.probe is not None:  # trains in one process, eagerly (its width changes every step)

@@ -6,6 +6,11 @@ evaluations and alphas to the tools researchers already watch. `Tee` wraps the r
 database reporter and forwards each call to every back-end. Both back-ends are extras
 (`pip install -e '.[tensorboard]'`, `'.[wandb]'`); W&B runs offline unless WANDB_MODE or an
 API key says otherwise, so it works without an account.
+
+A back-end holds only what it was sent while attached: a run trained without `--log-to` and
+resumed with it, or an attempt killed before W&B wrote its history out, would leave the
+curve starting at the checkpoint. On resuming (and before `fibctl eval` logs) `Tee.catch_up`
+sends each back-end the database's rows up to that step which it does not hold yet.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import json
 import math
 import os
 import secrets
+import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fibctl.config import flatten
@@ -40,7 +48,7 @@ def check_loggers(names) -> tuple[str, ...]:
 class TensorBoardSink:
     """Event files under RUN_DIR/tensorboard (`tensorboard --logdir runs`)."""
 
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, heldout: tuple[str, ...] = ()):
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = Path(run_dir) / "tensorboard"
@@ -48,18 +56,38 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
         if fresh:
             self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
-            self._add_hparams(config)
+            self._add_hparams(config, heldout)
 
-    def _add_hparams(self, config: dict) -> None:
+    def _add_hparams(self, config: dict, heldout: tuple[str, ...]) -> None:
         """The run's settings as TensorBoard hyperparameters, in the run's own folder (add_hparams
         would start another run beside it): the HParams tab then filters and sorts runs by
-        schedule, W or lr, against their training loss."""
+        schedule, W or lr, against their training loss and their held-out loss and perplexity
+        at the training length (the light evaluations' and the full ones', the final among
+        them: what the paper compares)."""
         from torch.utils.tensorboard.summary import hparams
 
         settings = {key: value for key, value in flatten(config).items()
                     if isinstance(value, (bool, int, float, str))}
-        for summary in hparams(settings, {"train/loss": math.nan}):
+        metrics = ["train/loss"]
+        if heldout:  # a probe run has none
+            length, train = config["model"]["seq_len"], config["train"]
+            kinds = ("eval", "eval_full") if train["final_eval_tokens"] > train["eval_tokens"] else ("eval",)
+            metrics += [key for kind in kinds for dataset in heldout for key in eval_values(kind, dataset, length, 0)]
+        for summary in hparams(settings, dict.fromkeys(metrics, math.nan)):
             self.writer.file_writer.add_summary(summary)
+
+    def missing(self, upto: int) -> Callable[[str, int], bool]:
+        """Whether the event files lack a tag's point at a step: one after the tag's last up to
+        `upto` (what an earlier attempt logged after it is purged: `resume`)."""
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        last: dict[str, int] = {}
+        for path in Path(self.writer.log_dir).glob("events.out.tfevents.*"):
+            for event in EventFileLoader(str(path)).Load():
+                if event.step <= upto:
+                    for value in event.summary.value:
+                        last[value.tag] = max(last.get(value.tag, -1), event.step)
+        return lambda key, step: step > last.get(key, -1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -103,12 +131,48 @@ def wandb_run_id(run_dir: Path, name: str) -> str:
     return run_id
 
 
+def wandb_records(path: Path) -> list:
+    """The records of a W&B run file (`run-ID.wandb`, LevelDB's log format: 32 KiB blocks of
+    chunks, each a 7-byte header of crc32, length and type 1 whole, 2 first, 3 middle, 4 last),
+    as W&B's own protobuf Records: what `wandb sync` uploads. A tail cut short (its writer
+    killed) ends them."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, pos, pending = path.read_bytes(), [], 7, b""
+    if data[:4] != b":W&B":
+        return []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind not in (1, 2, 3, 4) or pos + 7 + length > len(data):
+            break
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(pending)
+            except DecodeError:
+                break
+            records.append(record)
+    return records
+
+
+def wandb_steps(path: Path) -> list[int]:
+    """The steps of the history rows a W&B run file holds."""
+    return [int(item.value_json) for r in wandb_records(path) if r.WhichOneof("record_type") == "history"
+            for item in r.history.item if (item.key or "/".join(item.nested_key)) == "_step"]
+
+
 class WandbSink:
     """A W&B run named after the fibctl run, its files under RUN_DIR/wandb; offline by default.
     Its id (`wandb_run_id`) stays with the run's folder, so a resumed run continues the same
     W&B run; runs of one matrix form a group, which W&B's run table and charts compare together."""
 
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, heldout: tuple[str, ...] = ()):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
@@ -118,14 +182,46 @@ class WandbSink:
                               group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
 
+    def missing(self, upto: int) -> Callable[[str, int], bool]:
+        """Whether W&B lacks a step: one from the step its run is at (a resumed online run's
+        is past its history; W&B drops a lower one, warning once a row) and past what this
+        run's earlier offline files hold, which `wandb sync` uploads before this one's."""
+        mine = self._file()
+        held = max((max(wandb_steps(path), default=-1) for path in mine.parent.parent.glob(f"*/{mine.name}")
+                    if path != mine), default=-1)
+        first = max(self.run.step, held + 1)
+        return lambda key, step: step >= first
+
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
+    def _file(self) -> Path:
+        """The run file this attempt writes (W&B names its folder; a second in the same second gets -1)."""
+        return Path(self.run.dir).parent / f"run-{self.run.id}.wandb"
+
     def close(self) -> None:
+        """Finish the run, and wait (10 s at most) until its file is written out: W&B's
+        finish returns before that at times, and the same run opened again in this process
+        would take the file's steps for missing (`missing`)."""
+        path = self._file()
         self.run.finish()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+                r.WhichOneof("record_type") == "exit" for r in wandb_records(path)):
+            time.sleep(0.05)
 
 
 SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+
+
+def eval_values(kind: str, dataset: str, eval_length: int, loss: float) -> dict[str, float]:
+    """An evaluation's keys (`kind`: eval, or eval_full for one on more tokens) and values."""
+    at = f"{kind}/{dataset}@{eval_length}"
+    return {f"{at}/loss": loss, f"{at}/ppl": math.exp(min(loss, 700))}
+
+
+def _finite(values: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
 
 class Tee:
@@ -139,33 +235,60 @@ class Tee:
         self.reporter, self.sinks, self.light_tokens = reporter, sinks, light_tokens
 
     def _copy(self, step: int, values: dict) -> None:
-        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+        finite = _finite(values)
         for sink in self.sinks:
             sink.log(step, finite)
 
+    def _values(self, kind: str, fields: dict) -> dict:
+        """The back-ends' keys and values of a step, evaluation or alphas row: live and replayed alike."""
+        if kind == "step":
+            return {"train/loss": fields["loss"], "train/lr": fields["lr"], "train/grad_norm": fields["grad_norm"],
+                    "train/tokens_per_s": fields["tokens_per_s"], "train/mfu": fields.get("mfu")}
+        if kind == "eval":
+            tokens = fields["tokens"]  # unknown (NULL) in an imported run: a light one
+            full = self.light_tokens is not None and tokens is not None and tokens > self.light_tokens
+            return eval_values("eval_full" if full else "eval", fields["dataset"], fields["eval_length"],
+                               fields["loss"])
+        return {f"alpha/layer{layer}": a for layer, a in enumerate(fields["alphas"])}
+
     def log_step(self, step, loss, lr, grad_norm, tokens_per_s, elapsed_s, mfu=None) -> None:
         self.reporter.log_step(step, loss, lr, grad_norm, tokens_per_s, elapsed_s, mfu)
-        self._copy(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                          "train/tokens_per_s": tokens_per_s, "train/mfu": mfu})
+        self._copy(step, self._values("step", dict(loss=loss, lr=lr, grad_norm=grad_norm,
+                                                   tokens_per_s=tokens_per_s, mfu=mfu)))
 
     def log_eval(self, step, dataset, eval_length, tokens, loss, positions=None, windows=None) -> None:
         # positions: the database only, in the perplexity's transaction
         self.reporter.log_eval(step, dataset, eval_length, tokens, loss,
                                *((positions, windows) if positions is not None else ()))
-        kind = "eval_full" if self.light_tokens is not None and tokens > self.light_tokens else "eval"
-        self._copy(step, {f"{kind}/{dataset}@{eval_length}/loss": loss,
-                          f"{kind}/{dataset}@{eval_length}/ppl": math.exp(min(loss, 700))})
+        self._copy(step, self._values("eval", dict(dataset=dataset, eval_length=eval_length, tokens=tokens,
+                                                   loss=loss)))
 
     def event(self, kind, message=None, data=None) -> None:
         self.reporter.event(kind, message, data)
-        if kind == "resumed":  # only TensorBoard needs telling: W&B ignores steps below its last
+        if kind == "resumed":
             for sink in self.sinks:
                 if hasattr(sink, "resume"):
                     sink.resume(data["step"])
+            self.catch_up(data["step"])
+
+    def catch_up(self, upto: int) -> None:
+        """Send each back-end the database's rows up to step `upto` that it lacks (its
+        `missing`): the history before it was attached, or an attempt's that it lost (W&B
+        writes its file out late: a killed worker's held its header alone). MFU is not
+        recorded (the database keeps tokens/s): a replayed step has none."""
+        rows: dict[int, dict] = {}
+        for step, kind, fields in self.reporter.history(upto):
+            rows.setdefault(step, {}).update(_finite(self._values(kind, fields)))
+        for sink in self.sinks:
+            missing = sink.missing(upto)
+            for step in sorted(rows):
+                values = {key: value for key, value in rows[step].items() if missing(key, step)}
+                if values:
+                    sink.log(step, values)
 
     def log_alphas(self, step, alphas) -> None:
         self.reporter.log_alphas(step, alphas)
-        self._copy(step, {f"alpha/layer{layer}": a for layer, a in enumerate(alphas)})
+        self._copy(step, self._values("alphas", dict(alphas=alphas)))
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -184,10 +307,11 @@ def _why(e: Exception) -> str:
         return first_line(e)
 
 
-def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
+def open_sinks(names, run_dir: Path, name: str, config: dict, heldout=()) -> list:
     """Each back-end started, its folder inside the run's; one that cannot start (a bad
     WANDB_MODE, a file where its folder goes) is the worker's setup at fault, not the run's:
-    WorkerError, so the run goes back to the queue untouched."""
+    WorkerError, so the run goes back to the queue untouched. `heldout`: the sets the run
+    is evaluated on (TensorBoard's HParams metrics)."""
     sinks = []
     try:
         for n in names:
@@ -196,7 +320,7 @@ def open_sinks(names, run_dir: Path, name: str, config: dict) -> list:
                 raise WorkerError(f"--log-to {n}: {folder} is a {'link' if folder.is_symlink() else 'file'}; "
                                   f"{n}'s files are written only into a folder of the run's own: remove it")
             try:
-                sinks.append(SINKS[n](run_dir, name, config))
+                sinks.append(SINKS[n](run_dir, name, config, tuple(heldout)))
             except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, OSError, ...)
                 raise WorkerError(f"--log-to {n} could not start for run {name!r}: {type(e).__name__}: "
                                   f"{_why(e)}") from None

@@ -255,6 +255,19 @@ def test_wandb_gets_the_history_it_lacks_on_resuming_once_and_without_warnings(t
     assert "less than the current step" not in capfd.readouterr().err
 
 
+def test_wandb_disabled_takes_the_replay_and_writes_nothing(tmp_path, monkeypatch):
+    """WANDB_MODE=disabled (W&B's switch to turn logging off): no run file to read or wait for."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    db = Recorder()
+    db.log_step(10, 1.0, 1e-3, 0.5, 1000.0, 1.0)
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}))
+    tee.event("resumed", "resumed from step 10", {"step": 10})
+    tee.log_step(20, 1.0, 1e-3, 0.5, 1000.0, 1.0)
+    tee.close()
+    assert not list((tmp_path / "wandb").glob("*/*.wandb"))
+
+
 def test_a_runs_wandb_id_stays_with_its_folder_and_differs_from_another_databases(tmp_path):
     """Run names are unique within one database only: the same name in two run folders (two
     databases, the demo's run names) must not share a W&B run, where the second run's steps

@@ -181,13 +181,14 @@ class WandbSink:
                               id=wandb_run_id(run_dir, name),
                               group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
+        self.folder = Path(run_dir) / "wandb"
 
     def missing(self, upto: int) -> Callable[[str, int], bool]:
         """Whether W&B lacks a step: one from the step its run is at (a resumed online run's
         is past its history; W&B drops a lower one, warning once a row) and past what this
         run's earlier offline files hold, which `wandb sync` uploads before this one's."""
         mine = self._file()
-        held = max((max(wandb_steps(path), default=-1) for path in mine.parent.parent.glob(f"*/{mine.name}")
+        held = max((max(wandb_steps(path), default=-1) for path in self.folder.glob(f"*/{mine.name}")
                     if path != mine), default=-1)
         first = max(self.run.step, held + 1)
         return lambda key, step: step >= first
@@ -202,11 +203,11 @@ class WandbSink:
     def close(self) -> None:
         """Finish the run, and wait (10 s at most) until its file is written out: W&B's
         finish returns before that at times, and the same run opened again in this process
-        would take the file's steps for missing (`missing`)."""
+        would take the file's steps for missing (`missing`). WANDB_MODE=disabled writes none."""
         path = self._file()
         self.run.finish()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(
+        while path.is_file() and time.monotonic() < deadline and not any(
                 r.WhichOneof("record_type") == "exit" for r in wandb_records(path)):
             time.sleep(0.05)
 

@@ -230,7 +230,8 @@ class Tee:
     An evaluation on more tokens than the run's light budget (`eval_tokens`: the full ones
     at checkpoints and the last step, and `fibctl eval`'s) goes under `eval_full/`: it scores
     more of each held-out stream, so in the light ones' curve it would be a jump at every
-    checkpoint (the curves figure draws the two budgets apart too)."""
+    checkpoint (the curves figure draws the two budgets apart too). The database reporter
+    also reads the run's rows back (`history`, fibctl.db.store.RunRecorder's): `catch_up`."""
 
     def __init__(self, reporter, sinks: list, light_tokens: int | None = None):
         self.reporter, self.sinks, self.light_tokens = reporter, sinks, light_tokens

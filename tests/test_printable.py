@@ -7,7 +7,6 @@ matrix description's refused neither."""
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pandas as pd

@@ -278,8 +278,8 @@ def train_cmd(
         if launched():
             raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
         check_ddp(connect(db, must_exist=True, check=known), name, nproc, opts)
-        args = ["train", name, *_passed_on(data, runs_dir, heartbeat_timeout, opts.log_to, compile, device, threads)] \
-            + (["--plain"] if plain else [])
+        passed = _passed_on(data, runs_dir, heartbeat_timeout, opts.log_to, compile, device, threads)
+        args = ["train", name, *passed] + (["--plain"] if plain else [])
         raise typer.Exit(launch_ddp(nproc, args, env={"FIBCTL_DB": db}))
     stop = StopRequest()
     if launched():

@@ -26,12 +26,26 @@ def first_line(e: BaseException, width: int = 160) -> str:
     return textwrap.shorten(line, width, placeholder=" ...")
 
 
-# what would break a message's line or be obeyed by a terminal: control characters (the line
-# break too), line and paragraph separators, and an undecodable byte of a file name (a surrogate)
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# The one set of characters fibctl never prints as they are, in text it did not write (names,
+# paths, errors, a database's values), each shown as Python escapes it (\x1b, \u202e): what a
+# terminal would obey or a reader be misled by. The C0 controls (ESC starts colours and screen
+# clears, CR overwrites the line, a line break ends a one-line message), DEL and the C1
+# controls (0x9b is CSI to some terminals); the line and paragraph separators (a line break to
+# some terminals and editors); the bidi embedding, override and isolate controls, which
+# reorder what follows them so that one name reads as another; and a lone surrogate (an
+# undecodable byte of a file name), which no output encoding takes.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """`text` as fibctl shows text it did not write: every character of _UNPRINTABLE escaped
+    (\\n, \\x1b, \\u202e, \\udcff). `lines`: its line breaks kept, for a table's cell or note
+    of several lines."""
+    if lines:
+        return "\n".join(map(printable, text.split("\n")))
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def shown_path(path: str | os.PathLike) -> str:
-    """A path as messages show it: on one line, its control characters escaped (\\n, \\x1b)
-    and an undecodable byte of its name as Python escapes it (\\udcff)."""
-    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], os.fspath(path))
+    """A path as messages show it: on one line, `printable`."""
+    return printable(os.fspath(path))

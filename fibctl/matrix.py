@@ -30,7 +30,7 @@ from pathlib import Path
 from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, check_seed,
                            get_preset)
 from fibctl import tomls
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, printable
 from fibctl.names import NAME_RULE, check_name, is_name
 from fibctl.probe.cells import PROBE_MATRIX
 
@@ -41,9 +41,6 @@ TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 # TOML's word for each type a value can have
 _TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
                dict: "a table"}
-# what a terminal obeys instead of showing (as fibctl.reports.render.printable escapes), and
-# line breaks: a description is one line of a table's title
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 @dataclass(frozen=True)
@@ -250,9 +247,10 @@ def parse_matrix(text: str, name: str, source: str) -> Matrix:
     head = doc.get("matrix", {})
     _check_keys(head, MATRIX_KEYS, "[matrix]", bad)
     _check_seeds(head, "[matrix]", bad)
-    control = _CONTROL.search(head.get("description", ""))
+    # a character `printable` escapes, line breaks too: a description is one line of a table's title
+    control = next((c for c in head.get("description", "") if printable(c) != c), None)
     if control:
-        raise bad(f"[matrix]: `description` holds the control character {ascii(control.group())[1:-1]}; "
+        raise bad(f"[matrix]: `description` holds the control character {printable(control)}; "
                   "a terminal would obey it, not show it")
     runs = doc.get("runs")
     if not isinstance(runs, list) or not runs:

@@ -526,9 +526,13 @@ def test_a_database_whose_folder_cannot_be_written_says_so():
         for name, mode in (("ro", 0o555), ("rw", 0o777)):
             os.mkdir(os.path.join(base, name), mode)
             os.chmod(os.path.join(base, name), mode)
-        outcomes = _without_root(lambda: [_outcome(upgrade, os.path.join(base, d, "new.db")) for d in ("ro", "rw")])
-        assert outcomes == [f"cannot create database {base}/ro/new.db: directory {base}/ro is not writable",
-                            f"(None, '{head_revision()}')"]
+        # `db upgrade` builds a new file under a temporary name (_upgrade_whole): named the same
+        outcomes = _without_root(lambda: [_outcome(call, os.path.join(base, d, name))
+                                          for call, name in ((upgrade, "new.db"), (_upgrade_whole, "whole.db"))
+                                          for d in ("ro", "rw")])
+        assert outcomes == [f"cannot create database {base}/ro/{name}: directory {base}/ro is not writable"
+                            if d == "ro" else f"(None, '{head_revision()}')"
+                            for name in ("new.db", "whole.db") for d in ("ro", "rw")]
     finally:
         os.chmod(os.path.join(base, "ro"), 0o755)
         shutil.rmtree(base)
@@ -587,6 +591,14 @@ def test_a_folder_without_a_name_is_refused_as_a_folder(db, tmp_path, monkeypatc
         with pytest.raises(FibctlError, match="is a directory, not a database file$"):
             call(db)
     assert list(tmp_path.iterdir()) == []
+
+
+def _upgrade_whole(db: str):
+    """`upgrade` as `db upgrade` runs it: a new SQLite file built under a temporary name."""
+    from fibctl.db.whole import created_whole
+
+    with created_whole(db) as into:
+        return upgrade(into)
 
 
 def _outcome(call, *args) -> str:

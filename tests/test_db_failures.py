@@ -314,11 +314,67 @@ def test_an_upgrade_the_disk_refuses_names_the_disk(message, code, tmp_path, mon
     err = refused(monkeypatch, capsys, "db", "upgrade", "--db", "new.db")
     assert err == (f"error: upgrading new.db to {head_revision()} failed, nothing changed: its disk is full or "
                    f"not writable ({message})\n")
+    assert list(tmp_path.iterdir()) == []  # not an empty new.db, nor its temporary
 
 
-def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys):
-    """The same on a real full disk: a 3 MB tmpfs, where this may mount one (root). Switching
-    a database to WAL mode there was a traceback."""
+def _on_the_command_s_connections(monkeypatch, pragma: str) -> None:
+    """Every connection of the command's own engine (not the upgrade's, which runs with
+    foreign keys off) runs `pragma` first: a fault SQLite itself then raises mid-command."""
+    from sqlalchemy import event
+
+    from fibctl.db import engine
+
+    install = engine._install_sqlite_settings
+
+    def pinned(e, *, foreign_keys=True):
+        install(e, foreign_keys=foreign_keys)
+        if foreign_keys:
+            event.listen(e, "connect", lambda conn, _record: conn.execute(pragma))
+
+    monkeypatch.setattr(engine, "_install_sqlite_settings", pinned)
+
+
+# the most pages it may have, below its size: SQLite keeps it at its size, and the first write
+# that needs a page more fails with SQLITE_FULL, "database or disk is full", as on a disk
+# that filled mid-command
+FULL = "PRAGMA max_page_count=1"
+
+
+# commands whose writes need new pages: the paper's 31 runs, the example study's rows
+@pytest.mark.parametrize("args, db", [(["queue", "add", "paper", "--db", "t.db"], "t.db"),
+                                      (["db", "copy", "--from", "example.db", "--to", "t.db"], "t.db"),
+                                      (["db", "copy", "--from", "example.db", "--to", "new.db"], "new.db")],
+                         ids=["queue add", "copy into a database", "copy into a new file"])
+def test_a_write_the_disk_refuses_mid_command_names_the_database(args, db, tmp_path, monkeypatch, capsys):
+    """A write that failed once the database was open read "the database refused the
+    operation: database or disk is full", naming no database; a new file's (built under a
+    temporary name) is named as given, and left behind neither."""
+    if not EXAMPLE.exists():
+        pytest.skip("results.db.example is not in this checkout")
+    _rollback_db(tmp_path)
+    shutil.copy(EXAMPLE, tmp_path / "example.db")
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    _on_the_command_s_connections(monkeypatch, FULL)
+    err = refused(monkeypatch, capsys, *args)
+    assert err == f"error: {db}: its disk is full or not writable (database or disk is full)\n"
+    after = _state(tmp_path)
+    assert after.keys() - {"t.db-wal", "t.db-shm"} == before.keys()  # no new.db, nor its temporary
+
+
+def test_a_refusal_mid_command_names_the_database(tmp_path, monkeypatch, capsys):
+    """Any other refusal of the driver's names the database as well (SQLite's own read-only
+    refusal here)."""
+    _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _on_the_command_s_connections(monkeypatch, "PRAGMA query_only=ON")
+    err = refused(monkeypatch, capsys, "queue", "cancel", "r1", "--db", "t.db")
+    assert err == "error: the database t.db refused the operation: attempt to write a readonly database\n"
+
+
+@contextlib.contextmanager
+def _small_disk(tmp_path: Path, monkeypatch):
+    """A 3 MB tmpfs as the working folder, where this may mount one (root)."""
     import os
 
     disk = tmp_path / "disk"
@@ -327,21 +383,46 @@ def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys)
                                            capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (not root)")
     try:
+        monkeypatch.chdir(disk)
+        yield disk
+    finally:
+        monkeypatch.chdir(tmp_path)
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def _fill(disk: Path, leave: int = 0) -> None:
+    """Fill `disk` to within `leave` bytes of full (0: to the last byte)."""
+    import os
+
+    with contextlib.suppress(OSError), open(disk / "fill", "wb") as fill:
+        while leave == 0 or os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize > leave:
+            fill.write(b"\0" * 4096)
+            fill.flush()
+
+
+def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys):
+    """The same on a real full disk. Switching a database to WAL mode there was a traceback,
+    and `db upgrade` of a new file left it there, empty."""
+    with _small_disk(tmp_path, monkeypatch) as disk:
         for wal in (False, True):
             shutil.copy(EXAMPLE, disk / f"{'wal' if wal else 'r'}.db")
         conn = sqlite3.connect(disk / "wal.db")
         conn.execute("PRAGMA journal_mode=WAL")  # its readers need a -shm file, its writers a -wal
         conn.close()
-        with contextlib.suppress(OSError), open(disk / "fill", "wb") as fill:
-            while True:  # to the last byte
-                fill.write(b"\0" * 4096)
-                fill.flush()
-        monkeypatch.chdir(disk)
-        # a rollback-journal database to switch to WAL mode; WAL ones to read and to write
+        _fill(disk)
+        # a rollback-journal database to switch to WAL mode; WAL ones to read and to write; a new one
         for args, db in ((["db", "upgrade"], "r.db"), (["db", "upgrade"], "wal.db"), (["queue", "ls"], "wal.db"),
-                         (["queue", "cancel", "dense"], "wal.db")):
+                         (["queue", "cancel", "dense"], "wal.db"), (["db", "upgrade"], "new.db")):
             err = refused(monkeypatch, capsys, *args, "--db", db)
             assert err.startswith(f"error: {db}: its disk is full or not writable ("), err
-    finally:
-        monkeypatch.chdir(tmp_path)
-        subprocess.run(["umount", str(disk)], check=True)
+        assert not [p.name for p in disk.iterdir() if "new.db" in p.name]
+
+
+def test_a_disk_that_fills_mid_command_names_the_database(tmp_path, monkeypatch, capsys):
+    """A disk with room to open the database but not for the paper's 31 runs: the write failed
+    as "the database refused the operation: database or disk is full"."""
+    with _small_disk(tmp_path, monkeypatch) as disk:
+        upgrade("r.db")  # WAL: its -wal and -shm files are made on opening, not by the write
+        _fill(disk, leave=32 * 1024)
+        err = refused(monkeypatch, capsys, "queue", "add", "paper", "--db", "r.db")
+        assert err.startswith("error: r.db: its disk is full or not writable ("), err

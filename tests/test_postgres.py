@@ -132,3 +132,33 @@ def test_probe_names_the_database_it_queued_into_with_the_password_masked(pg, tm
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "queued 2 probe run(s)" in done.stdout, done.stderr[-2000:]
     assert secret not in done.stdout + done.stderr and "fibctl worker --db" in done.stdout
+
+
+# the server's own words when a write cannot extend a table's file
+NO_SPACE = 'could not extend file "base/16384/16385": No space left on device'
+
+
+@pytest.mark.parametrize("args", [["queue", "add", "paper"], ["db", "upgrade"]], ids=lambda a: " ".join(a))
+def test_a_full_disk_on_the_server_is_one_line_naming_the_database(pg, args, monkeypatch, capsys):
+    """SQLSTATE 53100 (disk_full) read "the database refused the operation: ..." mid-command
+    and "upgrading ... failed, nothing changed: could not extend ..." in an upgrade, where
+    SQLite's full disk is said as a full disk. The server raises it for real here, from a
+    trigger (a full disk itself is not made in a test): the driver's DiskFull, as it comes."""
+    from cli_helpers import refused
+    from fibctl.db.engine import head_revision, shown, upgrade
+
+    raise_it = f"BEGIN RAISE EXCEPTION '{NO_SPACE}' USING ERRCODE = '53100'; END"
+    with create_engine(pg, isolation_level="AUTOCOMMIT").connect() as conn:
+        if args[0] == "queue":  # a write once the database is open
+            upgrade(pg)
+            conn.execute(text(f"CREATE FUNCTION full_disk() RETURNS trigger LANGUAGE plpgsql AS $${raise_it}$$"))
+            conn.execute(text("CREATE TRIGGER full_disk BEFORE INSERT ON runs EXECUTE FUNCTION full_disk()"))
+        else:  # the upgrade's first table
+            conn.execute(text(f"CREATE FUNCTION full_disk() RETURNS event_trigger LANGUAGE plpgsql AS $${raise_it}$$"))
+            conn.execute(text("CREATE EVENT TRIGGER full_disk ON ddl_command_start EXECUTE FUNCTION full_disk()"))
+    err = refused(monkeypatch, capsys, *args, "--db", pg)
+    said = f"its disk is full or not writable ({NO_SPACE})"
+    if args[0] == "queue":
+        assert err == f"error: {shown(pg)}: {said}\n"
+    else:
+        assert err == f"error: upgrading {shown(pg)} to {head_revision()} failed, nothing changed: {said}\n"

@@ -492,6 +492,27 @@ def test_gpus_all_without_cuda_is_one_line_exit_2_and_a_missing_gpu_is_refused(d
         ("queued", 0)]
 
 
+def test_the_per_gpu_workers_get_the_options_a_ddp_group_gets(data, tmp_path, capsys, monkeypatch):
+    """`worker --gpus` left --threads off its workers' command lines (`--ddp` passed it): each
+    training process must be given every option this one trains with. No CUDA needed: the
+    launches are caught, not run."""
+    from fibctl.flows import worker
+
+    queued_db(tmp_path / "r.db", micro_run("run"))
+    launched = {}
+    monkeypatch.setattr(worker, "parse_gpus", lambda spec: [0, 1])
+    monkeypatch.setattr(worker, "launch_per_gpu", lambda gpus, args, *a, **kw: launched.setdefault("gpus", args) and 0)
+    monkeypatch.setattr(worker, "check_launch", lambda opts, nproc: 2)
+    monkeypatch.setattr(worker, "launch_ddp", lambda n, args, **kw: launched.setdefault("ddp", args) and 0)
+    common = ["--db", str(tmp_path / "r.db"), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+              "--threads", "3", "--heartbeat-timeout", "60", "--max-runs", "2", "--compile"]
+    assert _cli(["worker", "--gpus", "0,1", *common], capsys, monkeypatch)[0] == 0
+    assert _cli(["worker", "--ddp", "--nproc", "2", *common], capsys, monkeypatch)[0] == 0
+    assert launched["ddp"][:2] == ["worker", "--ddp"]
+    assert launched["gpus"] == launched["ddp"][2:]
+    assert launched["gpus"][launched["gpus"].index("--threads") + 1] == "3"
+
+
 def test_a_run_cancelled_while_training_stops_at_its_next_heartbeat(data, tmp_path):
     from fibctl.queue import cancel
     engine = queued_db(tmp_path / "r.db", micro_run("run"))

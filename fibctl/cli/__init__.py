@@ -21,8 +21,7 @@ from rich.markup import escape
 
 from fibctl.cli.common import (err_console, hold_interrupts, interrupted, noting_interrupts,
                                unencodable_shown_as_question_marks)
-from fibctl.reports.render import printable
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, printable
 from fibctl.flows.torchrun import launched  # here, not in main: an import there is a window for a Ctrl-C
 
 
@@ -365,6 +364,6 @@ def _fail(message: str) -> None:
     message = re.sub(r"\S{200,}", lambda m: f"{m[0][:60]}... ({len(m[0]):,} characters)", message)
     # a name or error text read from a database is shown, never obeyed (markup, control codes);
     # a line break in one (a path, FIBCTL_DB) is shown too: an error is one line
-    shown = escape(printable(message).replace("\n", "\\n"))
+    shown = escape(printable(message))
     err_console.print(f"[bold red]error:[/] {shown}", highlight=False, soft_wrap=True)
     sys.exit(2)

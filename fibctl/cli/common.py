@@ -18,8 +18,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from fibctl.errors import FibctlError
-from fibctl.reports.render import printable, title_line
+from fibctl.errors import FibctlError, printable
+from fibctl.reports.render import title_line
 from fibctl.reports.tables import length_label
 
 MIN_COLUMNS, MAX_COLUMNS = 20, 1000  # the widths output is drawn at, whatever COLUMNS says
@@ -59,7 +59,7 @@ def plain(value, style: str = "") -> Text:
     """A table cell or line shown as written: names, paths and errors from data are never rich
     markup, nor control codes a terminal would obey (an error text holding ESC [2J clears the
     screen). Anything that prints text read from a database or a file goes through this."""
-    return Text("" if value is None else printable(str(value)), style=style)
+    return Text("" if value is None else printable(str(value), lines=True), style=style)
 
 
 def typed(ctx: typer.Context, param: str) -> bool:

@@ -15,7 +15,7 @@ from fibctl.cli import app
 from fibctl.cli.common import console, err_console, fitted_table, fitted_view, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
-from fibctl.reports.render import printable
+from fibctl.errors import printable
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
                        no_args_is_help=True)
@@ -75,7 +75,7 @@ def prepare_cmd(
         with token_progress(plain) as progress:
             # why a folder of this recipe is built again, said before the build (hours, for paper)
             result = prepare(r, out, progress, note=lambda line: progress.console.print(
-                f"[yellow]note:[/] {escape(printable(line))}", highlight=False, soft_wrap=True))
+                f"[yellow]note:[/] {escape(printable(line, lines=True))}", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
         _remove_empty(made)
         err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,

@@ -71,7 +71,10 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     """Create the database if needed and bring its schema to the latest revision.
 
     Example: fibctl db upgrade --db results.db"""
-    before, after = db_engine.upgrade(db)
+    from fibctl.db.whole import created_whole
+
+    with created_whole(db) as into:  # a new SQLite file appears only whole: a failed upgrade leaves none
+        before, after = db_engine.upgrade(into)
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:

@@ -23,11 +23,10 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_
                                raised_as_the_signal, seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
-from fibctl.errors import DamagedDatabase, FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError, printable
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
-from fibctl.reports.render import printable
 from fibctl.reports.sql import (MAX_ROWS, NAMED, TABLE_MAX_CHARACTERS, TABLE_MAX_VALUES, TIMEOUT_S,
                                  open_for_reports, query_rows)
 from fibctl.reports.sql import cell as sql_cell
@@ -402,7 +401,7 @@ def sql(
         # rich narrows columns that do not fit to nothing (`SELECT * FROM runs` at 80 columns drew
         # empty cells), or folds a value mid-word (`docs_va` over `l`): side by side only where
         # each column holds its longest word (header or value) whole, else a field a line
-        headers = [Text(printable(column)) for column in result.columns]
+        headers = [Text(printable(column, lines=True)) for column in result.columns]
         cells = _table_cells(result)
         least = [max([1, *(cell_len(w) for t in (h, *(row[i] for row in cells)) for w in t.plain.split())])
                  for i, h in enumerate(headers)]
@@ -418,7 +417,7 @@ def sql(
                 if i:
                     table.add_section()  # a rule between rows
                 for column, value in zip(result.columns, row):
-                    table.add_row(Text(printable(column)), value)
+                    table.add_row(Text(printable(column, lines=True)), value)
             table.columns[1].overflow = "fold"
         console.print(table)
     if result.truncated:
@@ -446,7 +445,7 @@ def _table_cells(result) -> list[list[Text]]:
     cells: list[list[Text]] = []
     characters = 0
     for row in result.rows:
-        texts = [Text("NULL" if v is None else printable(str(sql_cell(v)))) for v in row]
+        texts = [Text("NULL" if v is None else printable(str(sql_cell(v)), lines=True)) for v in row]
         characters += sum(len(t.plain) for t in texts)
         if (len(cells) + 1) * len(texts) > TABLE_MAX_VALUES or characters > TABLE_MAX_CHARACTERS:
             fewer = f"--max-rows {len(cells)}" if cells else "select part of each value (substr)"

@@ -228,15 +228,14 @@ def _ppl(loss: float) -> str:
     return ppl(math.exp(loss)) if loss < 700 else "inf"
 
 
-def _passed_on(data: Path, runs_dir: Path, heartbeat_timeout: float, log_to: list[str], compile: bool) -> list[str]:
+def _passed_on(data: Path, runs_dir: Path, heartbeat_timeout: float, log_to: list[str], compile: bool,
+               device: str | None, threads: int | None) -> list[str]:
     """The options `train` and `worker` give again to the fibctl processes they start
-    (torchrun's ranks, one worker per GPU): each must read and write where this one would."""
+    (torchrun's ranks, one worker per GPU): each must read and write where this one would, and
+    train as it would (one list for every launch: the per-GPU workers once lost --threads)."""
     args = ["--data", str(data), "--runs-dir", str(runs_dir), "--heartbeat-timeout", str(heartbeat_timeout)]
-    return args + [a for n in log_to for a in ("--log-to", n)] + (["--compile"] if compile else [])
-
-
-def _device_args(device: str | None, threads: int | None) -> list[str]:
-    return (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
+    args += [a for n in log_to for a in ("--log-to", n)] + (["--compile"] if compile else [])
+    return args + (["--device", device] if device else []) + (["--threads", str(threads)] if threads else [])
 
 
 @app.command("train")
@@ -279,8 +278,8 @@ def train_cmd(
         if launched():
             raise FibctlError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
         check_ddp(connect(db, must_exist=True, check=known), name, nproc, opts)
-        args = ["train", name, *_passed_on(data, runs_dir, heartbeat_timeout, opts.log_to, compile),
-                *_device_args(device, threads)] + (["--plain"] if plain else [])
+        passed = _passed_on(data, runs_dir, heartbeat_timeout, opts.log_to, compile, device, threads)
+        args = ["train", name, *passed] + (["--plain"] if plain else [])
         raise typer.Exit(launch_ddp(nproc, args, env={"FIBCTL_DB": db}))
     stop = StopRequest()
     if launched():
@@ -333,11 +332,11 @@ def worker_cmd(
     missing = [k for k in ENVIRONMENT if k not in os.environ]
     _check_ddp_options(ddp, nproc, gpus, launched(), missing if len(missing) < len(ENVIRONMENT) else [])
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
-    shared = _passed_on(data, runs_dir, heartbeat_timeout, log_to, compile) + ["--max-attempts", str(max_attempts)]
-    shared += ["--max-runs", str(max_runs)] if max_runs else []
     if gpus is not None and device is not None:  # each per-GPU worker is given its device
         raise FibctlError("--gpus and --device: choose one (--gpus starts a worker on each GPU listed; "
                           "--device picks this worker's device, --device cpu a CPU worker)")
+    shared = _passed_on(data, runs_dir, heartbeat_timeout, log_to, compile, device, threads)
+    shared += ["--max-attempts", str(max_attempts)] + (["--max-runs", str(max_runs)] if max_runs else [])
     gpu_list = parse_gpus(gpus) if gpus is not None else []  # "" is refused there, not a CPU worker
     if gpu_list:
         code = launch_per_gpu(gpu_list, shared, lambda g, pid: console.print(f"worker for GPU {g}: pid {pid}"),
@@ -351,7 +350,6 @@ def worker_cmd(
 
         connect(db, must_exist=True).dispose()
         n = check_launch(opts, nproc)
-        shared += _device_args(device, threads)
         raise typer.Exit(launch_ddp(n, ["worker", "--ddp", *shared] + (["--plain"] if plain else []),
                                     env={"FIBCTL_DB": db}))
     stop = StopRequest()

@@ -255,6 +255,7 @@ def _create_engine(url: URL, option: str = "--db", name: str | None = None, **kw
         engine = create_engine(url, **kwargs)
         _engines.add(engine)
         engine.pool.logger.addFilter(_raised_on)  # the class's logger: once per pool class
+        _note_database(engine, name if name is not None else url)
         if engine.dialect.name == "sqlite":
             _refuse_damaged(engine, name if name is not None else url)
         return engine
@@ -278,15 +279,33 @@ def _raised_on(record: logging.LogRecord) -> bool:
     return raised is None or isinstance(raised, Exception)
 
 
+def _note_database(engine: Engine, db: str | URL) -> None:
+    """Note on each error the engine raises the database it was opened on (as the user gave
+    it): one met mid-command (a write the disk refused) reaches the command line's last
+    handler, which names it with `refusal`, far from any code that knows the database."""
+
+    @event.listens_for(engine, "handle_error")
+    def _noted(context):
+        if context.sqlalchemy_exception is not None:
+            context.sqlalchemy_exception.database = db
+
+
 # SQLite's result codes for a file that is damaged (a bad page, a truncated file) or is no database
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
 # ... and for a disk that refused a write: an I/O error (a -shm file it could not grow, say), full
 SQLITE_IOERR, SQLITE_FULL = 10, 13
+# PostgreSQL's SQLSTATE for a full disk on the server (psycopg's DiskFull). Not 53200
+# (out_of_memory): that is the server's memory, and "its disk is full" would send the user
+# to the wrong place
+PG_DISK_FULL = "53100"
 
 
 def _disk_refused(e: BaseException) -> bool:
-    """Whether SQLite failed on its disk (full, or refusing writes), not on the database."""
-    return isinstance(e, sqlite3.Error) and (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (SQLITE_IOERR, SQLITE_FULL)
+    """Whether the database failed on its disk (full, or refusing writes), not on its data."""
+    if isinstance(e, sqlite3.Error):
+        return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (SQLITE_IOERR, SQLITE_FULL)
+    # psycopg's sqlstate, psycopg2's pgcode
+    return (getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)) == PG_DISK_FULL
 
 
 def _disk_line(reason: str) -> str:
@@ -597,8 +616,15 @@ def _readonly_sqlite_url(path: Path) -> URL:
 
 def refusal(e: BaseException) -> str | None:
     """One line for a database that refused an operation (locked past its busy timeout, full,
-    gone): the driver's message, never the statement and parameters SQLAlchemy appends.
-    None for any other exception."""
+    gone): the driver's message, never the statement and parameters SQLAlchemy appends, and
+    the database as the user gave it (noted on the error by its engine) where it is known; a
+    full disk is said as on opening. None for any other exception."""
     if not isinstance(e, OperationalError):
         return None
-    return f"the database refused the operation: {(str(e.orig).strip().splitlines() or ['?'])[0]}"
+    reason = (str(e.orig).strip().splitlines() or ["?"])[0]
+    db = getattr(e, "database", None)
+    if db is None:
+        return f"the database refused the operation: {reason}"
+    if _disk_refused(e.orig):
+        return f"{shown(db)}: {_disk_line(reason)}"
+    return f"the database {shown(db)} refused the operation: {reason}"

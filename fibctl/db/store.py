@@ -22,6 +22,7 @@ from sqlalchemy import Table, UniqueConstraint, and_, delete, insert, or_, selec
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
+from fibctl.db.engine import shown
 from fibctl.db.schema import Alpha, AuxMetric, Evaluation, Event, PositionLoss, Run, RunStatus, TrainStep
 from fibctl.config import RunConfig
 from fibctl.errors import FibctlError, WorkerError
@@ -42,7 +43,9 @@ def write_retrying(engine: Engine, write: Callable[[Connection], object]):
         except OperationalError as e:
             if delay is None:
                 reason = str(e.orig).strip().splitlines()[0] if str(e.orig).strip() else type(e.orig).__name__
-                raise DatabaseUnavailable(f"the database refused writes {len(RETRY_DELAYS_S) + 1} times over "
+                # the database as given, noted by its engine (a worker's log may serve several)
+                named = f"the database {shown(e.database)}" if hasattr(e, "database") else "the database"
+                raise DatabaseUnavailable(f"{named} refused writes {len(RETRY_DELAYS_S) + 1} times over "
                                           f"{sum(RETRY_DELAYS_S):g} s ({reason})") from None
             time.sleep(delay)
 

@@ -1,7 +1,8 @@
-"""A new SQLite database that comes into being only whole: `import-study` and `db copy` into
-a file that did not exist build it under a hidden temporary name in its folder and rename it
-into place after their commit, so that a kill (SIGKILL: no cleanup runs) leaves no empty
-fibctl database behind, only a temporary, which the next such command there removes.
+"""A new SQLite database that comes into being only whole: `import-study`, `db copy` and
+`db upgrade` into a file that did not exist build it under a hidden temporary name in its
+folder and rename it into place after their commit, so that a kill (SIGKILL: no cleanup
+runs) or a full disk leaves no empty fibctl database behind, only a temporary, which the
+next such command there removes (a full disk's is removed at once).
 
 PostgreSQL and an existing SQLite file take the writes directly, in the commands' one
 transaction."""
@@ -16,7 +17,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from fibctl.db.engine import check_sqlite_file, resolve_url, shown
+from fibctl.db.engine import check_sqlite_file, check_writable, resolve_url, shown
 from fibctl.durable import fsync
 from fibctl.errors import FibctlError
 
@@ -55,12 +56,19 @@ def _remove_stale(path: Path) -> None:
 @contextlib.contextmanager
 def _named_as(db: str, path: Path, into: str, tmp: Path) -> Iterator[None]:
     """An error that names the temporary (a full disk failing its upgrade, say) names the
-    database the user gave instead: the temporary is gone once the error is said."""
+    database the user gave instead: the temporary is gone once the error is said. So does a
+    database's error that its engine noted with the temporary's name (`refusal` says it), as
+    it is or as pandas wrapped it."""
     try:
         yield
     except FibctlError as e:
         e.args = tuple(a.replace(shown(into), shown(db)).replace(str(tmp), str(path)) if isinstance(a, str) else a
                        for a in e.args)
+        raise
+    except Exception as e:
+        for error in (e, e.__cause__):
+            if getattr(error, "database", None) == into:
+                error.database = db
         raise
 
 
@@ -76,6 +84,7 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
         return
     path = Path(url.database)
     check_sqlite_file(path, must_exist=False, option=option)  # its folder is one: refused as connect refuses it
+    check_writable(path)  # its folder's mode named, as connect names it, not the temporary's EACCES
     _remove_stale(path)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:

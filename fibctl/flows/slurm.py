@@ -42,8 +42,7 @@ from fibctl.data.streams import load_manifest
 from fibctl.db.engine import connect, connect_readonly, has_password, resolve_url, shown
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
-from fibctl.errors import FibctlError
-from fibctl.reports.render import printable
+from fibctl.errors import FibctlError, printable
 
 try:
     from submitit.helpers import Checkpointable
@@ -459,7 +458,7 @@ class JobDisplay:
     def _say(self, text: str) -> None:
         # names and errors come from the database: a log read in a terminal shows their
         # control codes, never obeys them
-        print(f"task {self.task}: {printable(text)}", flush=True)
+        print(f"task {self.task}: {printable(text, lines=True)}", flush=True)
 
 
 def note_job(engine: Engine, run_name: str, job_id: str, task: int, host: str, restart: int = 0) -> None:

@@ -14,29 +14,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, printable
 from fibctl.reports.tables import Table
 
 FORMATS = ("rich", "md", "latex", "csv", "json")
 EXTENSIONS = {"rich": "txt", "md": "md", "latex": "tex", "csv": "csv", "json": "json"}
 MISSING = "-"
-# what a terminal obeys instead of showing (ESC colours or clears, CR overwrites, a bidi override
-# reorders): control characters but the line break, and the bidi controls
-_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: str) -> str:
-    """`text` for a terminal: its control characters escaped (\\x1b), line breaks kept."""
-    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
-
-
 def title_line(title: str):
     """A table's title as every table fibctl prints shows it: a line of its own, left-aligned
     and wrapped at the terminal's width (rich's own table title is centred and wrapped at the
     table's width, a narrow table's over several lines)."""
     from rich.text import Text
 
-    return Text(printable(title), style="table.title")
+    return Text(printable(title, lines=True), style="table.title")
 
 
 def cell(table: Table, column: str, value) -> str:
@@ -78,9 +68,9 @@ def fitted(table: Table, width: int):
     from rich.console import Group
     from rich.text import Text
 
-    texts = [[printable(cell(table, c, v)) for c, v in zip(table.frame.columns, row)]
+    texts = [[printable(cell(table, c, v), lines=True) for c, v in zip(table.frame.columns, row)]
              for row in table.frame.itertuples(index=False)]
-    headers = [printable(str(c)) for c in table.frame.columns]
+    headers = [printable(str(c), lines=True) for c in table.frame.columns]
     least = [max([cell_len(w) for w in h.split()] + [cell_len(row[i]) for row in texts] + [1])
              for i, h in enumerate(headers)]
     chunks: list[list[int]] = [[0]]
@@ -88,7 +78,7 @@ def fitted(table: Table, width: int):
         if sum(least[j] + 3 for j in chunks[-1]) + least[i] + 3 + 1 > width and len(chunks[-1]) > 1:
             chunks.append([0])
         chunks[-1].append(i)
-    bolded = _cells(table, "[bold]{}[/bold]", lambda s: escape(printable(s)))
+    bolded = _cells(table, "[bold]{}[/bold]", lambda s: escape(printable(s, lines=True)))
     natural = [max(cell_len(h), least[i]) for i, h in enumerate(headers)]
     parts = []
     for n, chunk in enumerate(chunks):
@@ -114,7 +104,7 @@ def fitted(table: Table, width: int):
             out.add_row(*(row[i] for i in chunk))
         parts.append(out)
     if table.notes:
-        parts.append(Text("\n".join(map(printable, table.notes)), style="table.caption"))
+        parts.append(Text(printable("\n".join(table.notes), lines=True), style="table.caption"))
     return Group(*parts)
 
 
@@ -140,7 +130,7 @@ def _md_text(text: str) -> str:
     their control characters shown (\\x1b), never obeyed; a line break would end the row. '<'
     and '&' as entities: a run named '<script>...' was raw HTML, run by a renderer that passes
     it through (a backslash before '<' would not do: a name's own backslash undoes it)."""
-    return printable(text).replace("\n", " ").replace("&", "&amp;").replace("<", "&lt;")
+    return printable(text, lines=True).replace("\n", " ").replace("&", "&amp;").replace("<", "&lt;")
 
 
 def _md_row(values: list[str]) -> str:
@@ -156,7 +146,7 @@ _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"
 
 
 def latex_escape(s: str) -> str:
-    return "".join(_LATEX.get(ch, ch) for ch in printable(s))  # a control character as its escape
+    return "".join(_LATEX.get(ch, ch) for ch in printable(s, lines=True))  # a control character as its escape
 
 
 def to_latex(table: Table) -> str:

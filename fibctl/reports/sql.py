@@ -28,8 +28,7 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
 from fibctl.db import schema
 from fibctl.db.engine import BUSY_TIMEOUT_MS, connect_readonly, shown
-from fibctl.errors import FibctlError
-from fibctl.reports.render import printable
+from fibctl.errors import FibctlError, printable
 
 MAX_ROWS = 100_000
 MAX_ROWS_LIMIT = 10**9  # the driver fetches a C int's worth of rows at most (2**31 - 1)

@@ -25,7 +25,7 @@ from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
 from fibctl.reports import render, tables
 from fibctl.reports.sql import run_query
-from conftest import fresh_database
+from conftest import fresh_database, reader_url
 from test_import import N_POS, imported, position_losses
 
 
@@ -364,7 +364,7 @@ def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypat
                                                                                       "stagger_w4_s42"]
     t5 = tables.table5(ro(db), window=4, only="*_lr1e-3")
     assert t5.frame["Schedule"].tolist() == ["stagger", "fixed"] and t5.frame["Mean"].tolist() == [30.425, 31.425]
-    assert "'fixed_w4_s42_lr1e-3'" in t5.sql and run_query(db, t5.sql)["ppl"].count() == 4  # runnable as shown
+    assert "'fixed_w4_s42_lr1e-3'" in t5.sql and run_query(reader_url(db), t5.sql)["ppl"].count() == 4  # runnable as shown
     assert tables.table1(ro(db), only="stagger_*").frame["Run"].tolist() == ["stagger_w4_s42",
                                                                              "stagger_w4_s42_lr1e-3"]
     t3 = tables.table3(ro(db), only="*_lr1e-3", all_runs=True)
@@ -527,7 +527,7 @@ def test_settings_that_differ_between_a_tables_runs_are_said_under_it(tmp_path):
 
 def test_the_shown_sql_reproduces_the_numbers(study):
     t = tables.table5(ro(study))
-    frame = run_query(study, t.sql)
+    frame = run_query(reader_url(study), t.sql)
     assert sorted(frame["ppl"]) == sorted([42.0, 41.9, 42.3, 42.7, 42.1])  # every W12 run; pivot keeps 2+ seeds
     assert ":dataset" not in t.sql and "'fineweb_edu_val'" in t.sql
 

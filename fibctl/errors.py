@@ -31,6 +31,11 @@ def first_line(e: BaseException, width: int = 160) -> str:
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
+def unprintable(text: str) -> bool:
+    """Whether `text` holds a character `shown_path` would escape."""
+    return _UNPRINTABLE.search(text) is not None
+
+
 def shown_path(path: str | os.PathLike) -> str:
     """A path as messages show it: on one line, its control characters escaped (\\n, \\x1b)
     and an undecodable byte of its name as Python escapes it (\\udcff)."""

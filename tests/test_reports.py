@@ -419,6 +419,23 @@ def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_pa
     assert (out / "notes.txt").read_text() == "mine"  # not a report's: left alone
 
 
+def test_report_all_deletes_no_file_but_its_own_whatever_its_list_names(tmp_path):
+    """The folder's .fibctl-report (anyone's to edit: --out / as root, say) decides only among
+    the names a report writes: a name it lists beyond them, a path out of the folder, a link
+    listed, are never deleted or written through."""
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42,))
+    out, outside = tmp_path / "report", tmp_path / "outside.txt"
+    out.mkdir()
+    outside.write_text("mine")
+    (out / "notes.txt").write_text("mine")
+    (out / "table4.csv").symlink_to(outside)  # listed, and a name a report writes: the link goes, not its target
+    (out / ".fibctl-report").write_text(f"notes.txt\n../outside.txt\n{outside}\ntable4.csv\n.fibctl-report\n")
+    r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert outside.read_text() == "mine" and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "table4.csv").is_symlink()
+
+
 def test_table4_bins_positions_by_sql_like_the_paper(study):
     t = tables.table4(ro(study))
     fixed, stagger = np.array(position_losses(0.05)), np.array(position_losses(0.0))

@@ -46,6 +46,11 @@ def printable(text: str, *, lines: bool = False) -> str:
     return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
+def unprintable(text: str) -> bool:
+    """Whether `text` holds a character `printable` escapes."""
+    return _UNPRINTABLE.search(text) is not None
+
+
 def shown_path(path: str | os.PathLike) -> str:
     """A path as messages show it: on one line, `printable`."""
     return printable(os.fspath(path))

@@ -76,6 +76,35 @@ def pg_database(prefix: str = "fibctl_test", exclusive: bool = False):
             admin.dispose()
 
 
+READER = "fibctl_test_reader"
+
+
+def reader_url(url: str) -> str:
+    """`url` as `fibctl sql` must connect to it: SQLite as it is; on PostgreSQL as a role that
+    only reads (the server's own login is a superuser, which fibctl sql refuses). The role is
+    the server's, made once (under a lock: test processes run side by side) and kept."""
+    if "://" not in url:
+        return url
+    import fcntl
+    import tempfile
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    with open(os.path.join(tempfile.gettempdir(), "fibctl-test-pg-reader.lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": READER}).first() is None:
+                    conn.execute(text(f"CREATE ROLE {READER} LOGIN"))
+                    conn.execute(text(f"GRANT pg_read_all_data TO {READER}"))
+        finally:
+            admin.dispose()
+            fcntl.flock(f, fcntl.LOCK_UN)
+    return make_url(url).set(username=READER, password=None).render_as_string(hide_password=False)
+
+
 @contextlib.contextmanager
 def fresh_database(backend: str, folder):
     """The URL (SQLite: a bare path in `folder`) of an empty database on `backend`."""

@@ -13,7 +13,7 @@ import sys
 import pytest
 from sqlalchemy import create_engine, text
 
-from conftest import NO_PG, PG_SERVER as SERVER, pg_database
+from conftest import NO_PG, PG_SERVER as SERVER, pg_database, reader_url
 
 pytestmark = pytest.mark.skipif(not SERVER, reason=NO_PG)
 
@@ -52,10 +52,11 @@ def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, data, tmp_pat
     assert "2 run(s)" in fibctl("worker", "--data", data, "--runs-dir", "runs", "--plain")
     fibctl("eval", "a", "b", "--length", "128", "--data", data)
     assert "docs_val" in fibctl("report", "table1")
-    assert "a" in fibctl("sql", "SELECT name, status FROM runs WHERE status = 'done'")
-    refused = fibctl("sql", "DELETE FROM runs", code=2)
+    reader = ["--db", reader_url(pg)]  # fibctl sql refuses the server's superuser login
+    assert "a" in fibctl("sql", "SELECT name, status FROM runs WHERE status = 'done'", *reader)
+    refused = fibctl("sql", "DELETE FROM runs", *reader, code=2)
     assert "read-only" in refused or "refused" in refused
-    assert fibctl("sql", "SELECT count(*) AS n FROM runs", "--format", "json").count('"n": 2') == 1
+    assert fibctl("sql", "SELECT count(*) AS n FROM runs", "--format", "json", *reader).count('"n": 2') == 1
 
 
 def _restart_server() -> None:

@@ -25,7 +25,7 @@ from fibctl.db.engine import connect, connect_readonly
 from fibctl.errors import FibctlError
 from fibctl.reports import render, tables
 from fibctl.reports.sql import run_query
-from conftest import fresh_database
+from conftest import fresh_database, reader_url
 from test_import import N_POS, imported, position_losses
 
 
@@ -364,7 +364,7 @@ def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypat
                                                                                       "stagger_w4_s42"]
     t5 = tables.table5(ro(db), window=4, only="*_lr1e-3")
     assert t5.frame["Schedule"].tolist() == ["stagger", "fixed"] and t5.frame["Mean"].tolist() == [30.425, 31.425]
-    assert "'fixed_w4_s42_lr1e-3'" in t5.sql and run_query(db, t5.sql)["ppl"].count() == 4  # runnable as shown
+    assert "'fixed_w4_s42_lr1e-3'" in t5.sql and run_query(reader_url(db), t5.sql)["ppl"].count() == 4  # runnable as shown
     assert tables.table1(ro(db), only="stagger_*").frame["Run"].tolist() == ["stagger_w4_s42",
                                                                              "stagger_w4_s42_lr1e-3"]
     t3 = tables.table3(ro(db), only="*_lr1e-3", all_runs=True)
@@ -417,6 +417,23 @@ def test_report_all_takes_the_window_and_removes_an_earlier_reports_files(tmp_pa
                       "holds table4.csv, not written by a fibctl report (its .fibctl-report does not list them)",
                       monkeypatch, capsys)
     assert (out / "notes.txt").read_text() == "mine"  # not a report's: left alone
+
+
+def test_report_all_deletes_no_file_but_its_own_whatever_its_list_names(tmp_path):
+    """The folder's .fibctl-report (anyone's to edit: --out / as root, say) decides only among
+    the names a report writes: a name it lists beyond them, a path out of the folder, a link
+    listed, are never deleted or written through."""
+    db = _windowed_study(str(tmp_path / "r.db"), seeds=(42,))
+    out, outside = tmp_path / "report", tmp_path / "outside.txt"
+    out.mkdir()
+    outside.write_text("mine")
+    (out / "notes.txt").write_text("mine")
+    (out / "table4.csv").symlink_to(outside)  # listed, and a name a report writes: the link goes, not its target
+    (out / ".fibctl-report").write_text(f"notes.txt\n../outside.txt\n{outside}\ntable4.csv\n.fibctl-report\n")
+    r = runner.invoke(app, ["report", "all", "--db", db, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert outside.read_text() == "mine" and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "table4.csv").is_symlink()
 
 
 def test_table4_bins_positions_by_sql_like_the_paper(study):
@@ -527,7 +544,7 @@ def test_settings_that_differ_between_a_tables_runs_are_said_under_it(tmp_path):
 
 def test_the_shown_sql_reproduces_the_numbers(study):
     t = tables.table5(ro(study))
-    frame = run_query(study, t.sql)
+    frame = run_query(reader_url(study), t.sql)
     assert sorted(frame["ppl"]) == sorted([42.0, 41.9, 42.3, 42.7, 42.1])  # every W12 run; pivot keeps 2+ seeds
     assert ":dataset" not in t.sql and "'fineweb_edu_val'" in t.sql
 

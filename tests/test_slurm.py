@@ -185,6 +185,8 @@ BAD_OPTIONS = [
     (["--max-requeues", "-1"], ["--max-requeues -1"]),
     (["--folder", ""], ["--folder is empty"]),  # Path(''): the job's logs in the current folder
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
+    # written into the script's #SBATCH lines: a line after the break was a command of the script
+    (["--folder", "{root}/jobs\ntouch x"], ["--folder", "jobs\\ntouch x", "a control character"]),
     (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
     (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says
 ]

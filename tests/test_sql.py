@@ -20,6 +20,7 @@ from fibctl.cli import app
 from fibctl.db.engine import connect, resolve_url
 from fibctl.errors import FibctlError
 from fibctl.reports.sql import query_rows, run_query
+from conftest import NO_PG, PG_SERVER, pg_database, reader_url
 from test_reports import add_eval, add_run, fails_in_one_line
 
 
@@ -34,8 +35,9 @@ def _filled(db: str) -> str:
 
 @pytest.fixture
 def db(db_url) -> str:
-    """Two runs with an evaluation each: a SQLite file, and on the FIBCTL_TEST_PG server."""
-    return _filled(db_url)
+    """Two runs with an evaluation each: a SQLite file, and on the FIBCTL_TEST_PG server (read
+    as a role that only reads; its login `db_url` is a superuser)."""
+    return reader_url(_filled(db_url))
 
 
 @pytest.fixture
@@ -275,8 +277,7 @@ def test_values_are_written_as_the_database_returns_them(db):
 @pytest.mark.parametrize("statement", ["COPY (SELECT 1) TO '{out}'", "COPY (SELECT 1) TO PROGRAM 'touch {out}'",
                                        "SELECT pg_read_file('/etc/hostname')"])
 def test_postgresql_server_files_and_programs_are_out_of_reach(db, tmp_path, statement):
-    """A read-only transaction alone lets a superuser (the CI server's `postgres`) write server
-    files and run programs: fibctl sql reads as pg_read_all_data, which cannot."""
+    """A role that only reads (pg_read_all_data) can neither write server files nor run programs."""
     if _is_sqlite(db):
         pytest.skip("PostgreSQL's COPY and server file functions")
     out = tmp_path / "written-by-sql"
@@ -284,6 +285,47 @@ def test_postgresql_server_files_and_programs_are_out_of_reach(db, tmp_path, sta
         run_query(db, statement.format(out=out))
     assert not out.exists()
     assert run_query(db, "SELECT COUNT(*) AS n FROM runs")["n"].iloc[0] == 2  # tables still read
+
+
+# a statement that takes the login's role back first: fibctl's SET ROLE pg_read_all_data held
+# against none of them (a superuser read the server's files and ran a program)
+ESCAPES = ["DO $$BEGIN PERFORM set_config('role', 'none', false); "
+           "EXECUTE 'COPY (SELECT 1) TO PROGRAM ''touch {out}'''; END$$",
+           "SELECT set_config('role', 'none', false), "
+           "query_to_xml('SELECT pg_read_file(''/etc/hostname'')', true, true, '') AS x",
+           "SELECT set_config('session_authorization', session_user, false), "
+           "query_to_xml('SELECT pg_ls_dir(''/'')', true, true, '') AS x"]
+
+
+@pytest.mark.skipif(not PG_SERVER, reason=NO_PG)
+@pytest.mark.parametrize("statement", ESCAPES)
+def test_a_login_that_may_reach_the_servers_files_is_refused(tmp_path, statement, monkeypatch, capsys):
+    """No setting holds a superuser to reading: fibctl sql refuses such a login (the test
+    server's own) in one line, exit 2, running nothing; a role that only reads gets the same
+    statement refused by the server, nothing run."""
+    from fibctl.cli import main
+
+    out = "/tmp/fibctl-test-sql-ran"  # the server's user writes there, not into tmp_path
+    Path(out).unlink(missing_ok=True)
+    with pg_database() as url:
+        _filled(url)
+        with create_engine(url, poolclass=NullPool).connect() as conn:
+            login, superuser = conn.execute(text("SELECT rolname, rolsuper FROM pg_roles "
+                                                 "WHERE rolname = current_user")).one()
+        if not superuser:
+            pytest.skip("the FIBCTL_TEST_PG login is not a superuser")
+        before = _digest(url)
+        monkeypatch.setattr(sys, "argv", ["fibctl", "sql", statement.format(out=out), "--db", url])
+        with pytest.raises(SystemExit) as e:
+            main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.strip().splitlines() == [
+            f"error: fibctl sql: role {login!r} is a superuser: a statement run as it reaches the server's files "
+            "and programs whatever fibctl sets; connect as a role that only reads (CREATE ROLE reader LOGIN; "
+            "GRANT pg_read_all_data TO reader)"], err
+        with pytest.raises(FibctlError, match="permission denied|must be superuser|privileges"):
+            run_query(reader_url(url), statement.format(out=out))
+        assert not Path(out).exists() and _digest(url) == before
 
 
 @pytest.mark.parametrize("statement", [

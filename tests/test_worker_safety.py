@@ -291,18 +291,70 @@ def test_a_runs_dir_without_the_recorded_checkpoint_is_refused_not_restarted(dat
     assert runs(tmp_path / "r.db") == before and not (tmp_path / "elsewhere" / "run").exists()
 
 
-def test_an_absolute_path_recorded_by_an_older_fibctl_still_resumes_and_evaluates(data, tmp_path):
+def _evaluations(db: Path) -> list:
+    return sqlite3.connect(db).execute("select * from evaluations order by id").fetchall()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("recorded_dir", [None, "new"])
+def test_an_absolute_path_recorded_elsewhere_is_refused_and_its_folder_left_alone(recorded_dir, data, tmp_path,
+                                                                                  monkeypatch):
+    """An older fibctl's absolute path, or one a database another user wrote names: the worker
+    resumed there, writing checkpoints into that folder and deleting its older ones, and eval
+    read it (and wrote its logs beside it). Taken only where it is the run's own folder in the
+    runs folder given."""
     from fibctl.flows.evaluation import evaluate
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()
     work(engine, opts(data, tmp_path / "old"), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
     legacy = str(tmp_path / "old" / "run" / "step_00000003.pt")
     with engine.begin() as conn:
-        conn.exec_driver_sql("update runs set checkpoint_path = ?, runs_dir = null", (legacy,))
-    [outcome] = work(engine, opts(data, tmp_path / "new"), Quiet())
-    assert outcome.status == "done" and outcome.checkpoint.parent == tmp_path / "old" / "run"
-    assert runs(tmp_path / "r.db")[0][5] == str(tmp_path / "old" / "run" / "step_00000030.pt")
+        conn.exec_driver_sql("update runs set checkpoint_path = ?, runs_dir = ?",
+                             (legacy, recorded_dir and str(tmp_path / recorded_dir)))
+    before, rows = _files(tmp_path / "old" / "run"), runs(tmp_path / "r.db")
+    refused = (f"run 'run' records checkpoint {legacy}, outside its folder {tmp_path / 'new' / 'run'}; "
+               f"refused: give --runs-dir {tmp_path / 'old'} if it trained there")
+    with pytest.raises(WorkerError) as e:
+        work(engine, opts(data, tmp_path / "new"), Quiet())
+    assert str(e.value) == refused
+    monkeypatch.chdir(tmp_path)  # eval's default without a recorded folder: ./runs
+    with pytest.raises(FibctlError, match="outside its folder"):
+        evaluate(engine, ["run"], [64], data_dir=data, runs_dir=tmp_path / "new" if recorded_dir else None)
+    assert _files(tmp_path / "old" / "run") == before and runs(tmp_path / "r.db") == rows
+    assert not (tmp_path / "new" / "run").exists()
+    # given the folder it names, through a link to it too, it is the run's own: resumed there
+    (tmp_path / "link").symlink_to(tmp_path / "old")
+    [outcome] = work(engine, opts(data, tmp_path / "link"), Quiet())
+    assert outcome.status == "done" and outcome.checkpoint.parent == tmp_path / "link" / "run"
+    assert runs(tmp_path / "r.db")[0][5] == "run/step_00000030.pt"
     assert len(evaluate(engine, ["run"], [64], data_dir=data)) == 2
+
+
+def test_eval_log_to_refuses_a_run_folder_that_is_a_link(data, tmp_path, monkeypatch):
+    """Read through the link, eval's logs were written wherever it pointed."""
+    from fibctl.flows.evaluation import evaluate
+    from fibctl.train import loggers
+
+    class Sink:  # a stand-in back-end: what TensorBoard would write
+        def __init__(self, run_dir, name, config):
+            (Path(run_dir) / "tensorboard").mkdir()
+
+        def __getattr__(self, name):  # log_step, log_eval, close, ...: nothing more written
+            return lambda *a, **k: None
+    monkeypatch.setitem(loggers.SINKS, "tensorboard", Sink)
+    monkeypatch.setattr(loggers, "check_loggers", lambda names: tuple(names))
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    work(engine, opts(data, tmp_path / "runs"), Quiet())
+    (tmp_path / "runs" / "run").rename(tmp_path / "elsewhere")
+    (tmp_path / "runs" / "run").symlink_to(tmp_path / "elsewhere")
+    before, evaluated = _files(tmp_path / "elsewhere"), _evaluations(tmp_path / "r.db")
+    with pytest.raises(WorkerError, match=f"--log-to: run folder {tmp_path / 'runs' / 'run'} is a link; "):
+        evaluate(engine, ["run"], [64], data_dir=data, log_to=["tensorboard"])
+    assert _files(tmp_path / "elsewhere") == before and _evaluations(tmp_path / "r.db") == evaluated
+    assert len(evaluate(engine, ["run"], [64], data_dir=data)) == 2  # read through it: the user's own link
 
 
 def test_eval_finds_checkpoints_in_the_folder_the_run_trained_in(data, tmp_path, monkeypatch):

@@ -346,13 +346,13 @@ def queue_retry(ctx: typer.Context,
         from fibctl.flows.removal import settle_aside
         from fibctl.train import checkpoint as ckpt
 
-        def check(recorded_dir: str | None, recorded: str | None) -> None:
+        def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
             # --runs-dir's folder, and the one it last trained in whatever --runs-dir says: a
             # worker given that one would find the checkpoint after the rows were deleted
             for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
                                         *([Path(recorded_dir)] if recorded_dir else [])]):
                 settle_aside(where, name, owned=True)  # a killed `queue rm` hid them: back, and seen
-                folder = ckpt.resolve_path(recorded, where, name).parent if recorded else where / name
+                folder = where / name  # the only folder a worker resumes in (checkpoint.resolve_path)
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
                     raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or "

@@ -126,6 +126,8 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     lengths = list(dict.fromkeys(lengths))  # a length or set given twice is measured once
     targets, manifest, datasets, streams = plan(engine, names, lengths, data_dir=data_dir, all_runs=all_runs,
                                                 datasets=datasets, tokens=tokens, runs_dir=runs_dir)
+    for t in targets if log_to else ():  # before any run is measured
+        loggers.check_run_folder(t.checkpoint.parent)
     dev = resolve_device(device)
     total = len(targets) * len(lengths) * len(datasets)
     report = (lambda row: on_result(row, total)) if on_result else None

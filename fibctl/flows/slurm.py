@@ -42,7 +42,7 @@ from fibctl.data.streams import load_manifest
 from fibctl.db.engine import connect, connect_readonly, has_password, resolve_url, shown
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
-from fibctl.errors import FibctlError, printable
+from fibctl.errors import FibctlError, printable, shown_path, unprintable
 
 try:
     from submitit.helpers import Checkpointable
@@ -278,6 +278,9 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
                               worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
     check_worker(settings, spec, configs)
     folder = folder.expanduser().resolve()
+    if unprintable(str(folder)):  # submitit writes it into #SBATCH lines unescaped: a line break ends one
+        raise FibctlError(f"--folder {shown_path(folder)}: a control character (a line break, say) in its path "
+                          "would break the job script's lines; choose another folder")
     blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:  # a dry run too: its script names job folders that could never be made
         raise FibctlError(f"--folder {folder}: {blocked} is a file, not a folder")

@@ -551,10 +551,10 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
 
 
 def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> Path:
-    """The run's checkpoint folder: its own under --runs-dir, or (a run an older fibctl
-    trained) the folder it recorded. A recorded checkpoint that is not there is the runs
-    folder's fault, unless the folder holds an older one: training from step 0 instead would
-    silently discard the run's progress."""
+    """The run's checkpoint folder: its own under --runs-dir, the only one it trains in (a
+    path an older fibctl recorded elsewhere is refused). A recorded checkpoint that is not
+    there is the runs folder's fault, unless the folder holds an older one: training from
+    step 0 instead would silently discard the run's progress."""
     check_name("run", claimed.name)
     own = opts.runs_dir / claimed.name
     # a `queue rm --checkpoints` killed before its commit moved the run's own folder aside;
@@ -564,8 +564,8 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
         settle_aside(opts.runs_dir, claimed.name, owned)
     except FibctlError as e:  # the runs folder's fault, not the run's: back to the queue
         raise WorkerError(str(e)) from None
+    _refuse_link(own)
     if not claimed.checkpoint_path:
-        _refuse_link(own)
         left = ckpt.latest_checkpoint(own)
         # only an earlier attempt of this row (killed before it recorded its checkpoint) may
         # have left it: otherwise it is a removed run's or another database's, and resuming
@@ -575,16 +575,14 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
                               f"(a run of that name removed and queued again, or another database's): "
                               f"move {own} away to train the run from step 0")
         return own
-    path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)
-    if path.parent == own:
-        _refuse_link(own)
+    path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)  # in `own`, or refused
     # one moved aside (or deleted) as damaged: the run resumes from the newest left in its folder
     if not path.is_file() and ckpt.latest_checkpoint(path.parent) is None:
         if any(path.parent.glob(f"step_*.pt{ckpt.DAMAGED}")):  # the run's fault, not the folder's: it fails
             raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {path.parent} were damaged"))
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
                           "exist: give the --runs-dir it was trained with")
-    return path.parent
+    return own
 
 
 def _recorded(engine: Engine, claimed: queue.ClaimedRun) -> Recorded:
@@ -656,7 +654,7 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
 
 
 def _record(recorder: RunRecorder, opts: WorkerOptions, name: str, result: TrainResult) -> None:
-    stored = ckpt.stored_path(result.checkpoint, opts.runs_dir, name) if result.checkpoint else None
+    stored = ckpt.stored_path(result.checkpoint, name) if result.checkpoint else None
     recorder.update_run(tokens_trained=result.tokens_trained, wall_seconds=result.wall_seconds,
                         checkpoint_path=stored)
 

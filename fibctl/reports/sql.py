@@ -2,8 +2,8 @@
 
 Writes are refused by the database connection itself (`fibctl.db.engine.connect_readonly`:
 SQLite `mode=ro`, PostgreSQL read-only transactions), never by inspecting the statement. On
-PostgreSQL a role that may reach the server's files reads as pg_read_all_data instead (a
-guard against mistakes: a superuser login can take its role back inside a query).
+PostgreSQL a login that may reach the server's files (a superuser) is refused: a statement
+can take such a role back whatever fibctl sets.
 A read-only SQLite connection can still create files (`ATTACH`, `VACUUM INTO`) and use
 unbounded memory and time, so the statement also runs under an authorizer that allows
 reading only, a deadline (`timeout_s`), a heap limit, and a cap on the rows fetched.
@@ -116,7 +116,7 @@ def query_rows(db: str, sql: str, *, max_rows: int = MAX_ROWS, timeout_s: float 
                 guard = _SqliteGuard(raw, timeout_s)
             else:  # PostgreSQL: the server enforces the deadline
                 conn.exec_driver_sql(f"SET statement_timeout = {int(timeout_s * 1000)}")
-                _drop_file_privileges(conn)
+                _refuse_privileged_login(conn)
                 guard = None
             try:
                 result = _pg_result(conn, sql) if guard is None else conn.exec_driver_sql(sql)
@@ -171,21 +171,25 @@ def _fetch(result, max_rows: int) -> tuple[list[tuple], bool]:
 _FILE_ROLES = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
 
 
-def _drop_file_privileges(conn) -> None:
-    """A read-only transaction still lets a superuser (or a member of the file roles) write and
-    read the server's files and run programs (COPY ... TO 'file' / TO PROGRAM, pg_read_file).
-    Such a role runs the statement as pg_read_all_data (PostgreSQL 14+): it reads every table
-    and can do none of that, unless the statement itself sets the role back, which a superuser
-    login may always do (docs/cli.md says to use another role for queries from others)."""
-    privileged = conn.exec_driver_sql(
-        "SELECT rolsuper OR " + " OR ".join(f"pg_has_role(current_user, '{r}', 'MEMBER')" for r in _FILE_ROLES)
-        + " FROM pg_roles WHERE rolname = current_user").scalar()
-    if not privileged:
+def _refuse_privileged_login(conn) -> None:
+    """A read-only transaction still lets a superuser (or a member of the file roles) read and
+    write the server's files and run programs (COPY ... TO PROGRAM, pg_read_file). No setting
+    holds against it: a statement can take the login's own role back whatever role fibctl
+    sets (`set_config('role', 'none', false)`, then the rest through a DO block or
+    query_to_xml). So a login that is such a role, or may become one (SET ROLE to a role it
+    is a member of), is refused; docs/cli.md says how to make a role that only reads."""
+    shown = conn.exec_driver_sql(
+        "SELECT r.rolname, r.rolsuper FROM pg_roles r WHERE pg_has_role(session_user, r.oid, 'MEMBER') AND (r.rolsuper"
+        + "".join(f" OR r.rolname = '{r}'" for r in _FILE_ROLES)
+        + ") ORDER BY r.rolname <> session_user, r.rolname LIMIT 1").first()
+    if shown is None:
         return
-    if conn.exec_driver_sql("SELECT 1 FROM pg_roles WHERE rolname = 'pg_read_all_data'").scalar() is None:
-        raise FibctlError("fibctl sql: this role may write the server's files, and the server (before PostgreSQL "
-                          "14) has no pg_read_all_data role to read as; connect as a role without file privileges")
-    conn.exec_driver_sql("SET ROLE pg_read_all_data")
+    login = conn.exec_driver_sql("SELECT session_user").scalar()
+    what = ("is a superuser" if shown.rolname == login and shown.rolsuper
+            else f"may act as {shown.rolname}" + (" (a superuser)" if shown.rolsuper else ""))
+    raise FibctlError(f"fibctl sql: role {login!r} {what}: a statement run as it reaches the server's files and "
+                      "programs whatever fibctl sets; connect as a role that only reads "
+                      "(CREATE ROLE reader LOGIN; GRANT pg_read_all_data TO reader)")
 
 
 def _pg_result(conn, sql: str):

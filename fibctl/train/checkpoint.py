@@ -8,8 +8,9 @@ that would need anything else to unpickle (code, in a crafted one) is refused, n
 
 The database stores a checkpoint's path relative to the runs folder (`RUN/step_N.pt`) and
 resolves it against the `--runs-dir` given, so a runs folder can be named from anywhere.
-Paths written before that (absolute, or relative to the worker's directory) still resolve;
-any path that is not a `step_N.pt` file directly in a folder named after its run is refused.
+Paths written before that (absolute, or relative to the worker's directory) resolve only
+where they name the run's folder in the runs folder given (`resolve_path`); any path that is
+not a `step_N.pt` file directly in a folder named after its run is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from fibctl.config import RunConfig
 from fibctl.durable import fsync
-from fibctl.errors import FibctlError, WorkerError, first_line
+from fibctl.errors import FibctlError, WorkerError, first_line, shown_path
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TEMPORARY = re.compile(r"^step_\d+\.pt\.tmp$")
@@ -185,23 +186,29 @@ def set_aside(path: Path) -> Path:
 # ----------------------------------------------------------------------------- paths in the database
 
 
-def stored_path(path: Path, runs_dir: Path, run_name: str) -> str:
-    """What the database records for `path`: relative to the runs folder when it is in it."""
-    path = Path(path)
-    if path.parent == Path(runs_dir) / run_name:
-        return f"{run_name}/{path.name}"
-    return str(path.resolve())  # a run that resumed in the folder an older fibctl recorded
+def stored_path(path: Path, run_name: str) -> str:
+    """What the database records for `path`, a checkpoint in the run's own folder: the path
+    relative to the runs folder (a run trains only there: `resolve_path`)."""
+    return f"{run_name}/{Path(path).name}"
 
 
 def resolve_path(stored: str, runs_dir: Path, run_name: str) -> Path:
-    """The file a recorded checkpoint path names, after checking it is the run's own."""
+    """The file a recorded checkpoint path names, after checking it is the run's own: always
+    RUNS_DIR/RUN/step_N.pt. A path an older fibctl recorded (absolute, or relative to its
+    directory) is taken only where it names that same folder: a database another user wrote
+    (a shared server), or an old one moved, would otherwise have a worker write and delete
+    checkpoints, and eval write its logs, wherever the path pointed."""
     p = PurePath(stored)
     if _NAME.match(p.name) is None or p.parent.name != run_name or ".." in p.parts:
         raise FibctlError(f"run {run_name!r} records checkpoint {stored!r}, which is not a step_N.pt file "
                           f"in the run's own folder {run_name}/; refused")
-    if not p.is_absolute() and len(p.parts) == 2:
-        return Path(runs_dir) / p
-    return Path(p)  # recorded by an older fibctl: absolute, or relative to its directory
+    own = Path(runs_dir) / run_name
+    if (p.is_absolute() or len(p.parts) != 2) and os.path.realpath(p.parent) != os.path.realpath(own):
+        # the runs folder given is at fault, not the run: the worker leaves it queued
+        raise WorkerError(f"run {run_name!r} records checkpoint {shown_path(stored)}, outside its folder "
+                          f"{shown_path(own)}; refused: give --runs-dir {shown_path(p.parent.parent)} if it "
+                          "trained there")
+    return own / p.name
 
 
 # ----------------------------------------------------------------------------- RNG states

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fibctl.config import flatten
-from fibctl.errors import FibctlError, WorkerError, first_line
+from fibctl.errors import FibctlError, WorkerError, first_line, shown_path
 
 LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
@@ -309,12 +309,23 @@ def _why(e: Exception) -> str:
         return first_line(e)
 
 
+def check_run_folder(run_dir: Path) -> None:
+    """Refuse a run folder that is a link (one made by hand: fibctl makes none): the back-ends'
+    files would be written wherever it points. fibctl eval's check before it measures any run
+    (the worker refuses such a folder before it trains)."""
+    if Path(run_dir).is_symlink():
+        raise WorkerError(f"--log-to: run folder {shown_path(run_dir)} is a link; logs are written only into "
+                          "a folder of the run's own: remove the link, or leave out --log-to")
+
+
 def open_sinks(names, run_dir: Path, name: str, config: dict, heldout=()) -> list:
     """Each back-end started, its folder inside the run's; one that cannot start (a bad
     WANDB_MODE, a file where its folder goes) is the worker's setup at fault, not the run's:
     WorkerError, so the run goes back to the queue untouched. `heldout`: the sets the run
     is evaluated on (TensorBoard's HParams metrics)."""
     sinks = []
+    if names:
+        check_run_folder(run_dir)
     try:
         for n in names:
             folder = Path(run_dir) / n

@@ -197,6 +197,23 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 
+def test_a_run_s_window_and_batch_read_the_same_in_every_command():
+    """The window was `W 8` in queue show and model, `W8` in Table 4's title and `W = 8` in a
+    figure's legend, beside `W=8` in the coverage figure, Table 5 and the errors; the batch was
+    `16x1` in matrix show and `16 x 128 tokens` in queue show. Now fibctl writes `W=8` and
+    `T=128`, and a step's split `16x1` with its tokens; only Table 4's rows keep the paper's
+    own labels (`fixed W8`)."""
+    db = str(Path(__file__).resolve().parent.parent / "results.db.example")
+    shown = fibctl("queue", "show", "fib_fixed_w8", "--db", db, "--events", "0")
+    assert shown.returncode == 0, shown.stderr
+    assert "model: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128\n" in shown.stdout
+    assert "recipe: 1,400 steps of 2,048 tokens (16x1 sequences of 128), lr 0.003, seed 42\n" in shown.stdout
+    assert re.search(r"│ fib_fixed_w8 .*│ 16x1 +│", fibctl("matrix", "show", "demo").stdout)
+    table4 = fibctl("report", "table4", "--db", db).stdout
+    assert "Table 4: mean docs_val loss by position bin (fib, W=8, seed 42)" in table4
+    assert "│ fixed W8   │" in table4 and "│ stagger W8 │" in table4
+
+
 def test_sql_select_star_at_80_columns_shows_every_value():
     """`SELECT * FROM runs` (41 columns) drew a grid of empty cells at 80 columns: a result too
     wide to show side by side is printed a field a line, a rule between rows."""

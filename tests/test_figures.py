@@ -252,7 +252,7 @@ def test_many_runs_get_a_legend_of_the_encoding_below_the_panels(many_runs_db, d
     (legend,) = fig.legends
     labels = [t.get_text() for t in legend.get_texts() if t.get_text()]
     assert sorted(labels) == sorted(["dense", "fixed schedule", "stagger schedule", "fib base", "pow2 base",
-                                     "W = 6", "W = 8", "W = 10", "W = 12"])
+                                     "W=6", "W=8", "W=10", "W=12"])
     renderer = _renderer(fig)
     box = legend.get_window_extent(renderer)
     assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
@@ -526,7 +526,7 @@ def test_a_title_too_wide_for_its_figure_breaks_before_its_parenthesis(db, drawn
     """posloss is a column wide: its title broke as 'mean docs_val loss by position bin (fib' over
     'W8, seed 42)', the parenthesis split between the lines."""
     figures.posloss(connect_readonly(db), tmp_path / "p.png")
-    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib W8, seed 42)"
+    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib, W=8, seed 42)"
 
 
 def test_a_sweep_of_every_schedule_draws_each_run_apart_under_its_own_name(tmp_path, drawn):
@@ -565,7 +565,7 @@ def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, 
     for fig in drawn:
         (legend,) = fig.legends
         assert legend.get_title().get_text() == "11 runs; 9 drawn as another of their schedule, base and W"
-        assert sorted(t.get_text() for t in legend.get_texts() if t.get_text()) == ["W = 8", "dense", "fib base",
+        assert sorted(t.get_text() for t in legend.get_texts() if t.get_text()) == ["W=8", "dense", "fib base",
                                                                                    "fixed schedule"]
         renderer = _renderer(fig)
         box = legend.get_window_extent(renderer)

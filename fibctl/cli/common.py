@@ -212,15 +212,23 @@ def step_of(step: int, steps: int | None) -> str:
 
 
 def attention_label(schedule: str, base: str | None, window: int | None) -> str:
-    """A model's attention in words (`stagger fib W 12`); dense has no base or window to show."""
-    return "dense" if schedule == "dense" else f"{schedule} {base} W {window}"
+    """A model's attention in words (`stagger fib W=12`: the method's symbols W and T are
+    written `W=12`, `T=1024` wherever fibctl speaks; `W12` only in the paper's own table
+    rows); dense has no base or window to show."""
+    return "dense" if schedule == "dense" else f"{schedule} {base} W={window}"
+
+
+def split_label(batch_size: int, grad_accum: int) -> str:
+    """A step's micro-batch split, `8x4` (8 sequences a micro-batch, 4 accumulated), the same
+    in `matrix show`, `queue show` and `bench train`."""
+    return f"{batch_size}x{grad_accum}"
 
 
 def model_line(m) -> str:
-    """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W 12; 16
-    layers, d 512, heads 8/2, vocab 32,768, T 1024`."""
+    """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W=12; 16
+    layers, d 512, heads 8/2, vocab 32,768, T=1024`."""
     return (f"{attention_label(m.schedule, m.base, m.window)}; {m.n_layers} layers, d {m.d_model}, "
-            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T {length_label(m.seq_len)}")
+            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:

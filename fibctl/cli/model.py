@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import attention_label, console, fitted_view, model_line, on_interrupt
+from fibctl.cli.common import attention_label, console, fitted_view, model_line, on_interrupt, split_label
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports.tables import length_label
@@ -100,7 +100,7 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     rows.append([Text("union over layers", "bold"), Text(str(union), "bold")])
     console.print(fitted_view(["layer", "distinct distances"], rows, whole=("layer",), right=("distinct distances",),
                               title=f"coverage: {attention_label(schedule, base, window)}; {layers} layers, "
-                                    f"T {length_label(length)}"))
+                                    f"T={length_label(length)}"))
     for note in deviations(schedule, layers):
         console.print(f"note: {note}", highlight=False, markup=False)
 
@@ -223,7 +223,7 @@ def bench_train_cmd(
     rows = [[r.schedule, f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.speed_vs_dense:.3f}", f"{r.tflops:.3g}",
              *([f"{r.mfu:.1%}"] if with_mfu else []), f"{r.peak_memory_mb:,.0f}",
              f"{r.peak_memory_mb - r.base_memory_mb:,.0f}", f"{r.memory_vs_dense:.3f}"] for r in df.itertuples()]
-    title = (f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
+    title = (f"training, {preset} at T={bench.seq_len}, {split_label(bench.batch_size, bench.grad_accum)} sequences "
              f"({bench.tokens_per_step:,} tokens) per step, {first.device}{', compiled' if compile else ''}, "
              f"median of {steps}")
     console.print(fitted_view(headers, rows, optional=("above start MB", "peak / dense"), right=headers[1:],
@@ -263,7 +263,7 @@ def bench_probe_cmd(
     rows = [[r.impl, f"{r.fwd_bwd_ms:,.1f}", f"{r.memory_mb:,.0f}", f"{r.time_vs_reference:.3f}",
              f"{r.memory_vs_reference:.3f}"] for r in df.itertuples()]
     console.print(fitted_view(headers, rows, right=headers[1:], title=(
-        f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, {threads} thread(s), "
+        f"blur attention, w {width:g}, T={length}, batch {batch}, {df.rungs.iloc[0]} rungs, {threads} thread(s), "
         f"median of {repeats}")))
 
 

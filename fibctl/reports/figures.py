@@ -312,7 +312,7 @@ def _style_key(styles: list[dict]) -> tuple[list, list[str], int]:
             [(Line2D([], [], color="0.3", linestyle=BASE_STYLES.get(b, ":"), linewidth=1.3), f"{b} base")
              for b in bases],
             [(Line2D([], [], color="0.3", linestyle="", marker=WINDOW_MARKERS.get(w, "^"), markersize=4.5),
-              f"W = {w}") for w in windows]]
+              f"W={w}") for w in windows]]
     rows = [row for row in rows if row]
     ncol = max(map(len, rows))
     blank = (Line2D([], [], linestyle="", marker=""), "")

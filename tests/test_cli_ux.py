@@ -3,6 +3,7 @@ as flags, option names that agree across commands, tables that fit 80 columns.""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sqlite3
@@ -1016,3 +1017,19 @@ def test_queue_ls_and_status_at_a_standstill_name_the_next_command(tmp_path, mon
     queue.claim_next(connect(db), "w:1")
     code, out, _ = _in_process(capsys, monkeypatch, "status", "--db", db)
     assert code == 0 and "fibctl worker" not in out and "1 running" in out
+
+
+def test_a_row_shown_a_field_a_line_leaves_out_its_empty_fields():
+    """queue show's events at 80 columns ended each `finished` event with a bare `  message:`,
+    which reads as a cut line."""
+    from rich.console import Console
+
+    from fibctl.cli.common import records
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(records(["time (UTC)", "event", "message"],
+                          [["2026-12-05 18:28:36", "checkpoint", "step 30: runs/dense/step_00000030.pt"],
+                           ["2026-12-05 18:28:37", "finished", ""]]))
+    assert console.export_text().splitlines() == [
+        "2026-12-05 18:28:36", "  event: checkpoint", "  message: step 30: runs/dense/step_00000030.pt",
+        "2026-12-05 18:28:37", "  event: finished"]

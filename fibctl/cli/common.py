@@ -321,11 +321,14 @@ def records(headers: Sequence[str], rows: Sequence[Sequence], *, whole: Sequence
             width: int | None = None) -> Group:
     """The rows of a table too wide to show whole, a field a line: each row's first cell (its
     name), then `  header: value` for the others, so no number is folded across lines; a field
-    of a `whole` column is wrapped as `unbroken` (at `width`), so a path in it stays whole."""
+    of a `whole` column is wrapped as `unbroken` (at `width`), so a path in it stays whole. An
+    empty field (a `finished` event's message) is left out: a bare `  message:` reads as cut."""
     lines = []
     for row in rows:
         lines.append(plain(str(row[0])))
         for h, v in zip(headers[1:], row[1:]):
+            if not str(v).strip():
+                continue
             lines.append(unbroken(f"  {h}: {v}", width) if h in whole else plain(f"  {h}: {v}"))
     return Group(*lines)
 

@@ -56,6 +56,20 @@ def test_coverage_fixed_fib_w8_is_19():
     assert r.output.strip().splitlines()[-2].split("│")[-2].strip() == "19"
 
 
+def test_coverage_takes_a_preset_as_model_and_figure_coverage_do():
+    """`fibctl coverage --preset tiny` was 'No such option', while `model --preset tiny` and
+    `figure coverage --preset tiny` take it: the preset gives layers and length, the options
+    override them, and the paper's stays the default."""
+    tiny = runner.invoke(app, ["coverage", "--schedule", "stagger", "--preset", "tiny"], env={"COLUMNS": "80"})
+    assert tiny.exit_code == 0, tiny.output
+    assert tiny.output.splitlines()[0] == "coverage: stagger fib W=8; 4 layers, T=128"
+    assert tiny.output == runner.invoke(app, ["coverage", "--schedule", "stagger", "--layers", "4", "--length", "128"],
+                                        env={"COLUMNS": "80"}).output
+    assert runner.invoke(app, ["coverage", "--preset", "tiny", "--length", "64"]).output.startswith(
+        "coverage: fixed fib W=8; 4 layers, T=64")
+    assert runner.invoke(app, ["coverage"]).output.startswith("coverage: fixed fib W=8; 16 layers, T=1024")
+
+
 def test_bench_attention_prints_ratios_to_dense():
     r = runner.invoke(app, ["bench", "attention", "--length", "64", "--repeats", "1", "--warmup", "0"])
     assert r.exit_code == 0, r.output

@@ -82,18 +82,26 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
 
 @app.command("coverage")
 def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Window = 8,
-                 layers: Annotated[int, typer.Option(help="Number of layers L.")] = 16,
-                 length: Annotated[int, typer.Option(help="Sequence length T.")] = 1024) -> None:
+                 # as `model` and `figure coverage` take it: the preset's layers and length
+                 preset: Annotated[str, typer.Option(help=f"Take layers and length from this preset: "
+                                                          f"{', '.join(PRESETS)}.")] = "paper",
+                 layers: Annotated[int | None, typer.Option(
+                     help="Number of layers L (default: the preset's).")] = None,
+                 length: Annotated[int | None, typer.Option(
+                     help="Sequence length T (default: the preset's).")] = None) -> None:
     """Count the distinct distances each layer reaches, and their union over layers.
 
     Example: fibctl coverage --schedule stagger --window 8 --length 1024"""
+    model = get_preset(preset).model
+    layers = model.n_layers if layers is None else layers
+    length = model.seq_len if length is None else length
     if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
         raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
     if layers * length > MAX_LISTED:
         raise FibctlError(f"--layers {layers} x --length {length:,}: coverage lists every layer's distances, "
                           f"at most {MAX_LISTED:,} in all")
-    # the paper model, trained at --length: its window bound is queue add's at that length
-    cfg = dataclasses.replace(get_preset("paper").model, schedule=schedule, base=base, window=window,
+    # the preset's model, trained at --length: its window bound is queue add's at that length
+    cfg = dataclasses.replace(model, schedule=schedule, base=base, window=window,
                               n_layers=layers, seq_len=check_length(length)).validate().check_window()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
     rows = [[str(l), str(n)] for l, n in enumerate(per_layer)]

@@ -635,6 +635,27 @@ def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs, schedules, de
                 assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
 
 
+def _colour_bars(fig) -> list:
+    """The figure's colour bars: laid out beside panels, or inside an empty cell's axes."""
+    return [a for ax in fig.axes for a in (ax, *ax.child_axes) if a.get_label() == "<colorbar>"]
+
+
+def test_the_layer_colour_bar_leaves_the_columns_evenly_spaced(tmp_path, drawn):
+    """Three static panels over one learned one (the demo with a learned run added): the bar of
+    the learned panel's layer colours, laid out beside it, widened the first column alone, the
+    gap after it several times the other. The bar now sits in the empty cell after it."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), 4)), tmp_path / "a.png")
+    fig = drawn[0]
+    _renderer(fig)
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    top = sorted((ax.get_position() for ax in panels[:3]), key=lambda box: box.x0)
+    gaps = [right.x0 - left.x1 for left, right in zip(top, top[1:])]
+    assert gaps[0] == pytest.approx(gaps[1], abs=0.01), gaps
+    (bar,) = _colour_bars(fig)
+    at = bar.get_window_extent()
+    assert panels[3].get_window_extent().x1 < at.x0 and at.x1 < panels[1].get_window_extent().x1  # in the next cell
+
+
 def test_identical_static_curves_are_drawn_once_and_each_learned_run_has_a_panel(tmp_path, drawn):
     """A matrix like the paper's, 31 runs: 23 fixed, stagger or coprime, whose alphas are
     their schedule's (the same at every step, for every base and W), drew three curves 23 times
@@ -652,7 +673,7 @@ def test_identical_static_curves_are_drawn_once_and_each_learned_run_has_a_panel
     for ax, schedule in zip(panels, ("fixed", "stagger", "coprime")):
         assert list(ax.get_lines()[0].get_ydata()) == pytest.approx(layer_alphas(schedule, 16))
     renderer = _renderer(drawn[0])  # the layers' colour bar beside the learned panels, not the static ones
-    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    (bar,) = _colour_bars(drawn[0])
     assert bar.get_window_extent(renderer).y1 < min(ax.get_window_extent(renderer).y0 for ax in panels[:3])
     figures.alphas(engine, tmp_path / "b.png", only="r0[0-4]*")
     assert _panel_titles(drawn[1]) == [f"r0{i}__logsparse_{s}_w12_s43" for i, s in
@@ -849,7 +870,7 @@ def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
     """The coverage figure's bar of alpha (0.5 to 1.5) was ticked 0.6 to 1.4: stagger's first
     and last layers' colours had no tick at or beyond them."""
     figures.coverage(tmp_path / "c.png")  # the paper's 16 layers: a bar 3 in tall
-    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    (bar,) = _colour_bars(drawn[0])
     assert bar.get_yticks()[0] == 0.5 and bar.get_yticks()[-1] == 1.5
 
 

@@ -659,8 +659,17 @@ ORDER BY r.name, a.layer, a.step"""
     # the static schedules', coloured by schedule
     over_time = [ax for ax, (_, points) in zip(shown, shown_panels) if points["step"].nunique() > 1]
     if over_time:
-        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=over_time,
-                           label="layer", shrink=0.8)
+        mappable = ScalarMappable(Normalize(0, 1), colormaps["viridis"])
+        empty = axes.ravel()[len(shown_panels):]
+        if len(empty) and shown[-1] in over_time:  # in the empty cell after the last panel: a bar the layout sets beside a
+            # panel widens that panel's column alone, the gap after it wider than the others
+            empty[0].set_visible(True)  # drawn, for the bar inside it, with no axis of its own
+            empty[0].axis("off")
+            # labelled as a laid-out bar is, which _save leaves unticked
+            cax = empty[0].inset_axes([0.04, 0.1, 0.05, 0.8], label="<colorbar>")
+            bar = fig.colorbar(mappable, cax=cax, label="layer")
+        else:
+            bar = fig.colorbar(mappable, ax=over_time, label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, f"Per-layer \u03b1{_alphas_shown(panels)} (rung distance = \u03b1 \u00d7 base sequence)")
     learned = sum(points["schedule"].iloc[0] == "learned" for _, points in panels)  # the panels cut, last

@@ -844,6 +844,25 @@ def _round_steps(ticks) -> bool:
         (1, 2, 2.5, 5)
 
 
+def test_the_curves_legend_lists_the_runs_in_the_extrapolation_figure_s_order(study_like_db, drawn, tmp_path):
+    """curves listed its runs by name: the study's dense `ref_e0000` last and fixed W=12 between
+    the stagger runs, where extrapolation (and the tables) list the paper's order."""
+    engine = connect_readonly(study_like_db)
+    figures.extrapolation(engine, tmp_path / "e.png")
+    figures.curves(engine, tmp_path / "c.png")
+    extrapolation, curves = ([t.get_text() for t in fig.legends[0].get_texts() if t.get_text()] for fig in drawn)
+    assert sorted(curves) == sorted(extrapolation) and len(curves) == 5
+    assert _in_reading_order(drawn[1]) == _in_reading_order(drawn[0])
+
+
+def _in_reading_order(fig) -> list[str]:
+    """A legend's labels as drawn, left to right along each row (matplotlib fills by columns)."""
+    legend = fig.legends[0]
+    _renderer(fig)
+    texts = [t for t in legend.get_texts() if t.get_text()]
+    return [t.get_text() for t in sorted(texts, key=lambda t: (-round(t.get_window_extent().y0), t.get_window_extent().x0))]
+
+
 def test_the_inset_and_the_alphas_step_axes_are_ticked_at_round_steps(study_like_db, drawn, tmp_path):
     """MaxNLocator's own steps include 1.5, 3, 4, 6 and 8: the inset of 600 steps was ticked
     400, 480, 560 (and a flatter one 16.5, 18, 19.5), an alphas panel of 200 steps 0, 80, 160."""

@@ -276,7 +276,7 @@ def budget_notes(long: pd.DataFrame) -> list[str]:
             f"{int(r.most_tokens):,} at other steps." for r in short.itertuples()]
 
 
-def _sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
+def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """The paper's order: dense, then fib before pow2, schedules fixed..coprime, then by W."""
     key = pd.DataFrame({
         "base": frame["base"].map(lambda b: BASE_ORDER.index(b) + 1 if b in BASE_ORDER else 0),
@@ -292,7 +292,7 @@ def _wide(long: pd.DataFrame, columns: str, values: str, keys: list[str]) -> pd.
     """One row per run (keys kept), one column per value of `columns`."""
     wide = long.pivot(index="run", columns=columns, values=values)
     meta = long[["run", *keys]].drop_duplicates("run").set_index("run")
-    return _sort_runs(meta.join(wide).reset_index())
+    return sort_runs(meta.join(wide).reset_index())
 
 
 def _run_labels(frame: pd.DataFrame) -> pd.DataFrame:
@@ -678,7 +678,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
     per_seed["Varied"] = [varied[(b, s)] for b, s in zip(per_seed["base"], per_seed["schedule"])]
     # lowest mean first, as the paper lists them (its margins read down the table); a tie in
     # Table 1's order
-    frame = _sort_runs(per_seed).sort_values("Mean", kind="stable").reset_index(drop=True)
+    frame = sort_runs(per_seed).sort_values("Mean", kind="stable").reset_index(drop=True)
     frame = frame.rename(columns={s: f"seed {s}" for s in seeds})
     frame = frame.rename(columns={"base": "Base", "schedule": "Schedule", "window": "W"})
     frame = frame[["Base", "Schedule", "W", *(f"seed {s}" for s in seeds), "Mean", "Std", "Varied"]]

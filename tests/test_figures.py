@@ -860,7 +860,8 @@ def _in_reading_order(fig) -> list[str]:
     legend = fig.legends[0]
     _renderer(fig)
     texts = [t for t in legend.get_texts() if t.get_text()]
-    return [t.get_text() for t in sorted(texts, key=lambda t: (-round(t.get_window_extent().y0), t.get_window_extent().x0))]
+    at = {t.get_text(): t.get_window_extent() for t in texts}
+    return sorted(at, key=lambda label: (-round(at[label].y0), at[label].x0))
 
 
 def test_the_inset_and_the_alphas_step_axes_are_ticked_at_round_steps(study_like_db, drawn, tmp_path):

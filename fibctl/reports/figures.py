@@ -664,8 +664,9 @@ ORDER BY r.name, a.layer, a.step"""
     if over_time:
         mappable = ScalarMappable(Normalize(0, 1), colormaps["viridis"])
         empty = axes.ravel()[len(shown_panels):]
-        if len(empty) and shown[-1] in over_time:  # in the empty cell after the last panel: a bar the layout sets beside a
-            # panel widens that panel's column alone, the gap after it wider than the others
+        # in the empty cell after the last panel: a bar the layout sets beside a panel widens
+        # that panel's column alone, the gap after it wider than the others
+        if len(empty) and shown[-1] in over_time:
             empty[0].set_visible(True)  # drawn, for the bar inside it, with no axis of its own
             empty[0].axis("off")
             # labelled as a laid-out bar is, which _save leaves unticked

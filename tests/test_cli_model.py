@@ -56,6 +56,20 @@ def test_coverage_fixed_fib_w8_is_19():
     assert r.output.strip().splitlines()[-2].split("│")[-2].strip() == "19"
 
 
+def test_coverage_takes_a_preset_as_model_and_figure_coverage_do():
+    """`fibctl coverage --preset tiny` was 'No such option', while `model --preset tiny` and
+    `figure coverage --preset tiny` take it: the preset gives layers and length, the options
+    override them, and the paper's stays the default."""
+    tiny = runner.invoke(app, ["coverage", "--schedule", "stagger", "--preset", "tiny"], env={"COLUMNS": "80"})
+    assert tiny.exit_code == 0, tiny.output
+    assert tiny.output.splitlines()[0] == "coverage: stagger fib W=8; 4 layers, T=128"
+    assert tiny.output == runner.invoke(app, ["coverage", "--schedule", "stagger", "--layers", "4", "--length", "128"],
+                                        env={"COLUMNS": "80"}).output
+    assert runner.invoke(app, ["coverage", "--preset", "tiny", "--length", "64"]).output.startswith(
+        "coverage: fixed fib W=8; 4 layers, T=64")
+    assert runner.invoke(app, ["coverage"]).output.startswith("coverage: fixed fib W=8; 16 layers, T=1024")
+
+
 def test_bench_attention_prints_ratios_to_dense():
     r = runner.invoke(app, ["bench", "attention", "--length", "64", "--repeats", "1", "--warmup", "0"])
     assert r.exit_code == 0, r.output
@@ -139,7 +153,7 @@ def test_bench_train_prints_a_table_against_dense():
     r = runner.invoke(app, ["bench", "train", "--preset", "micro", "--steps", "1", "--warmup", "0",
                             "--schedule", "stagger"])
     assert r.exit_code == 0, r.output
-    assert "micro at T 64" in r.output and "512 tokens" in r.output
+    assert "micro at T=64" in r.output and "512 tokens" in r.output
     rows = [line.split("│")[1:-1] for line in r.output.splitlines() if line.startswith("│")]
     assert [cells[0].strip() for cells in rows] == ["dense", "stagger"]
     assert rows[0][3].strip() == "1.000" and rows[0][-1].strip() == "1.000"  # speed and memory ratios
@@ -210,7 +224,7 @@ def test_a_measurement_whose_process_dies_is_one_error():
     # sizes past the machine: one line, not a traceback of the allocator (or a blur that never ends)
     (["bench", "attention", "--length", "99999999999"], "--length 99,999,999,999 must be from 2 to 1,048,576"),
     (["bench", "attention", "--length", "1000000", "--batch", "100000"],
-     "bench attention: T 1,000,000, batch 100000 is out of memory on cpu"),
+     "bench attention: T=1000000, batch 100000 is out of memory on cpu"),
     (["bench", "train", "--preset", "micro", "--batch-size", "100000000", "--steps", "1", "--warmup", "0"],
      "bench train: dense at seq-len 64, batch 100,000,000 on cpu: out of memory"),
     (["bench", "probe", "--width", "inf"], "--width inf must be > 0 and at most --length 512"),
@@ -260,8 +274,8 @@ def test_a_table_s_title_is_a_left_aligned_line_as_the_report_tables_have_theirs
     monkeypatch.setattr(bench_queue, "bench_queue", lambda *a, **k: fake)
     # model and coverage say the model as queue show does (model said V=4096 beside its vocab 4,096)
     for command, title in ((["model", "--preset", "tiny"],
-                            "tiny: fixed fib W 8; 4 layers, d 192, heads 6/2, vocab 4,096, T 128"),
-                           (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed fib W 8; 2 layers, T 64"),
+                            "tiny: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128"),
+                           (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed fib W=8; 2 layers, T=64"),
                            (["bench", "queue"], "queue claims, sqlite, 20 runs"),
                            (["report", "table1", "--db", str(Path(__file__).parent.parent / "results.db.example")],
                             "Table 1: final perplexity at the training length (seed 42)")):

@@ -3,6 +3,7 @@ as flags, option names that agree across commands, tables that fit 80 columns.""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sqlite3
@@ -195,6 +196,23 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     # steps with a thousands separator, as queue show and the docs write them (it said 13000)
     assert "preset paper; layers 16; T 1024; steps 13,000" in " ".join(done.stdout.split())
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
+
+
+def test_a_run_s_window_and_batch_read_the_same_in_every_command():
+    """The window was `W 8` in queue show and model, `W8` in Table 4's title and `W = 8` in a
+    figure's legend, beside `W=8` in the coverage figure, Table 5 and the errors; the batch was
+    `16x1` in matrix show and `16 x 128 tokens` in queue show. Now fibctl writes `W=8` and
+    `T=128`, and a step's split `16x1` with its tokens; only Table 4's rows keep the paper's
+    own labels (`fixed W8`)."""
+    db = str(Path(__file__).resolve().parent.parent / "results.db.example")
+    shown = fibctl("queue", "show", "fib_fixed_w8", "--db", db, "--events", "0")
+    assert shown.returncode == 0, shown.stderr
+    assert "model: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128\n" in shown.stdout
+    assert "recipe: 1,400 steps of 2,048 tokens (16x1 sequences of 128), lr 0.003, seed 42\n" in shown.stdout
+    assert re.search(r"│ fib_fixed_w8 .*│ 16x1 +│", fibctl("matrix", "show", "demo").stdout)
+    table4 = fibctl("report", "table4", "--db", db).stdout
+    assert "Table 4: mean docs_val loss by position bin (fib, W=8, seed 42)" in table4
+    assert "│ fixed W8   │" in table4 and "│ stagger W8 │" in table4
 
 
 def test_sql_select_star_at_80_columns_shows_every_value():
@@ -999,3 +1017,19 @@ def test_queue_ls_and_status_at_a_standstill_name_the_next_command(tmp_path, mon
     queue.claim_next(connect(db), "w:1")
     code, out, _ = _in_process(capsys, monkeypatch, "status", "--db", db)
     assert code == 0 and "fibctl worker" not in out and "1 running" in out
+
+
+def test_a_row_shown_a_field_a_line_leaves_out_its_empty_fields():
+    """queue show's events at 80 columns ended each `finished` event with a bare `  message:`,
+    which reads as a cut line."""
+    from rich.console import Console
+
+    from fibctl.cli.common import records
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(records(["time (UTC)", "event", "message"],
+                          [["2026-12-05 18:28:36", "checkpoint", "step 30: runs/dense/step_00000030.pt"],
+                           ["2026-12-05 18:28:37", "finished", ""]]))
+    assert console.export_text().splitlines() == [
+        "2026-12-05 18:28:36", "  event: checkpoint", "  message: step 30: runs/dense/step_00000030.pt",
+        "2026-12-05 18:28:37", "  event: finished"]

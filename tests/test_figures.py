@@ -252,7 +252,7 @@ def test_many_runs_get_a_legend_of_the_encoding_below_the_panels(many_runs_db, d
     (legend,) = fig.legends
     labels = [t.get_text() for t in legend.get_texts() if t.get_text()]
     assert sorted(labels) == sorted(["dense", "fixed schedule", "stagger schedule", "fib base", "pow2 base",
-                                     "W = 6", "W = 8", "W = 10", "W = 12"])
+                                     "W=6", "W=8", "W=10", "W=12"])
     renderer = _renderer(fig)
     box = legend.get_window_extent(renderer)
     assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
@@ -526,7 +526,7 @@ def test_a_title_too_wide_for_its_figure_breaks_before_its_parenthesis(db, drawn
     """posloss is a column wide: its title broke as 'mean docs_val loss by position bin (fib' over
     'W8, seed 42)', the parenthesis split between the lines."""
     figures.posloss(connect_readonly(db), tmp_path / "p.png")
-    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib W8, seed 42)"
+    assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib, W=8, seed 42)"
 
 
 def test_a_sweep_of_every_schedule_draws_each_run_apart_under_its_own_name(tmp_path, drawn):
@@ -565,7 +565,7 @@ def test_past_8_runs_a_sweep_drawn_alike_is_said_and_the_layout_holds(tmp_path, 
     for fig in drawn:
         (legend,) = fig.legends
         assert legend.get_title().get_text() == "11 runs; 9 drawn as another of their schedule, base and W"
-        assert sorted(t.get_text() for t in legend.get_texts() if t.get_text()) == ["W = 8", "dense", "fib base",
+        assert sorted(t.get_text() for t in legend.get_texts() if t.get_text()) == ["W=8", "dense", "fib base",
                                                                                    "fixed schedule"]
         renderer = _renderer(fig)
         box = legend.get_window_extent(renderer)
@@ -635,6 +635,27 @@ def test_the_alphas_of_many_runs_fit_a_page(tmp_path, drawn, runs, schedules, de
                 assert not abox.overlaps(bbox), (a.get_text(), b.get_text())
 
 
+def _colour_bars(fig) -> list:
+    """The figure's colour bars: laid out beside panels, or inside an empty cell's axes."""
+    return [a for ax in fig.axes for a in (ax, *ax.child_axes) if a.get_label() == "<colorbar>"]
+
+
+def test_the_layer_colour_bar_leaves_the_columns_evenly_spaced(tmp_path, drawn):
+    """Three static panels over one learned one (the demo with a learned run added): the bar of
+    the learned panel's layer colours, laid out beside it, widened the first column alone, the
+    gap after it several times the other. The bar now sits in the empty cell after it."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), 4)), tmp_path / "a.png")
+    fig = drawn[0]
+    _renderer(fig)
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    top = sorted((ax.get_position() for ax in panels[:3]), key=lambda box: box.x0)
+    gaps = [right.x0 - left.x1 for left, right in zip(top, top[1:])]
+    assert gaps[0] == pytest.approx(gaps[1], abs=0.01), gaps
+    (bar,) = _colour_bars(fig)
+    at = bar.get_window_extent()
+    assert panels[3].get_window_extent().x1 < at.x0 and at.x1 < panels[1].get_window_extent().x1  # in the next cell
+
+
 def test_identical_static_curves_are_drawn_once_and_each_learned_run_has_a_panel(tmp_path, drawn):
     """A matrix like the paper's, 31 runs: 23 fixed, stagger or coprime, whose alphas are
     their schedule's (the same at every step, for every base and W), drew three curves 23 times
@@ -652,7 +673,7 @@ def test_identical_static_curves_are_drawn_once_and_each_learned_run_has_a_panel
     for ax, schedule in zip(panels, ("fixed", "stagger", "coprime")):
         assert list(ax.get_lines()[0].get_ydata()) == pytest.approx(layer_alphas(schedule, 16))
     renderer = _renderer(drawn[0])  # the layers' colour bar beside the learned panels, not the static ones
-    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    (bar,) = _colour_bars(drawn[0])
     assert bar.get_window_extent(renderer).y1 < min(ax.get_window_extent(renderer).y0 for ax in panels[:3])
     figures.alphas(engine, tmp_path / "b.png", only="r0[0-4]*")
     assert _panel_titles(drawn[1]) == [f"r0{i}__logsparse_{s}_w12_s43" for i, s in
@@ -823,6 +844,26 @@ def _round_steps(ticks) -> bool:
         (1, 2, 2.5, 5)
 
 
+def test_the_curves_legend_lists_the_runs_in_the_extrapolation_figure_s_order(study_like_db, drawn, tmp_path):
+    """curves listed its runs by name: the study's dense `ref_e0000` last and fixed W=12 between
+    the stagger runs, where extrapolation (and the tables) list the paper's order."""
+    engine = connect_readonly(study_like_db)
+    figures.extrapolation(engine, tmp_path / "e.png")
+    figures.curves(engine, tmp_path / "c.png")
+    extrapolation, curves = ([t.get_text() for t in fig.legends[0].get_texts() if t.get_text()] for fig in drawn)
+    assert sorted(curves) == sorted(extrapolation) and len(curves) == 5
+    assert _in_reading_order(drawn[1]) == _in_reading_order(drawn[0])
+
+
+def _in_reading_order(fig) -> list[str]:
+    """A legend's labels as drawn, left to right along each row (matplotlib fills by columns)."""
+    legend = fig.legends[0]
+    _renderer(fig)
+    texts = [t for t in legend.get_texts() if t.get_text()]
+    at = {t.get_text(): t.get_window_extent() for t in texts}
+    return sorted(at, key=lambda label: (-round(at[label].y0), at[label].x0))
+
+
 def test_the_inset_and_the_alphas_step_axes_are_ticked_at_round_steps(study_like_db, drawn, tmp_path):
     """MaxNLocator's own steps include 1.5, 3, 4, 6 and 8: the inset of 600 steps was ticked
     400, 480, 560 (and a flatter one 16.5, 18, 19.5), an alphas panel of 200 steps 0, 80, 160."""
@@ -849,7 +890,7 @@ def test_the_alpha_colour_bar_is_ticked_at_its_ends(drawn, tmp_path):
     """The coverage figure's bar of alpha (0.5 to 1.5) was ticked 0.6 to 1.4: stagger's first
     and last layers' colours had no tick at or beyond them."""
     figures.coverage(tmp_path / "c.png")  # the paper's 16 layers: a bar 3 in tall
-    (bar,) = [ax for ax in drawn[0].axes if ax.get_label() == "<colorbar>"]
+    (bar,) = _colour_bars(drawn[0])
     assert bar.get_yticks()[0] == 0.5 and bar.get_yticks()[-1] == 1.5
 
 

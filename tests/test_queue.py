@@ -815,7 +815,7 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert shown.exit_code == 0, shown.output
     out = shown.output
     assert out.startswith("r000: failed (matrix test, id 1, preset micro)")
-    assert "model: fixed fib W " in out and "attempt(s)" in out
+    assert "model: fixed fib W=" in out and "attempt(s)" in out
     assert "error: step 20 gave a loss of [red]nan[/red]" in out  # as written, never markup
     assert "last logged step 20: loss 4.2500, lr 5.00e-04, grad norm 0.500, 2,345 tok/s" in out
     assert "perplexity at step 20" in out
@@ -828,7 +828,7 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     # the paper's widest numbers (vocab 32,768, T 1024) wrapped the model line at 81 columns
     queue.add_runs(connect(db), [RunConfig.resolve("f02__fib_learned_w8", "paper", "paper", schedule="learned")])
     paper = runner.invoke(app, ["queue", "show", "f02__fib_learned_w8", "--db", db], env={"COLUMNS": "80"}).output
-    assert "model: learned fib W 8; 16 layers, d 512, heads 8/2, vocab 32,768, T 1024\n" in paper
+    assert "model: learned fib W=8; 16 layers, d 512, heads 8/2, vocab 32,768, T=1024\n" in paper
     assert all(len(line) <= 80 for line in paper.splitlines())
 
 

@@ -124,7 +124,7 @@ def test_table1_compare_puts_the_other_database_beside(study, demo, tmp_path):
         add_eval(conn, rid, 1024, 40.0, dataset="fineweb_edu_val")
     engine.dispose()
     with pytest.raises(FibctlError, match=r"^table1 --compare matches runs by base, schedule and W: mine has 2 "
-                                          r"runs of fib stagger W12 \(mine_stagger_w12, other_stagger_w12\)"):
+                                          r"runs of fib stagger W=12 \(mine_stagger_w12, other_stagger_w12\)"):
         tables.table1(ro(study), compare=ro(other), compare_label="mine")
     t = tables.table1(ro(study), compare=ro(other), compare_label="mine", matrix="paper")
     assert len(t.frame) == len(tables.table1(ro(study), matrix="paper").frame)
@@ -296,7 +296,7 @@ def test_table3_of_a_study_at_its_own_windows_shows_every_run(tmp_path):
 
 def test_tables_4_and_5_name_the_windows_that_have_their_data(tmp_path):
     db = _windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))
-    with pytest.raises(FibctlError, match="fib fixed and stagger W8; fixed and stagger have them at --window 4$"):
+    with pytest.raises(FibctlError, match="fib fixed and stagger at W=8; fixed and stagger have them at --window 4$"):
         tables.table4(ro(db))
     with pytest.raises(FibctlError, match="for two or more seeds; some have at --window 4$"):
         tables.table5(ro(db))
@@ -318,10 +318,10 @@ def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, caps
     engine.dispose()
     fails_in_one_line(["figure", "posloss", "--db", db, "--window", "4", "--out", str(tmp_path / "p.png")],
                       tmp_path, "choose one with --matrix (demo, other)", monkeypatch, capsys)
-    with pytest.raises(FibctlError, match=r"^table4: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
+    with pytest.raises(FibctlError, match=r"^table4: fib fixed W=4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
                                           r"for one cell; choose one with --matrix \(demo, other\)$"):
         tables.table4(ro(db), window=4)
-    with pytest.raises(FibctlError, match=r"^table5: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
+    with pytest.raises(FibctlError, match=r"^table5: fib fixed W=4 seed 42: 2 runs \(fixed_w4_s42, other_fixed\) "
                                           r"for one cell; choose one with --matrix \(demo, other\)$"):
         tables.table5(ro(db), window=4)
     assert tables.table5(ro(db), window=4, matrix="demo").frame["seed 42"].tolist() == [20.42, 20.42]
@@ -353,7 +353,7 @@ def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypat
                     dict(run_id=rid, step=600, dataset="docs_val", eval_length=128, position=p,
                          mean_loss=5.0 + p / 1000 + (schedule == "fixed"), windows=4) for p in range(127)])
     engine.dispose()
-    with pytest.raises(FibctlError, match=r"^table4: fib fixed W4 seed 42: 2 runs \(fixed_w4_s42, "
+    with pytest.raises(FibctlError, match=r"^table4: fib fixed W=4 seed 42: 2 runs \(fixed_w4_s42, "
                                           r"fixed_w4_s42_lr1e-3\) for one cell; pick one per cell by name with "
                                           r"--only GLOB \(--only '\*_lr1e-3' reads the runs so named\)"):
         tables.table4(ro(db), window=4)
@@ -556,7 +556,7 @@ def test_missing_data_says_what_and_which_command(study, demo, tmp_path):
         tables.table1(ro(empty))
     with pytest.raises(FibctlError, match="table2: no probe results.*fibctl import-study"):
         tables.table2(ro(demo))
-    with pytest.raises(FibctlError, match="table4: no per-position losses.*fib fixed and stagger W8"):
+    with pytest.raises(FibctlError, match="table4: no per-position losses.*fib fixed and stagger at W=8"):
         tables.table4(ro(demo))
     # how to train replicates: `queue add --set seed=43` is refused, `queue add --seed 43` is not
     with pytest.raises(FibctlError, match=r"table5: .*two or more seeds.*`fibctl queue add MATRIX --seed 43 --seed 44`"):

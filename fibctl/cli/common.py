@@ -212,15 +212,23 @@ def step_of(step: int, steps: int | None) -> str:
 
 
 def attention_label(schedule: str, base: str | None, window: int | None) -> str:
-    """A model's attention in words (`stagger fib W 12`); dense has no base or window to show."""
-    return "dense" if schedule == "dense" else f"{schedule} {base} W {window}"
+    """A model's attention in words (`stagger fib W=12`: the method's symbols W and T are
+    written `W=12`, `T=1024` wherever fibctl speaks; `W12` only in the paper's own table
+    rows); dense has no base or window to show."""
+    return "dense" if schedule == "dense" else f"{schedule} {base} W={window}"
+
+
+def split_label(batch_size: int, grad_accum: int) -> str:
+    """A step's micro-batch split, `8x4` (8 sequences a micro-batch, 4 accumulated), the same
+    in `matrix show`, `queue show` and `bench train`."""
+    return f"{batch_size}x{grad_accum}"
 
 
 def model_line(m) -> str:
-    """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W 12; 16
-    layers, d 512, heads 8/2, vocab 32,768, T 1024`."""
+    """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W=12; 16
+    layers, d 512, heads 8/2, vocab 32,768, T=1024`."""
     return (f"{attention_label(m.schedule, m.base, m.window)}; {m.n_layers} layers, d {m.d_model}, "
-            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T {length_label(m.seq_len)}")
+            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
@@ -313,11 +321,14 @@ def records(headers: Sequence[str], rows: Sequence[Sequence], *, whole: Sequence
             width: int | None = None) -> Group:
     """The rows of a table too wide to show whole, a field a line: each row's first cell (its
     name), then `  header: value` for the others, so no number is folded across lines; a field
-    of a `whole` column is wrapped as `unbroken` (at `width`), so a path in it stays whole."""
+    of a `whole` column is wrapped as `unbroken` (at `width`), so a path in it stays whole. An
+    empty field (a `finished` event's message) is left out: a bare `  message:` reads as cut."""
     lines = []
     for row in rows:
         lines.append(plain(str(row[0])))
         for h, v in zip(headers[1:], row[1:]):
+            if not str(v).strip():
+                continue
             lines.append(unbroken(f"  {h}: {v}", width) if h in whole else plain(f"  {h}: {v}"))
     return Group(*lines)
 

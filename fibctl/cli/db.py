@@ -13,7 +13,8 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
-                               goes_with, interactive, model_line, plain, runs_dir_value, step_of, unbroken)
+                               goes_with, interactive, model_line, plain, runs_dir_value, split_label, step_of,
+                               unbroken)
 from fibctl.db import engine as db_engine
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -182,7 +183,7 @@ def matrix_show(matrix: MatrixArg, preset: PresetOption = None,
         dense = c.model.schedule == "dense"
         rows.append([c.name, "-" if dense else c.model.base, c.model.schedule, "-" if dense else str(c.model.window),
                      str(c.seed), c.preset, str(c.model.n_layers), str(c.model.seq_len), f"{c.train.steps:,}",
-                     f"{c.train.batch_size}x{c.train.grad_accum}", f"{c.train.lr:g}", c.config_hash])
+                     split_label(c.train.batch_size, c.train.grad_accum), f"{c.train.lr:g}", c.config_hash])
     # at a narrow terminal, settings every run shares go under the table instead of a column each
     console.print(fitted_view(headers, rows, title=f"{m.name}: {m.description}", names=("name",),
                                optional=("preset", "layers", "T", "steps", "config hash", "lr", "batch", "seed"),
@@ -439,8 +440,9 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
     else:
         m, t = c.model, c.train
         say(f"model: {model_line(m)}")
-        say(f"recipe: {t.steps:,} steps of {t.batch_size * t.grad_accum} x {length_label(m.seq_len)} tokens, lr {t.lr:g}, "
-            f"seed {r['seed']}")
+        # as docs/method.md says the recipe: tokens a step, then how a step splits them
+        say(f"recipe: {t.steps:,} steps of {c.tokens_per_step:,} tokens ({split_label(t.batch_size, t.grad_accum)} "
+            f"sequences of {length_label(m.seq_len)}), lr {t.lr:g}, seed {r['seed']}")
     # a run not done records its tokens at each checkpoint, not its step: they give it
     step = r["final_step"] if r["final_step"] is not None else (
         r["tokens_trained"] // c.tokens_per_step if r["tokens_trained"] is not None and c is not None else None)

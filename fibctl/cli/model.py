@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import attention_label, console, fitted_view, model_line, on_interrupt
+from fibctl.cli.common import attention_label, console, fitted_view, model_line, on_interrupt, split_label
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports.tables import length_label
@@ -82,25 +82,33 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
 
 @app.command("coverage")
 def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Window = 8,
-                 layers: Annotated[int, typer.Option(help="Number of layers L.")] = 16,
-                 length: Annotated[int, typer.Option(help="Sequence length T.")] = 1024) -> None:
+                 # as `model` and `figure coverage` take it: the preset's layers and length
+                 preset: Annotated[str, typer.Option(help=f"Take layers and length from this preset: "
+                                                          f"{', '.join(PRESETS)}.")] = "paper",
+                 layers: Annotated[int | None, typer.Option(
+                     help="Number of layers L (default: the preset's).")] = None,
+                 length: Annotated[int | None, typer.Option(
+                     help="Sequence length T (default: the preset's).")] = None) -> None:
     """Count the distinct distances each layer reaches, and their union over layers.
 
     Example: fibctl coverage --schedule stagger --window 8 --length 1024"""
+    model = get_preset(preset).model
+    layers = model.n_layers if layers is None else layers
+    length = model.seq_len if length is None else length
     if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
         raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
     if layers * length > MAX_LISTED:
         raise FibctlError(f"--layers {layers} x --length {length:,}: coverage lists every layer's distances, "
                           f"at most {MAX_LISTED:,} in all")
-    # the paper model, trained at --length: its window bound is queue add's at that length
-    cfg = dataclasses.replace(get_preset("paper").model, schedule=schedule, base=base, window=window,
+    # the preset's model, trained at --length: its window bound is queue add's at that length
+    cfg = dataclasses.replace(model, schedule=schedule, base=base, window=window,
                               n_layers=layers, seq_len=check_length(length)).validate().check_window()
     per_layer, union = coverage_counts(attended_distances(base, schedule, window, layers, length, cfg.n_rungs))
     rows = [[str(l), str(n)] for l, n in enumerate(per_layer)]
     rows.append([Text("union over layers", "bold"), Text(str(union), "bold")])
     console.print(fitted_view(["layer", "distinct distances"], rows, whole=("layer",), right=("distinct distances",),
                               title=f"coverage: {attention_label(schedule, base, window)}; {layers} layers, "
-                                    f"T {length_label(length)}"))
+                                    f"T={length_label(length)}"))
     for note in deviations(schedule, layers):
         console.print(f"note: {note}", highlight=False, markup=False)
 
@@ -223,7 +231,7 @@ def bench_train_cmd(
     rows = [[r.schedule, f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.speed_vs_dense:.3f}", f"{r.tflops:.3g}",
              *([f"{r.mfu:.1%}"] if with_mfu else []), f"{r.peak_memory_mb:,.0f}",
              f"{r.peak_memory_mb - r.base_memory_mb:,.0f}", f"{r.memory_vs_dense:.3f}"] for r in df.itertuples()]
-    title = (f"training, {preset} at T {bench.seq_len}, {bench.batch_size} x {bench.grad_accum} sequences "
+    title = (f"training, {preset} at T={bench.seq_len}, {split_label(bench.batch_size, bench.grad_accum)} sequences "
              f"({bench.tokens_per_step:,} tokens) per step, {first.device}{', compiled' if compile else ''}, "
              f"median of {steps}")
     console.print(fitted_view(headers, rows, optional=("above start MB", "peak / dense"), right=headers[1:],
@@ -263,7 +271,7 @@ def bench_probe_cmd(
     rows = [[r.impl, f"{r.fwd_bwd_ms:,.1f}", f"{r.memory_mb:,.0f}", f"{r.time_vs_reference:.3f}",
              f"{r.memory_vs_reference:.3f}"] for r in df.itertuples()]
     console.print(fitted_view(headers, rows, right=headers[1:], title=(
-        f"blur attention, w {width:g}, T {length}, batch {batch}, {df.rungs.iloc[0]} rungs, {threads} thread(s), "
+        f"blur attention, w {width:g}, T={length}, batch {batch}, {df.rungs.iloc[0]} rungs, {threads} thread(s), "
         f"median of {repeats}")))
 
 

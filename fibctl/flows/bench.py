@@ -116,7 +116,7 @@ def bench_attention(lengths: list[int], paths: tuple[str, ...] | None = None, ba
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise
-            raise FibctlError(f"bench attention: T {T:,}, batch {batch} is out of memory on {describe(device)}") from None
+            raise FibctlError(f"bench attention: T={T}, batch {batch} is out of memory on {describe(device)}") from None
     df = pd.DataFrame(rows)
     dense = df[df.path == "dense"].set_index("length")
     if not dense.empty:

@@ -32,7 +32,7 @@ from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_l
 from fibctl.errors import FibctlError
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
-    Table, dataset_label, default_dataset, pick_runs, read_sql, table3, table4,
+    Table, dataset_label, default_dataset, pick_runs, read_sql, sort_runs, table3, table4,
 )
 from fibctl.schedules import attended_distances, coverage as coverage_counts, layer_alphas
 
@@ -312,7 +312,7 @@ def _style_key(styles: list[dict]) -> tuple[list, list[str], int]:
             [(Line2D([], [], color="0.3", linestyle=BASE_STYLES.get(b, ":"), linewidth=1.3), f"{b} base")
              for b in bases],
             [(Line2D([], [], color="0.3", linestyle="", marker=WINDOW_MARKERS.get(w, "^"), markersize=4.5),
-              f"W = {w}") for w in windows]]
+              f"W={w}") for w in windows]]
     rows = [row for row in rows if row]
     ncol = max(map(len, rows))
     blank = (Line2D([], [], linestyle="", marker=""), "")
@@ -524,10 +524,13 @@ ORDER BY r.name, t.step""", **params)
     long["tokens"] = long["tokens"].fillna(-1)
     light_shown = False
     styles = []
-    runs = long.groupby("run", sort=True)
-    looks = run_styles(list(long[["run", "schedule", "base", "window"]].drop_duplicates("run")
-                            .itertuples(index=False, name=None)))
-    for nth, (run, points) in enumerate(runs):
+    meta = long[["run", "schedule", "base", "window"]].drop_duplicates("run")
+    looks = run_styles(list(meta.itertuples(index=False, name=None)))
+    # in the paper's order, as the extrapolation figure and the tables list them (by name, a
+    # study's dense run `ref_e0000` came last)
+    order = sort_runs(meta.sort_values("run"))["run"].tolist()
+    for nth, run in enumerate(order):
+        points = long[long["run"] == run]
         first = points.iloc[0]
         styles.append(first[["schedule", "base", "window"]].to_dict())
         style = looks[run]
@@ -536,13 +539,13 @@ ORDER BY r.name, t.step""", **params)
             line = points[points["tokens"] == tokens]
             full = tokens == budgets[-1]
             left.plot(line["step"], line["ppl"], label=run_label(run, first["schedule"]) if full else None,
-                      markevery=markevery(len(line), nth, runs.ngroups),
+                      markevery=markevery(len(line), nth, len(order)),
                       **(style if full else {**style, "linewidth": 0.8, "alpha": 0.5, "marker": None}))
             light_shown |= not full
         mine = steps[steps["run"] == run]
         if right is not None and not mine.empty:  # raw values faint, a centred moving average on top
             right.plot(mine["step"], mine["loss"], color=style["color"], linewidth=0.6, alpha=0.25)
-            right.plot(mine["step"], smoothed(mine["loss"]), markevery=markevery(len(mine), nth, runs.ngroups),
+            right.plot(mine["step"], smoothed(mine["loss"]), markevery=markevery(len(mine), nth, len(order)),
                        **{**style, "linewidth": min(style["linewidth"], 1.6)})
     left.set_yscale("log")
     _plain_log_axis(left.yaxis)
@@ -659,8 +662,18 @@ ORDER BY r.name, a.layer, a.step"""
     # the static schedules', coloured by schedule
     over_time = [ax for ax, (_, points) in zip(shown, shown_panels) if points["step"].nunique() > 1]
     if over_time:
-        bar = fig.colorbar(ScalarMappable(Normalize(0, 1), colormaps["viridis"]), ax=over_time,
-                           label="layer", shrink=0.8)
+        mappable = ScalarMappable(Normalize(0, 1), colormaps["viridis"])
+        empty = axes.ravel()[len(shown_panels):]
+        # in the empty cell after the last panel: a bar the layout sets beside a panel widens
+        # that panel's column alone, the gap after it wider than the others
+        if len(empty) and shown[-1] in over_time:
+            empty[0].set_visible(True)  # drawn, for the bar inside it, with no axis of its own
+            empty[0].axis("off")
+            # labelled as a laid-out bar is, which _save leaves unticked
+            cax = empty[0].inset_axes([0.04, 0.1, 0.05, 0.8], label="<colorbar>")
+            bar = fig.colorbar(mappable, cax=cax, label="layer")
+        else:
+            bar = fig.colorbar(mappable, ax=over_time, label="layer", shrink=0.8)
         bar.set_ticks([0, 1], labels=["first", "last"])  # in words: a label saying so outran a one-row bar
     _title(fig, f"Per-layer \u03b1{_alphas_shown(panels)} (rung distance = \u03b1 \u00d7 base sequence)")
     learned = sum(points["schedule"].iloc[0] == "learned" for _, points in panels)  # the panels cut, last

@@ -276,7 +276,7 @@ def budget_notes(long: pd.DataFrame) -> list[str]:
             f"{int(r.most_tokens):,} at other steps." for r in short.itertuples()]
 
 
-def _sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
+def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """The paper's order: dense, then fib before pow2, schedules fixed..coprime, then by W."""
     key = pd.DataFrame({
         "base": frame["base"].map(lambda b: BASE_ORDER.index(b) + 1 if b in BASE_ORDER else 0),
@@ -292,7 +292,7 @@ def _wide(long: pd.DataFrame, columns: str, values: str, keys: list[str]) -> pd.
     """One row per run (keys kept), one column per value of `columns`."""
     wide = long.pivot(index="run", columns=columns, values=values)
     meta = long[["run", *keys]].drop_duplicates("run").set_index("run")
-    return _sort_runs(meta.join(wide).reset_index())
+    return sort_runs(meta.join(wide).reset_index())
 
 
 def _run_labels(frame: pd.DataFrame) -> pd.DataFrame:
@@ -362,7 +362,7 @@ def _beside(this: pd.DataFrame, other: pd.DataFrame, cols: list[str],
     for frame, which in ((this, "this database"), (other, label)):  # a match must be one run each side
         for key, group in frame.groupby(keys, dropna=False):
             if len(group) > 1:
-                kind = " ".join(str(k) for k in key[:2]) + ("" if pd.isna(key[2]) else f" W{key[2]}")
+                kind = " ".join(str(k) for k in key[:2]) + ("" if pd.isna(key[2]) else f" W={key[2]}")
                 raise FibctlError(f"table1 --compare matches runs by base, schedule and W: {which} has "
                                   f"{len(group)} runs of {kind} ({', '.join(sorted(group['Run'])[:4])}); "
                                   "--matrix picks one matrix's")
@@ -616,10 +616,10 @@ WHERE p.dataset = :dataset AND p.eval_length = r.train_length AND r.base = 'fib'
 GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", runs.params(dataset=dataset, seed=seed))
         raise FibctlError(
             f"table4: no per-position losses on {dataset} at the training length for seed-{seed} "
-            f"fib {' and '.join(missing)} W{window}{runs.said()}; "
+            f"fib {' and '.join(missing)} at W={window}{runs.said()}; "
             + (f"fixed and stagger have them at {elsewhere}" if elsewhere else
                "record them with `fibctl eval NAME --length T --positions` or import the study's posloss.json"))
-    _one_run_each(long, ["schedule"], lambda k: f"table4: fib {k['schedule']} W{window} seed {seed}", runs)
+    _one_run_each(long, ["schedule"], lambda k: f"table4: fib {k['schedule']} W={window} seed {seed}", runs)
     bins = long.drop_duplicates("bin").sort_values("bin")
     labels = {b: f"{f}-{l}" for b, f, l in zip(bins["bin"], bins["first_position"], bins["last_position"])}
     wide = long.pivot(index="schedule", columns="bin", values="mean_loss").rename(columns=labels)
@@ -627,10 +627,11 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", runs.params(datase
     runs = long.drop_duplicates("schedule").set_index("schedule")["run"]
     frame = wide.reset_index().rename(columns={"schedule": "Row"})
     frame.insert(1, "Run", frame["Row"].map(runs).fillna("fixed - stagger"))
+    # the rows as the paper labels them (`fixed W8`); fibctl's own words write `W=8`
     frame["Row"] = frame["Row"].map({"fixed": f"fixed W{window}", "stagger": f"stagger W{window}",
                                      "gap": "gap"})
     title = (f"Table 4: mean {dataset_label(dataset)} loss by position bin "
-             f"(fib W{window}, seed {seed})")
+             f"(fib, W={window}, seed {seed})")
     return Table("table4", title, frame, sql_text, {c: loss for c in labels.values()},
                  notes=unfinished_notes(engine, long["run"]) + settings_notes(engine, long["run"]))
 
@@ -666,7 +667,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
             + (f"some have at {elsewhere}" if elsewhere else "train replicate seeds of the same runs "
                "(`fibctl queue add MATRIX --seed 43 --seed 44`: docs/schema.md, Matrices)"))
     _one_run_each(long, ["base", "schedule", "seed"],
-                  lambda k: f"table5: {k['base']} {k['schedule']} W{window} seed {k['seed']}", runs)
+                  lambda k: f"table5: {k['base']} {k['schedule']} W={window} seed {k['seed']}", runs)
     per_seed = long.pivot_table(index=["base", "schedule"], columns="seed", values="ppl").reset_index()
     seeds = [c for c in per_seed.columns if c not in ("base", "schedule")]
     values = per_seed[seeds]
@@ -677,7 +678,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
     per_seed["Varied"] = [varied[(b, s)] for b, s in zip(per_seed["base"], per_seed["schedule"])]
     # lowest mean first, as the paper lists them (its margins read down the table); a tie in
     # Table 1's order
-    frame = _sort_runs(per_seed).sort_values("Mean", kind="stable").reset_index(drop=True)
+    frame = sort_runs(per_seed).sort_values("Mean", kind="stable").reset_index(drop=True)
     frame = frame.rename(columns={s: f"seed {s}" for s in seeds})
     frame = frame.rename(columns={"base": "Base", "schedule": "Schedule", "window": "W"})
     frame = frame[["Base", "Schedule", "W", *(f"seed {s}" for s in seeds), "Mean", "Std", "Varied"]]

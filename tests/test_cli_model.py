@@ -241,7 +241,7 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["model", "--preset", "micro", "--window", "63", "--length", "1000"], "at most T - 2 = 62"),
     (["coverage", "--window", "99999999999999999999"], "at most T - 2 = 1022"),
     (["coverage", "--schedule", "stagger", "--window", "63", "--length", "64"], "at most T - 2 = 62"),
-    (["coverage", "--layers", "0"], "n_layers=0 must be >= 1"),
+    (["coverage", "--layers", "0"], "--layers 0 must be >= 1"),
     # every layer's distances are listed: a mistyped length is one line, not gigabytes
     (["coverage", "--schedule", "dense", "--layers", "1024", "--length", "100000"],
      "--layers 1024 x --length 100,000: coverage lists every layer's distances, at most 16,777,216"),

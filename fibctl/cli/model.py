@@ -95,6 +95,8 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     model = get_preset(preset).model
     layers = model.n_layers if layers is None else layers
     length = model.seq_len if length is None else length
+    if layers < 1:  # named as the option, not as the config's n_layers
+        raise FibctlError(f"--layers {layers} must be >= 1")
     if layers > COVERAGE_MAX_LAYERS:  # one table row per layer
         raise FibctlError(f"--layers {layers}: at most {COVERAGE_MAX_LAYERS:,} layers")
     if layers * length > MAX_LISTED:

@@ -74,6 +74,17 @@ def deviations(schedule: str, n_layers: int) -> list[str]:
     return []
 
 
+def coinciding(schedule: str, n_layers: int) -> list[str]:
+    """The other integer schedules that give every layer of this depth the same alpha, and so
+    the same attended distances (coprime and stagger at L = 2, all three at L = 1): runs of
+    them train the same model, which a reader of identical results should be told."""
+    fixed_alphas = ("fixed", "stagger", "coprime")  # learned moves away from its start; dense has no rungs
+    if schedule not in fixed_alphas:
+        return []
+    alphas = layer_alphas(schedule, n_layers)
+    return [other for other in fixed_alphas if other != schedule and layer_alphas(other, n_layers) == alphas]
+
+
 def layer_alphas(schedule: str, n_layers: int) -> list[float]:
     """alpha_l for every layer (the initial values for `learned`). Dense has no rungs: 1."""
     L = n_layers

@@ -282,3 +282,25 @@ def test_a_table_s_title_is_a_left_aligned_line_as_the_report_tables_have_theirs
         r = runner.invoke(app, command, env={"COLUMNS": "80"})
         assert r.exit_code == 0, r.output
         assert r.output.splitlines()[0] == title, r.output
+
+
+@pytest.mark.parametrize("command", [["model", "--preset", "micro"], ["coverage", "--preset", "micro"]])
+def test_schedules_that_are_the_same_model_at_this_depth_are_said_to_be(command):
+    """At 2 layers coprime's slots are stagger's: a micro coprime run and a stagger run gave
+    identical alphas and evaluations, which read as a bug. model and coverage say so; at the
+    paper's depth, or for a schedule no other equals there, nothing is said."""
+    from fibctl.schedules import SCHEDULES, coinciding, layer_alphas
+
+    said = "coprime and stagger give every layer the same alpha: their runs train the same model"
+    r = runner.invoke(app, [*command, "--schedule", "coprime"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert f"note: at 2 layers, {said}" in r.output
+    for quiet in (["--schedule", "fixed"], ["--schedule", "coprime", "--preset", "paper"]):
+        r = runner.invoke(app, [*command, *quiet], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and "same model" not in r.output, r.output
+    # the note's rule is the alphas' equality, which decides the attended distances
+    for L in range(1, 17):
+        for schedule in SCHEDULES:
+            for other in coinciding(schedule, L):
+                assert layer_alphas(other, L) == layer_alphas(schedule, L)
+    assert coinciding("stagger", 1) == ["fixed", "coprime"] and coinciding("learned", 2) == []

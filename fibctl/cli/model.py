@@ -14,7 +14,7 @@ from fibctl.cli.common import attention_label, console, fitted_view, model_line,
 from fibctl.config import BASES, PRESETS, SCHEDULES, ConfigError, check_length, get_preset
 from fibctl.errors import FibctlError
 from fibctl.reports.tables import length_label
-from fibctl.schedules import attended_distances, coverage as coverage_counts, deviations, layer_alphas
+from fibctl.schedules import attended_distances, coverage as coverage_counts, coinciding, deviations, layer_alphas
 
 COVERAGE_MAX_LAYERS = 1024
 NOTHING_KEPT = "a benchmark writes nothing: nothing is kept"
@@ -76,7 +76,18 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
     console.print(fitted_view(["layer", "alpha", "distances", "window + rungs"], rows, whole=("window + rungs",),
                               title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned"
                                                    else "")))
-    for note in deviations(schedule, cfg.n_layers):
+    _print_notes(schedule, cfg.n_layers)
+
+
+def _print_notes(schedule: str, n_layers: int) -> None:
+    """Where this stack is fibctl's choice, and which other schedules it is the same model as."""
+    notes = deviations(schedule, n_layers)
+    same = coinciding(schedule, n_layers)
+    if same:
+        names = ", ".join([schedule, *same][:-1]) + f" and {same[-1]}"
+        notes.append(f"at {n_layers} layer{'s' if n_layers > 1 else ''}, {names} give every layer the same "
+                     "alpha: their runs train the same model")
+    for note in notes:
         console.print(f"note: {note}", highlight=False, markup=False)
 
 
@@ -111,8 +122,7 @@ def coverage_cmd(base: Base = "fib", schedule: Schedule = "fixed", window: Windo
     console.print(fitted_view(["layer", "distinct distances"], rows, whole=("layer",), right=("distinct distances",),
                               title=f"coverage: {attention_label(schedule, base, window)}; {layers} layers, "
                                     f"T={length_label(length)}"))
-    for note in deviations(schedule, layers):
-        console.print(f"note: {note}", highlight=False, markup=False)
+    _print_notes(schedule, layers)
 
 
 bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline measured in the same run.",

@@ -305,6 +305,18 @@ class FibLM(nn.Module):
                 raise NonFiniteAlpha(layer, alpha)
         return alphas
 
+    def study_order(self) -> list[nn.Parameter]:
+        """Every parameter once, in the order the study's model registered them: the
+        embedding (its tied head is the same tensor), then each layer's two norms before its
+        attention (theta, then q, k, v, o) and FFN (gate, up, down), then the final norm.
+        clip_grad_norm_ sums the per-tensor norms in list order, so this order gives the
+        study's total norm to the bit. fibctl's blocks register norm2 after the attention,
+        and keep doing so: checkpointed optimizer state is matched to parameters by position."""
+        order = [self.embed.weight]
+        for b in self.blocks:
+            order += [b.norm1.weight, b.norm2.weight, *b.attn.parameters(), *b.ffn.parameters()]
+        return order + [self.norm.weight]
+
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())
         embedding = self.embed.weight.numel()

@@ -118,6 +118,31 @@ def test_a_steps_loss_sums_its_micro_batches_as_the_study_did(data, tmp_path):
     assert len(micro) == 8 and loss == study
 
 
+def norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the per-tensor 2-norms, summed in the order given."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "learned"])
+def test_clipping_sums_the_gradient_norms_in_the_study_order(data, tmp_path, schedule):
+    """The study clipped with clip_grad_norm_(model.parameters()), whose total norm sums the
+    per-tensor norms in its registration order (each block's two norms first); in fibctl's
+    own order the float32 total rounds otherwise at some steps, and so do the clipped
+    gradients. The norm each step returns, and clips by, is the study-order one."""
+    trainer = Trainer(micro_run("x", schedule), load_manifest(data), tmp_path / "x", NullReporter())
+    model = trainer.model
+    grads = {}  # each parameter's gradient before clipping: the last accumulation's
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: grads.__setitem__(p, p.grad.clone()))
+    differs = 0
+    for trainer.step in range(1, 7):
+        _, grad_norm = trainer.train_step()
+        study = norm_of([grads[p] for p in model.study_order()])
+        assert grad_norm == float(study)
+        differs += grad_norm != float(norm_of([grads[p] for p in model.parameters()]))
+    assert differs  # fibctl's registration order would have given another norm
+
+
 def test_weight_decay_applies_to_matrices_only():
     cfg = micro_run("x", "learned").model
     model = FibLM(cfg)

@@ -199,3 +199,25 @@ def test_initial_weights_are_the_study_draws_from_the_same_generator_state(sched
     got = FibLM(cfg).state_dict()
     for name, w in want.items():
         assert torch.equal(got[name], w.detach()), name
+
+
+def study_registration(L: int, learned: bool) -> list[str]:
+    """The study's model.parameters(), as fibctl names them: its constructor registered the
+    embedding, then per layer attn_norm and ffn_norm before attn and ffn (gate, up, down),
+    then final_norm. parameters() yields a module's own before its children's: a learned
+    layer's theta before its q, k, v and o. The head tied to the embedding is that same
+    tensor, which parameters() yields once."""
+    attn = ["attn.theta"] * learned + [f"attn.{w}.weight" for w in ("wq", "wk", "wv", "wo")]
+    layer = ["norm1.weight", "norm2.weight", *attn, "ffn.w1.weight", "ffn.w3.weight", "ffn.w2.weight"]
+    return ["embed.weight", *(f"blocks.{l}.{n}" for l in range(L) for n in layer), "norm.weight"]
+
+
+@pytest.mark.parametrize("schedule", ["dense", "learned"])
+def test_study_order_is_the_study_models_parameter_registration(schedule):
+    """clip_grad_norm_ sums the per-tensor norms in the order it is given them: fibctl gives
+    them in the study's (FibLM.study_order), whose blocks listed both norms first."""
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, seq_len=64,
+                      schedule=schedule).validate()
+    model = FibLM(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in model.study_order()] == study_registration(3, schedule == "learned")

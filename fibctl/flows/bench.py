@@ -27,7 +27,7 @@ from fibctl.errors import FibctlError
 from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
-from fibctl.train.optim import build_optimizer, lr_at, set_lr
+from fibctl.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
 
 PATHS = ("dense", "mask", "gather", "learned")
 
@@ -339,7 +339,7 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
                 micro = step_model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
             micro.backward()
             total += micro.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_bound)
+        clip_gradients(model, tc.clip_bound)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(total)  # the trainer's one sync per step

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fibctl.config import TrainConfig
+from fibctl.model import FibLM
 
 EPS = 1e-8
 
@@ -100,6 +101,13 @@ def build_optimizer(model: torch.nn.Module, tc: TrainConfig,
     # fused or not, the state is the same: a checkpoint resumes on either device
     return BuiltOptimizer(marks_writes(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=EPS, **extra)), "adamw",
                           warning, fused=bool(extra))
+
+
+def clip_gradients(model: FibLM, bound: float) -> torch.Tensor:
+    """The gradient norm before clipping, the gradients scaled to at most `bound`, as the
+    study's loop clipped: torch's clip_grad_norm_ with its defaults (foreach on CUDA and on
+    the CPU alike), over the parameters in the study's order (FibLM.study_order)."""
+    return torch.nn.utils.clip_grad_norm_(model.study_order(), bound)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -48,7 +48,7 @@ from fibctl.model import FibLM, NonFiniteAlpha
 from fibctl.schedules import deviations, rungs_always_kept
 from fibctl.train import checkpoint as ckpt
 from fibctl.train.distributed import Group, as_peer_lost, check_split, peer_failure
-from fibctl.train.optim import build_optimizer, lr_at, set_lr
+from fibctl.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from fibctl.train.sampler import WindowSampler
 from fibctl.units import eta_s
 
@@ -336,7 +336,7 @@ class Trainer:
             total += loss.detach()
         if self.group is not None:
             total = self.group.sum(total) / self.group.world
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.clip_bound)
+        grad_norm = clip_gradients(self.model, self.tc.clip_bound)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total), float(grad_norm)  # one device sync per step

@@ -73,12 +73,19 @@ def check_impl(impl: str) -> str:
 # ----------------------------------------------------------------------------- dense
 
 
+def _repeated(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each kv head repeated for the query heads that read it, as the study's attention did
+    before scaled_dot_product_attention: the same forward as its enable_gqa, but a kv head's
+    gradient then sums over its query heads in the study's order, bit for bit in float32."""
+    G = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+
+
 def dense_attention(q, k, v, impl: str = "gather") -> torch.Tensor:
     """Plain causal attention."""
+    k, v = _repeated(q, k, v)
     if check_impl(impl) != "reference":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     T = q.shape[2]
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     with torch.autocast(q.device.type, enabled=False):  # the yardstick: float32 throughout
@@ -104,8 +111,7 @@ def sparse_attention(q, k, v, cols: Columns, impl: str = "gather") -> torch.Tens
 
 def _reference(q, k, v, cols: Columns) -> torch.Tensor:
     B, H, T, D = q.shape
-    G = H // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, D)
+    k, v = _repeated(q, k, v)  # (B, H, T, D)
     i = torch.arange(T, device=q.device)
     columns = []  # (key, value, valid) of each column: keys and values (B, H, T, D), valid (T,)
     for d in cols.dist:
@@ -243,11 +249,12 @@ def _masked(q, k, v, cols: Columns) -> torch.Tensor:
     T = q.shape[2]
     i = torch.arange(T, device=q.device)
     allowed = torch.isin(i[:, None] - i[None, :], constant(cols.dist, torch.long, q.device))  # (T, T)
-    if cols.lo:
-        k, v = _with_copies(q, k, v, cols)
-        lo = constant(cols.lo, torch.long, q.device)
-        copies = i[None, None, :] == (i[None, :, None] - lo[:, None, None])  # (R, T queries, T rows)
-        allowed = torch.cat([allowed, copies.permute(1, 0, 2).reshape(T, -1)], 1)  # (T, T (1 + R))
+    if not cols.lo:  # integer distances: the study's boolean-mask attention
+        return F.scaled_dot_product_attention(q, *_repeated(q, k, v), attn_mask=allowed)
+    k, v = _with_copies(q, k, v, cols)  # fractional rungs (the study had no mask path for them)
+    lo = constant(cols.lo, torch.long, q.device)
+    copies = i[None, None, :] == (i[None, :, None] - lo[:, None, None])  # (R, T queries, T rows)
+    allowed = torch.cat([allowed, copies.permute(1, 0, 2).reshape(T, -1)], 1)  # (T, T (1 + R))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 

@@ -283,3 +283,30 @@ def test_an_unknown_implementation_is_named_with_the_allowed_ones():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ConfigError, match="unknown attention implementation 'fast'; allowed: gather, mask, reference, flex, auto$"):
         sparse_attention(q, q[:, :1], q[:, :1], Columns([0], []), "fast")
+
+
+@pytest.mark.parametrize("schedule", ["dense", "fixed", "stagger", "coprime"])
+@pytest.mark.parametrize("T", [17, 257])
+def test_sdpa_paths_compute_the_studys_attention_bit_for_bit(schedule, T):
+    """The study repeated each kv head for its query heads, then called
+    scaled_dot_product_attention: causal for dense, a boolean T x T mask of the attended
+    distances for an integer schedule. fibctl's dense path and `mask` path do the same, so in
+    float32 their outputs and their q, k and v gradients are the study's bit for bit (handing
+    SDPA each kv head once, enable_gqa, summed a kv head's gradient in another order)."""
+    attn = Attention(layer_cfg(schedule, "fib", 8), layer=1)
+    q, k, v = qkv(T, seed=3, B=2, H=6, Hkv=2)
+    G = q.shape[1] // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    if schedule == "dense":
+        ours = dense_attention(q, k, v, "gather")
+        study = torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+    else:
+        ours = sparse_attention(q, k, v, attn.columns(T), "mask")
+        diff = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+        allowed = torch.zeros(T, T, dtype=torch.bool)
+        for d in attended_distances("fib", schedule, 8, 4, T)[1]:
+            allowed |= diff == d
+        study = torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed & (diff >= 0))
+    assert torch.equal(ours, study)
+    for a, b in zip(grads(ours, (q, k, v)), grads(study, (q, k, v))):
+        assert torch.equal(a, b)

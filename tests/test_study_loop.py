@@ -1,0 +1,195 @@
+"""fibctl's trainer beside the study's training loop, transcribed (docs/method.md, "Rounding,
+not the function").
+
+The transcription below follows the study's code operation for operation and shares no
+code with fibctl but the weights' names: its RMSNorm formula, RoPE tables, kv heads repeated
+for their query heads before scaled_dot_product_attention (a boolean mask of the attended
+distances, or causal for dense), its materialized learned attention, the tied head as a
+linear layer, the loss of each micro-batch divided by their number and added to a Python
+float, clip_grad_norm_ over its model's parameters in registration order, AdamW with two
+groups (decay on matrices) and the warm-up and cosine schedule. Both start from fibctl's
+initial weights and read the windows fibctl's sampler drew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fibctl.config import BASES, SCHEDULES
+from fibctl.data.streams import load_manifest
+from fibctl.train import trainer as trainer_module
+from fibctl.train.trainer import Trainer
+from test_transformer_by_hand import ramp_alphas, rungs, study_registration
+from train_helpers import NullReporter, micro_run, write_data
+
+torch.set_num_threads(1)
+STEPS, LAYERS = 10, 5  # 5 layers: the study's coprime has a stride (2) there, and differs from stagger
+INTEGER = [(s, b) for s in SCHEDULES if s != "learned" for b in BASES if s != "dense" or b == "fib"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+# ----------------------------------------------------------------------------- the study's step
+
+
+def study_rms(x, scale, eps):
+    return x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * scale
+
+
+def study_rope(x, T, D, theta):
+    """Rotate-half with the study's float32 tables: cos and sin of (T, D/2), then doubled."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2).float() / D))
+    angles = torch.outer(torch.arange(T).float(), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], -1)[None, None], torch.cat([sin, sin], -1)[None, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def study_mask(base, window, T, alpha):
+    """The boolean (T, T) mask of the window and of round(alpha * b) for each rung b (the
+    float64 product, Python's round) that lies past the window and below T."""
+    dist = set(range(window + 1)) | {round(alpha * b) for b in rungs(base, T) if window < round(alpha * b) <= T - 1}
+    diff = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    for d in sorted(dist):
+        allowed |= diff == d
+    return allowed & (diff >= 0)
+
+
+def study_learned(q, k, v, theta, base, window):
+    """The study's materialized learned attention: each kept rung's key and value interpolated
+    between rows lo and lo + 1 back (clamped to row 0), all columns scored elementwise."""
+    T, D = q.shape[2], q.shape[3]
+    targets = (0.5 + 1.0 * torch.sigmoid(theta)) * torch.tensor(rungs(base, T), dtype=torch.float32)
+    rows = torch.arange(T)
+
+    def back(x, d):
+        return x.index_select(2, (rows - d).clamp(min=0))
+
+    cols = [(back(k, d), back(v, d), d) for d in range(min(window, T - 1) + 1)]
+    used = set(range(min(window, T - 1) + 1))
+    for t in targets:
+        lo = int(torch.floor(t).item())
+        if int(torch.round(t).item()) <= window or lo > T - 1 or lo in used:
+            continue
+        used.add(lo)
+        f = t - lo
+        cols.append(((1 - f) * back(k, lo) + f * back(k, lo + 1), (1 - f) * back(v, lo) + f * back(v, lo + 1), lo))
+    keys, values = torch.stack([c[0] for c in cols], 3), torch.stack([c[1] for c in cols], 3)
+    scores = (q.unsqueeze(3) * keys).sum(-1) * D**-0.5
+    valid = rows[:, None] >= torch.tensor([c[2] for c in cols])[None, :]
+    p = torch.softmax(scores.masked_fill(~valid.view(1, 1, T, -1), -1e9), -1)
+    return (p.unsqueeze(-1) * values).sum(3)
+
+
+def study_loss(w, cfg, x, y):
+    B, T = x.shape
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = F.embedding(x, w["embed.weight"])
+    for l, alpha in enumerate(ramp_alphas(cfg.schedule, cfg.n_layers)):
+        p = f"blocks.{l}."
+        a = study_rms(h, w[p + "norm1.weight"], cfg.norm_eps)
+        q = F.linear(a, w[p + "attn.wq.weight"]).view(B, T, H, D).transpose(1, 2)
+        k = F.linear(a, w[p + "attn.wk.weight"]).view(B, T, Hkv, D).transpose(1, 2)
+        v = F.linear(a, w[p + "attn.wv.weight"]).view(B, T, Hkv, D).transpose(1, 2)
+        q, k = study_rope(q, T, D, cfg.rope_theta), study_rope(k, T, D, cfg.rope_theta)
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        if cfg.schedule == "dense":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        elif cfg.schedule == "learned":
+            out = study_learned(q, k, v, w[p + "attn.theta"], cfg.base, cfg.window)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=study_mask(cfg.base, cfg.window, T, alpha),
+                                                 dropout_p=0.0, is_causal=False)
+        h = h + F.linear(out.transpose(1, 2).contiguous().view(B, T, -1), w[p + "attn.wo.weight"])
+        a = study_rms(h, w[p + "norm2.weight"], cfg.norm_eps)
+        h = h + F.linear(F.silu(F.linear(a, w[p + "ffn.w1.weight"])) * F.linear(a, w[p + "ffn.w3.weight"]),
+                         w[p + "ffn.w2.weight"])
+    logits = F.linear(study_rms(h, w["norm.weight"], cfg.norm_eps), w["embed.weight"])  # the tied head
+    return F.cross_entropy(logits.view(-1, cfg.vocab_size), y.reshape(-1))
+
+
+def study_lr(step, tc):
+    if step < tc.warmup_steps:
+        return tc.lr * step / max(1, tc.warmup_steps)
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def study_training(weights, cfg, tc, batches):
+    """The study's loop over `batches` (grad_accum per step): (step losses, gradient norms,
+    final weights)."""
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    params = [w[n] for n in study_registration(cfg.n_layers, cfg.schedule == "learned")]
+    assert len(params) == len(w)
+    optimizer = torch.optim.AdamW([
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ], lr=tc.lr, betas=(tc.beta1, tc.beta2))
+    batches, losses, norms = iter(batches), [], []
+    for step in range(1, STEPS + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = study_lr(step, tc)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(tc.grad_accum):
+            x, y = next(batches)
+            loss = study_loss(w, cfg, x, y) / tc.grad_accum
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item())
+        optimizer.step()
+        losses.append(total)
+    return losses, norms, {n: t.detach() for n, t in w.items()}
+
+
+# ----------------------------------------------------------------------------- fibctl's trainer
+
+
+def fibctl_training(data, tmp_path, monkeypatch, schedule, base):
+    """fibctl's Trainer on the `mask` path, STEPS steps: (its config, initial weights, the
+    batches its sampler drew, step losses, gradient norms, final weights)."""
+    monkeypatch.setattr(trainer_module, "default_impl", lambda device: "mask")
+    config = micro_run("loop", schedule, steps=STEPS, warmup_steps=3)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, base=base, n_layers=LAYERS))
+    trainer = Trainer(config, load_manifest(data), tmp_path / "run", NullReporter())
+    assert {b.attn.impl for b in trainer.model.blocks} == {"mask"}
+    initial = {n: t.clone() for n, t in trainer.model.state_dict().items()}
+    batches, draw = [], trainer.sampler.next_batch
+
+    def recorded(device="cpu"):
+        x, y = draw(device)
+        batches.append((x.contiguous(), y.contiguous()))  # the study's windows: two tensors
+        return x, y
+
+    trainer.sampler.next_batch = recorded
+    losses, norms = [], []
+    for trainer.step in range(1, STEPS + 1):
+        loss, norm = trainer.train_step()
+        losses.append(loss)
+        norms.append(norm)
+    return config, initial, batches, losses, norms, trainer.model.state_dict()
+
+
+@pytest.mark.parametrize("schedule,base", INTEGER)
+def test_trainer_is_the_study_loop_bit_for_bit_on_the_mask_path(data, tmp_path, monkeypatch, schedule, base):
+    """In float32 on the CPU, the same weights and windows give the same losses, gradient
+    norms and weights, bit for bit, after 10 clipped AdamW steps of 2 micro-batches through
+    warm-up and cosine. It needs the kv heads repeated as the study did (enable_gqa sums a kv
+    head's gradient in another order) and clipping over the study's parameter order."""
+    config, initial, batches, losses, norms, weights = fibctl_training(data, tmp_path, monkeypatch, schedule, base)
+    study_losses, study_norms, study_weights = study_training(initial, config.model, config.train, batches)
+    assert len(batches) == STEPS * config.train.grad_accum
+    assert losses == study_losses
+    assert norms == study_norms
+    for name, w in study_weights.items():
+        assert torch.equal(weights[name], w), name

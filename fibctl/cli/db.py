@@ -71,10 +71,9 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     """Create the database if needed and bring its schema to the latest revision.
 
     Example: fibctl db upgrade --db results.db"""
-    from fibctl.db.whole import created_whole
+    from fibctl.db.whole import upgraded_or_created
 
-    with created_whole(db) as into:  # a new SQLite file appears only whole: a failed upgrade leaves none
-        before, after = db_engine.upgrade(into)
+    before, after = upgraded_or_created(db)  # a new SQLite file appears only whole: a failed upgrade leaves none
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:

@@ -544,7 +544,9 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
         finally:
             reader.dispose()
     if create:
-        upgrade(db, option=option)
+        from fibctl.db.whole import upgraded_or_created  # it builds on this module
+
+        upgraded_or_created(db, option)
     elif path is not None:
         check_sqlite_file(path, must_exist=True, option=option)
     engine = _engine(url, option, db)

@@ -19,6 +19,7 @@ from fibctl.db.engine import (alembic_config, connect, connect_readonly, current
                               resolve_url, upgrade)
 from fibctl.db.schema import Base
 from fibctl.db.store import RunRecorder
+from fibctl.db.whole import upgraded_or_created
 from fibctl.errors import FibctlError
 from fibctl.queue import add_runs
 
@@ -166,6 +167,32 @@ def test_processes_upgrading_one_database_at_once_all_succeed(db_url, tmp_path, 
     outcomes = [open(out).read() for out in outs]
     assert all(o.endswith(f", '{head_revision()}')") for o in outcomes), outcomes
     assert _inspect(db_url, "SELECT version_num FROM alembic_version") == [[(head_revision(),)]]
+
+
+def test_a_new_sqlite_file_another_process_put_in_place_first_is_upgraded_as_it_is(tmp_path, monkeypatch):
+    """Commands that write build a new SQLite file under a temporary name (connect, as `db
+    upgrade`): where another process's file took the name first (workers started together),
+    that one is the database. `db upgrade` said "run this again"; a worker would have failed."""
+    import os
+
+    from fibctl.db import whole
+
+    db = str(tmp_path / "new.db")
+    other = str(tmp_path / "other.db")
+    theirs = connect(other)
+    add_runs(theirs, [RunConfig.resolve("theirs", "m", "micro", schedule="fixed")])
+    theirs.dispose()  # closed: its rows in the file, none in a -wal beside it
+
+    def first_elsewhere(into, option="--db"):
+        if into != db:  # this process's temporary: another's file appears meanwhile
+            os.rename(other, db)
+        return upgrade(into, option=option)
+
+    monkeypatch.setattr(whole, "upgrade", first_elsewhere)
+    engine = connect(db)
+    assert _inspect(db, "SELECT name FROM runs") == [[("theirs",)]]
+    engine.dispose()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.db"]  # this process's temporary gone
 
 
 @pytest.mark.skipif(not PG_SERVER, reason=NO_PG)
@@ -526,9 +553,9 @@ def test_a_database_whose_folder_cannot_be_written_says_so():
         for name, mode in (("ro", 0o555), ("rw", 0o777)):
             os.mkdir(os.path.join(base, name), mode)
             os.chmod(os.path.join(base, name), mode)
-        # `db upgrade` builds a new file under a temporary name (_upgrade_whole): named the same
+        # `db upgrade` builds a new file under a temporary name (upgraded_or_created): named the same
         outcomes = _without_root(lambda: [_outcome(call, os.path.join(base, d, name))
-                                          for call, name in ((upgrade, "new.db"), (_upgrade_whole, "whole.db"))
+                                          for call, name in ((upgrade, "new.db"), (upgraded_or_created, "whole.db"))
                                           for d in ("ro", "rw")])
         assert outcomes == [f"cannot create database {base}/ro/{name}: directory {base}/ro is not writable"
                             if d == "ro" else f"(None, '{head_revision()}')"
@@ -591,14 +618,6 @@ def test_a_folder_without_a_name_is_refused_as_a_folder(db, tmp_path, monkeypatc
         with pytest.raises(FibctlError, match="is a directory, not a database file$"):
             call(db)
     assert list(tmp_path.iterdir()) == []
-
-
-def _upgrade_whole(db: str):
-    """`upgrade` as `db upgrade` runs it: a new SQLite file built under a temporary name."""
-    from fibctl.db.whole import created_whole
-
-    with created_whole(db) as into:
-        return upgrade(into)
 
 
 def _outcome(call, *args) -> str:

@@ -302,7 +302,10 @@ def test_a_disk_that_refuses_writes_is_named_not_the_database(args, message, cod
 
 
 @pytest.mark.parametrize("message, code", DISK, ids=["io", "full"])
-def test_an_upgrade_the_disk_refuses_names_the_disk(message, code, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("args", [["db", "upgrade"], ["queue", "add", "paper"]], ids=lambda a: " ".join(a[:2]))
+def test_an_upgrade_the_disk_refuses_names_the_disk(args, message, code, tmp_path, monkeypatch, capsys):
+    """... and leaves no new file: `queue add --db new.db` (any command that writes) left an
+    empty new.db, which a report then read as an empty database rather than none."""
     from alembic import command
 
     monkeypatch.chdir(tmp_path)
@@ -311,7 +314,7 @@ def test_an_upgrade_the_disk_refuses_names_the_disk(message, code, tmp_path, mon
         raise _sqlite_error(message, code)
 
     monkeypatch.setattr(command, "upgrade", refuses)
-    err = refused(monkeypatch, capsys, "db", "upgrade", "--db", "new.db")
+    err = refused(monkeypatch, capsys, *args, "--db", "new.db")
     assert err == (f"error: upgrading new.db to {head_revision()} failed, nothing changed: its disk is full or "
                    f"not writable ({message})\n")
     assert list(tmp_path.iterdir()) == []  # not an empty new.db, nor its temporary
@@ -402,7 +405,7 @@ def _fill(disk: Path, leave: int = 0) -> None:
 
 def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys):
     """The same on a real full disk. Switching a database to WAL mode there was a traceback,
-    and `db upgrade` of a new file left it there, empty."""
+    and `db upgrade` (or `queue add`) of a new file left it there, empty."""
     with _small_disk(tmp_path, monkeypatch) as disk:
         for wal in (False, True):
             shutil.copy(EXAMPLE, disk / f"{'wal' if wal else 'r'}.db")
@@ -412,7 +415,8 @@ def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys)
         _fill(disk)
         # a rollback-journal database to switch to WAL mode; WAL ones to read and to write; a new one
         for args, db in ((["db", "upgrade"], "r.db"), (["db", "upgrade"], "wal.db"), (["queue", "ls"], "wal.db"),
-                         (["queue", "cancel", "dense"], "wal.db"), (["db", "upgrade"], "new.db")):
+                         (["queue", "cancel", "dense"], "wal.db"), (["db", "upgrade"], "new.db"),
+                         (["queue", "add", "paper"], "new.db")):
             err = refused(monkeypatch, capsys, *args, "--db", db)
             assert err.startswith(f"error: {db}: its disk is full or not writable ("), err
         assert not [p.name for p in disk.iterdir() if "new.db" in p.name]

@@ -342,6 +342,19 @@ def test_a_rank_whose_launcher_ended_before_it_could_watch_it_stops_at_once(tmp_
     assert (unwatched.returncode, unwatched.stdout) == (0, "trained on\n")
 
 
+@pytest.mark.parametrize("value", ["abc", "", "-5", "0", " 7\n"])
+def test_a_launcher_pid_set_by_hand_that_is_not_a_process_id_is_one_line(value):
+    """FIBCTL_LAUNCHER_PID is fibctl's own (launch_ddp sets it); one set by hand to a word was
+    int()'s traceback, and a negative one or " 7\n" (which int() takes) a silent exit 143."""
+    from fibctl.flows.torchrun import LAUNCHER
+
+    started = subprocess.run([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone", "-m", "fibctl"],
+                             capture_output=True, text=True, env={**os.environ, LAUNCHER: value}, timeout=120)
+    assert started.returncode == 2 and started.stdout == ""
+    assert started.stderr.startswith(f"error: {LAUNCHER}={value!r} is not a process id")
+    assert started.stderr.count("\n") == 1
+
+
 def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run_s():
     from fibctl.train.distributed import PeerLost, as_peer_lost, peer_failure
 

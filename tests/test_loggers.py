@@ -7,6 +7,7 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -476,3 +477,83 @@ def test_a_sigkilled_attempts_steps_reach_wandb_once_through_the_resumed_one(tmp
     assert [s for s, _ in stored] == [10, 20, 30]  # each with a checkpoint: the full budget
     assert wandb_points(folder, "eval_full/math_val@64/ppl") == [(s, pytest.approx(v)) for s, v in stored]
     assert [s for s, _ in wandb_points(folder, "alpha/layer0")] == [0]
+
+
+def tensorboard_points(folder, tag: str) -> list[int]:
+    """The steps of every point of `tag` in every event file of `folder`, as written."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return sorted(event.step for path in folder.glob("events.out.tfevents.*") for event in EventFileLoader(str(path)).Load()
+                  for value in event.summary.value if value.tag == tag)
+
+
+def test_a_retry_from_start_leaves_the_new_attempts_curves_alone(tmp_path, monkeypatch, capsys):
+    """`queue retry --from-start` deleted the run's rows past step 0 but kept its TensorBoard
+    event files and its W&B folder: the new attempt's points were written beside the old
+    one's at each step, and W&B (the same id) dropped the new ones below the old one's last
+    step. They go with the rows, and the new attempt is a new W&B run."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import sqlite3
+
+    from train_helpers import micro_run, queued_db, write_data
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data, runs, db = write_data(tmp_path / "data"), tmp_path / "runs", str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("run", checkpoint_interval=30)).dispose()
+    worker = ["worker", "--db", db, "--data", str(data), "--runs-dir", str(runs), "--plain", "--max-runs", "1",
+              "--log-to", "tensorboard", "--log-to", "wandb"]
+    assert _fibctl(worker, monkeypatch, capsys) == (0, "")
+    first_id = wandb_run_id(runs / "run", "run")
+    for path in (runs / "run").glob("step_*.pt"):  # none of its checkpoints loads: moved aside, the run failed
+        path.rename(path.with_name(path.name + ".damaged"))
+    sqlite3.connect(db).execute("UPDATE runs SET status = 'failed'").connection.commit()
+
+    code, out, err = ran(monkeypatch, capsys, "queue", "retry", "run", "--from-start", "--db", db)
+    assert code == 0, err
+    said = "".join(out.split())  # wrapped at 80 columns, the paths folded
+    assert said.endswith("".join(f"; also deleted its metric logs {runs / 'run' / 'tensorboard'}, "
+                                 f"{runs / 'run' / 'wandb'}".split()))
+    assert sorted(p.name for p in (runs / "run").iterdir()) == ["step_00000030.pt.damaged"]
+
+    assert _fibctl(worker, monkeypatch, capsys) == (0, "")
+    stored = [s for (s,) in sqlite3.connect(db).execute("SELECT step FROM train_steps ORDER BY step")]
+    assert stored == [5, 10, 15, 20, 25, 30]
+    assert tensorboard_points(runs / "run" / "tensorboard", "train/loss") == stored  # each once
+    assert wandb_run_id(runs / "run", "run") != first_id
+    assert [s for s, _ in wandb_points(runs / "run" / "wandb", "train/loss")] == stored
+
+
+def test_a_retry_from_start_whose_logs_will_not_go_changes_nothing(tmp_path, monkeypatch, capsys):
+    """A back-end's folder that cannot be deleted is one line, before the retry commits: the
+    run stays failed with its rows. A link in a run's folder is not followed, nor deleted."""
+    import shutil
+    import sqlite3
+
+    from cli_helpers import refused
+    from train_helpers import micro_run, queued_db
+
+    db = str(tmp_path / "r.db")
+    queued_db(tmp_path / "r.db", micro_run("run")).dispose()
+    sqlite3.connect(db).execute("UPDATE runs SET status = 'failed'").connection.commit()
+    monkeypatch.chdir(tmp_path)  # the run's folder: runs/run, its default
+    (tmp_path / "runs" / "run" / "tensorboard").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "runs" / "run" / "wandb").symlink_to(tmp_path / "elsewhere")
+
+    def refuses(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuses)
+    err = refused(monkeypatch, capsys, "queue", "retry", "run", "--from-start", "--db", db)
+    assert err == (f"error: cannot delete {Path('runs/run/tensorboard')}, the metric logs of the run's earlier "
+                   "attempt (Permission denied): delete it by hand; the run was not queued again\n")
+    assert sqlite3.connect(db).execute("SELECT status FROM runs").fetchall() == [("failed",)]
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = ran(monkeypatch, capsys, "queue", "retry", "run", "--from-start", "--db", db)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "runs" / "run").iterdir()) == ["wandb"]
+    assert (tmp_path / "elsewhere").is_dir()

@@ -135,20 +135,25 @@ def test_probe_names_the_database_it_queued_into_with_the_password_masked(pg, tm
     assert secret not in done.stdout + done.stderr and "fibctl worker --db" in done.stdout
 
 
-# the server's own words when a write cannot extend a table's file
-NO_SPACE = 'could not extend file "base/16384/16385": No space left on device'
+# the server's own words when a write cannot extend a table's file (disk_full), and when the
+# disk fails a write (io_error, SQLite's I/O error)
+DISK_REFUSALS = [("53100", 'could not extend file "base/16384/16385": No space left on device'),
+                 ("58030", 'could not write to file "pg_wal/xlogtemp.52": Input/output error')]
 
 
+@pytest.mark.parametrize("sqlstate, said_by_server", DISK_REFUSALS, ids=[c for c, _ in DISK_REFUSALS])
 @pytest.mark.parametrize("args", [["queue", "add", "paper"], ["db", "upgrade"]], ids=lambda a: " ".join(a))
-def test_a_full_disk_on_the_server_is_one_line_naming_the_database(pg, args, monkeypatch, capsys):
-    """SQLSTATE 53100 (disk_full) read "the database refused the operation: ..." mid-command
-    and "upgrading ... failed, nothing changed: could not extend ..." in an upgrade, where
-    SQLite's full disk is said as a full disk. The server raises it for real here, from a
-    trigger (a full disk itself is not made in a test): the driver's DiskFull, as it comes."""
+def test_a_full_disk_on_the_server_is_one_line_naming_the_database(pg, args, sqlstate, said_by_server,
+                                                                    monkeypatch, capsys):
+    """SQLSTATE 53100 (disk_full) and 58030 (io_error) read "the database refused the operation:
+    ..." mid-command and "upgrading ... failed, nothing changed: could not extend ..." in an
+    upgrade, where SQLite's full disk and I/O error are said as the disk's. The server raises
+    them for real here, from a trigger (a full or failing disk itself is not made in a test):
+    the driver's DiskFull and IoError, as they come."""
     from cli_helpers import refused
     from fibctl.db.engine import head_revision, shown, upgrade
 
-    raise_it = f"BEGIN RAISE EXCEPTION '{NO_SPACE}' USING ERRCODE = '53100'; END"
+    raise_it = f"BEGIN RAISE EXCEPTION '{said_by_server}' USING ERRCODE = '{sqlstate}'; END"
     with create_engine(pg, isolation_level="AUTOCOMMIT").connect() as conn:
         if args[0] == "queue":  # a write once the database is open
             upgrade(pg)
@@ -158,7 +163,7 @@ def test_a_full_disk_on_the_server_is_one_line_naming_the_database(pg, args, mon
             conn.execute(text(f"CREATE FUNCTION full_disk() RETURNS event_trigger LANGUAGE plpgsql AS $${raise_it}$$"))
             conn.execute(text("CREATE EVENT TRIGGER full_disk ON ddl_command_start EXECUTE FUNCTION full_disk()"))
     err = refused(monkeypatch, capsys, *args, "--db", pg)
-    said = f"its disk is full or not writable ({NO_SPACE})"
+    said = f"its disk is full or not writable ({said_by_server})"
     if args[0] == "queue":
         assert err == f"error: {shown(pg)}: {said}\n"
     else:

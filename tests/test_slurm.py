@@ -187,6 +187,10 @@ BAD_OPTIONS = [
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
     # written into the script's #SBATCH lines: a line after the break was a command of the script
     (["--folder", "{root}/jobs\ntouch x"], ["--folder", "jobs\\ntouch x", "a control character"]),
+    # SLURM expands its log file names (%x: the job's name; a backslash escapes) where submitit
+    # made the folders: the job failed before its first line, leaving no log
+    (["--folder", "{root}/jobs%x"], ["--folder", "jobs%x", "'%' or '\\'"]),
+    (["--folder", "{root}/jo\\bs"], ["--folder", "jo\\bs", "'%' or '\\'"]),
     (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
     (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says
 ]

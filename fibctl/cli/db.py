@@ -72,10 +72,9 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     """Create the database if needed and bring its schema to the latest revision.
 
     Example: fibctl db upgrade --db results.db"""
-    from fibctl.db.whole import created_whole
+    from fibctl.db.whole import upgraded_or_created
 
-    with created_whole(db) as into:  # a new SQLite file appears only whole: a failed upgrade leaves none
-        before, after = db_engine.upgrade(into)
+    before, after = upgraded_or_created(db)  # a new SQLite file appears only whole: a failed upgrade leaves none
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:
@@ -321,8 +320,9 @@ def queue_retry(ctx: typer.Context,
                 name: Annotated[Optional[str], typer.Argument(help="Run name, as shown by `fibctl queue ls`.")] = None,
                 all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed run.")] = False,
                 from_start: Annotated[bool, typer.Option(
-                    "--from-start", help="Train it from step 0, deleting its rows past step 0 and its auxiliary "
-                                         "metrics: a run none of whose checkpoints loads.")] = False,
+                    "--from-start", help="Train it from step 0, deleting its rows past step 0, its auxiliary "
+                                         "metrics and its tensorboard and wandb folders: a run none of whose "
+                                         "checkpoints loads.")] = False,
                 runs_dir: Annotated[Optional[Path], typer.Option(
                     "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
                     help="With --from-start: the runs folder (default: the one the run last trained in, "
@@ -344,30 +344,41 @@ def queue_retry(ctx: typer.Context,
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
-        from fibctl.flows.removal import settle_aside
+        from fibctl.flows.removal import discard_logs, settle_aside
         from fibctl.train import checkpoint as ckpt
 
-        def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
+        def folders(recorded_dir: str | None) -> list[Path]:
             # --runs-dir's folder, and the one it last trained in whatever --runs-dir says: a
             # worker given that one would find the checkpoint after the rows were deleted
-            for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
-                                        *([Path(recorded_dir)] if recorded_dir else [])]):
-                settle_aside(where, name, owned=True)  # a killed `queue rm` hid them: back, and seen
-                folder = where / name  # the only folder a worker resumes in (checkpoint.resolve_path)
+            return [where / name for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
+                                                             *([Path(recorded_dir)] if recorded_dir else [])])]
+
+        def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
+            for folder in folders(recorded_dir):  # the only folders a worker resumes in (checkpoint.resolve_path)
+                settle_aside(folder.parent, name, owned=True)  # a killed `queue rm` hid them: back, and seen
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
                     raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or "
                                       f"from the newest that loads); to train from step 0 anyway, move {folder} "
                                       "away first. Nothing was changed")
 
+        logs: list[Path] = []
+
+        def restart(recorded_dir: str | None, checkpoint: str | None) -> None:
+            # in the retry's transaction: no worker claims the run while its logs go
+            check(recorded_dir, checkpoint)
+            for folder in folders(recorded_dir):
+                logs.extend(discard_logs(folder))
+
     # on the database as it is, before any upgrade: a refusal leaves it as it was
     checks = None if all_failed else queue.check_retry(name, check if from_start else None)
     engine = db_engine.connect(db, must_exist=True, check=checks)
     if from_start:
-        restart = queue.retry_from_start(engine, name, check)  # checked again: a worker may have moved on
-        gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in restart.discarded.items() if n)
-        console.print(plain(f"queued {name} again from step 0; deleted what it recorded past step 0: {gone or 'none'}"),
-                      highlight=False)
+        done = queue.retry_from_start(engine, name, restart)  # checked again: a worker may have moved on
+        gone = ", ".join(f"{n} {t.replace('_', ' ')}" for t, n in done.discarded.items() if n)
+        also = f"; also deleted its metric logs {', '.join(map(str, logs))}" if logs else ""
+        console.print(plain(f"queued {name} again from step 0; deleted what it recorded past step 0: "
+                            f"{gone or 'none'}{also}"), highlight=False)
     elif all_failed:
         names = queue.retry_failed(engine)
         console.print(plain(f"queued {len(names)} failed run(s) again" + (f": {', '.join(names)}" if names else "")),

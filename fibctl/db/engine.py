@@ -294,10 +294,10 @@ def _note_database(engine: Engine, db: str | URL) -> None:
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
 # ... and for a disk that refused a write: an I/O error (a -shm file it could not grow, say), full
 SQLITE_IOERR, SQLITE_FULL = 10, 13
-# PostgreSQL's SQLSTATE for a full disk on the server (psycopg's DiskFull). Not 53200
-# (out_of_memory): that is the server's memory, and "its disk is full" would send the user
-# to the wrong place
-PG_DISK_FULL = "53100"
+# PostgreSQL's SQLSTATEs for a full disk on the server (psycopg's DiskFull) and for its disk
+# failing a read or write (IoError: SQLite's I/O error). Not 53200 (out_of_memory): that is
+# the server's memory, and "its disk is full" would send the user to the wrong place
+PG_DISK_REFUSED = ("53100", "58030")
 
 
 def _disk_refused(e: BaseException) -> bool:
@@ -305,7 +305,7 @@ def _disk_refused(e: BaseException) -> bool:
     if isinstance(e, sqlite3.Error):
         return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (SQLITE_IOERR, SQLITE_FULL)
     # psycopg's sqlstate, psycopg2's pgcode
-    return (getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)) == PG_DISK_FULL
+    return (getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)) in PG_DISK_REFUSED
 
 
 def _disk_line(reason: str) -> str:
@@ -544,7 +544,9 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
         finally:
             reader.dispose()
     if create:
-        upgrade(db, option=option)
+        from fibctl.db.whole import upgraded_or_created  # it builds on this module
+
+        upgraded_or_created(db, option)
     elif path is not None:
         check_sqlite_file(path, must_exist=True, option=option)
     engine = _engine(url, option, db)

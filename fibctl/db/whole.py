@@ -1,8 +1,9 @@
-"""A new SQLite database that comes into being only whole: `import-study`, `db copy` and
-`db upgrade` into a file that did not exist build it under a hidden temporary name in its
-folder and rename it into place after their commit, so that a kill (SIGKILL: no cleanup
-runs) or a full disk leaves no empty fibctl database behind, only a temporary, which the
-next such command there removes (a full disk's is removed at once).
+"""A new SQLite database that comes into being only whole: `import-study`, `db copy`, `db
+upgrade` and every command that writes (`connect`, `queue add` say) into a file that did not
+exist build it under a hidden temporary name in its folder and rename it into place after
+their commit, so that a kill (SIGKILL: no cleanup runs) or a full disk leaves no empty
+fibctl database behind, only a temporary, which the next such command there removes (a full
+disk's is removed at once).
 
 PostgreSQL and an existing SQLite file take the writes directly, in the commands' one
 transaction."""
@@ -17,12 +18,16 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from fibctl.db.engine import check_sqlite_file, check_writable, resolve_url, shown
+from fibctl.db.engine import check_sqlite_file, check_writable, resolve_url, shown, upgrade
 from fibctl.durable import fsync
 from fibctl.errors import FibctlError
 
 # beside a database, what SQLite may write next to it
 SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+class CreatedMeanwhile(FibctlError):
+    """Another process put the new database in place first: nothing was written to it."""
 
 
 def _temporaries(path: Path) -> list[Path]:
@@ -105,8 +110,8 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
             if any(tmp.with_name(tmp.name + s).exists() for s in SIDE_FILES):
                 raise FibctlError(f"{path}: another process has the new database open; nothing was written")
             fsync(tmp)
-            raced = FibctlError(f"{shown(db)} was created by another process meanwhile; nothing was "
-                                "written to it: run this again to write into it")
+            raced = CreatedMeanwhile(f"{shown(db)} was created by another process meanwhile; nothing was "
+                                     "written to it: run this again to write into it")
             try:
                 os.link(tmp, path)  # unlike a rename, never replaces a database made meanwhile
             except FileExistsError:
@@ -120,3 +125,16 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
             _remove(tmp)
     finally:
         os.close(fd)
+
+
+def upgraded_or_created(db: str, option: str = "--db") -> tuple[str | None, str]:
+    """`upgrade(db)` (its revisions before and after), where a new SQLite file comes into being
+    only whole, as `created_whole` makes it (`connect`'s: `queue add --db new.db` on a full
+    disk left an empty new.db). Processes creating one at once (workers started together)
+    each build their own temporary: the first in place is the database, which the others
+    then upgrade as any."""
+    try:
+        with created_whole(db, option) as into:
+            return upgrade(into, option=option)
+    except CreatedMeanwhile:
+        return upgrade(db, option=option)

@@ -47,6 +47,32 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
                               f"{f'move it back to {folder}' if owned else 'delete it'} by hand") from None
 
 
+# the metric back-ends' folders in a run's (fibctl.train.loggers): TensorBoard's event files,
+# the W&B run files and the W&B id
+LOG_FOLDERS = ("tensorboard", "wandb")
+
+
+def discard_logs(folder: Path) -> list[Path]:
+    """Delete the back-ends' folders in run folder `folder`, as `queue retry --from-start`
+    discards the rows they copy: the new attempt's curves then start alone, where TensorBoard
+    drew both attempts' points at each step and W&B (the same id) dropped the new one's below
+    the old one's last step. Real folders only, in a real one: a link is not followed. What
+    went; a folder that will not go is one line, before the retry commits."""
+    gone = []
+    if folder.is_symlink() or not folder.is_dir():
+        return gone
+    for name in LOG_FOLDERS:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                raise FibctlError(f"cannot delete {path}, the metric logs of the run's earlier attempt "
+                                  f"({e.strerror or e}): delete it by hand; the run was not queued again") from None
+            gone.append(path)
+    return gone
+
+
 def checkpoint_folder(name: str, runs_dir: Path) -> Path:
     """RUNS_DIR/NAME, refused unless it is a real folder directly inside the runs folder."""
     check_name("run", name)

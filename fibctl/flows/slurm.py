@@ -281,6 +281,9 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     if unprintable(str(folder)):  # submitit writes it into #SBATCH lines unescaped: a line break ends one
         raise FibctlError(f"--folder {shown_path(folder)}: a control character (a line break, say) in its path "
                           "would break the job script's lines; choose another folder")
+    if "%" in str(folder) or "\\" in str(folder):  # its log paths: SLURM's patterns (%x, %u...), not submitit's
+        raise FibctlError(f"--folder {shown_path(folder)}: SLURM reads a '%' or '\\' in its path as a pattern of "
+                          "its log file names, and the job would fail with no log; choose another folder")
     blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:  # a dry run too: its script names job folders that could never be made
         raise FibctlError(f"--folder {folder}: {blocked} is a file, not a folder")

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -80,6 +81,10 @@ def end_with_launcher() -> None:
     launcher = os.environ.pop(LAUNCHER, None)
     if launcher is None or not sys.platform.startswith("linux"):
         return
+    if not re.fullmatch(r"[1-9][0-9]*", launcher):  # set by hand: int() would raise, or take " 7\n"
+        print(f"error: {LAUNCHER}={launcher!r} is not a process id (fibctl sets it for "
+              "the torchrun it starts): unset it", file=sys.stderr)
+        sys.exit(2)
     stopped = []
 
     def stop(_signum, _frame):

@@ -141,3 +141,47 @@ def test_the_readme_s_map_of_the_package_names_every_module():
     names = [p.name + ("/" if p.is_dir() else "") for p in package.iterdir()
              if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").is_file()]
     assert not [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree)]
+
+
+def test_every_test_the_docs_cite_exists():
+    """The docs cite tests as evidence (`tests/test_study_loop.py`,
+    `test_clipping_sums_the_gradient_norms_in_the_study_order`): a test renamed or removed
+    must take its citation with it."""
+    docs = "".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    files = set(re.findall(r"tests/[\w/]+\.py", docs))
+    assert files and not [f for f in files if not (ROOT / f).is_file()]
+    defined = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    names = set(re.findall(r"`(test_\w+)`", docs))
+    assert names and not [n for n in names if f"def {n}(" not in defined]
+
+
+def test_the_docs_run_fibctl_sql_on_postgresql_as_the_reader_role_it_names():
+    """fibctl sql refuses a PostgreSQL login that may reach the server's files, naming the
+    role to make instead; the docs make that role (cli.md, and cluster.md's shared server)
+    and every `fibctl sql` they show against a server connects as it (cluster.md's
+    FIBCTL_DB is the owner the workers write as, so its queries name --db)."""
+    from types import SimpleNamespace
+
+    from fibctl.errors import FibctlError
+    from fibctl.reports import sql
+    from test_docs_commands import fenced
+
+    class Superuser:
+        def exec_driver_sql(self, statement):
+            row = SimpleNamespace(rolname="postgres", rolsuper=True)
+            return SimpleNamespace(first=lambda: row, scalar=lambda: "postgres")
+
+    with pytest.raises(FibctlError) as refused:
+        sql._refuse_privileged_login(Superuser())
+    remedy = re.search(r"\((CREATE ROLE .*)\)$", str(refused.value)).group(1)
+    statements = remedy.split("; ")
+    cli, cluster = " ".join((ROOT / "docs" / "cli.md").read_text().split()), ROOT / "docs" / "cluster.md"
+    assert f"`{remedy};" in cli
+    setup = " ".join(fenced(cluster, "sh"))
+    assert all(f'"{s}"' in setup for s in statements)
+    reader = statements[0].split()[2]
+    shown = [c for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for lang in ("sh", "bash") for c in fenced(p, lang) if c.startswith("fibctl sql")]
+    on_a_server = [c for c in shown if "postgresql" in c] + [c for c in fenced(cluster, "sh")
+                                                             if c.startswith("fibctl sql")]
+    assert on_a_server and not [c for c in on_a_server if f"--db postgresql+psycopg://{reader}@" not in c]

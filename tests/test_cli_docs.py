@@ -185,3 +185,19 @@ def test_the_docs_run_fibctl_sql_on_postgresql_as_the_reader_role_it_names():
     on_a_server = [c for c in shown if "postgresql" in c] + [c for c in fenced(cluster, "sh")
                                                              if c.startswith("fibctl sql")]
     assert on_a_server and not [c for c in on_a_server if f"--db postgresql+psycopg://{reader}@" not in c]
+
+
+def test_the_characters_cli_md_says_are_escaped_are_those_printable_escapes():
+    """docs/cli.md names the one set fibctl.errors.printable escapes: C0, DEL, C1, the code
+    points it lists, and lone surrogates (a file name's undecodable bytes)."""
+    from fibctl.errors import printable
+
+    cli = " ".join((ROOT / "docs" / "cli.md").read_text().split())
+    said = cli.split("is shown, never obeyed: ", 1)[1].split("(`\\n`)", 1)[0]
+    assert "C0, DEL, C1" in said and "undecodable bytes" in said
+    listed = set()
+    for first, last in re.findall(r"U\+([0-9A-F]{4})(?:-U\+([0-9A-F]{4}))?", said):
+        listed |= set(range(int(first, 16), int(last or first, 16) + 1))
+    expected = {*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000), *listed}
+    escaped = {c for c in range(0x110000) if printable(chr(c)) != chr(c)}
+    assert escaped == expected

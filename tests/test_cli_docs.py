@@ -201,3 +201,20 @@ def test_the_characters_cli_md_says_are_escaped_are_those_printable_escapes():
     expected = {*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000), *listed}
     escaped = {c for c in range(0x110000) if printable(chr(c)) != chr(c)}
     assert escaped == expected
+
+
+def test_every_link_between_the_docs_reaches_its_page_and_heading():
+    """A relative link resolves from the page it is on (docs/cli.md's `docs/method.md` went
+    nowhere), and an anchor names a heading there, as GitHub makes them."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"\w+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M) if linked.is_file() else []
+            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+            if not linked.is_file() or (anchor and anchor not in slugs):
+                broken.append(f"{page.name}: {target}")
+    assert not broken

@@ -186,7 +186,8 @@ BAD_OPTIONS = [
     (["--folder", ""], ["--folder is empty"]),  # Path(''): the job's logs in the current folder
     (["--partition", "gpu\n#SBATCH --x"], ["--partition"]),
     # written into the script's #SBATCH lines: a line after the break was a command of the script
-    (["--folder", "{root}/jobs\ntouch x"], ["--folder", "jobs\\ntouch x", "a control character"]),
+    (["--folder", "{root}/jobs\ntouch x"], ["--folder", "jobs\\ntouch x", "a control or bidi character"]),
+    (["--folder", "{root}/jobs\u202etxt"], ["--folder", "jobs\\u202etxt", "a control or bidi character"]),
     # SLURM expands its log file names (%x: the job's name; a backslash escapes) where submitit
     # made the folders: the job failed before its first line, leaving no log
     (["--folder", "{root}/jobs%x"], ["--folder", "jobs%x", "'%' or '\\'"]),

@@ -279,8 +279,8 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     check_worker(settings, spec, configs)
     folder = folder.expanduser().resolve()
     if unprintable(str(folder)):  # submitit writes it into #SBATCH lines unescaped: a line break ends one
-        raise FibctlError(f"--folder {shown_path(folder)}: a control character (a line break, say) in its path "
-                          "would break the job script's lines; choose another folder")
+        raise FibctlError(f"--folder {shown_path(folder)}: a control or bidi character (a line break, say) in "
+                          "its path would break or disguise the job script's lines; choose another folder")
     if "%" in str(folder) or "\\" in str(folder):  # its log paths: SLURM's patterns (%x, %u...), not submitit's
         raise FibctlError(f"--folder {shown_path(folder)}: SLURM reads a '%' or '\\' in its path as a pattern of "
                           "its log file names, and the job would fail with no log; choose another folder")

@@ -57,3 +57,17 @@ def ended(pid: int, space: str | None) -> bool:
     run where this one cannot see it."""
     return space == pid_space() and not alive(pid)
 
+
+# In a leftover's name, its maker: PID-SPACE (`owner`); an older fibctl's names had the PID alone.
+OWNER = r"(\d+)(?:-([0-9a-f]{12}))?"
+
+
+def owner() -> str:
+    """This process as a leftover's name has it: PID-SPACE."""
+    return f"{os.getpid()}-{pid_space()}"
+
+
+def owner_ended(pid: str, space: str | None) -> bool:
+    """Whether the maker of a leftover named with OWNER's groups has ended: one of another PID
+    space is left alone; an older fibctl's, with no space, is taken as this one's, as it was."""
+    return ended(int(pid), space or pid_space())

@@ -719,6 +719,38 @@ def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_pa
     assert sorted(p.name for p in runs.iterdir()) == ["r000", "r001"]  # nothing hidden left behind
 
 
+
+def test_a_folder_a_queue_rm_moved_aside_in_another_pid_space_is_left_alone(db, tmp_path, monkeypatch):
+    """`queue rm --checkpoints` named the folder it moved aside with its PID alone: a container
+    of the same host name sharing the runs folder, which cannot see that process, took it for a
+    killed one's and moved it back (or deleted it) under the live `queue rm` deleting it. The
+    name says its PID space too; one an older fibctl named is settled as this machine's."""
+    import shutil
+
+    from fibctl import durable
+    from fibctl.flows import removal
+
+    runs = tmp_path / "runs"
+    dead = 2**22 + 1  # above any pid_max: no process has it here
+    other, ours, older = (runs / f".r.removing-{dead}{tail}" for tail in
+                          ("-0123456789ab", f"-{durable.pid_space()}", ""))  # other: alive in its container
+    for hidden in (other, ours, older):
+        hidden.mkdir(parents=True)
+    removal.settle_aside(runs, "r", owned=False)
+    assert [p.name for p in runs.iterdir()] == [other.name]
+    removal.settle_aside(runs, "r", owned=True)
+    assert [p.name for p in runs.iterdir()] == [other.name]
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    (runs / "r000").mkdir()
+    (runs / "r000" / "step_00000010.pt").write_bytes(b"x")
+    deleted, rmtree = [], shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (deleted.append(path.name), rmtree(path, *a, **k)))
+    removal.remove_run(db, "r000", True, runs, lambda _: None)
+    assert deleted == [f".r000.removing-{os.getpid()}-{durable.pid_space()}"]
+
+
 def test_queue_rm_settles_the_folder_a_killed_queue_rm_moved_aside(db, tmp_path, monkeypatch, capsys):
     """`queue rm --checkpoints` renames RUNS/NAME to RUNS/.NAME.removing-PID, commits, then
     deletes it. Killed (SIGKILL) after the commit, the hidden folder stayed for good; killed in

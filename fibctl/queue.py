@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,10 +18,10 @@ from datetime import timedelta
 from sqlalchemy import and_, bindparam, case, func, insert, inspect, null, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
+from fibctl import durable
 from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
-from fibctl.durable import alive
 from fibctl.errors import FibctlError
 from fibctl.units import duration, eta_s
 
@@ -390,7 +389,7 @@ def _claim_one(engine: Engine, worker: str, host: str | None, device: str | None
                   stale=now - timedelta(seconds=heartbeat_timeout_s),
                   reason=f"abandoned: no heartbeat for {heartbeat_timeout_s:g} s after {max_attempts} attempt(s)",
                   reclaim_tail=f" (no heartbeat for {heartbeat_timeout_s:g} s) by {worker}",
-                  claimed_msg=f"claimed by {worker}")
+                  claimed_msg=f"claimed by {worker}", pid_space=durable.pid_space())
     if engine.dialect.name == "postgresql":
         with engine.begin() as conn:
             return conn.execute(_CLAIM_PG, params).first()
@@ -428,9 +427,10 @@ def _claim_in_steps(engine: Engine, p: dict):
         run = conn.execute(_TAKE, dict(p, run_id=row.id)).one()
         if row.status == RunStatus.RUNNING:
             event = dict(kind="reclaimed", message=f"taken from {row.worker}{p['reclaim_tail']}",
-                         data={"previous_worker": row.worker, "attempt": run.attempts})
+                         data={"previous_worker": row.worker, "attempt": run.attempts, "pid_space": p["pid_space"]})
         else:
-            event = dict(kind="claimed", message=p["claimed_msg"], data={"attempt": run.attempts})
+            event = dict(kind="claimed", message=p["claimed_msg"],
+                         data={"attempt": run.attempts, "pid_space": p["pid_space"]})
         conn.execute(_EVENT, dict(event, run_id=run.id, time=p["now"]))
     return run
 
@@ -466,8 +466,9 @@ claim_events AS (
         CASE WHEN was = 'running' THEN concat('taken from ', previous_worker, CAST(:reclaim_tail AS text))
              ELSE CAST(:claimed_msg AS text) END,
         CASE WHEN was = 'running'
-             THEN json_build_object('previous_worker', previous_worker, 'attempt', attempts)
-             ELSE json_build_object('attempt', attempts) END
+             THEN json_build_object('previous_worker', previous_worker, 'attempt', attempts,
+                                    'pid_space', CAST(:pid_space AS text))
+             ELSE json_build_object('attempt', attempts, 'pid_space', CAST(:pid_space AS text)) END
     FROM claimed)
 SELECT id, name, attempts, config_json, checkpoint_path FROM claimed
 """)
@@ -485,12 +486,20 @@ def run_config(engine: Engine, run_name: str) -> RunConfig:
     return stored_config(run_name, config_json)
 
 
-def ended_here(worker: str | None) -> bool:
-    """Whether `worker` (`host:pid`, `host:pid:gpuN`) ran on this machine and its process has
-    ended (killed, its terminal closed): its run's fresh heartbeat no longer means anything."""
-    on, _, rest = (worker or "").partition(":")
-    pid = rest.split(":")[0]
-    return on == socket.gethostname() and pid.isdigit() and not alive(int(pid))
+def ended_here(engine: Engine, run_id: int, worker: str | None) -> bool:
+    """Whether `worker` (`host:pid`, `host:pid:gpuN`), the one running run `run_id`, ran on
+    this machine, in this PID namespace, and its process has ended (killed, its terminal
+    closed): its run's fresh heartbeat no longer means anything. Its claim's event records
+    where its PID means something (`pid_space`): a host name alone is shared by containers
+    that see different processes, where one alive in the other looks ended. A claim an older
+    fibctl recorded has none: its run waits for its heartbeat to go stale."""
+    pid = (worker or "").split(":")[1:2]
+    if not (pid and pid[0].isdigit()):
+        return False
+    with engine.connect() as conn:
+        data = conn.execute(select(Event.data).where(Event.run_id == run_id, Event.kind.in_(("claimed", "reclaimed")))
+                            .order_by(Event.id.desc()).limit(1)).scalar()
+    return durable.ended(int(pid[0]), data.get("pid_space") if isinstance(data, dict) else None)
 
 
 def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: str,
@@ -509,7 +518,7 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         raise FibctlError(f"run {run_name!r} is already done")
     ended = None  # the worker of this machine whose run is taken although its heartbeat is fresh
     if row["status"] == RunStatus.RUNNING and row["heartbeat_at"] and row["heartbeat_at"] >= stale:
-        if not ended_here(row["worker"]):
+        if not ended_here(engine, row["id"], row["worker"]):
             raise FibctlError(f"run {run_name!r} is running on {row['worker']} (heartbeat "
                               f"{duration((now - row['heartbeat_at']).total_seconds())} ago); a run whose worker "
                               f"has ended elsewhere is taken once its heartbeat is older than --heartbeat-timeout "
@@ -533,7 +542,8 @@ def claim_named(engine: Engine, run_name: str, worker: str, host: str, device: s
         if run is None:
             raise FibctlError(f"run {run_name!r} was claimed by another worker meanwhile")
         add_event(conn, run.id, "claimed", f"claimed by {worker} (fibctl train)"
-                  + (f"; its worker {ended} on this machine had ended" if ended else ""), {"attempt": run.attempts})
+                  + (f"; its worker {ended} on this machine had ended" if ended else ""),
+                  {"attempt": run.attempts, "pid_space": durable.pid_space()})
     return ClaimedRun(run.id, run_name, run.attempts, config, run.checkpoint_path)
 
 

@@ -402,6 +402,25 @@ def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else
     assert not [f for f in out.iterdir() if ".part" in f.name and f not in kept]
 
 
+
+def test_a_report_leaves_the_temporary_file_of_another_pid_space_alone(tmp_path):
+    """A temporary's name held its writer's PID alone: a report in a container of the same
+    host name, writing into the shared folder, took another's live one for a killed one's and
+    deleted it, the other's rename then failing. The name says the writer's PID space too."""
+    from fibctl import durable
+    from fibctl.reports.output import remove_leftovers, replace_file
+
+    dead = 2**22 + 1  # above any pid_max: no process has it here
+    other = tmp_path / f".t.{dead}-0123456789ab-0123abcd.part.csv"  # alive in its own container
+    ours = tmp_path / f".t.{dead}-{durable.pid_space()}-0123abcd.part.csv"
+    for f in (other, ours):
+        f.write_text("x")
+    assert remove_leftovers([tmp_path / "t.csv"]) == [ours] and other.exists()
+    seen = []
+    replace_file(tmp_path / "u.csv", lambda tmp: (seen.append(tmp.name), tmp.write_text("y")))
+    assert seen[0].startswith(f".u.{durable.owner()}-") and (tmp_path / "u.csv").read_text() == "y"
+
+
 def test_report_all_killed_before_its_index_is_finished_by_the_next_one(tmp_path, capsys, monkeypatch):
     """The report's list of its files was written last: one killed after its tables left them
     unlisted, and the next `report all` refused them as the user's files."""

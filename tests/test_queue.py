@@ -22,6 +22,7 @@ from fibctl import queue
 from fibctl.config import RunConfig
 from fibctl.db.engine import connect, resolve_url
 from fibctl.db.store import RunRecorder
+from fibctl.durable import pid_space
 from fibctl.errors import FibctlError
 from fibctl.matrix import load_matrix
 
@@ -191,6 +192,36 @@ def test_train_by_name_takes_at_once_a_run_whose_worker_on_this_machine_has_ende
     assert _event_rows(engine, run.id)[-1][1].endswith("on this machine had ended")
 
 
+
+def test_train_by_name_leaves_a_run_whose_worker_runs_in_another_pid_space_of_the_same_host_name(db, monkeypatch):
+    """Two containers of one host name (docker --network host, a cluster's identical names)
+    see different processes: a worker alive in one looked ended from the other, whose
+    `fibctl train NAME` took its run at once, two trainers on one run. Its claim says where
+    its PID means something; a claim that does not (an older fibctl's) waits for the timeout."""
+    import socket
+
+    from fibctl import durable
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # its PID, here: no process; in the other container, the live worker's
+    worker = f"{socket.gethostname()}:{ended.pid}"
+    with monkeypatch.context() as other:
+        other.setattr(durable, "pid_space", lambda: "0123456789ab")
+        queue.claim_named(engine, "r000", worker, "h", "cpu", 600)
+    with pytest.raises(FibctlError, match=rf"is running on {worker} \(heartbeat \d+s ago\)"):
+        queue.claim_named(engine, "r000", "w2", "h", "cpu", 600)
+    with engine.begin() as conn:  # as an older fibctl recorded its claim: no PID space
+        conn.execute(text("UPDATE events SET data = :d"), {"d": json.dumps({"attempt": 1})})
+    with pytest.raises(FibctlError, match=rf"is running on {worker} "):
+        queue.claim_named(engine, "r000", "w2", "h", "cpu", 600)
+    time.sleep(0.3)  # its heartbeat goes stale: taken, as any silent worker's run
+    run = queue.claim_named(engine, "r000", "w2", "h", "cpu", 0.2)
+    assert (run.name, run.attempts) == ("r000", 2)
+    assert not _event_rows(engine, run.id)[-1][1].endswith("had ended")
+
+
 def _event_rows(engine, run_id):
     from sqlalchemy import select
 
@@ -225,12 +256,15 @@ def claims_sweep_reclaim_and_record(db: str) -> None:
     r1 = rows["r001"]
     assert (r1["status"], r1["worker"], r1["host"], r1["device"], r1["attempts"]) == ("running", "w3", "h3", "cuda:0", 2)
     assert r1["heartbeat_at"] >= before and r1["started_at"] < before  # started_at kept from attempt 1
+    here = pid_space()  # where the claimer's PIDs mean something: fibctl train NAME's take-back reads it
     assert _event_rows(engine, second.id) == [
-        ("claimed", "claimed by w2", {"attempt": 1}),
-        ("reclaimed", "taken from w2 (no heartbeat for 60 s) by w3", {"previous_worker": "w2", "attempt": 2})]
+        ("claimed", "claimed by w2", {"attempt": 1, "pid_space": here}),
+        ("reclaimed", "taken from w2 (no heartbeat for 60 s) by w3",
+         {"previous_worker": "w2", "attempt": 2, "pid_space": here})]
 
     third = queue.claim_next(engine, "w4", host="h4", device="cpu", heartbeat_timeout_s=60, max_attempts=2)
-    assert third.name == "r002" and _event_rows(engine, third.id) == [("claimed", "claimed by w4", {"attempt": 1})]
+    assert third.name == "r002" and _event_rows(engine, third.id) == [
+        ("claimed", "claimed by w4", {"attempt": 1, "pid_space": here})]
     r2 = next(r for r in queue.list_runs(engine) if r["name"] == "r002")
     assert r2["started_at"] == r2["heartbeat_at"] and r2["started_at"] >= before
     assert queue.claim_next(engine, "w5", heartbeat_timeout_s=60, max_attempts=2) is None
@@ -683,6 +717,38 @@ def test_queue_rm_checkpoints_keeps_the_run_when_its_folder_cannot_go(db, tmp_pa
     assert f"what is left is at {runs / 'r001'}: delete it by hand" in err
     assert [r["name"] for r in queue.list_runs(engine)] == ["r000"] and (runs / "r001").is_dir()
     assert sorted(p.name for p in runs.iterdir()) == ["r000", "r001"]  # nothing hidden left behind
+
+
+
+def test_a_folder_a_queue_rm_moved_aside_in_another_pid_space_is_left_alone(db, tmp_path, monkeypatch):
+    """`queue rm --checkpoints` named the folder it moved aside with its PID alone: a container
+    of the same host name sharing the runs folder, which cannot see that process, took it for a
+    killed one's and moved it back (or deleted it) under the live `queue rm` deleting it. The
+    name says its PID space too; one an older fibctl named is settled as this machine's."""
+    import shutil
+
+    from fibctl import durable
+    from fibctl.flows import removal
+
+    runs = tmp_path / "runs"
+    dead = 2**22 + 1  # above any pid_max: no process has it here
+    other, ours, older = (runs / f".r.removing-{dead}{tail}" for tail in
+                          ("-0123456789ab", f"-{durable.pid_space()}", ""))  # other: alive in its container
+    for hidden in (other, ours, older):
+        hidden.mkdir(parents=True)
+    removal.settle_aside(runs, "r", owned=False)
+    assert [p.name for p in runs.iterdir()] == [other.name]
+    removal.settle_aside(runs, "r", owned=True)
+    assert [p.name for p in runs.iterdir()] == [other.name]
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    (runs / "r000").mkdir()
+    (runs / "r000" / "step_00000010.pt").write_bytes(b"x")
+    deleted, rmtree = [], shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (deleted.append(path.name), rmtree(path, *a, **k)))
+    removal.remove_run(db, "r000", True, runs, lambda _: None)
+    assert deleted == [f".r000.removing-{os.getpid()}-{durable.pid_space()}"]
 
 
 def test_queue_rm_settles_the_folder_a_killed_queue_rm_moved_aside(db, tmp_path, monkeypatch, capsys):

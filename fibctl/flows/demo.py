@@ -123,7 +123,7 @@ def release_ended_workers(engine: Engine) -> list[str]:
         running = conn.execute(text("SELECT id, name, worker FROM runs WHERE status = 'running'")).all()
     released = []
     for run_id, name, worker in running:
-        if queue.ended_here(worker) and queue.release(
+        if queue.ended_here(engine, run_id, worker) and queue.release(
                 engine, run_id, f"released: its worker {worker} on this machine has ended", worker=worker):
             released.append(name)
     return released

@@ -1,12 +1,14 @@
 """`fibctl queue rm`: a run's rows, and with --checkpoints its checkpoint folder RUNS_DIR/NAME.
 
-The folder is renamed aside, to RUNS_DIR/.NAME.removing-PID, before the rows' delete
+The folder is renamed aside, to RUNS_DIR/.NAME.removing-PID-SPACE, before the rows' delete
 commits, and deleted after it: a folder that cannot move keeps the run. A kill (SIGKILL: no
 cleanup runs) between the rename and the deletion leaves the hidden folder behind, its run
 either still in the database (killed before the commit was on disk) or gone. `settle_aside`
 finishes that removal's work for the next command that uses the name's folder (`queue rm`,
 a worker or `fibctl train` claiming the run): moved back where the run still has it as its
-own, deleted where it does not. One whose process still runs is left alone."""
+own, deleted where it does not. One whose process still runs is left alone, as is one made
+in another PID space (fibctl.durable.pid_space: another machine or container, whose processes
+this one cannot see)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fibctl import queue
+from fibctl import durable, queue
 from fibctl.db import engine as db_engine
-from fibctl.durable import alive
 from fibctl.errors import FibctlError
 from fibctl.names import check_name, is_name, refuse_foreign
 
@@ -31,10 +32,10 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
     deleted, as that command was asked."""
     check_name("run", name)  # a path component: never a way out of the runs folder
     folder = runs_dir / name
-    pattern = re.compile(rf"\.{re.escape(name)}\.removing-(\d+)")
+    pattern = re.compile(rf"\.{re.escape(name)}\.removing-{durable.OWNER}")
     for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
         m = pattern.fullmatch(hidden.name)
-        if not m or alive(int(m.group(1))) or hidden.is_symlink() or not hidden.is_dir():
+        if not m or not durable.owner_ended(*m.groups()) or hidden.is_symlink() or not hidden.is_dir():
             continue
         try:
             if not owned:
@@ -125,7 +126,7 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
 
     def move_aside() -> None:  # before the delete commits: a folder that cannot move keeps the run
         if checkpoints and folder[0].exists():
-            hidden = folder[0].with_name(f".{name}.removing-{os.getpid()}")
+            hidden = folder[0].with_name(f".{name}.removing-{durable.owner()}")
             try:
                 folder[0].rename(hidden)
             except OSError as e:

@@ -11,15 +11,15 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fibctl.durable import alive
+from fibctl import durable
 
 
 def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
     """Call `write` with a new file's path in path's folder (same suffix), then rename it to `path`.
-    The temporary file's name holds the writer's process id: `remove_leftovers` tells from it
-    whether a process killed mid-write left it."""
+    The temporary file's name holds the writer's process id and PID space: `remove_leftovers`
+    tells from it whether a process killed mid-write left it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.part{path.suffix}")
+    tmp = path.with_name(f".{path.stem}.{durable.owner()}-{secrets.token_hex(4)}.part{path.suffix}")
     try:  # from its making: a Ctrl-C landing between the two would leave it behind
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
         write(tmp)
@@ -38,15 +38,16 @@ def write_text(path: Path, text: str) -> Path:
 def remove_leftovers(paths: Iterable[Path]) -> list[Path]:
     """Delete the temporary files of `paths` that a writer killed mid-write left (its process
     is gone); returns them. One of a process still running (another report writing into the
-    same folder) stays, as does any other file."""
+    same folder), or of another PID space (another container's, into a shared folder), stays,
+    as does any other file."""
     gone = []
     for path in paths:
         if not path.parent.is_dir():
             continue
-        own = re.compile(rf"\.{re.escape(path.stem)}\.(\d+)-[0-9a-f]{{8}}\.part{re.escape(path.suffix)}")
+        own = re.compile(rf"\.{re.escape(path.stem)}\.{durable.OWNER}-[0-9a-f]{{8}}\.part{re.escape(path.suffix)}")
         for tmp in path.parent.glob(f".{glob.escape(path.stem)}.*.part{glob.escape(path.suffix)}"):
             m = own.fullmatch(tmp.name)
-            if m and not alive(int(m.group(1))) and tmp.is_file() and not tmp.is_symlink():
+            if m and durable.owner_ended(*m.groups()) and tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
                 gone.append(tmp)
     return gone

@@ -405,3 +405,4 @@ def folder_value(option: str, what: str) -> Callable[[object], Path]:
 
 
 runs_dir_value = folder_value("--runs-dir", "the folder of the checkpoints (default: runs)")
+data_dir_value = folder_value("--data", "the prepared data folder (fibctl data prepare)")

@@ -544,7 +544,8 @@ def test_a_blank_data_folder_from_the_environment_is_named_as_such(monkeypatch, 
     monkeypatch.setattr(sys, "argv", ["fibctl", "data", "show"])
     with pytest.raises(SystemExit) as exit_:
         main()
-    assert exit_.value.code == 2 and capsys.readouterr().err == "error: DATA_DIR is empty; name a prepared data folder\n"
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == "error: DATA_DIR is empty; name a prepared data folder\n"
     assert [shown_path(p) for p in ("data ", "", " x", "a b", "a\nb")] == ["'data '", "''", "' x'", "a b", "a\\nb"]
     assert list(tmp_path.iterdir()) == []
 

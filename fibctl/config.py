@@ -139,8 +139,8 @@ class TrainConfig:
 
     @property
     def clip_bound(self) -> float:
-        """The gradient-norm bound for clip_grad_norm_: grad_clip, or with 0 (no clipping) an
-        infinite one, which leaves the gradients bit for bit as they are."""
+        """The gradient-norm bound: grad_clip, or with 0 (no clipping) an infinite one, with which
+        train.optim.clip_gradients only measures the norm."""
         return self.grad_clip or math.inf
 
     def validate(self) -> "TrainConfig":

@@ -3,6 +3,7 @@ one line and exits with code 2."""
 
 import os
 import re
+import shlex
 import textwrap
 
 
@@ -52,5 +53,7 @@ def unprintable(text: str) -> bool:
 
 
 def shown_path(path: str | os.PathLike) -> str:
-    """A path as messages show it: on one line, `printable`."""
-    return printable(os.fspath(path))
+    """A path as messages show it: on one line, `printable`; quoted as a shell word where it is
+    empty or a blank begins or ends it (`'data '`), which would not show otherwise."""
+    text = printable(os.fspath(path))
+    return shlex.quote(text) if not text or text != text.strip() else text

@@ -70,7 +70,8 @@ class Matrix:
         `suffix` ends every run's name (a sweep's runs are other runs). `seeds` gives each
         entry once per seed, all runs of one seed together, as if its `seed` said it (its
         init seed stays the entry's or the matrix's where one is set, else it is that seed);
-        at a seed other than the entry's own the name gets `_s<seed>`, before `suffix`."""
+        at a seed other than the entry's own the name gets `_s<seed>` (`_seeded_name`), before
+        `suffix`."""
         entries = [e for e in self.entries if only is None or fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             raise FibctlError(f"--only {only!r} matches no run of matrix {self.name!r}")
@@ -79,7 +80,7 @@ class Matrix:
         for seed in seeds:
             check_seed(seed, "--seed")
         if seeds:  # a seed given twice is one replicate
-            entries = [dataclasses.replace(e, seed=seed, name=check_name("run", e.name + _seed_suffix(seed, e.seed)))
+            entries = [dataclasses.replace(e, seed=seed, name=check_name("run", _seeded_name(e, seed)))
                        for seed in dict.fromkeys(seeds) for e in entries]
             clash = _name_clash([e.name for e in entries])
             if clash:  # a matrix holding both `a` and `a_s43`, say
@@ -123,9 +124,13 @@ def _refuse_repeats(configs: list[RunConfig]) -> None:
         raise FibctlError(f"--seed: runs {' and '.join(same)} would train one config; pick the runs with --only")
 
 
-def _seed_suffix(seed: int, own: int) -> str:
-    """What `queue add --seed` adds to the name of a run whose entry's own seed is `own`."""
-    return "" if seed == own else f"_s{seed}"
+def _seeded_name(entry: MatrixEntry, seed: int) -> str:
+    """The name `queue add --seed` gives `entry`'s run at `seed`: its own at its own seed;
+    else with `_s<seed>`, in place of the name's own `_s<its seed>` where it ends so (paper's
+    g01__fib_fixed_w12_s43 at seed 45 is g01__fib_fixed_w12_s45, not ..._s43_s45)."""
+    if seed == entry.seed:
+        return entry.name
+    return entry.name.removesuffix(f"_s{entry.seed}") + f"_s{seed}"
 
 
 def _name_clash(names: Sequence[str]) -> str | None:
@@ -176,12 +181,12 @@ def queue_again(config: RunConfig, suffix: str, **train) -> str:
     preset where the matrix's differ, and every training setting it was queued with beyond the
     entry's; else a template naming the run and its seed (its matrix file is not known here)."""
     m = load_matrix(config.matrix) if config.matrix in shipped_matrices() else None
-    entries = [e for e in (m.entries if m else ()) if config.name.startswith(e.name)]
+    entries = [e for e in (m.entries if m else ()) if config.name.startswith(_seeded_name(e, config.seed))]
     if m is None or not entries:
         seed = f" --seed {config.seed}" if config.seed != DEFAULT_SEED else ""
         sets = "".join(f" --set train.{k}={v}" for k, v in train.items())
         return f"fibctl queue add MATRIX --only {config.name}{seed}{sets} --suffix {suffix}"
-    entry = max(entries, key=lambda e: len(e.name))  # dense_lr1e-3's is dense
+    entry = max(entries, key=lambda e: len(_seeded_name(e, config.seed)))  # dense_lr1e-3's is dense
     queued = dataclasses.asdict(config.train)
     default = dataclasses.asdict(m._resolve(entry, config.preset).train)
     # a setting left unset (None) has no --set spelling; the preset's default stands for it
@@ -190,8 +195,8 @@ def queue_again(config: RunConfig, suffix: str, **train) -> str:
     words += ["--seed", str(config.seed)] if config.seed != entry.seed else []
     words += ["--preset", config.preset] if config.preset != m.preset else []
     words += [f"--set train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items()]
-    # --seed names it ENTRY_s<seed> again: the suffix is what follows that
-    own = config.name[len(entry.name):].removeprefix(_seed_suffix(config.seed, entry.seed))
+    # --seed names it as it did: the suffix is what follows that
+    own = config.name[len(_seeded_name(entry, config.seed)):]
     return " ".join([*words, "--suffix", own + suffix])
 
 

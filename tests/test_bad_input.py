@@ -330,6 +330,13 @@ CASES = [
      "--runs-dir is empty"),
     (["queue", "retry", "run", "--from-start", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
     (["queue", "rm", "run", "--checkpoints", "--runs-dir", "", "--db", "{good_db}"], "--runs-dir is empty"),
+    # and so is a blank data folder: `no data manifest in  ;` showed no name at all
+    (["data", "show", " "], "DATA_DIR is empty; name a prepared data folder"),
+    (["data", "prepare", "demo", "--data", ""], "--data is empty; name the prepared data folder"),
+    (["worker", "--data", " ", "--db", "{good_db}", "--runs-dir", "{tmp}/runs"], "--data is empty"),
+    (["eval", "run", "--length", "64", "--data", "", "--db", "{good_db}"], "--data is empty"),
+    # a blank that begins or ends a path is quoted, which it would not show otherwise
+    (["data", "show", "{tmp}/nowhere "], "no data manifest in '"),
     (["queue", "add", "demo", "--preset", "", "--db", "{tmp}/new.db"], "unknown preset ''; allowed: paper"),
     # fewer steps than tiny's 30 warm-up steps: the learning rate never reached train.lr
     (["queue", "add", "demo", "--set", "train.steps=20", "--db", "{tmp}/new.db"],
@@ -468,8 +475,12 @@ def test_a_folder_named_like_a_shipped_matrix_does_not_shadow_it(tmp_path, monke
     assert load_matrix("demo").source == "fibctl/matrices/demo.toml"
 
 
-@pytest.mark.parametrize("folder", [".", ""])
-def test_data_prepare_into_the_current_folder_is_refused_naming_the_option(folder, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("folder, line", [
+    (".", "error: --data .: name the data folder itself (e.g. --data data), not ."),
+    ("", "error: --data is empty; name the prepared data folder (fibctl data prepare)"),
+])
+def test_data_prepare_into_the_current_folder_is_refused_naming_the_option(folder, line, tmp_path, monkeypatch,
+                                                                            capsys):
     """`--data .` (or an empty one) has no name to put the lock and work folder beside it
     under: it was refused for holding its own lock file ('..lock')."""
     from fibctl.cli import main
@@ -480,8 +491,7 @@ def test_data_prepare_into_the_current_folder_is_refused_naming_the_option(folde
     with pytest.raises(SystemExit) as exit_:
         main()
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.strip() == "error: --data .: name the data folder itself (e.g. --data " \
-        "data), not ."
+    assert exit_.value.code == 2 and err.strip() == line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "r.toml"] and not any((tmp_path / "here").iterdir())
 
 
@@ -522,6 +532,22 @@ def test_a_password_in_the_urls_query_is_masked_too():
                           "&sslpassword=***")
     assert has_password(resolve_url(url)) and not has_password(resolve_url("postgresql://fib@db.example/fib"))
     assert shown("postgresql://fib:s3cret@h/fib?password=s3cret") == "postgresql://fib:***@h/fib?password=***"
+
+
+def test_a_blank_data_folder_from_the_environment_is_named_as_such(monkeypatch, capsys, tmp_path):
+    """`FIBCTL_DATA=' ' fibctl data show` said `no data manifest in  ; run ... --data  `."""
+    from fibctl.cli import main
+    from fibctl.errors import shown_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FIBCTL_DATA", " ")
+    monkeypatch.setattr(sys, "argv", ["fibctl", "data", "show"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == "error: DATA_DIR is empty; name a prepared data folder\n"
+    assert [shown_path(p) for p in ("data ", "", " x", "a b", "a\nb")] == ["'data '", "''", "' x'", "a b", "a\\nb"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_markup_in_input_and_data_is_printed_as_it_is(tmp_path, capsys, monkeypatch):

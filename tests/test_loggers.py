@@ -256,6 +256,40 @@ def test_wandb_gets_the_history_it_lacks_on_resuming_once_and_without_warnings(t
     assert "less than the current step" not in capfd.readouterr().err
 
 
+def wandb_summary(path) -> dict[str, float]:
+    """The summary values a W&B run file sets, the last of each key."""
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for r in wandb_records(path)
+            if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+
+
+def test_an_evaluation_at_a_step_wandb_is_past_goes_to_its_summary(tmp_path, monkeypatch, capfd):
+    """`fibctl eval --log-to wandb` of a run W&B holds to its last step S logged the results at
+    S into a new offline file; `wandb sync` uploads the training's file first, so W&B was past
+    S and dropped them, warning. Online, a resumed run is past S at once. They go to the run's
+    summary (its columns in W&B's run table) instead, and no history row W&B would drop."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    db = Recorder()
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    feed(tee)  # trained to step 20 with the back-end: W&B holds its history whole
+    tee.close()
+    tee = Tee(db, open_sinks(["wandb"], tmp_path, "run", {"seed": 42}), light_tokens=1024)
+    tee.catch_up(20)  # as fibctl eval does: nothing W&B lacks
+    tee.log_eval(20, "docs_val", 512, 1_048_576, math.log(40.0))
+    tee.log_step(45, 1.0, 1e-3, 0.5, 1000.0, 1.0)  # W&B's run at step 45, as an online one resumed there
+    tee.log_eval(40, "docs_val", 1024, 1_048_576, math.log(50.0))
+    tee.close()
+    first, second = sorted((tmp_path / "wandb").glob("*run-*/run-*.wandb"))
+    assert [s for s, _ in wandb_history(wandb_records(second)).get("train/loss", [])] == [45]
+    assert not any(key.startswith("eval_full/") for key in wandb_history(wandb_records(second)))
+    summary = wandb_summary(second)
+    assert summary["eval_full/docs_val@512/ppl"] == pytest.approx(40.0)
+    assert summary["eval_full/docs_val@1024/ppl"] == pytest.approx(50.0)
+    assert "less than the current step" not in capfd.readouterr().err
+
+
 def test_wandb_disabled_takes_the_replay_and_writes_nothing(tmp_path, monkeypatch):
     """WANDB_MODE=disabled (W&B's switch to turn logging off): no run file to read or wait for."""
     pytest.importorskip("wandb")

@@ -256,6 +256,32 @@ def test_queue_add_seed_queues_replicates_under_distinct_names(tmp_path, monkeyp
         load_matrix(str(clash)).resolve(seeds=[43])
 
 
+def test_seed_replaces_a_names_own_seed_suffix(tmp_path, monkeypatch, capsys):
+    """paper's g01__fib_fixed_w12_s43 (seed 43) at --seed 45 was g01__fib_fixed_w12_s43_s45:
+    a name ending in `_s<its own seed>` has that suffix replaced, in `queue add` and
+    `matrix show` alike; a name whose `_sN` is not its seed keeps it."""
+    import sqlite3
+
+    from fibctl.matrix import queue_again
+
+    runs = load_matrix("paper").resolve("micro", "g01*", seeds=[42, 45])
+    assert [(c.name, c.seed) for c in runs] == [("g01__fib_fixed_w12_s42", 42), ("g01__fib_fixed_w12_s45", 45)]
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[matrix]\npreset = 'micro'\n[[runs]]\nname = 'a_s7'\nschedule = 'dense'\n")
+    assert [c.name for c in load_matrix(str(mine)).resolve(seeds=[43])] == ["a_s7_s43"]  # seed 42's run
+    options = ["paper", "--preset", "micro", "--only", "g01*", "--seed", "45", "--suffix", "_x"]
+    monkeypatch.setenv("COLUMNS", "200")
+    code, shown, err = ran(monkeypatch, capsys, "matrix", "show", *options)
+    assert code == 0 and "g01__fib_fixed_w12_s45_x " in shown and "_s43" not in shown, err
+    db = tmp_path / "r.db"
+    assert ran(monkeypatch, capsys, "queue", "add", *options, "--db", str(db))[0] == 0
+    assert sqlite3.connect(db).execute("SELECT name, seed FROM runs").fetchall() == [("g01__fib_fixed_w12_s45_x", 45)]
+    # the line that queues it again names its entry and seed, the suffix after the seed's
+    [run] = load_matrix("paper").resolve("micro", "g01*", suffix="_x", seeds=[45])
+    assert queue_again(run, "_y") == ("fibctl queue add paper --only g01__fib_fixed_w12_s43 --seed 45 "
+                                      "--preset micro --suffix _x_y")
+
+
 def test_matrix_show_previews_a_sweep_as_queue_add_would_queue_it(tmp_path, monkeypatch, capsys):
     """`matrix show` took --only and --seed but not --set or --suffix, so a sweep could not be
     seen before it was queued. With the same options it names the runs, their lr and the

@@ -279,3 +279,41 @@ def test_the_line_for_columns_left_out_gives_what_they_share_or_their_names():
     assert left_out(headers, [], rows) is None
     assert left_out(headers, ["p"], rows) == "not shown at this width: p (a wider terminal shows it)"
     assert left_out(headers, ["p", "q", "r"], rows) == "r x; not shown at this width: p, q (a wider terminal shows them)"
+
+
+@pytest.fixture
+def long_named_results(tmp_path) -> tuple[str, list[str]]:
+    """results.db.example with each run's name made 60 characters long."""
+    import json
+    import shutil
+    import sqlite3
+
+    path = str(tmp_path / "r.db")
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results.db.example"), path)
+    with sqlite3.connect(path) as conn:
+        for rid, name, config in conn.execute("SELECT id, name, config_json FROM runs").fetchall():
+            long = (name + "_sweep-lr3e-4_warmup2000_batch64_ctx1024_" + "x" * 60)[:60]
+            conn.execute("UPDATE runs SET name = ?, config_json = ? WHERE id = ?",
+                         (long, json.dumps({**json.loads(config), "name": long}), rid))
+    conn.close()
+    return path, [n for (n,) in sqlite3.connect(path).execute("SELECT name FROM runs ORDER BY id")]
+
+
+def test_report_and_compare_fold_a_long_name_rather_than_split_the_table(long_named_results):
+    """A 60-character run name took 62 of 80 columns: Table 3 came in seven parts, one or two
+    numbers each, and `compare` (a run's name heading a column) cut its first column's
+    `model.schedule` into `model.schedul`/`e`. A name past 32 characters folds within its
+    column now, where the table would not fit with it whole."""
+    db, names = long_named_results
+    done = fibctl("report", "table3", "--db", db, columns=80)
+    assert_fits(done, 80)
+    assert done.stdout.count("(continued)") == 1, done.stdout  # two parts
+    assert column(done.stdout, 0).count(names[0]) == 2  # folded, whole in each part
+    done = fibctl("compare", names[0], names[1], "--db", db, columns=80)
+    assert_fits(done, 80)
+    assert "│ model.schedule │" in done.stdout, done.stdout
+    assert column(done.stdout, 0).count(names[0]) >= 2  # the Training and perplexity tables' rows
+    # a name that fits stays whole on its line
+    done = fibctl("report", "table3", "--db", db, columns=200)
+    assert_fits(done, 200)
+    assert all(f"│ {name} " in done.stdout for name in names) and "(continued)" not in done.stdout

@@ -24,7 +24,7 @@ from fibctl.model import FibLM
 from fibctl.errors import FibctlError
 from fibctl.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
                                      stored_config_hash)
-from fibctl.train.optim import build_optimizer, lr_at
+from fibctl.train.optim import build_optimizer, clip_gradients, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, train_named, work
@@ -141,6 +141,39 @@ def test_clipping_sums_the_gradient_norms_in_the_study_order(data, tmp_path, sch
         assert grad_norm == float(study)
         differs += grad_norm != float(norm_of([grads[p] for p in model.parameters()]))
     assert differs  # fibctl's registration order would have given another norm
+
+
+def model_with_gradients(seed: int = 0) -> FibLM:
+    """The micro model, each parameter holding a random gradient."""
+    torch.manual_seed(seed)
+    model = FibLM(micro_run("x", "learned").model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+@pytest.mark.parametrize("drop_get_total_norm", [False, True])  # True: torch 2.4 and 2.5's path
+def test_an_infinite_bound_measures_the_norm_and_leaves_the_gradients(monkeypatch, drop_get_total_norm):
+    """grad_clip 0 (the probe's recipe): the study's probe never clipped. clip_grad_norm_
+    with an infinite bound scaled every gradient by inf / inf = NaN once one was infinite;
+    the others stay bit for bit, and the norm is the one clip_grad_norm_ reports."""
+    if drop_get_total_norm:
+        monkeypatch.delattr(torch.nn.utils, "get_total_norm")
+    model, reference = model_with_gradients(), model_with_gradients()
+    expected = torch.nn.utils.clip_grad_norm_(reference.study_order(), math.inf)
+    assert torch.equal(clip_gradients(model, math.inf), expected)  # finite: the same norm, to the bit
+    first, *others = model.study_order()
+    first.grad.view(-1)[0] = math.inf
+    before = [p.grad.clone() for p in others]
+    assert clip_gradients(model, math.inf) == math.inf
+    assert all(torch.equal(p.grad, g) for p, g in zip(others, before))
+
+
+def test_a_finite_bound_clips_as_clip_grad_norm_does():
+    model, reference = model_with_gradients(), model_with_gradients()
+    expected = torch.nn.utils.clip_grad_norm_(reference.study_order(), 1.0)
+    assert torch.equal(clip_gradients(model, 1.0), expected) and expected > 1.0
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(model.study_order(), reference.study_order()))
 
 
 def test_weight_decay_applies_to_matrices_only():

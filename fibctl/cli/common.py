@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError, printable
-from fibctl.reports.render import title_line
+from fibctl.reports.render import NAME_WIDTH, title_line
 from fibctl.reports.tables import length_label
 
 MIN_COLUMNS, MAX_COLUMNS = 20, 1000  # the widths output is drawn at, whatever COLUMNS says
@@ -246,7 +246,7 @@ def seed_value(param: typer.CallbackParam, value: int | None) -> int | None:
 
 
 FOLD_WIDTH = 12  # optional columns go before a `fold` column (free text) narrows below this,
-NAME_WIDTH = 32  # or a `names` column (a name may be 100 characters) below this
+# or a `names` column below NAME_WIDTH (render's: a name may be 100 characters)
 FOLD_LEAST = 8  # narrower, a folded name or text is hard to read: a table is shown as `records`
 
 
@@ -405,3 +405,4 @@ def folder_value(option: str, what: str) -> Callable[[object], Path]:
 
 
 runs_dir_value = folder_value("--runs-dir", "the folder of the checkpoints (default: runs)")
+data_dir_value = folder_value("--data", "the prepared data folder (fibctl data prepare)")

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import console, err_console, fitted_table, fitted_view, plain
+from fibctl.cli.common import console, data_dir_value, err_console, fitted_table, fitted_view, folder_value, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.errors import printable
@@ -56,7 +56,7 @@ def token_progress(plain: bool = False) -> Progress:
 def prepare_cmd(
     recipe: Annotated[str, typer.Argument(help=f"A shipped recipe ({', '.join(shipped())}) or a .toml path.")],
     out: Annotated[Path | None, typer.Option(
-        "--data", "--out", envvar="FIBCTL_DATA",
+        "--data", "--out", envvar="FIBCTL_DATA", parser=data_dir_value, metavar="<path>",
         help="Data folder to write (where `fibctl worker --data` reads); --out is an older name. Default: data.")]
     = None,
     plain: Annotated[bool, typer.Option(
@@ -121,6 +121,7 @@ def _remove_empty(folders: list[Path]) -> None:
 @data_app.command("show")
 def show_cmd(
     data_dir: Annotated[Path, typer.Argument(envvar="FIBCTL_DATA", show_envvar=True,
+                                             parser=folder_value("DATA_DIR", "a prepared data folder"),
                                              help="A folder written by `fibctl data prepare`.")],
 ) -> None:
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its

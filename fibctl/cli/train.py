@@ -16,7 +16,7 @@ from rich.table import Column
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output, stopped_by_closed_output
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, runs_dir_value
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, data_dir_value, err_console, runs_dir_value
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch loads when a command trains or evaluates, not when th
     from fibctl.train import trainer
 
 DataOption = Annotated[Path, typer.Option("--data", envvar="FIBCTL_DATA", show_default=True,
+                                          parser=data_dir_value, metavar="<path>",
                                           help="Prepared data directory (fibctl data prepare).")]
 RunsDirOption = Annotated[Path, typer.Option("--runs-dir", envvar="FIBCTL_RUNS_DIR", show_default=True,
                                              parser=runs_dir_value, metavar="<path>",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.hashes import short_hash
 from fibctl.names import check_name
 
@@ -128,9 +128,11 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
         recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
             if data_dir.suffix == ".toml" else ""
         kind = "a file" if data_dir.is_file() else "a device or a pipe"
-        raise FibctlError(f"{data_dir} is {kind}, not a data folder (one `fibctl data prepare` wrote){recipe}")
+        raise FibctlError(f"{shown_path(data_dir)} is {kind}, not a data folder (one `fibctl data prepare` wrote)"
+                          f"{recipe}")
     if not path.is_file():
-        raise FibctlError(f"no data manifest in {data_dir}; run `fibctl data prepare RECIPE --data {data_dir}`")
+        shown = shown_path(data_dir)
+        raise FibctlError(f"no data manifest in {shown}; run `fibctl data prepare RECIPE --data {shown}`")
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict):

@@ -20,6 +20,9 @@ from fibctl.reports.tables import Table
 FORMATS = ("rich", "md", "latex", "csv", "json")
 EXTENSIONS = {"rich": "txt", "md": "md", "latex": "tex", "csv": "csv", "json": "json"}
 MISSING = "-"
+NAME_WIDTH = 32  # a run's name (up to 100 characters) folds onto lines this wide, not narrower
+
+
 def title_line(title: str):
     """A table's title as every table fibctl prints shows it: a line of its own, left-aligned
     and wrapped at the terminal's width (rich's own table title is centred and wrapped at the
@@ -62,8 +65,11 @@ def _cells(table: Table, bold: str, escape=lambda s: s) -> list[list[str]]:
 def fitted(table: Table, width: int):
     """The terminal rendering no wider than `width`, with no cell cut: a header wraps at its
     spaces, a value keeps its full width, and columns that still do not fit go to further
-    tables below, each repeating the first column (the run), whose names fold within it where
-    even one other column does not fit beside it. The title and notes wrap at `width`."""
+    tables below, each repeating the first column (the run). A name (the first column's, or a
+    header's: `compare` heads a column with each run) longer than NAME_WIDTH folds within its
+    column where the table would not fit with it whole: a 60-character name took 62 of 80
+    columns, leaving Table 3 in seven parts and cutting `compare`'s setting names. The title
+    and notes wrap at `width`."""
     from rich.cells import cell_len
     from rich.console import Group
     from rich.text import Text
@@ -71,7 +77,8 @@ def fitted(table: Table, width: int):
     texts = [[printable(cell(table, c, v), lines=True) for c, v in zip(table.frame.columns, row)]
              for row in table.frame.itertuples(index=False)]
     headers = [printable(str(c), lines=True) for c in table.frame.columns]
-    least = [max([cell_len(w) for w in h.split()] + [cell_len(row[i]) for row in texts] + [1])
+    least = [max([min(cell_len(w), NAME_WIDTH) for w in h.split()]
+                 + [cell_len(row[i]) if i else min(cell_len(row[i]), NAME_WIDTH) for row in texts] + [1])
              for i, h in enumerate(headers)]
     chunks: list[list[int]] = [[0]]
     for i in range(1, len(headers)):
@@ -79,14 +86,14 @@ def fitted(table: Table, width: int):
             chunks.append([0])
         chunks[-1].append(i)
     bolded = _cells(table, "[bold]{}[/bold]", lambda s: escape(printable(s, lines=True)))
-    natural = [max(cell_len(h), least[i]) for i, h in enumerate(headers)]
+    natural = [max([cell_len(h), least[i]] + [cell_len(row[i]) for row in texts]) for i, h in enumerate(headers)]
     parts = []
     for n, chunk in enumerate(chunks):
         # rich narrows the widest columns first and, past their minimum, cuts the table at the
         # edge: so the widths are set here, wrapping the headers with the most room to spare
         widths = {i: natural[i] for i in chunk}
         excess = sum(widths[i] + 3 for i in chunk) + 1 - width
-        for i in sorted(chunk, key=lambda i: least[i] - natural[i]):
+        for i in sorted(chunk, key=lambda i: (i == 0, least[i] - natural[i])):  # the runs' names fold last
             cut = min(max(excess, 0), natural[i] - least[i])
             widths[i] -= cut
             excess -= cut

@@ -182,19 +182,32 @@ class WandbSink:
                               group=config.get("matrix"), resume="allow", dir=str(run_dir), config=config, mode=mode,
                               reinit="finish_previous")  # the boolean is deprecated
         self.folder = Path(run_dir) / "wandb"
+        self._held: int | None = None  # the last step this run's earlier offline files hold
+
+    def _first_step(self) -> int:
+        """The lowest step W&B's history still takes: the step its run is at (a resumed online
+        run's is past its history; W&B drops a lower one, warning once a row), past what this
+        run's earlier offline files hold, which `wandb sync` uploads before this one's."""
+        if self._held is None:  # read once: an earlier attempt's files do not change
+            mine = self._file()
+            self._held = max((max(wandb_steps(path), default=-1) for path in self.folder.glob(f"*/{mine.name}")
+                              if path != mine), default=-1)
+        return max(self.run.step, self._held + 1)
 
     def missing(self, upto: int) -> Callable[[str, int], bool]:
-        """Whether W&B lacks a step: one from the step its run is at (a resumed online run's
-        is past its history; W&B drops a lower one, warning once a row) and past what this
-        run's earlier offline files hold, which `wandb sync` uploads before this one's."""
-        mine = self._file()
-        held = max((max(wandb_steps(path), default=-1) for path in self.folder.glob(f"*/{mine.name}")
-                    if path != mine), default=-1)
-        first = max(self.run.step, held + 1)
+        """Whether W&B lacks a step: one its history still takes (`_first_step`)."""
+        first = self._first_step()
         return lambda key, step: step >= first
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        """`values` into the history at `step`; or, where the history is past it, into the
+        run's summary (its columns in W&B's run table), which W&B would otherwise drop with a
+        warning: `fibctl eval --log-to wandb` of a run W&B holds to its last step records
+        its results at that step."""
+        if step < self._first_step():
+            self.run.summary.update(values)
+        else:
+            self.run.log(values, step=step)
 
     def _file(self) -> Path:
         """The run file this attempt writes (W&B names its folder; a second in the same second gets -1)."""

@@ -103,10 +103,26 @@ def build_optimizer(model: torch.nn.Module, tc: TrainConfig,
                           warning, fused=bool(extra))
 
 
+def gradient_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The total 2-norm of the gradients of `params`, summed in their order, as
+    clip_grad_norm_ computes it (torch.nn.utils.get_total_norm, torch 2.6+)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    # torch 2.4 and 2.5: clip_grad_norm_'s own sum, the per-tensor norms stacked in order
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
 def clip_gradients(model: FibLM, bound: float) -> torch.Tensor:
     """The gradient norm before clipping, the gradients scaled to at most `bound`, as the
     study's loop clipped: torch's clip_grad_norm_ with its defaults (foreach on CUDA and on
-    the CPU alike), over the parameters in the study's order (FibLM.study_order)."""
+    the CPU alike), over the parameters in the study's order (FibLM.study_order).
+
+    An infinite bound (grad_clip 0, the probe's recipe) only measures: the study's probe
+    never clipped, and clip_grad_norm_ would scale every gradient by inf / inf = NaN when
+    the norm is not finite, where the probe left the finite ones as they were."""
+    if math.isinf(bound):
+        return gradient_norm(model.study_order())
     return torch.nn.utils.clip_grad_norm_(model.study_order(), bound)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -28,6 +29,7 @@ from fibctl.train.optim import build_optimizer, clip_gradients, lr_at
 from fibctl.train.sampler import WindowSampler
 from fibctl.train.trainer import Trainer
 from fibctl.flows.worker import WorkerOptions, train_named, work
+from test_study_loop import study_lr
 from train_helpers import HELDOUT, NullReporter, Quiet, micro_run, queued_db, write_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,15 +87,16 @@ def test_lr_warms_up_linearly_then_decays_to_a_tenth_at_the_last_step():
 def test_lr_is_the_study_schedule_bit_for_bit_at_every_step():
     """The study's schedule: peak * step / warmup below the warm-up's end, then
     peak * (0.1 + 0.9 * 0.5 * (1 + cos(pi * progress))). The same value grouped otherwise
-    differs in the last bit at thousands of the 13,000 steps."""
+    differs in the last bit at thousands of the 13,000 steps. At the warm-up's last step the
+    cosine's start is the peak itself, where peak * step / warmup may not be: 3e-3 * 3 / 3 is
+    0.0030000000000000005 (the float64 trainer test saw it in the weights)."""
     tc = get_preset("paper").train
-
-    def study(step: int) -> float:
-        if step < 300:
-            return 3e-4 * step / 300
-        return 3e-4 * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * ((step - 300) / 12_700))))
-
-    assert [lr_at(s, tc) for s in range(1, 13_001)] == [study(s) for s in range(1, 13_001)]
+    assert [lr_at(s, tc) for s in range(1, 13_001)] == [study_lr(s, tc) for s in range(1, 13_001)]
+    short = dataclasses.replace(tc, lr=3e-3, warmup_steps=3, steps=10)
+    assert [lr_at(s, short) for s in range(1, 11)] == [study_lr(s, short) for s in range(1, 11)]
+    assert lr_at(3, short) == 3e-3
+    ends_warm = dataclasses.replace(short, steps=3)  # no cosine after the warm-up: it ends at the peak
+    assert [lr_at(s, ends_warm) for s in range(1, 4)] == [study_lr(s, ends_warm) for s in range(1, 4)]
     probe = get_preset("probe").train  # min_lr_ratio 1: constant
     assert {lr_at(s, probe) for s in range(1, probe.steps + 1)} == {probe.lr}
 

@@ -24,10 +24,12 @@ EPS = 1e-8
 
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Learning rate of step `step` (steps count from 1)."""
-    if step <= tc.warmup_steps:
+    # the warm-up's last step is the cosine's first, as in the study: lr * 1.0 is the peak
+    # exactly, where lr * step / step may not be (3e-3 * 3 / 3 is 0.0030000000000000005)
+    if step < tc.warmup_steps:
         return tc.lr * step / tc.warmup_steps
-    span = tc.steps - tc.warmup_steps
-    progress = min(1.0, (step - tc.warmup_steps) / span) if span > 0 else 1.0
+    # at most 1 past the last step (bench); a run that ends with its warm-up ends at the peak
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps))
     # the study's expression, operation for operation: another grouping of the same value
     # (floor + (peak - floor) * ...) differs in the last bit at about half the steps
     r = tc.min_lr_ratio

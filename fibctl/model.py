@@ -39,12 +39,19 @@ def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tens
     return angles.cos().to(device), angles.sin().to(device)
 
 
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least: bf16 widened, as the study's float32 tables and its autocast's
+    float32 cross-entropy widened it; a float64 model's (the float64 tests) kept float64, as
+    the study's code computed it in float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x rotated, in float32 whatever x's dtype: the study's float32 tables promoted its bf16
     queries and keys, so under autocast they are rounded once, where they are scored (or,
     in a learned layer, never: Attention.forward)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)  # a float64 model (gradient checks) stays float64
-    x, cos, sin = x.to(dtype), cos.to(dtype), sin.to(dtype)
+    x = widened(x)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -262,7 +269,7 @@ class FibLM(nn.Module):
         logits = self.hidden(idx) @ self.embed.weight.T  # tied head
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(widened(logits).flatten(0, 1), targets.flatten())
 
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-position cross-entropy (B, T), the head applied to about LOSS_TOKENS tokens at a time."""
@@ -270,7 +277,7 @@ class FibLM(nn.Module):
         chunk = max(1, LOSS_TOKENS // h.shape[0])  # positions per chunk
         out = []
         for s in range(0, h.shape[1], chunk):
-            logits = (h[:, s:s + chunk] @ self.embed.weight.T).float()
+            logits = widened(h[:, s:s + chunk] @ self.embed.weight.T)
             out.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s:s + chunk], reduction="none"))
         return torch.cat(out, 1)
 

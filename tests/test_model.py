@@ -57,6 +57,22 @@ def test_token_losses_match_full_logits_and_chunking(monkeypatch):
     assert model(idx[:, :-1], idx[:, 1:]).item() == pytest.approx(full.mean().item(), rel=1e-5)
 
 
+def test_a_float64_models_loss_is_the_float64_cross_entropy_of_its_logits():
+    """As the study's code computed it in float64 (its autocast's float32 loss is a widening,
+    never a narrowing): the float64 tests hold fibctl's trainer to the study's loop there, and
+    a loss of float32-rounded logits put them 8e-7 apart."""
+    torch.manual_seed(0)
+    model = FibLM(get_preset("micro").model).double()
+    tokens = torch.randint(0, 512, (2, 65))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        logits = model(x)
+        loss, per_token = model(x, y), model.token_losses(x, y)
+    assert loss.dtype == per_token.dtype == torch.float64
+    assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    assert torch.equal(per_token, torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none"))
+
+
 def test_sparse_model_evaluates_far_past_training_length():
     """A long sequence in chunks: memory linear in length (the figure for 65,536 is in the README)."""
     cfg = dataclasses.replace(get_preset("micro").model, schedule="fixed")

@@ -227,8 +227,8 @@ def test_trainer_is_the_study_loop_bit_for_bit_on_the_mask_path(data, tmp_path, 
     losses, gradient norms and weights, bit for bit, after 10 clipped AdamW steps of 2
     micro-batches through warm-up and cosine. It needs the kv heads repeated as the study
     did (enable_gqa sums a kv head's gradient in another order), clipping over the study's
-    parameter order, and in float64 the loss of float64 logits (float32 ones gave losses
-    up to 8e-7 from the study's) and the study's lr at the warm-up's last step (lr * 3 / 3
+    parameter order, and in float64 the loss of float64 logits (float32 ones put 6 steps'
+    losses up to 8e-7 from the study's) and the study's lr at the warm-up's last step (lr * 3 / 3
     was not 3e-3 there, and moved weights by 1e-16)."""
     config, initial, batches, losses, norms, weights = fibctl_training(data, tmp_path, monkeypatch, schedule, base,
                                                                        dtype=dtype)

@@ -137,6 +137,7 @@ def fibctl_probe(tmp_path, init, dtype):
     assert [b.attn.theta.item() for b in trainer.model.blocks] == [float(torch.tensor(t)) for t in want]
     initial, batches, losses, _, weights = trained(trainer, dtype)
     config = trainer.config
+    assert len(batches) == STEPS  # one batch a step, as the study's loop drew them
     for x, y in batches:
         assert torch.equal(y, study_targets(x, config.probe.distances, config.model.vocab_size))
     return config, initial, batches, losses, weights
@@ -144,8 +145,8 @@ def fibctl_probe(tmp_path, init, dtype):
 
 @pytest.mark.parametrize("init", ["uniform", "staggered"])
 def test_probe_trainer_in_float64_is_the_study_probe_loop(tmp_path, init):
-    """In float64, fibctl's probe trainer (its fast blur path and fused AdamW, which sum in
-    another order) beside the study's probe loop, 10 steps through the whole width anneal,
+    """In float64, fibctl's probe trainer (its fast blur path sums in another order, its fused
+    AdamW rounds otherwise) beside the study's probe loop, 10 steps through the whole width anneal,
     3 layers, from the study's start. The study's code left two things in float32 whatever
     the model's dtype: its bands' weights and its loss (of logits cast to float32); fibctl
     computes both in the model's dtype, as the study's function in float64 throughout does.
@@ -165,7 +166,7 @@ def test_probe_trainer_in_float64_is_the_study_probe_loop(tmp_path, init):
 @pytest.mark.parametrize("init", ["uniform", "staggered"])
 def test_probe_trainer_in_float32_is_the_study_probe_loop_within_rounding(tmp_path, init):
     """The same in float32, where the study's code and its function are one: fibctl's other
-    order of sums moves the numbers by float32 rounding. Measured (uniform, then staggered):
+    order of operations moves the numbers by float32 rounding. Measured (uniform, then staggered):
     step losses within 9.5e-7 and 2.4e-6, weights within 1.1e-5 and 8.5e-5, thetas within
     8.4e-9 and 3.8e-8, alphas equal. The bounds are about 10 times those (the weights': 4)."""
     config, initial, batches, losses, weights = fibctl_probe(tmp_path, init, torch.float32)

@@ -207,7 +207,7 @@ def test_a_run_s_window_and_batch_read_the_same_in_every_command():
     db = str(Path(__file__).resolve().parent.parent / "results.db.example")
     shown = fibctl("queue", "show", "fib_fixed_w8", "--db", db, "--events", "0")
     assert shown.returncode == 0, shown.stderr
-    assert "model: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128\n" in shown.stdout
+    assert "model: fixed fib W=8; 4 layers, d 192, 6 heads (2 kv), vocab 4,096, T=128\n" in shown.stdout
     assert "recipe: 1,400 steps of 2,048 tokens (16x1 sequences of 128), lr 0.003, seed 42\n" in shown.stdout
     assert re.search(r"│ fib_fixed_w8 .*│ 16x1 +│", fibctl("matrix", "show", "demo").stdout)
     table4 = fibctl("report", "table4", "--db", db).stdout

@@ -226,9 +226,11 @@ def split_label(batch_size: int, grad_accum: int) -> str:
 
 def model_line(m) -> str:
     """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W=12; 16
-    layers, d 512, heads 8/2, vocab 32,768, T=1024`."""
+    layers, d 512, 8 heads (2 kv), vocab 32,768, T=1024` (query heads, and the key/value heads
+    they share where fewer: `heads 8/2` was a ratio to decode), within 80 columns."""
+    kv = f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else ""
     return (f"{attention_label(m.schedule, m.base, m.window)}; {m.n_layers} layers, d {m.d_model}, "
-            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
+            f"{m.n_heads} heads{kv}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:

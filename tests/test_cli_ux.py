@@ -193,8 +193,9 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     for config in load_matrix("paper").resolve(None, None):
         split = f"{config.train.batch_size}x{config.train.grad_accum}"  # the micro-batch split, per run
         assert re.search(rf"│ {config.name} .*│ {split} +│", done.stdout), config.name
-    # steps with a thousands separator, as queue show and the docs write them (it said 13000)
-    assert "preset paper; layers 16; T 1024; steps 13,000" in " ".join(done.stdout.split())
+    # steps with a thousands separator, as queue show and the docs write them (it said 13000);
+    # the length as fibctl writes T everywhere (it said T 1024)
+    assert "preset paper; layers 16; T=1024; steps 13,000" in " ".join(done.stdout.split())
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 

@@ -366,18 +366,27 @@ def _narrowed(least: Sequence[int], most: Sequence[int], room: int) -> list[int]
 
 
 def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequence]) -> str | None:
-    """A line for the columns `fitted_table` left out: a value they all share, or their names."""
+    """A line for the columns `fitted_table` left out: a value they all share, or their names.
+    A one-letter header is the method's symbol, said as fibctl says it everywhere (`T=1024`;
+    `matrix show` said `T 1024`)."""
     if not dropped:
         return None
     same, varied = [], []
     for name in dropped:
         values = {str(row[headers.index(name)]) for row in rows}
         (same if len(values) == 1 else varied).append((name, values))
-    parts = [f"{name} {value}" if value else f"no {name}" for name, values in same for value in values]
+    parts = [_shared(name, value) for name, values in same for value in values]
     if varied:
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
                      + f" (a wider terminal shows {'them' if len(varied) > 1 else 'it'})")
     return "; ".join(parts)
+
+
+def _shared(name: str, value: str) -> str:
+    if not value:
+        return f"no {name}"
+    symbol = len(name) == 1 and name.isupper() and value != "-"  # a dense run's W is '-', not a value
+    return f"{name}={value}" if symbol else f"{name} {value}"
 
 
 def interactive() -> bool:

@@ -852,6 +852,10 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     bar.set_ticks(ALPHA_TICKS)  # its ends ticked (0.6 to 1.4 left stagger's first and last layers without)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
     _fit_titles(fig, axes)
+    # a title broken onto more lines than its two takes its room from the figure, not from the
+    # panels (the colour bar beside four 4-layer panels grew shorter than its label)
+    extra = max(ax.get_title().count("\n") for ax in axes) - 1
+    fig.set_figheight(fig.get_figheight() + extra * 1.2 * STYLE["axes.titlesize"] / 72)
     _label_decades(fig, axes, decades)
     return _save(fig, path)
 

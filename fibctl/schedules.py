@@ -155,7 +155,7 @@ def rungs_always_kept(base: str, window: int, seq_len: int, n_rungs: int = 15) -
 def blur_rungs(base: list[int], centres: list[float], window: int, seq_len: int) -> list[tuple[int, int]]:
     """(k, c) for each rung the probe's blur attention keeps, given the base b_k and the centres
     d_k = alpha * b_k: c = round(d_k) is the band's middle offset. Only base values past the
-    window are rungs at all, as in the study's probe (b_k = 8 at W = 8 stays out even when
+    window are rungs at all, as in the study's probe (b_k = 8 at W=8 stays out even when
     alpha > 1 would carry it to 12); the others are skipped when c <= W or c > T-1."""
     return [(k, round(d)) for k, (b, d) in enumerate(zip(base, centres))
             if b > window and window < round(d) <= seq_len - 1]

@@ -218,3 +218,20 @@ def test_every_link_between_the_docs_reaches_its_page_and_heading():
             if not linked.is_file() or (anchor and anchor not in slugs):
                 broken.append(f"{page.name}: {target}")
     assert not broken
+
+
+DOCS_WIDTH = 95
+
+
+def test_no_prose_line_of_the_docs_is_wider_than_95_columns():
+    """Prose lines ran to 211 columns beside the 90-odd of their paragraphs, past an editor's
+    or a diff's width. Fenced code, table rows and headings keep their own lines."""
+    wide = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fenced = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and not line.lstrip().startswith(("|", "#")) and len(line) > DOCS_WIDTH:
+                wide.append(f"{page.name}:{number}: {len(line)} columns")
+    assert not wide

@@ -28,8 +28,23 @@ def test_model_prints_paper_breakdown_and_layers():
     assert "60,850,704" in runner.invoke(app, ["model", "--schedule", "learned"]).output
 
 
+def test_the_model_line_says_its_heads_in_words_within_80_columns():
+    """It said `heads 8/2`, a ratio to decode: now the query heads and the key/value heads
+    they share, on one line at 80 columns for the paper's widest shape (coprime pow2 W=12);
+    a model whose every head has its own key/value says no more than its heads."""
+    from fibctl.cli.common import model_line
+    from fibctl.config import ModelConfig
+
+    r = runner.invoke(app, ["model", "--preset", "paper", "--schedule", "coprime", "--base", "pow2", "--window", "12"],
+                      env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0] == \
+        "paper: coprime pow2 W=12; 16 layers, d 512, 8 heads (2 kv), vocab 32,768, T=1024"
+    assert ", 4 heads, vocab" in model_line(ModelConfig(n_heads=4, n_kv_heads=4))
+
+
 def test_a_window_that_reaches_the_length_shows_no_rungs_after_it():
-    # micro trains at T = 64 with W = 8; built at 9, its window reaches T - 1
+    # micro trains at T=64 with W=8; built at 9, its window reaches T - 1
     r = runner.invoke(app, ["model", "--preset", "micro", "--window", "8", "--length", "9"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "0..8 " in r.output and "0..8 +" not in r.output  # it printed '0..8 +' and nothing after
@@ -274,7 +289,7 @@ def test_a_table_s_title_is_a_left_aligned_line_as_the_report_tables_have_theirs
     monkeypatch.setattr(bench_queue, "bench_queue", lambda *a, **k: fake)
     # model and coverage say the model as queue show does (model said V=4096 beside its vocab 4,096)
     for command, title in ((["model", "--preset", "tiny"],
-                            "tiny: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128"),
+                            "tiny: fixed fib W=8; 4 layers, d 192, 6 heads (2 kv), vocab 4,096, T=128"),
                            (["coverage", "--layers", "2", "--length", "64"], "coverage: fixed fib W=8; 2 layers, T=64"),
                            (["bench", "queue"], "queue claims, sqlite, 20 runs"),
                            (["report", "table1", "--db", str(Path(__file__).parent.parent / "results.db.example")],

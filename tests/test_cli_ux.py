@@ -193,8 +193,9 @@ def test_matrix_show_paper_at_80_columns_cuts_no_cell():
     for config in load_matrix("paper").resolve(None, None):
         split = f"{config.train.batch_size}x{config.train.grad_accum}"  # the micro-batch split, per run
         assert re.search(rf"│ {config.name} .*│ {split} +│", done.stdout), config.name
-    # steps with a thousands separator, as queue show and the docs write them (it said 13000)
-    assert "preset paper; layers 16; T 1024; steps 13,000" in " ".join(done.stdout.split())
+    # steps with a thousands separator, as queue show and the docs write them (it said 13000);
+    # the length as fibctl writes T everywhere (it said T 1024)
+    assert "preset paper; layers 16; T=1024; steps 13,000" in " ".join(done.stdout.split())
     assert "config hash" in fibctl("matrix", "show", "paper", env={**ENV80, "COLUMNS": "120"}).stdout
 
 
@@ -207,7 +208,7 @@ def test_a_run_s_window_and_batch_read_the_same_in_every_command():
     db = str(Path(__file__).resolve().parent.parent / "results.db.example")
     shown = fibctl("queue", "show", "fib_fixed_w8", "--db", db, "--events", "0")
     assert shown.returncode == 0, shown.stderr
-    assert "model: fixed fib W=8; 4 layers, d 192, heads 6/2, vocab 4,096, T=128\n" in shown.stdout
+    assert "model: fixed fib W=8; 4 layers, d 192, 6 heads (2 kv), vocab 4,096, T=128\n" in shown.stdout
     assert "recipe: 1,400 steps of 2,048 tokens (16x1 sequences of 128), lr 0.003, seed 42\n" in shown.stdout
     assert re.search(r"│ fib_fixed_w8 .*│ 16x1 +│", fibctl("matrix", "show", "demo").stdout)
     table4 = fibctl("report", "table4", "--db", db).stdout

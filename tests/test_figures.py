@@ -124,11 +124,15 @@ def many_runs_db(tmp_path_factory) -> str:
 
 
 def _renderer(fig):
-    """The figure drawn (laid out) on an Agg canvas, and its renderer to measure with."""
+    """The figure drawn (laid out) on an Agg canvas, and its renderer to measure with: under
+    the figures' style, as they are saved (outside it, ticks made while drawing took 10 pt
+    labels, and the style's 8 pt ones took more ticks, unmeasured)."""
+    from matplotlib import rc_context
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    fig.draw(renderer)
+    with rc_context(figures.STYLE):
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
     return renderer
 
 
@@ -169,16 +173,54 @@ def test_figures_are_drawn_at_print_size_with_no_text_cut_or_overlapping(db, dra
         width = imread(tmp_path / f"{name}.png").shape[1] / figures.STYLE["savefig.dpi"]
         assert width <= figures.TEXT_WIDTH + 0.01, name
         assert fig._suptitle is not None and fig._suptitle.get_text(), f"{name}: no title says what is shown"
-        texts = _texts(fig)
-        for text, box in texts:
-            assert text.get_fontsize() >= 8, (name, text.get_text())
-            assert fig.bbox.x0 - 1 <= box.x0 and box.x1 <= fig.bbox.x1 + 1, (name, text.get_text())
-            assert fig.bbox.y0 - 1 <= box.y0 and box.y1 <= fig.bbox.y1 + 1, (name, text.get_text())
-        upright = [(t, box) for t, box in texts if t.get_rotation() % 90 == 0]  # a slanted text's box is loose
-        for i, (a, abox) in enumerate(upright):
-            for b, bbox in upright[i + 1:]:
-                assert not abox.overlaps(bbox), (name, a.get_text(), b.get_text())
+        _assert_text_inside_and_apart(fig, name)
     assert drawn[1].get_figwidth() == figures.COLUMN_WIDTH  # posloss: one column
+
+
+def _assert_text_inside_and_apart(fig, name: str) -> None:
+    """Every text at 8 pt or more, inside the figure and clear of every other."""
+    texts = _texts(fig)
+    for text, box in texts:
+        assert text.get_fontsize() >= 8, (name, text.get_text())
+        assert fig.bbox.x0 - 1 <= box.x0 and box.x1 <= fig.bbox.x1 + 1, (name, text.get_text())
+        assert fig.bbox.y0 - 1 <= box.y0 and box.y1 <= fig.bbox.y1 + 1, (name, text.get_text())
+    upright = [(t, box) for t, box in texts if t.get_rotation() % 90 == 0]  # a slanted text's box is loose
+    for i, (a, abox) in enumerate(upright):
+        for b, bbox in upright[i + 1:]:
+            assert not abox.overlaps(bbox), (name, a.get_text(), b.get_text())
+
+
+@pytest.mark.parametrize("length", [1024, 2**20])
+def test_coverage_of_the_four_schedules_at_the_paper_shape_keeps_its_text_apart(drawn, tmp_path, length):
+    """Four panels at the paper's 16 layers and T=1024: 'fib stagger / 133 distinct distances'
+    ran into the next panel's title, and the distance labels 100 and 1000 into each other
+    ('1001000'). Titles break to fit their panels; decades are labelled while they stand
+    apart, else every other one down from the largest, and 0 always."""
+    figures.coverage(tmp_path / "c.png", schedules=("fixed", "learned", "stagger", "coprime"), seq_len=length,
+                     n_rungs=19 if length > 1024 else 15)
+    (fig,) = drawn
+    _assert_text_inside_and_apart(fig, f"coverage T={length}")
+    panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.get_xscale() == "symlog"]
+    assert len(panels) == 4
+    for ax in panels:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert labels[0] == "0" and labels[-1] == f"{10 ** (len(str(length - 1)) - 1):,}", labels
+        assert len(ax.get_xticks()) + len(ax.get_xticks(minor=True)) == len(str(length - 1)) + 1
+
+
+def test_the_change_axis_labels_each_tick_with_its_own_value(tmp_path, drawn):
+    """A sweep's changes of 0 to -2 % on the linear change axis are ticked in quarters: -1.25
+    and -1.75 read -1.2 and -1.8, two labels a step apart differing by 0.2 and 0.3."""
+    figures.extrapolation(connect_readonly(_sweep_db(str(tmp_path / "sweep.db"), 4)), tmp_path / "e.png")
+    right = drawn[0].axes[1]
+    _renderer(drawn[0])  # its ticks labelled as saved
+    lo, hi = sorted(right.get_ylim())
+    shown = [(tick.get_loc(), tick.label1.get_text()) for tick in right.yaxis.get_major_ticks()
+             if lo <= tick.get_loc() <= hi]
+    assert right.get_yscale() == "linear" and len(shown) >= 4
+    assert any(loc != round(loc) for loc, _ in shown)  # steps finer than 1
+    for loc, label in shown:
+        assert float(label.replace(",", "")) == pytest.approx(loc, abs=1e-9), (loc, label)
 
 
 def test_extrapolation_limits_fit_the_runs_not_the_dense_blow_up(db, drawn, tmp_path):
@@ -309,7 +351,7 @@ def test_the_same_data_give_the_same_bytes(db, tmp_path):
 def test_the_change_axis_reads_short_numbers():
     """A tick at a small range's end read +0.654804."""
     assert [figures.percent_tick(v) for v in (0.654804, -0.570405, 0.0, 2.0, -5.25, 150.0, 1234.5)] == \
-        ["+0.65", "-0.57", "0", "+2", "-5.2", "+150", "+1,234"]
+        ["+0.65", "-0.57", "0", "+2", "-5.25", "+150", "+1,234"]
 
 
 @pytest.mark.parametrize("name", list(figures.FIGURES))
@@ -527,6 +569,15 @@ def test_a_title_too_wide_for_its_figure_breaks_before_its_parenthesis(db, drawn
     'W8, seed 42)', the parenthesis split between the lines."""
     figures.posloss(connect_readonly(db), tmp_path / "p.png")
     assert drawn[0].get_suptitle() == "mean docs_val loss by position bin\n(fib, W=8, seed 42)"
+
+
+def test_the_position_legend_names_schedule_and_run_in_the_figures_notation(db, drawn, tmp_path):
+    """Its legend said 'fixed W8 (demo_fixed)' under a title saying 'W=8': the paper's table
+    row name, in the figure's other notation; the title gives W once."""
+    figures.posloss(connect_readonly(db), tmp_path / "p.png")
+    (legend,) = drawn[0].legends
+    assert [t.get_text() for t in legend.get_texts()] == ["fixed (demo_fixed)", "stagger (demo_stagger)"]
+    assert "W=8" in drawn[0].get_suptitle()
 
 
 def test_a_sweep_of_every_schedule_draws_each_run_apart_under_its_own_name(tmp_path, drawn):

@@ -891,10 +891,10 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert "events, the newest 1 of" in fewer.output
     queued = runner.invoke(app, ["queue", "show", "r001", "--db", db], env={"COLUMNS": "80"}).output
     assert queued.startswith("r001: queued") and "perplexity" not in queued and "last logged" not in queued
-    # the paper's widest numbers (vocab 32,768, T 1024) wrapped the model line at 81 columns
+    # the paper's widest numbers (vocab 32,768, T=1024) wrapped the model line at 81 columns
     queue.add_runs(connect(db), [RunConfig.resolve("f02__fib_learned_w8", "paper", "paper", schedule="learned")])
     paper = runner.invoke(app, ["queue", "show", "f02__fib_learned_w8", "--db", db], env={"COLUMNS": "80"}).output
-    assert "model: learned fib W=8; 16 layers, d 512, heads 8/2, vocab 32,768, T=1024\n" in paper
+    assert "model: learned fib W=8; 16 layers, d 512, 8 heads (2 kv), vocab 32,768, T=1024\n" in paper
     assert all(len(line) <= 80 for line in paper.splitlines())
 
 

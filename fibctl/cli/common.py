@@ -226,9 +226,11 @@ def split_label(batch_size: int, grad_accum: int) -> str:
 
 def model_line(m) -> str:
     """A ModelConfig in one line, the same in `queue show` and `model`: `stagger fib W=12; 16
-    layers, d 512, heads 8/2, vocab 32,768, T=1024`."""
+    layers, d 512, 8 heads (2 kv), vocab 32,768, T=1024` (query heads, and the key/value heads
+    they share where fewer: `heads 8/2` was a ratio to decode), within 80 columns."""
+    kv = f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else ""
     return (f"{attention_label(m.schedule, m.base, m.window)}; {m.n_layers} layers, d {m.d_model}, "
-            f"heads {m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
+            f"{m.n_heads} heads{kv}, vocab {m.vocab_size:,}, T={length_label(m.seq_len)}")
 
 
 def sqlite_int(param: typer.CallbackParam, value: int | None) -> int | None:
@@ -364,18 +366,27 @@ def _narrowed(least: Sequence[int], most: Sequence[int], room: int) -> list[int]
 
 
 def left_out(headers: Sequence[str], dropped: Sequence[str], rows: Sequence[Sequence]) -> str | None:
-    """A line for the columns `fitted_table` left out: a value they all share, or their names."""
+    """A line for the columns `fitted_table` left out: a value they all share, or their names.
+    A one-letter header is the method's symbol, said as fibctl says it everywhere (`T=1024`;
+    `matrix show` said `T 1024`)."""
     if not dropped:
         return None
     same, varied = [], []
     for name in dropped:
         values = {str(row[headers.index(name)]) for row in rows}
         (same if len(values) == 1 else varied).append((name, values))
-    parts = [f"{name} {value}" if value else f"no {name}" for name, values in same for value in values]
+    parts = [_shared(name, value) for name, values in same for value in values]
     if varied:
         parts.append("not shown at this width: " + ", ".join(name for name, _ in varied)
                      + f" (a wider terminal shows {'them' if len(varied) > 1 else 'it'})")
     return "; ".join(parts)
+
+
+def _shared(name: str, value: str) -> str:
+    if not value:
+        return f"no {name}"
+    symbol = len(name) == 1 and name.isupper() and value != "-"  # a dense run's W is '-', not a value
+    return f"{name}={value}" if symbol else f"{name} {value}"
 
 
 def interactive() -> bool:

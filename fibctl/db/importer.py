@@ -1,6 +1,6 @@
 """Import the published study (docs/method.md, "The published files") into fibctl's schema.
 
-- `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T 1024, status 'done', source =
+- `fib.db` runs -> `runs` (matrix 'paper', preset 'paper', T=1024, status 'done', source =
   the file name). Names are kept (`f13__fib_stagger_w12`) and mapped to base / schedule /
   window / seed (`logsparse` = pow2, `hdc` = coprime, no schedule = fixed, `_s43` = seed; a
   name without one takes runs.seed, and a name whose seed runs.seed contradicts is an error);
@@ -16,8 +16,8 @@
 - `eval_results` -> `aux_metrics`: name = eval_name at the run's final step,
   `eval_name@step<N>` at earlier steps; metric as it is. A repeated measurement: the last wins.
 - `retrieval_results` rows with source 'marked' (Table 2's probe) -> one run per probe model
-  in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W 8,
-  T 512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
+  in matrix 'probe' (`probe_marked_d<depth>_<uniform|stagger>_s<seed>`, schedule learned, W=8,
+  T=512), aux_metrics name 'marked_retrieval' (metrics `depth`, `staggered_init` 0/1,
   `acc_d<distance>`, `eval_sequences` 2: the study scored one batch of 2; `task`, text: the
   length, vocabulary and distances Table 2 groups by), and its final alphas in `alphas` (one
   per layer). A model's repeated rows must agree: two different accuracies at one distance,

@@ -17,7 +17,7 @@ Implementations (`impl`):
   row. S (`reach`) is one past the farthest offset any column takes, max(c) + R + 1 at most:
   every farther offset weighs 0, so it is never scored. Done in blocks of queries, each
   against the key rows from S - 1 before its start to its end: time and memory O(T (S +
-  block)) per head, linear in T (the probe's `fib` base, K 15, ends at 987: S stays near
+  block)) per head, linear in T (the probe's `fib` base, K=15, ends at 987: S stays near
   1,100 at w = 40 whatever the length), never a T x T score, mask or index. At T <= S (the
   study's 512) that is the causal part of a dense score matrix; nothing (2R+1)-wide is built
   per rung.

@@ -449,11 +449,15 @@ def symlog_ticks(low: float, high: float) -> list[float]:
 
 
 def percent_tick(value: float, _position=None) -> str:
-    """A change in percent, signed: whole numbers from 10 on, two significant digits below (a
-    tick the locator puts at a small range's end read +0.654804)."""
-    if not value:
+    """A change in percent, signed: whole numbers from 10 on; below, a round tick as it is
+    (a linear axis' quarters: -1.25 read -1.2 beside -1, so two labels differed by 0.2 a
+    step of 0.25), any other to two significant digits (+0.654804 read so)."""
+    if abs(value) < 1e-9:  # 0, or a linear locator's 0 off by a float's error
         return "0"
-    return f"{value:+,.0f}" if abs(value) >= 10 else f"{value:+.2g}"
+    if abs(value) >= 10:
+        return f"{value:+,.0f}"
+    exact = next((d for d in range(4) if abs(round(value, d) - value) < 1e-9), None)
+    return f"{value:+.2g}" if exact is None else f"{value:+.{exact}f}"
 
 
 @styled
@@ -468,8 +472,10 @@ def posloss(engine: Engine, path: str | Path, *, dataset: str | None = None, win
     fig = _figure(COLUMN_WIDTH, 4.0)  # the gap panel says which way it runs above it
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     for row in frame.index[:2]:
-        top.plot(bins, frame.loc[row, bins].astype(float), label=f"{row} ({frame.loc[row, 'Run']})",
-                 **run_style(row.split()[0], "fib", window))
+        # the schedule and run: the title gives W (the row's 'fixed W8' is the paper's table's)
+        schedule = row.split()[0]
+        top.plot(bins, frame.loc[row, bins].astype(float), label=f"{schedule} ({frame.loc[row, 'Run']})",
+                 **run_style(schedule, "fib", window))
     top.set_ylabel("mean loss (nats)")
     _title(fig, table.title.replace("Table 4: ", ""))
     fig.legend(loc="outside lower center", frameon=False)
@@ -752,22 +758,25 @@ def alpha_grid(panels: int) -> tuple[int, int, float]:
 def _fit_titles(fig: Figure, axes) -> None:
     """Each panel's title (a run's name, or a static curve's 'stagger, 16 layers (10 runs)')
     broken after its underscores and spaces into lines no wider than its panel: a probe run's
-    name (probe_d2_staggered_s0_300steps) ran into its neighbour's."""
+    name (probe_d2_staggered_s0_300steps) ran into its neighbour's. Each line of a title of
+    several is fitted alone (coverage's '133 distinct distances' ran into the next panel's)."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
     for ax in axes:
         title, room = ax.title, ax.get_window_extent().width
-        name = title.get_text()
         if title.get_window_extent().width <= room:
             continue
-        lines, line = [], ""
-        for part in re.findall(r"[^_ ]+[_ ]?|[_ ]", name):  # pieces, each keeping its underscore or space
-            title.set_text((line + part).rstrip())
-            if line and title.get_window_extent().width > room:
-                lines.append(line.rstrip())
-                line = part
-            else:
-                line += part
-        title.set_text("\n".join(lines + [line.rstrip()]))
+        lines = []
+        for given in title.get_text().split("\n"):
+            line = ""
+            for part in re.findall(r"[^_ ]+[_ ]?|[_ ]", given):  # pieces, each keeping its underscore or space
+                title.set_text((line + part).rstrip())
+                if line and title.get_window_extent().width > room:
+                    lines.append(line.rstrip())
+                    line = part
+                else:
+                    line += part
+            lines.append(line.rstrip())
+        title.set_text("\n".join(lines))
 
 
 def _alpha_panel(ax, points: pd.DataFrame, name: str, *, small: bool = False) -> None:
@@ -816,6 +825,8 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
     fig = _figure(TEXT_WIDTH if len(schedules) > 1 else COLUMN_WIDTH + 1, 0.2 * n_layers + 1.6)
     axes = fig.subplots(1, len(schedules), sharey=True, squeeze=False).ravel()
     cmap = colormaps["viridis"]
+    decades = [10 ** k for k in range(len(str(seq_len - 1)))]
+    ticks = [0] + decades
     for ax, schedule in zip(axes, schedules):
         per_layer = attended_distances(base, schedule, window, n_layers, seq_len, n_rungs)
         alpha_of = layer_alphas(schedule, n_layers)
@@ -827,8 +838,7 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
             ax.scatter(far, [layer] * len(far), s=9, linewidths=0,
                        color=cmap((alpha_of[layer] - 0.5) / 1.0), marker="|" if len(far) > 200 else "o")
         ax.set_xscale("symlog", linthresh=1)  # linear below 1 so that distance 0 shows
-        ticks = [0] + [10 ** k for k in range(len(str(seq_len - 1)))]
-        ax.set_xticks(ticks, labels=[str(t) for t in ticks])
+        ax.set_xticks(ticks, labels=[f"{t:,}" for t in ticks])
         ax.set_xlim(-0.3, seq_len * 1.25)  # room for the farthest dot
         ax.set_title(f"{base} {schedule}\n{union} distinct distances")  # two lines: three panels fit
         ax.grid(axis="y", visible=False)
@@ -841,7 +851,30 @@ def coverage(path: str | Path, *, base: str = "fib", schedules: tuple[str, ...] 
                        shrink=0.8)
     bar.set_ticks(ALPHA_TICKS)  # its ends ticked (0.6 to 1.4 left stagger's first and last layers without)
     _title(fig, f"Distances each layer attends to (W={window}, T={seq_len}; grey: the local window)")
+    _fit_titles(fig, axes)
+    # a title broken onto more lines than its two takes its room from the figure, not from the
+    # panels (the colour bar beside four 4-layer panels grew shorter than its label)
+    extra = max(ax.get_title().count("\n") for ax in axes) - 1
+    fig.set_figheight(fig.get_figheight() + extra * 1.2 * STYLE["axes.titlesize"] / 72)
+    _label_decades(fig, axes, decades)
     return _save(fig, path)
+
+
+def _label_decades(fig: Figure, axes, decades: list[int]) -> None:
+    """Coverage's distance axes ticked at 0 and each decade, labelled at 0 and every decade
+    while the labels stand apart, else at every other one (every third, ...) down from the
+    largest, the others ticked unlabelled: four panels at T=1024 ran 100 and 1000 together
+    ('1001000')."""
+    gap = 2 * fig.dpi / 72  # 2 pt between neighbouring labels
+    for every in range(1, len(decades) + 1):
+        labelled = [0] + sorted(decades[::-every])
+        for ax in axes:
+            ax.set_xticks(labelled, labels=[f"{t:,}" for t in labelled])
+            ax.set_xticks([d for d in decades if d not in labelled], minor=True)
+        fig.draw_without_rendering()  # the labels where the saved figure has them
+        boxes = [label.get_window_extent() for label in axes[0].get_xticklabels()]
+        if all(a.x1 + gap <= b.x0 for a, b in zip(boxes, boxes[1:])):
+            return
 
 
 def preset_in_use(engine: Engine) -> str:

@@ -150,6 +150,13 @@ def _wal_files(path: Path) -> list[Path]:
     return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
 
 
+def close_connections() -> None:
+    """Close every connection the engines of this process hold in their pools (each engine
+    stays usable: its next query opens one)."""
+    for engine in list(_engines):
+        engine.dispose()
+
+
 def release() -> None:
     """Close this process's connections, and leave a SQLite database's folder as it was.
 
@@ -158,8 +165,7 @@ def release() -> None:
     where this process found neither file, one plain connection opened and closed here
     removes them, after a checkpoint of nothing; where another process still has the database
     open, SQLite leaves them to it."""
-    for engine in list(_engines):
-        engine.dispose()
+    close_connections()
     for path, absent in list(_opened.items()):
         try:
             stray = absent and path.is_file() and any(p.exists() for p in _wal_files(path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import uuid
 
 import pytest
@@ -51,29 +52,125 @@ def pg_server(exclusive: bool = False):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# The most connections one test holds on the server at once: 8 claiming processes and the
+# test's own engine (tests/test_queue.py), a fibctl command beside a test's engines. With
+# pytest-xdist's `-n logical` on a machine of many cores, each process running such a test,
+# the tests together would pass the server's max_connections (100 by default): a test takes
+# one of `pg_slots()` before it connects, so that at most that many use the server at once.
+PG_TEST_CONNECTIONS = 12
+PG_OTHER_CLIENTS = 5  # left to clients other than the tests (psql, a fibctl a developer runs)
+_slot: list = []  # the slot's lock file, while this process holds one
+
+
+def pg_slots() -> int:
+    """How many tests may use the server at once: its connections (less those kept for
+    superusers and other clients) over what one test holds; two at least (one test holds a
+    module's database while it waits for a slot, another the slot while it waits for
+    `pg_server(exclusive=True)`: with one slot, neither would go on)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    admin = create_engine(PG_SERVER, poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            most = int(conn.execute(text("SHOW max_connections")).scalar())
+            kept = int(conn.execute(text("SHOW superuser_reserved_connections")).scalar())
+    finally:
+        admin.dispose()
+    return max(2, (most - kept - PG_OTHER_CLIENTS) // PG_TEST_CONNECTIONS)
+
+
+def hold_pg_slot() -> bool:
+    """Take one of the server's `pg_slots()` for this process, waiting for one; kept until
+    `let_go_pg_slot` (the end of the test, `pg_connections_bounded`). False where this process
+    held one already."""
+    import fcntl
+    import hashlib
+    import random
+    import tempfile
+    import time
+
+    if _slot:
+        return False
+    key = hashlib.sha256(PG_SERVER.encode()).hexdigest()[:16]
+    slots = [os.path.join(tempfile.gettempdir(), f"fibctl-test-pg-{key}.slot{i}") for i in range(_slots())]
+    while True:
+        for path in random.sample(slots, len(slots)):
+            f = open(path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            _slot.append(f)
+            return True
+        time.sleep(0.1)
+
+
+def let_go_pg_slot() -> None:
+    while _slot:
+        _slot.pop().close()  # closing the file lets go of its lock
+
+
+_slot_count: list[int] = []
+
+
+def _slots() -> int:
+    if not _slot_count:  # asked once per process
+        _slot_count.append(pg_slots())
+    return _slot_count[0]
+
+
+@pytest.fixture(autouse=True)
+def pg_connections_bounded(request):
+    """A test of the PostgreSQL backend holds a slot of the server (`hold_pg_slot`) while it
+    runs; `pg_database` takes one too, for a test that makes its database itself. Afterwards
+    the connections its forgotten engines keep in their pools are closed (they would stay
+    open until the garbage collector took the engines, adding up over a module's tests),
+    before the slot goes to another test."""
+    if PG_SERVER and "postgres" in request.node.nodeid:  # [postgresql] cases, test_postgres.py
+        hold_pg_slot()
+    try:
+        yield
+    finally:
+        engines = sys.modules.get("fibctl.db.engine")
+        if engines is not None:
+            engines.close_connections()
+        let_go_pg_slot()
+
+
 @contextlib.contextmanager
 def pg_database(prefix: str = "fibctl_test", exclusive: bool = False):
     """A new database on the FIBCTL_TEST_PG server, dropped afterwards; its URL.
 
     Its own name prefix: tests/test_bench_queue.py checks that no `fibctl_bench_*` database
-    is left over. `exclusive`: no other test uses the server meanwhile (`pg_server`). The
-    admin engine pings before use, so the drop works after a server restart
-    (tests/test_postgres.py restarts it), and WITH (FORCE) closes connections a test's
-    engines still hold."""
+    is left over. `exclusive`: no other test uses the server meanwhile (`pg_server`). A slot
+    of the server (`hold_pg_slot`) is held for the test that made it, and to drop it after
+    the last test of a module whose fixture it is. The admin engine holds no connection
+    between the two statements (NullPool): none stays open while the database is in use, and
+    the drop works after a server restart (tests/test_postgres.py restarts it); WITH (FORCE)
+    closes connections a test's engines still hold."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
 
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    hold_pg_slot()
     with pg_server(exclusive):
-        admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+        admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", poolclass=NullPool)
         try:
             with admin.connect() as conn:
                 conn.execute(text(f'CREATE DATABASE "{name}"'))
             yield make_url(PG_SERVER).set(database=name).render_as_string(hide_password=False)
         finally:
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            admin.dispose()
+            took = hold_pg_slot()  # a module's fixture, dropped after its last test let go
+            try:
+                with admin.connect() as conn:
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            finally:
+                admin.dispose()
+                if took:
+                    let_go_pg_slot()
 
 
 READER = "fibctl_test_reader"

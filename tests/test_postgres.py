@@ -168,3 +168,79 @@ def test_a_full_disk_on_the_server_is_one_line_naming_the_database(pg, args, sql
         assert err == f"error: {shown(pg)}: {said}\n"
     else:
         assert err == f"error: upgrading {shown(pg)} to {head_revision()} failed, nothing changed: {said}\n"
+
+
+# ----------------------------------------------------------------------------- the tests' own connections
+
+
+def test_a_tests_forgotten_engines_are_closed_before_the_next_test(pg, tmp_path):
+    """Engines a test never disposed kept their connections open in their pools until the
+    garbage collector took them: test_reports.py, which reads through a new engine in each
+    test, held 11 of the server's connections in one test process by its last tests
+    (`tests/conftest.py`'s pg_connections_bounded closes them as each test ends)."""
+    from sqlalchemy.engine import make_url
+
+    (tmp_path / "test_inner.py").write_text(
+        "import os\n"
+        "from sqlalchemy import create_engine, text\n"
+        "from sqlalchemy.pool import NullPool\n"
+        "from fibctl.db.engine import connect\n\n"
+        "KEPT = []  # alive: the garbage collector does not close them either\n\n\n"
+        "def test_forgets_its_engines():\n"
+        "    for _ in range(3):\n"
+        "        KEPT.append(connect(os.environ['INNER_DB']))\n"
+        "        with KEPT[-1].connect() as conn:\n"
+        "            conn.execute(text('SELECT 1'))\n\n\n"
+        "def test_then_none_is_open():\n"
+        "    admin = create_engine(os.environ['FIBCTL_TEST_PG'], poolclass=NullPool)\n"
+        "    with admin.connect() as conn:\n"
+        "        n = conn.execute(text('SELECT count(*) FROM pg_stat_activity WHERE datname = :d'),\n"
+        "                         {'d': os.environ['INNER_NAME']}).scalar()\n"
+        "    assert n == 0\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "INNER_DB": pg, "INNER_NAME": make_url(pg).database,
+           "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                           "-n", "0", "test_inner.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_no_more_tests_use_the_server_at_once_than_it_has_connections_for(tmp_path):
+    """With pytest-xdist's `-n logical` on a machine of many cores, a test process each, the
+    tests together could pass the server's max_connections (PostgreSQL's default is 100; one
+    test holds up to 10 connections): each takes one of the server's slots first, which are
+    as many as the server has connections for."""
+    import time
+
+    import conftest
+
+    slots = conftest.pg_slots()
+    admin = create_engine(SERVER)
+    with admin.connect() as conn:
+        most = int(conn.execute(text("SHOW max_connections")).scalar())
+        kept = int(conn.execute(text("SHOW superuser_reserved_connections")).scalar())
+    admin.dispose()
+    assert slots == 2 or slots * conftest.PG_TEST_CONNECTIONS <= most - kept - conftest.PG_OTHER_CLIENTS
+    # more processes than slots, all asking for one at once: no more than the slots hold one
+    start = tmp_path / "start"
+    child = ("import conftest, os, sys, time\n"
+             "conftest._slots()\n"  # asks the server first: then all are ready together
+             "print('ready', flush=True)\n"
+             "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+             "conftest.hold_pg_slot(); a = time.time(); time.sleep(1); print(a, time.time(), flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(start)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(slots + 2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "ready\n"
+        start.touch()
+        held = [tuple(map(float, p.communicate(timeout=120)[0].split())) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    at_once = max(sum(a <= t < b for a, b in held) for t, _ in held)
+    mine = 1 if conftest._slot else 0  # this test's own, as a test of test_postgres.py
+    assert 1 <= at_once <= slots - mine, (at_once, slots, held)

@@ -658,6 +658,60 @@ def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
     assert text_.count("40/100") >= 3 and "\x1b" not in text_
 
 
+def test_status_watch_on_postgresql_holds_no_connection_between_views():
+    """`status --watch` kept its one connection open, idle between views, for as long as it
+    ran (hours, on a shared server), and a server restart or a server that ends idle sessions
+    ended the watch: `refused the operation: terminating connection`, exit 2."""
+    import select
+    import signal
+
+    from sqlalchemy.engine import make_url
+
+    from conftest import NO_PG, PG_SERVER, pg_database
+
+    if not PG_SERVER:
+        pytest.skip(NO_PG)
+    with pg_database() as db:
+        engine = connect(db)
+        queue.add_runs(engine, _configs(1))
+        engine.dispose()
+        name = make_url(db).database
+        admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+        watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0.5"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "80"})
+        shown = b""
+
+        def views(n: int) -> None:
+            nonlocal shown
+            while shown.count(b" UTC\n") < n and select.select([watch.stdout], [], [], 60)[0]:
+                chunk = os.read(watch.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                shown += chunk
+
+        try:
+            views(1)
+            held = []
+            with admin.connect() as conn:
+                for _ in range(40):  # 2 s: four views, each a few milliseconds long
+                    held.append(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = :d"),
+                                             {"d": name}).scalar())
+                    time.sleep(0.05)
+                # what a restart does to a connection: ended by the server under the watch
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                             {"d": name})
+            seen = shown.count(b" UTC\n")
+            views(seen + 2)
+            assert watch.poll() is None, watch.stderr.read()
+        finally:
+            watch.send_signal(signal.SIGINT)
+            _, err = watch.communicate(timeout=60)
+            admin.dispose()
+    assert held.count(0) > len(held) // 2, held
+    assert watch.returncode == 130 and err == b"interrupted\n", err
+    assert shown.count(b"1 queued") >= seen + 2, shown
+
+
 def test_queue_rm_without_checkpoints_says_where_they_stay(db, tmp_path, monkeypatch, capsys):
     """Removing a run's rows left its checkpoints silently: the same name queued again was then
     refused by the worker (its folder holds checkpoints the database does not know). The line

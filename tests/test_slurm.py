@@ -248,6 +248,15 @@ def test_only_reasons_that_never_clear_cancel_a_job():
     assert [r for r in never + waits if never_clears(r)] == never
 
 
+@pytest.mark.parametrize("shown, seconds", [("10:00", 600), ("00:10:00", 600), ("1:02:03", 3723),
+                                             ("2-00:00:00", 172800), ("UNLIMITED", None), ("INVALID", None)])
+def test_time_limits_as_slurms_tools_show_them(shown, seconds):
+    """squeue's %l drops the hours under one (10:00 is ten minutes), scontrol's MaxTime keeps them."""
+    from fibctl.flows.slurm import shown_seconds
+
+    assert shown_seconds(shown) == seconds
+
+
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path, monkeypatch, capsys):
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
     db = tmp_path / "r.db"
@@ -393,6 +402,88 @@ def test_a_job_slurm_would_never_start_is_cancelled_and_refused_in_one_line(data
     finally:  # not left pending forever when the test fails
         subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
     assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
+
+
+@pytest.fixture
+def short_partition():
+    """A partition of this cluster's one node whose MaxTime is 5 minutes, made for the test
+    (scontrol, as SLURM's administrator) and deleted with its jobs afterwards: the cluster's
+    own partition has no limit."""
+    if os.geteuid() != 0:
+        pytest.skip("making a partition (scontrol create) needs SLURM's administrator, root here")
+    name = f"fibctl_short_{os.getpid()}_{time.monotonic_ns() % 10**6}"
+    node = socket.gethostname().split(".")[0]
+    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={node}", "MaxTime=00:05:00",
+                           "State=UP"], capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+    try:
+        yield name
+    finally:
+        subprocess.run(["scancel", "--partition", name], capture_output=True, timeout=30)
+        for _ in range(20):  # a job SLURM is still ending holds on to its partition
+            if subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True,
+                              timeout=30).returncode == 0:
+                break
+            time.sleep(0.5)
+
+
+@needs_cluster
+@pytest.mark.parametrize("limit", ["00:10:00", "00:05:30"])  # SLURM takes the latter as 6 minutes
+def test_a_time_above_the_partitions_max_time_is_refused_naming_that_max_time(data, tmp_path, short_partition, limit):
+    """sbatch queues a job longer than its partition's MaxTime, to pend forever with reason
+    PartitionTimeLimit: the job was cancelled, but the line did not say what the limit was."""
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    done = fibctl("slurm", "submit", "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                  "--folder", str(tmp_path / "jobs"), "--partition", short_partition, "--time", limit)
+    jobs = re.findall(r"SLURM job (\d+)", done.stdout + done.stderr)
+    try:
+        one_line_error(done, f"can never start in partition {short_partition}: PartitionTimeLimit",
+                       f"--time {limit} is above the partition's MaxTime 00:05:00", "the job was cancelled")
+        assert [squeue_state(job) for job in jobs] == ["CANCELLED"]
+    finally:
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+    assert not (tmp_path / "jobs").exists() and runs(db) == [("a", "queued", None, None)]
+    # SLURM's first word for such a job is its generic PartitionConfig, kept where it schedules
+    # seldom: the time is named then too, as scontrol gives the partition's MaxTime
+    from fibctl.flows.slurm import never_message
+
+    assert "--time 00:10:00 is above the partition's MaxTime 00:05:00" in never_message(
+        "1", "PartitionConfig", short_partition, "00:10:00")
+
+
+@needs_cluster
+def test_a_time_at_the_partitions_max_time_runs(data, tmp_path, short_partition):
+    """No more is refused than SLURM refuses: a --time equal to MaxTime starts and trains."""
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4)).dispose()
+    job = submit(db, data, tmp_path, "--partition", short_partition, "--time", "00:05:00")
+    assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
+    assert [r[1] for r in runs(db)] == ["done"]
+
+
+@needs_cluster
+def test_status_says_which_job_can_never_start_and_why(inputs, short_partition):
+    """A job pending forever (the partition's MaxTime lowered after it was submitted, or one
+    submitted by hand) was listed as PENDING and nothing more."""
+    job = subprocess.run(["sbatch", "--parsable", "--job-name", "fibctl-worker", "--partition", short_partition,
+                          "--time", "00:10:00", "--chdir", "/", "--output", "/dev/null", "--wrap", "true"],
+                         capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0, job.stderr
+    job = job.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "PartitionTimeLimit" not in subprocess.run(
+                ["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True, timeout=30).stdout:
+            time.sleep(0.5)
+        status = fibctl("slurm", "status", "--db", str(inputs["db"]))
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    assert status.returncode == 0, status.stderr
+    said = " ".join(status.stdout.split())  # the line may wrap
+    assert (f"SLURM job {job} can never start in partition {short_partition}: PartitionTimeLimit (--time 00:10:00 "
+            f"is above the partition's MaxTime 00:05:00: give at most that); cancel it: scancel {job}") in said, \
+        status.stdout
 
 
 def held_job(*extra: str) -> str:

@@ -268,7 +268,7 @@ def status_cmd(
         raise FibctlError(f"--every must be above 0 and at most a day (86400), got {every:g}")
     if json_out and watch:
         raise FibctlError("--json prints one view; leave out --watch (or run it again to read again)")
-    engine = db_engine.connect_readonly(db)
+    engine = db_engine.connect_readonly(db, pooled=not watch)  # a watch holds no connection between views
     if json_out:
         return print_json({"running": queue.progress(engine), "counts": queue.status_counts(engine)})
 

@@ -74,11 +74,12 @@ def submit_cmd(
 @slurm_app.command("status")
 def status_cmd(db: DbOption = DEFAULT_DB) -> None:
     """Your fibctl SLURM jobs (squeue; sacct where accounting is on; other users' jobs are
-    not listed) with the runs each trains or trained, then the queue's counts.
+    not listed) with the runs each trains or trained, then the queue's counts. A job that
+    can never start (e.g. a --time above its partition's MaxTime) is named, with why.
 
     Example: fibctl slurm status --db results.db"""
     from fibctl.db.engine import connect_readonly
-    from fibctl.flows.slurm import jobs, require_slurm
+    from fibctl.flows.slurm import jobs, never_clears, never_message, require_slurm
 
     require_slurm("squeue")
     found, counts = jobs(connect_readonly(db))
@@ -97,6 +98,10 @@ def status_cmd(db: DbOption = DEFAULT_DB) -> None:
         table, _ = fitted_table(["job", "state", "time/limit", "nodes", "running", "other runs"], rows,
                                 width=console.width, fold=("running", "other runs"), optional=("nodes",))
         console.print(table)
+        for job in found:  # a job that pends forever (a partition's limit lowered since): say so, once
+            if never_clears(job["reason"]):
+                console.print(plain(f"{never_message(job['job_id'], job['reason'], job['partition'], job['limit'])}; "
+                                    f"cancel it: scancel {job['job_id']}"))
     else:
         console.print(plain("no fibctl SLURM jobs of yours known to squeue or sacct"))
     console.print(plain(", ".join(f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed",

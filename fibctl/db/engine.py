@@ -150,6 +150,13 @@ def _wal_files(path: Path) -> list[Path]:
     return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
 
 
+def close_connections() -> None:
+    """Close every connection the engines of this process hold in their pools (each engine
+    stays usable: its next query opens one)."""
+    for engine in list(_engines):
+        engine.dispose()
+
+
 def release() -> None:
     """Close this process's connections, and leave a SQLite database's folder as it was.
 
@@ -158,8 +165,7 @@ def release() -> None:
     where this process found neither file, one plain connection opened and closed here
     removes them, after a checkpoint of nothing; where another process still has the database
     open, SQLite leaves them to it."""
-    for engine in list(_engines):
-        engine.dispose()
+    close_connections()
     for path, absent in list(_opened.items()):
         try:
             stray = absent and path.is_file() and any(p.exists() for p in _wal_files(path))
@@ -557,24 +563,28 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
 
 
 def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
-                     busy_timeout_ms: int | None = None) -> Engine:
+                     busy_timeout_ms: int | None = None, pooled: bool = True) -> Engine:
     """An engine whose connections refuse writes (SQLite `mode=ro`, PostgreSQL read-only
     transactions), for reports and SQL a user typed. With `current`, the database must be a
     fibctl one at the latest revision (the reports' queries need its columns).
     `busy_timeout_ms`: how long a SQLite read waits out another process's exclusive lock
-    (default BUSY_TIMEOUT_MS)."""
+    (default BUSY_TIMEOUT_MS). Not `pooled`: each use opens its own connection and closes it
+    (NullPool), for a command that reads now and then for hours (`status --watch`): a
+    connection kept idle between its reads holds one of the server's, and a server restarted
+    meanwhile (or one that ends idle sessions) would have ended it with the command."""
     url = resolve_url(db, option)
     path = _sqlite_path(url)
+    pool = {} if pooled else {"poolclass": NullPool}
     if path is not None:
         check_sqlite_file(path, must_exist=True, option=option)
-        engine = _create_engine(_readonly_sqlite_url(path), option, db)
+        engine = _create_engine(_readonly_sqlite_url(path), option, db, **pool)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
             dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS if busy_timeout_ms is None else busy_timeout_ms}")
             dbapi_conn.execute("PRAGMA query_only=ON")
     elif url.get_backend_name() == "postgresql":
-        engine = _create_engine(url, option, db, execution_options={"postgresql_readonly": True})
+        engine = _create_engine(url, option, db, execution_options={"postgresql_readonly": True}, **pool)
     else:
         raise FibctlError(f"{option} {shown(url)}: read-only access supports SQLite and PostgreSQL "
                           "databases only")

@@ -152,7 +152,19 @@ class JobSpec:
 
 
 def _hms(seconds: int) -> str:
-    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    days, seconds = divmod(seconds, 24 * 3600)
+    return (f"{days}-" if days else "") + f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+# a time limit as SLURM's tools show it: squeue's %l drops the hours under one (10:00), scontrol's
+# MaxTime has them (00:10:00); UNLIMITED, INFINITE or INVALID have no seconds
+_SHOWN_TIME = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d\d)", re.ASCII)
+
+
+def shown_seconds(text: str) -> int | None:
+    """A time limit squeue or scontrol printed, in seconds; None for none (UNLIMITED) or one unread."""
+    m = _SHOWN_TIME.fullmatch(text.strip())
+    return None if m is None else ((int(m[1] or 0) * 24 + int(m[2] or 0)) * 60 + int(m[3])) * 60 + int(m[4])
 
 
 @dataclass(frozen=True)
@@ -343,6 +355,29 @@ def _never_hint(reason: str) -> str:
     return NEVER_STARTS.get(reason) or "above a per-job limit of the account or QOS"
 
 
+def partition_max_time(partition: str) -> int | None:
+    """The partition's MaxTime in seconds (scontrol); None where it has none or scontrol does not say."""
+    for line in _slurm_lines(["scontrol", "-o", "show", "partition", partition]) or []:
+        for field in line.split():
+            if field.startswith("MaxTime="):
+                return shown_seconds(field.removeprefix("MaxTime="))
+    return None
+
+
+def never_message(job_id: str, reason: str, partition: str, limit: str) -> str:
+    """Why a pending job can never start, `limit` its time limit as given or shown: the
+    partition's MaxTime where the limit is above it, else what the reason means. The time is
+    named whenever it is above: SLURM's first word for that is its generic PartitionConfig."""
+    asked = shown_seconds(limit)
+    most = partition_max_time(partition) if reason in ("PartitionTimeLimit", "PartitionConfig") else None
+    # SLURM holds a limit in whole minutes: 00:05:30 is 6 of them, above a MaxTime of 00:05:00
+    if asked is not None and most is not None and -(-asked // 60) * 60 > most:
+        why = f"--time {_hms(asked)} is above the partition's MaxTime {_hms(most)}: give at most that"
+    else:
+        why = _never_hint(reason)
+    return f"SLURM job {job_id} can never start in partition {partition}: {reason} ({why})"
+
+
 def never_starts(job_id: str, watch_s: float = WATCH_S, poll_s: float = 0.25) -> tuple[str, str] | None:
     """(reason, partition) when squeue says, within `watch_s`, that SLURM will never start the
     pending job; None when it runs, ended, waits for a reason that clears, or squeue does not
@@ -394,7 +429,7 @@ def _submit(submitit, task: "WorkerTask", params: dict, folder: Path, max_requeu
     if blocked is None:
         return job
     reason, partition = blocked
-    message = f"SLURM job {job.job_id} can never start in partition {partition}: {reason} ({_never_hint(reason)})"
+    message = never_message(str(job.job_id), reason, partition, params["additional_parameters"]["time"])
     try:
         cancel = subprocess.run(["scancel", str(job.job_id)], capture_output=True, text=True, errors="replace",
                                 timeout=TOOL_TIMEOUT_S)
@@ -586,16 +621,17 @@ def squeue_jobs() -> list[dict]:
     # another user's job of the same name is not this queue's: squeue lists every user's jobs,
     # and so does sacct run by root. A uid, not squeue's --me, which sacct (22.05) lacks
     mine = ["--user", str(os.getuid())]
-    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, *mine, "-o", "%i|%T|%M|%l|%D|%R"])
+    out = _slurm_lines(["squeue", "-h", "-t", "all", "--name", JOB_NAME, *mine, "-o", "%i|%T|%M|%l|%D|%R|%P|%r"])
     for line in out or []:
-        job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
-        jobs[job_id] = dict(job_id=job_id, state=state, elapsed=elapsed, limit=limit, nodes=nodes, where=where)
+        job_id, state, elapsed, limit, nodes, where, partition, reason = (line.split("|") + [""] * 8)[:8]
+        jobs[job_id] = dict(job_id=job_id, state=state, elapsed=elapsed, limit=limit, nodes=nodes, where=where,
+                            partition=partition, reason=reason if state == "PENDING" else "")
     if shutil.which("sacct"):
         for line in _slurm_lines(["sacct", "-n", "-P", "-X", "--name", JOB_NAME, *mine,
                                   "-o", "JobID,State,Elapsed,Timelimit,NNodes,NodeList"]) or []:
             job_id, state, elapsed, limit, nodes, where = (line.split("|") + [""] * 6)[:6]
             jobs.setdefault(job_id, dict(job_id=job_id, state=state.split()[0] if state else "", elapsed=elapsed,
-                                         limit=limit, nodes=nodes, where=where))
+                                         limit=limit, nodes=nodes, where=where, partition="", reason=""))
     return sorted(jobs.values(), key=lambda j: _job_key(j["job_id"]))
 
 

@@ -126,6 +126,11 @@ def build(tmp: Path) -> dict[str, str]:
     stream[5] = 60_000  # beyond the vocabulary of 512
     stream.tofile(big / "math_val.bin")
     p["bigids"] = str(big)
+    changed = write_data(tmp / "changed", train_tokens=4_000, heldout_tokens=1_024, hashed=True)
+    stream = np.fromfile(changed / "math_val.bin", dtype=np.uint16)
+    stream[5] = (stream[5] + 1) % 512  # within the vocabulary and the size: the hash alone tells
+    stream.tofile(changed / "math_val.bin")
+    p["changed"] = str(changed)
     (tmp / "sources_str.toml").write_text('vocab_size = 512\ntrain_tokens = 1000\nsources = "oops"\n')
     p["sources_str"] = str(tmp / "sources_str.toml")
     p["text_int"] = recipe(tmp, "text_int.toml", source="text = 5")
@@ -224,6 +229,11 @@ CASES = [
     (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
      "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
+    # a stream changed since it was prepared was trained and scored on as the recorded data
+    (["worker", "--db", "{good_db}", "--data", "{changed}", "--runs-dir", "{tmp}/runs"],
+     "math_val.bin no longer matches the hash its manifest records (changed since it was prepared)"),
+    (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{changed}"], "no longer matches"),
+    (["data", "show", "{changed}"], "math_val.bin no longer matches the hash its manifest records"),
     # a --data file: they suggested `fibctl data prepare RECIPE --data afile`, which is refused in turn
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{tmp}/afile"],
      "afile is a file, not a data folder (one `fibctl data prepare` wrote)"),

@@ -103,6 +103,15 @@ def build(tmp: Path) -> dict[str, str]:
                 con.execute(statement)
         con.close()
         p[f"{label}_db"] = str(tmp / f"{label}.db")
+    # a view in a table's place: one of endless rows (WITH RECURSIVE) held `db copy` for ever,
+    # in SQLite's C code where not even Ctrl-C stops it; this one has none
+    shutil.copy(tmp / "results.db", tmp / "view.db")
+    with sqlite3.connect(tmp / "view.db") as con:
+        columns = ", ".join(f"NULL AS {r[1]}" for r in con.execute("PRAGMA table_info(train_steps)"))
+        con.execute("DROP TABLE train_steps")
+        con.execute(f"CREATE VIEW train_steps AS SELECT {columns} WHERE 0")
+    con.close()
+    p["view_db"] = str(tmp / "view.db")
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
     os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
@@ -179,6 +188,9 @@ def build(tmp: Path) -> dict[str, str]:
 CASES = [
     # a read command on an empty, corrupt or old-schema database
     (["queue", "ls", "--db", "{empty_db}"], "no fibctl schema"),
+    (["db", "copy", "--from", "{view_db}", "--to", "{tmp}/copied.db"],
+     "view.db lacks table train_steps: it was changed outside fibctl; restore it from a copy"),
+    (["report", "table1", "--db", "{view_db}"], "view.db lacks table train_steps"),
     (["status", "--db", "{empty_db}"], "no fibctl schema (an empty database); this command reads revision"),
     (["report", "table1", "--db", "{empty_db}"], "no fibctl schema"),
     (["figure", "curves", "--db", "{empty_db}", "--out", "{tmp}/c.png"], "no fibctl schema"),

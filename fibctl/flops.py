@@ -22,6 +22,7 @@ from fibctl.errors import FibctlError
 from fibctl.model import FibLM
 
 PEAK_ENV = "FIBCTL_PEAK_TFLOPS"
+PEAK_RANGE = (1e-6, 1e9)  # TFLOP/s: a megaFLOP/s up to a million H200s
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s; not the "with sparsity"
 # figures). Matched in order against torch.cuda.get_device_name(): the first name it contains.
@@ -63,8 +64,10 @@ def peak_flops(device: torch.device) -> float | None:
             value = float(given)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise FibctlError(f"{PEAK_ENV}={given!r} must be a positive number of TFLOP/s")
+        # 1e308 made the peak infinite (MFU 0 %), 1e-320 every MFU infinite ("inf%", stored so)
+        if not PEAK_RANGE[0] <= value <= PEAK_RANGE[1]:
+            raise FibctlError(f"{PEAK_ENV}={given!r} must be a positive number of TFLOP/s, from "
+                              f"{PEAK_RANGE[0]:g} to {PEAK_RANGE[1]:,.0f}")
         return value * 1e12
     if device.type != "cuda":
         return None

@@ -103,6 +103,15 @@ def build(tmp: Path) -> dict[str, str]:
                 con.execute(statement)
         con.close()
         p[f"{label}_db"] = str(tmp / f"{label}.db")
+    # a view in a table's place: one of endless rows (WITH RECURSIVE) held `db copy` for ever,
+    # in SQLite's C code where not even Ctrl-C stops it; this one has none
+    shutil.copy(tmp / "results.db", tmp / "view.db")
+    with sqlite3.connect(tmp / "view.db") as con:
+        columns = ", ".join(f"NULL AS {r[1]}" for r in con.execute("PRAGMA table_info(train_steps)"))
+        con.execute("DROP TABLE train_steps")
+        con.execute(f"CREATE VIEW train_steps AS SELECT {columns} WHERE 0")
+    con.close()
+    p["view_db"] = str(tmp / "view.db")
     (tmp / "empty.db").write_bytes(b"")
     p["empty_db"] = str(tmp / "empty.db")
     os.mkfifo(tmp / "pipe.db")  # nothing ever writes to it: opening it to read would wait forever
@@ -126,6 +135,11 @@ def build(tmp: Path) -> dict[str, str]:
     stream[5] = 60_000  # beyond the vocabulary of 512
     stream.tofile(big / "math_val.bin")
     p["bigids"] = str(big)
+    changed = write_data(tmp / "changed", train_tokens=4_000, heldout_tokens=1_024, hashed=True)
+    stream = np.fromfile(changed / "math_val.bin", dtype=np.uint16)
+    stream[5] = (stream[5] + 1) % 512  # within the vocabulary and the size: the hash alone tells
+    stream.tofile(changed / "math_val.bin")
+    p["changed"] = str(changed)
     (tmp / "sources_str.toml").write_text('vocab_size = 512\ntrain_tokens = 1000\nsources = "oops"\n')
     p["sources_str"] = str(tmp / "sources_str.toml")
     p["text_int"] = recipe(tmp, "text_int.toml", source="text = 5")
@@ -174,6 +188,9 @@ def build(tmp: Path) -> dict[str, str]:
 CASES = [
     # a read command on an empty, corrupt or old-schema database
     (["queue", "ls", "--db", "{empty_db}"], "no fibctl schema"),
+    (["db", "copy", "--from", "{view_db}", "--to", "{tmp}/copied.db"],
+     "view.db lacks table train_steps: it was changed outside fibctl; restore it from a copy"),
+    (["report", "table1", "--db", "{view_db}"], "view.db lacks table train_steps"),
     (["status", "--db", "{empty_db}"], "no fibctl schema (an empty database); this command reads revision"),
     (["report", "table1", "--db", "{empty_db}"], "no fibctl schema"),
     (["figure", "curves", "--db", "{empty_db}", "--out", "{tmp}/c.png"], "no fibctl schema"),
@@ -224,6 +241,11 @@ CASES = [
     (["train", "run", "--db", "{good_db}", "--data", "{tmp}/nodata", "--runs-dir", "{tmp}/runs"],
      "nodata does not exist: prepare it (`fibctl data prepare quick --data "),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{bigids}"], "beyond the vocabulary"),
+    # a stream changed since it was prepared was trained and scored on as the recorded data
+    (["worker", "--db", "{good_db}", "--data", "{changed}", "--runs-dir", "{tmp}/runs"],
+     "math_val.bin no longer matches the hash its manifest records (changed since it was prepared)"),
+    (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{changed}"], "no longer matches"),
+    (["data", "show", "{changed}"], "math_val.bin no longer matches the hash its manifest records"),
     # a --data file: they suggested `fibctl data prepare RECIPE --data afile`, which is refused in turn
     (["eval", "run", "--length", "64", "--db", "{good_db}", "--data", "{tmp}/afile"],
      "afile is a file, not a data folder (one `fibctl data prepare` wrote)"),

@@ -247,7 +247,7 @@ def test_db_copy_refuses_the_nan_before_it_touches_an_existing_sqlite_target(tmp
 
 @pytest.mark.parametrize("to", ["new.db", "sqlite:///new.db"])
 def test_db_copy_names_the_target_the_user_gave_not_its_temporary(tmp_path, monkeypatch, capsys, to):
-    """A new SQLite target is built as .new.db.partial-PID: a failure there (a full disk
+    """A new SQLite target is built as .new.db.partial-PID-HEX: a failure there (a full disk
     failing its upgrade) named that hidden file, gone by the time the user read the line."""
     import sqlite3
 

@@ -111,7 +111,7 @@ def test_peak_flops_by_device_name_and_the_environment(monkeypatch):
         assert peak_flops(torch.device("cuda")) == (None if tflops is None else tflops * 1e12), name
     monkeypatch.setenv(PEAK_ENV, "312")
     assert peak_flops(torch.device("cpu")) == 312e12
-    for bad in ("fast", "0", "-5", "nan", "inf", ""):
+    for bad in ("fast", "0", "-5", "nan", "inf", "", "1e308", "1e-320", "1e309"):
         monkeypatch.setenv(PEAK_ENV, bad)
         with pytest.raises(FibctlError, match=f"{PEAK_ENV}=.* must be a positive number"):
             peak_flops(torch.device("cpu"))
@@ -191,6 +191,7 @@ def test_a_bad_peak_is_one_line_exit_2_and_the_run_stays_queued(tmp_path):
         done = fibctl(*args, *(["--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
                                 "--device", "cpu"] if args[0] != "bench" else []), env={PEAK_ENV: "fast"})
         assert done.returncode == 2, (args, done.stderr)
-        assert done.stderr.strip() == f"error: {PEAK_ENV}='fast' must be a positive number of TFLOP/s", args
+        assert done.stderr.strip() == (f"error: {PEAK_ENV}='fast' must be a positive number of TFLOP/s, "
+                                       "from 1e-06 to 1,000,000,000"), args
     assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
     assert not (tmp_path / "runs" / "run").exists()

@@ -437,6 +437,29 @@ def _dump(engine) -> dict:
     return {t: rows(engine, f"SELECT * FROM {t} ORDER BY id") for t in tables}
 
 
+def test_columns_the_import_does_not_read_are_never_computed(tmp_path):
+    """`SELECT *` computed every column of a crafted fib.db: a generated one that fails when
+    read (or allocates a gigabyte a row) stopped the import ('cannot read it (integer
+    overflow)'), or took the memory; only the columns the import reads are asked for."""
+    plain, crafted = tmp_path / "plain", tmp_path / "crafted"
+    for folder in (plain, crafted):
+        folder.mkdir()
+        make_study(folder)
+    with sqlite3.connect(crafted / "fib.db") as conn:
+        for table in ("runs", "metrics", "eval_results", "retrieval_results"):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN boom INTEGER AS (abs(-9223372036854775807 - 1))")
+    conn.close()
+    read = {}
+    for folder in (plain, crafted):
+        engine = connect(str(folder / "results.db"))
+        import_study(engine, folder / "fib.db")
+        read[folder] = (rows(engine, "SELECT name, status FROM runs ORDER BY name"),
+                        rows(engine, "SELECT step, dataset, ppl FROM evaluations ORDER BY id"),
+                        rows(engine, "SELECT name, metric, value FROM aux_metrics ORDER BY id"))
+        engine.dispose()
+    assert read[crafted] == read[plain] and read[plain][1]
+
+
 def test_importing_twice_changes_nothing(tmp_path, db_url):
     engine, files = imported(tmp_path, db_url)
     before = _dump(engine)

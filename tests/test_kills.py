@@ -338,6 +338,34 @@ def test_a_new_sqlite_file_removes_only_dead_builders_temporaries_and_a_failed_o
         assert into == str(target)
 
 
+def test_a_co_users_entries_at_a_new_sqlite_files_temporary_names_are_never_written_through(tmp_path):
+    """In a shared folder a co-user could plant, at the temporary's name (.NAME.partial-PID,
+    the next PIDs are foreseeable), a link: the new database was written through it, truncating
+    or creating the file it pointed to; a pipe there: opening it waited forever. Now the
+    temporary's name is unforeseeable and made new, and only plain files are taken for
+    leftovers; the co-user's entries stay as they were."""
+    from fibctl.db.whole import upgraded_or_created
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    planted = [shared / f".other.db.partial-{os.getpid()}", shared / ".new.db.partial-1",
+               shared / ".new.db.partial-2"]
+    planted[0].symlink_to(outside / "victim.db")  # to nothing: the open made it
+    os.mkfifo(planted[1])
+    planted[2].mkdir()  # it was `error: .new.db.partial-2: Is a directory`
+    code = "import sys; from fibctl.db.whole import upgraded_or_created as u; u(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(shared / "new.db")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    upgraded_or_created(str(shared / "other.db"))  # at this PID's name, the link
+    assert not list(outside.iterdir())
+    assert sorted(p.name for p in shared.iterdir()) == sorted([*(p.name for p in planted), "new.db", "other.db"])
+    assert planted[0].is_symlink() and planted[1].is_fifo() and planted[2].is_dir()
+    assert dump(str(shared / "new.db")) == dump(str(shared / "other.db"))
+
+
 @pytest.mark.parametrize("where, n, after", [("fibctl.db.copy:upsert", 4, False),
                                              ("fibctl.db.copy:_copy_events", 1, True)])
 def test_a_killed_copy_leaves_the_target_as_it_was_and_the_rerun_copies_it_whole(db_url, tmp_path, where, n,

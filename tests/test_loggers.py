@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -314,6 +315,105 @@ def test_a_runs_wandb_id_stays_with_its_folder_and_differs_from_another_database
     # a run that logged to W&B with its name as the id (before the suffix) continues that W&B run
     (tmp_path / "old" / "wandb" / "offline-run-20261201_101010-dense").mkdir(parents=True)
     assert wandb_run_id(tmp_path / "old", "dense") == "dense"
+
+
+# ----------------------------------------------------------------- files a co-user put in a run's folder
+
+
+def within(seconds: float, call):
+    """`call()`'s result, failing the test where it has not returned after `seconds` (a read
+    of a pipe waits forever: a thread of its own, left behind)."""
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            out.append((call(), None))
+        except Exception as e:  # noqa: BLE001 (raised again in the test's thread)
+            out.append((None, e))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"still running after {seconds} s"
+    result, error = out[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def wandb_file(path: Path, steps: list[str]) -> Path:
+    """A W&B run file of history rows whose _step is each of `steps` (JSON), one chunk each."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    chunks = b""
+    for step in steps:
+        record = wandb_internal_pb2.Record()
+        item = record.history.item.add()
+        item.key, item.value_json = "_step", step
+        data = record.SerializeToString()
+        chunks += struct.pack("<IHB", 0, len(data), 1) + data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b":W&B\x00\x00\x01" + chunks)
+    return path
+
+
+def test_wandb_files_put_in_a_run_folder_by_hand_neither_stop_nor_hold_its_logging(tmp_path):
+    """A step that is not a whole number (int() of it raised ValueError: the run failed) is
+    passed over; a pipe of a run file's name (its read waited forever) and a link (to a file
+    elsewhere) are not read."""
+    pytest.importorskip("wandb")
+    from fibctl.train.loggers import wandb_steps
+
+    odd = wandb_file(tmp_path / "a" / "run-x.wandb", ['"abc"', "1.5", "1e999", "9" * 5000, "true", "[[[1]]]", "7"])
+    assert within(30, lambda: wandb_steps(odd)) == [7]
+    (tmp_path / "b").mkdir()
+    os.mkfifo(tmp_path / "b" / "run-x.wandb")
+    assert within(30, lambda: wandb_steps(tmp_path / "b" / "run-x.wandb")) == []
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "run-x.wandb").symlink_to(wandb_file(tmp_path / "elsewhere.wandb", ["1000"]))
+    assert within(30, lambda: wandb_steps(tmp_path / "c" / "run-x.wandb")) == []
+
+
+def test_tensorboard_files_put_in_a_run_folder_by_hand_neither_stop_nor_hold_its_catching_up(tmp_path):
+    """An event file whose record does not parse raised DecodeError, a folder of an event
+    file's name IsADirectoryError (the run failed); a pipe's read waited forever."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    sink = open_sinks(["tensorboard"], tmp_path, "r", {"seed": 42})[0]
+    sink.log(10, {"train/loss": 1.0})
+    folder = tmp_path / "tensorboard"
+    with open(folder / "events.out.tfevents.1.odd", "wb") as f:
+        RecordWriter(f).write(b"\xff" * 8)  # its checksum right, its content no event
+    (folder / "events.out.tfevents.2.folder").mkdir()
+    os.mkfifo(folder / "events.out.tfevents.3.pipe")
+    missing = within(30, lambda: sink.missing(20))
+    sink.close()
+    assert not missing("train/loss", 10) and missing("train/loss", 20)
+
+
+def test_a_runs_wandb_id_file_is_read_and_written_only_as_fibctl_writes_it(tmp_path):
+    """A co-user of a shared runs folder linked RUN/wandb/fibctl-run-id to another file: its
+    content became the W&B id, the name of a folder anyone could list; and a link at the
+    foreseeable .fibctl-run-id.PID was written through."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token-0123\n")
+    (tmp_path / "run" / "wandb").mkdir(parents=True)
+    (tmp_path / "run" / "wandb" / "fibctl-run-id").symlink_to(secret)
+    with pytest.raises(FibctlError, match=r"fibctl-run-id does not hold a W&B id fibctl wrote .*: remove it"):
+        wandb_run_id(tmp_path / "run", "run")
+    (tmp_path / "run" / "wandb" / "fibctl-run-id").unlink()
+    (tmp_path / "run" / "wandb" / "fibctl-run-id").write_text("../../x\n")
+    with pytest.raises(FibctlError, match="does not hold a W&B id"):
+        wandb_run_id(tmp_path / "run", "run")
+    (tmp_path / "new" / "wandb").mkdir(parents=True)
+    (tmp_path / "new" / "wandb" / f".fibctl-run-id.{os.getpid()}").symlink_to(tmp_path / "victim")
+    assert wandb_run_id(tmp_path / "new", "new").startswith("new-")
+    assert not (tmp_path / "victim").exists()
 
 
 def test_unknown_back_end_is_refused_naming_the_allowed_ones():

@@ -125,8 +125,8 @@ def show_cmd(
                                              help="A folder written by `fibctl data prepare`.")],
 ) -> None:
     """Summarise a prepared data folder: vocab, hashes, tokens per split and per source; its
-    tokenizer missing, or a split file missing, cut short or holding ids past the vocabulary,
-    is an error (exit 2).
+    tokenizer missing, or a split file missing, cut short, holding ids past the vocabulary or
+    changed since it was prepared (its hash), is an error (exit 2).
 
     Example: fibctl data show data/demo"""
     manifest = load_manifest(data_dir)

@@ -15,7 +15,7 @@ from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
                                goes_with, interactive, model_line, plain, runs_dir_value, split_label, step_of,
                                unbroken)
-from fibctl.db import engine as db_engine
+from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError
@@ -105,6 +105,7 @@ def db_copy(
     if db_engine.same_database(source, target):
         raise FibctlError(f"--from and --to are the same database ({db_engine.shown(source)}); nothing to copy")
     src = db_engine.connect_readonly(source, option="--from")
+    schema.check_tables(src, db_engine.shown(source))  # read whole: a view in a table's place never ended
     with created_whole(target, option="--to") as into:  # a new SQLite file appears only whole
         dst = db_engine.connect(into, option="--to", check=check_copy(src))
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fibctl.errors import FibctlError, shown_path
-from fibctl.hashes import short_hash
+from fibctl.hashes import file_hash, short_hash
 from fibctl.names import check_name
 
 MANIFEST = "manifest.json"
@@ -77,7 +77,8 @@ class DataManifest:
 
     def stream(self, split: str) -> np.memmap:
         """The split's token ids, uint16, 1-D, read-only and memory-mapped; checked (size, ids
-        within the vocabulary) the first time this manifest opens it."""
+        within the vocabulary, the hash its manifest records) the first time this manifest
+        opens it."""
         if split not in self._streams:
             self._streams[split] = self._open(split)
         return self._streams[split]
@@ -94,6 +95,12 @@ class DataManifest:
         if top >= self.vocab_size:
             raise FibctlError(f"{path} holds token id {top}, beyond the vocabulary of {self.vocab_size:,}; "
                               "prepare the data again")
+        # one of the same size, edited or copied over (by a co-user of a shared data folder, say),
+        # was trained and scored on as the data its runs record (`data_hash`: the manifest's)
+        recorded = self.stream_hashes.get(split)
+        if recorded is not None and file_hash(path) != recorded:
+            raise FibctlError(f"{path} no longer matches the hash its manifest records (changed since it was "
+                              "prepared); prepare the data again")
         return stream
 
     def check_tokenizer(self) -> None:

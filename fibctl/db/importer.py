@@ -82,6 +82,13 @@ EXPECTED = {
 }
 
 
+def _columns(table: str) -> str:
+    """The columns of a study table that the import reads (EXPECTED's), never `*`: a column it
+    does not read is never computed (a generated one of a crafted file that fails or is vast
+    stopped the import, or took gigabytes a row)."""
+    return ", ".join(EXPECTED[table])
+
+
 @dataclass(frozen=True)
 class StudyRun:
     name: str
@@ -372,7 +379,7 @@ def _recorded_seed(run: StudyRun, seed, what: str, of: str) -> StudyRun:
 
 def _attempts(study: sqlite3.Connection, where: str) -> dict[str, list[sqlite3.Row]]:
     out: dict[str, list[sqlite3.Row]] = {}
-    for row in study.execute("SELECT * FROM runs ORDER BY id"):
+    for row in study.execute(f"SELECT {_columns('runs')} FROM runs ORDER BY id"):
         title = _text(row["title"], f"{where}: runs.title", f"for id {_shown(row['id'])}", limit=200)
         out.setdefault(title, []).append(row)
     return out
@@ -428,7 +435,8 @@ def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, 
     # one row per key (a study table without its primary key may repeat one; PostgreSQL
     # refuses an upsert that meets a key twice): the one on most tokens, then the last
     rows = {}
-    for r in study.execute(f"SELECT * FROM metrics WHERE run_id = ? AND {MEASURED}", (study_id,)):
+    for r in study.execute(f"SELECT {_columns('metrics')} FROM metrics WHERE run_id = ? AND {MEASURED}",
+                           (study_id,)):
         at = f"{of} step {_shown(r['step'])}"  # the step itself was checked by _final_step
         loss = _num(r["loss"], f"{where}: metrics.loss", at, null=True)
         if r["ppl"] is None:  # perplexity is exp(loss): derived where only the loss was kept
@@ -457,7 +465,8 @@ def _import_metrics(conn: Connection, study: sqlite3.Connection, study_id: int, 
 def _import_eval_results(conn: Connection, study: sqlite3.Connection, study_id: int, run_id: int,
                          final_step: int, where: str, of: str) -> int:
     latest: dict[tuple[str, str], dict] = {}
-    for r in study.execute("SELECT * FROM eval_results WHERE run_id = ? ORDER BY id", (study_id,)):
+    for r in study.execute(f"SELECT {_columns('eval_results')} FROM eval_results WHERE run_id = ? ORDER BY id",
+                           (study_id,)):
         at = f"{of} step {_shown(r['step'])}"
         step = _num(r["step"], f"{where}: eval_results.step", of, integer=True, lo=STEP_MIN, hi=INT32)
         # 85 characters: with '@step<N>' the name still fits aux_metrics.name (100)
@@ -486,7 +495,8 @@ def _probe_config(name: str, depth: int, seed: int, staggered: bool) -> RunConfi
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
     where = f"study database {source}: retrieval_results"
     models: dict[tuple[int, int, int], list[sqlite3.Row]] = {}
-    for r in study.execute("SELECT * FROM retrieval_results WHERE source = 'marked' AND kind = 'target' "
+    for r in study.execute(f"SELECT {_columns('retrieval_results')} FROM retrieval_results "
+                           "WHERE source = 'marked' AND kind = 'target' "
                            "ORDER BY depth, staggered, seed, distance"):
         key = (_num(r["depth"], f"{where}.depth", "in a 'marked' row", integer=True, lo=1, hi=INT32),
                _num(r["staggered"], f"{where}.staggered", "in a 'marked' row", integer=True, hi=1),

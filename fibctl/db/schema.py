@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint, inspect
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fibctl.db.stored import BigWhole, Number, Time, Whole, name_columns
+from fibctl.errors import FibctlError
 
 class RunStatus(str, enum.Enum):
     """Where a run is in the queue: queued -> running -> done | failed; cancelled by the user."""
@@ -196,3 +198,18 @@ class Event(Base):
 # Number and time columns check what SQLite hands back (fibctl/db/stored.py); NUMBERS types a
 # report's columns by name, its SQL being text
 NUMBERS = name_columns(Base.metadata)
+
+
+def check_tables(engine: Engine, shown_db: str) -> None:
+    """Refuse a database whose tables or columns are not all fibctl's, in one line, before
+    it is read: changed by hand, it failed mid-query with a traceback. A view in a table's
+    place is no table (a crafted one of endless rows held `db copy` in SQLite's C code, which
+    even Ctrl-C does not stop)."""
+    found = inspect(engine)
+    tables = set(found.get_table_names())
+    missing = [f"table {t.name}" for t in Base.metadata.sorted_tables if t.name not in tables]
+    missing += [f"column {t.name}.{c}" for t in Base.metadata.sorted_tables if t.name in tables
+                for c in sorted(set(t.columns.keys()) - {c["name"] for c in found.get_columns(t.name)})]
+    if missing:
+        raise FibctlError(f"{shown_db} lacks {', '.join(missing)}: it was changed outside fibctl; "
+                          "restore it from a copy")

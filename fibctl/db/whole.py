@@ -14,7 +14,9 @@ import contextlib
 import fcntl
 import os
 import re
+import secrets
 import sqlite3
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +33,8 @@ class CreatedMeanwhile(FibctlError):
 
 
 def _temporaries(path: Path) -> list[Path]:
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.partial-\d+")
+    # PID-HEX; an older fibctl's had the PID alone
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.partial-\d+(?:-[0-9a-f]{{8}})?")
     return sorted(p for p in path.parent.glob(f".{path.name}.partial-*") if pattern.fullmatch(p.name))
 
 
@@ -42,13 +45,17 @@ def _remove(path: Path) -> None:
 
 def _remove_stale(path: Path) -> None:
     """Remove the temporaries of processes that died building `path`: a live builder holds a
-    lock on its own, which a dead one's lock went with."""
+    lock on its own, which a dead one's lock went with. Only a plain file is a builder's: a
+    link, pipe or folder of that name (a co-user's, in a shared folder) is left alone, never
+    opened through (a pipe's open waited forever)."""
     for tmp in _temporaries(path):
         try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except FileNotFoundError:  # its builder finished or removed it meanwhile
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # its builder finished or removed it meanwhile, or a link
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a live builder's
             continue
@@ -91,9 +98,12 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
     check_sqlite_file(path, must_exist=False, option=option)  # its folder is one: refused as connect refuses it
     check_writable(path)  # its folder's mode named, as connect names it, not the temporary's EACCES
     _remove_stale(path)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    # a name no one can foresee, made new (O_EXCL, which never follows a link): a co-user's
+    # link planted at a PID's name had it truncate and write the file it pointed to, and two
+    # containers' processes of one PID shared one temporary
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # SQLite takes an empty file
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)  # SQLite takes an empty file
     except OSError as e:  # a folder this process cannot write, say
         raise FibctlError(f"cannot create database {path}: {e.strerror}") from None
     try:

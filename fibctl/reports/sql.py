@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 from fibctl.lazy import pandas as pd
-from sqlalchemy import inspect as schema_of, text
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, ProgrammingError, ResourceClosedError
 
@@ -66,14 +66,7 @@ def open_for_reports(db: str, option: str = "--db", **named: str | None) -> Engi
     if not db.strip():
         raise FibctlError(f"{option} is empty; name a database")
     engine = connect_readonly(db, option=option)
-    found = schema_of(engine)
-    tables = set(found.get_table_names())
-    missing = [f"table {t.name}" for t in schema.Base.metadata.sorted_tables if t.name not in tables]
-    missing += [f"column {t.name}.{c}" for t in schema.Base.metadata.sorted_tables if t.name in tables
-                for c in sorted(set(t.columns.keys()) - {c["name"] for c in found.get_columns(t.name)})]
-    if missing:
-        raise FibctlError(f"{shown(db)} lacks {', '.join(missing)}: it was changed outside fibctl; "
-                          "restore it from a copy")
+    schema.check_tables(engine, shown(db))
     for name, value in ((n, v) for n, v in named.items() if v is not None):
         table, column, what = NAMED[name]
         with engine.connect() as conn:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from fibctl.config import flatten
 from fibctl.errors import FibctlError, WorkerError, first_line, shown_path
+from fibctl.names import is_name
 
 LOGGERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
@@ -81,12 +83,19 @@ class TensorBoardSink:
         `upto` (what an earlier attempt logged after it is purged: `resume`)."""
         from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+        from google.protobuf.message import DecodeError
+
         last: dict[str, int] = {}
         for path in Path(self.writer.log_dir).glob("events.out.tfevents.*"):
-            for event in EventFileLoader(str(path)).Load():
-                if event.step <= upto:
-                    for value in event.summary.value:
-                        last[value.tag] = max(last.get(value.tag, -1), event.step)
+            if not _plain(path):  # a pipe's read waited forever, a folder's raised
+                continue
+            try:
+                for event in EventFileLoader(str(path)).Load():
+                    if event.step <= upto:
+                        for value in event.summary.value:
+                            last[value.tag] = max(last.get(value.tag, -1), event.step)
+            except (DecodeError, OSError):  # a damaged file (or one put there) holds what it held so far
+                pass
         return lambda key, step: step > last.get(key, -1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -120,51 +129,119 @@ def wandb_run_id(run_dir: Path, name: str) -> str:
     run that logged to W&B before the suffix keeps its name as its id."""
     folder = Path(run_dir) / "wandb"
     path = folder / WANDB_ID_FILE
-    if path.is_file():
-        return path.read_text().strip()
+    if os.path.lexists(path):
+        return _recorded_id(path)
     earlier = any(folder.glob(f"*run-*-{name}"))  # W&B's run folders end with the id
     run_id = name if earlier else f"{name[:WANDB_ID_NAME_CHARS]}-{secrets.token_hex(4)}"
     folder.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{WANDB_ID_FILE}.{os.getpid()}")
-    part.write_text(run_id + "\n")
+    # made new under a name no one foresees: a link a co-user put at .fibctl-run-id.PID was written through
+    part = path.with_name(f".{WANDB_ID_FILE}.{os.getpid()}-{secrets.token_hex(4)}")
+    with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
+        f.write(run_id + "\n")
     os.replace(part, path)  # whole or not there, whenever the process stops
     return run_id
+
+
+def _plain(path: Path) -> bool:
+    """Whether `path` is a plain file itself, not a link, pipe or folder: what the back-ends
+    write. A co-user of a shared runs folder could put any of those in a run's: a link to
+    /dev/zero was read without end, and a pipe's open waited forever."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _open_plain(path: Path):
+    """`path` opened to read, if it is a plain file and not a link (`_plain`, checked on the
+    file opened: nothing swapped in between); else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def _recorded_id(path: Path) -> str:
+    """The W&B id `wandb_run_id` wrote, refused (WorkerError: the run is not at fault) unless it
+    is one fibctl writes, a name (`check_name`'s) in a plain file: a link there (a co-user's, in
+    a shared runs folder) made another file's content the W&B run's id, and so the name of a
+    folder anyone could list (and online, of a W&B run)."""
+    f = _open_plain(path)
+    text = b""
+    if f is not None:
+        with f:
+            text = f.read(256)
+    try:
+        run_id = text.decode().strip()
+    except UnicodeDecodeError:
+        run_id = ""
+    if not is_name(run_id):
+        raise WorkerError(f"--log-to wandb: {shown_path(path)} does not hold a W&B id fibctl wrote (a run's name, "
+                          "in a plain file): remove it, and the run gets a new W&B run")
+    return run_id
+
+
+WANDB_BLOCK = 32768  # LevelDB log's: a chunk never crosses one
+WANDB_RECORD_LIMIT = 1 << 26  # bytes of one record: W&B's are rows of metrics, config, a summary
 
 
 def wandb_records(path: Path) -> list:
     """The records of a W&B run file (`run-ID.wandb`, LevelDB's log format: 32 KiB blocks of
     chunks, each a 7-byte header of crc32, length and type 1 whole, 2 first, 3 middle, 4 last),
     as W&B's own protobuf Records: what `wandb sync` uploads. A tail cut short (its writer
-    killed) ends them."""
+    killed) ends them, as does anything else out of form (a file put there by hand); read a
+    block at a time, and only from a plain file (`_open_plain`)."""
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
-    data, records, pos, pending = path.read_bytes(), [], 7, b""
-    if data[:4] != b":W&B":
+    f = _open_plain(path)
+    if f is None:
         return []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind not in (1, 2, 3, 4) or pos + 7 + length > len(data):
-            break
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            try:
-                record.ParseFromString(pending)
-            except DecodeError:
-                break
-            records.append(record)
+    records, pending, pos = [], bytearray(), 7
+    with f:
+        block = f.read(WANDB_BLOCK)
+        if block[:4] != b":W&B":
+            return []
+        while block:
+            while pos + 7 <= len(block):  # a block's tail too short for a header is padding
+                _, length, kind = struct.unpack("<IHB", block[pos:pos + 7])
+                end = pos + 7 + length
+                if kind not in (1, 2, 3, 4) or end > len(block) or len(pending) + length > WANDB_RECORD_LIMIT:
+                    return records
+                if kind in (1, 2):
+                    pending.clear()
+                pending += block[pos + 7:end]
+                pos = end
+                if kind in (1, 4):
+                    record = wandb_internal_pb2.Record()
+                    try:
+                        record.ParseFromString(bytes(pending))
+                    except DecodeError:
+                        return records
+                    records.append(record)
+            block, pos = f.read(WANDB_BLOCK), 0
     return records
 
 
+def _whole(value_json: str) -> int | None:
+    """A history row's step as W&B wrote it (a JSON whole number); None for anything else."""
+    try:
+        value = json.loads(value_json)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def wandb_steps(path: Path) -> list[int]:
-    """The steps of the history rows a W&B run file holds."""
-    return [int(item.value_json) for r in wandb_records(path) if r.WhichOneof("record_type") == "history"
-            for item in r.history.item if (item.key or "/".join(item.nested_key)) == "_step"]
+    """The steps of the history rows a W&B run file holds (a row whose step is not a whole
+    number, in a file put there by hand, is passed over: it raised ValueError)."""
+    steps = (_whole(item.value_json) for r in wandb_records(path) if r.WhichOneof("record_type") == "history"
+             for item in r.history.item if (item.key or "/".join(item.nested_key)) == "_step")
+    return [step for step in steps if step is not None]
 
 
 class WandbSink:
@@ -347,6 +424,8 @@ def open_sinks(names, run_dir: Path, name: str, config: dict, heldout=()) -> lis
                                   f"{n}'s files are written only into a folder of the run's own: remove it")
             try:
                 sinks.append(SINKS[n](run_dir, name, config, tuple(heldout)))
+            except WorkerError:  # said in full already
+                raise
             except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, OSError, ...)
                 raise WorkerError(f"--log-to {n} could not start for run {name!r}: {type(e).__name__}: "
                                   f"{_why(e)}") from None

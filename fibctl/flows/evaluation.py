@@ -25,6 +25,7 @@ from fibctl.db.schema import Evaluation, Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
 from fibctl.errors import FibctlError
+from fibctl.flows.removal import aside_hint
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.queue import no_run_named, stored_config
@@ -96,8 +97,8 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
                 continue
             raise FibctlError(no_checkpoint_loads(r.name, f"run {r.name!r}: its checkpoint {path.name} was damaged"))
         if not path.is_file():
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
-                              "was trained in")
+            hint = aside_hint(path.parent.parent, r.name) or "give the --runs-dir it was trained in"
+            raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; {hint}")
         targets.append(_Target(r, config, path))
     if not targets:
         raise FibctlError("no run in the database has a checkpoint to evaluate on text (probe runs are scored "

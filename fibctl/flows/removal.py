@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fibctl import durable, queue
 from fibctl.db import engine as db_engine
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.names import check_name, is_name, refuse_foreign
 
 
@@ -30,12 +30,9 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
     aside by a process now dead goes back where the run of that name has it as its own
     (`owned`; unless a folder of the name is there again, which its run trains in), else is
     deleted, as that command was asked."""
-    check_name("run", name)  # a path component: never a way out of the runs folder
     folder = runs_dir / name
-    pattern = re.compile(rf"\.{re.escape(name)}\.removing-{durable.OWNER}")
-    for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
-        m = pattern.fullmatch(hidden.name)
-        if not m or not durable.owner_ended(*m.groups()) or hidden.is_symlink() or not hidden.is_dir():
+    for hidden, pid, space in _asides(runs_dir, name):
+        if not durable.owner_ended(pid, space):
             continue
         try:
             if not owned:
@@ -46,6 +43,36 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
             raise FibctlError(f"cannot {'move' if owned else 'delete'} {hidden}, the checkpoint folder of run "
                               f"{name} a killed `fibctl queue rm` left ({e.strerror or e}): "
                               f"{f'move it back to {folder}' if owned else 'delete it'} by hand") from None
+
+
+def _asides(runs_dir: Path, name: str) -> list[tuple[Path, str, str | None]]:
+    """The folders a `queue rm --checkpoints` moved RUNS_DIR/NAME aside to, real folders only,
+    each with its maker's PID and PID space (durable.OWNER's groups)."""
+    check_name("run", name)  # a path component: never a way out of the runs folder
+    pattern = re.compile(rf"\.{re.escape(name)}\.removing-{durable.OWNER}")
+    found = []
+    for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
+        m = pattern.fullmatch(hidden.name)
+        if m and not hidden.is_symlink() and hidden.is_dir():
+            found.append((hidden, *m.groups()))
+    return found
+
+
+def aside_hint(runs_dir: Path, name: str) -> str | None:
+    """Where run `name`'s checkpoints are, for a command that found none in RUNS_DIR/NAME: the
+    folder a `queue rm --checkpoints` moved aside and `settle_aside` left there (its maker in
+    another container, or still running); None where there is none. Without it the worker
+    said only that the recorded checkpoint does not exist."""
+    asides = _asides(runs_dir, name)
+    if not asides:
+        return None
+    hidden, pid, space = asides[-1]
+    if (space or durable.pid_space()) != durable.pid_space():
+        who = f"process {pid} of another machine or container"
+    else:
+        who = f"process {pid}, {'ended' if durable.owner_ended(pid, space) else 'still running'}"
+    return (f"a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {shown_path(hidden)}: "
+            f"once that command is not running, move it back to {shown_path(runs_dir / name)}")
 
 
 # the metric back-ends' folders in a run's (fibctl.train.loggers): TensorBoard's event files,

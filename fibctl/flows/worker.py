@@ -50,7 +50,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
 from fibctl.errors import FibctlError, WorkerError
 from fibctl.flops import peak_flops
-from fibctl.flows.removal import settle_aside
+from fibctl.flows.removal import aside_hint, settle_aside
 from fibctl.matrix import queue_again
 from fibctl.names import check_name
 from fibctl.provenance import provenance
@@ -581,7 +581,7 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
         if any(path.parent.glob(f"step_*.pt{ckpt.DAMAGED}")):  # the run's fault, not the folder's: it fails
             raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {path.parent} were damaged"))
         raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
-                          "exist: give the --runs-dir it was trained with")
+                          f"exist: {aside_hint(opts.runs_dir, claimed.name) or 'give the --runs-dir it was trained with'}")
     return own
 
 

@@ -23,7 +23,7 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_
                                raised_as_the_signal, seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
-from fibctl.errors import DamagedDatabase, FibctlError, printable
+from fibctl.errors import DamagedDatabase, FibctlError, printable, shown_path
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
@@ -59,8 +59,8 @@ def _output(value: str, *, folder: bool) -> Path:
     for above in (start, *start.parents):  # the nearest that exists must be a folder
         if above.exists():
             if not above.is_dir():
-                raise FibctlError(f"cannot write {'the report into ' if folder else ''}{path}: "
-                                  f"{above} is not a folder")
+                raise FibctlError(f"cannot write {'the report into ' if folder else ''}{shown_path(path)}: "
+                                  f"{shown_path(above)} is not a folder")
             break
     return path
 
@@ -181,7 +181,7 @@ def report_all(
                           "interrupted; nothing was written", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
-        raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
+        raise FibctlError(f"cannot write the report into {shown_path(out)}: {e.strerror or e}") from None
     if interrupted.is_set():  # held while the last files were written
         if interrupted.signal == signal.SIGINT:
             err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
@@ -265,7 +265,7 @@ def figure(
                     draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix, only=only,
                                                             window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
-        raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
+        raise FibctlError(f"cannot write {shown_path(path)}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)
 
 

@@ -24,7 +24,7 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.schema import Evaluation, Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.flows.removal import aside_hint
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
@@ -91,14 +91,14 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = _current(resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name), r)
         if path.exists() and not path.is_file():
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path} is not a file")
+            raise FibctlError(f"run {r.name!r}: its checkpoint {shown_path(path)} is not a file")
         if not path.is_file() and path.with_name(path.name + DAMAGED).is_file():
             if all_runs:  # no checkpoint left that loads: as a run without one, not among --all's
                 continue
             raise FibctlError(no_checkpoint_loads(r.name, f"run {r.name!r}: its checkpoint {path.name} was damaged"))
         if not path.is_file():
             hint = aside_hint(path.parent.parent, r.name) or "give the --runs-dir it was trained in"
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; {hint}")
+            raise FibctlError(f"run {r.name!r}: its checkpoint {shown_path(path)} does not exist; {hint}")
         targets.append(_Target(r, config, path))
     if not targets:
         raise FibctlError("no run in the database has a checkpoint to evaluate on text (probe runs are scored "
@@ -154,8 +154,8 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
         raise FibctlError(f"--tokens {tokens} is below 2")
     manifest = load_manifest(data_dir)
     if not manifest.heldout:  # nothing to evaluate on: exit 0 with nothing recorded said otherwise
-        raise FibctlError(f"{manifest.data_dir} has no held-out set to evaluate on (its manifest lists only "
-                          f"{manifest.train_split!r}): prepare the data again")
+        raise FibctlError(f"{shown_path(manifest.data_dir)} has no held-out set to evaluate on (its manifest lists "
+                          f"only {manifest.train_split!r}): prepare the data again")
     datasets = list(dict.fromkeys(datasets or manifest.heldout))
     unknown = [d for d in datasets if d not in manifest.heldout]
     if unknown:
@@ -165,7 +165,7 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
     for t in targets:
         if t.config.model.vocab_size != manifest.vocab_size:
             raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
-                              f"{data_dir} has vocab {manifest.vocab_size:,}")
+                              f"{shown_path(data_dir)} has vocab {manifest.vocab_size:,}")
     streams = {d: manifest.stream(d) for d in datasets}
     _check_fits(streams, lengths, datasets_given=datasets != manifest.heldout)
     return targets, manifest, datasets, streams
@@ -190,23 +190,23 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     ckpt = _load(t)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
-        raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "
+        raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} has config hash {theirs} but run {t.run.name!r} has "
                           f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
     if t.run.status == "done" and t.run.final_step is not None and ckpt["step"] != t.run.final_step:
         # its results would be recorded at that step, where no report reads a finished run's numbers
-        raise FibctlError(f"checkpoint {t.checkpoint} holds step {ckpt['step']}, but run {t.run.name!r} finished "
-                          f"at step {t.run.final_step}: it is not the run's final checkpoint (was the file "
-                          "replaced?)")
+        raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} holds step {ckpt['step']}, but run {t.run.name!r} "
+                          f"finished at step {t.run.final_step}: it is not the run's final checkpoint "
+                          "(was the file replaced?)")
     if not data.holds(ckpt.get("data_hash", data.data_hash)):  # its held-out sets are other text
-        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data.data_dir} has data "
-                          f"{data.data_hash}: its results would replace the recorded ones; give the --data it was "
-                          "trained on")
+        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but "
+                          f"{shown_path(data.data_dir)} has data {data.data_hash}: its results would replace the "
+                          "recorded ones; give the --data it was trained on")
     # before any is measured, for every schedule: a learned layer cannot even place its rungs
     # at a NaN alpha (floor(nan) raised a ValueError traceback), where the others score NaN
     bad = next((name for name, w in ckpt["model"].items() if not bool(torch.isfinite(w).all())), None)
     if bad is not None:
-        raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {t.checkpoint} holds weights "
-                          f"that are not finite ({bad} among them)")
+        raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {shown_path(t.checkpoint)} holds "
+                          f"weights that are not finite ({bad} among them)")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
                                     for length in lengths for d, s in streams.items()})
@@ -251,7 +251,7 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             model = load_model(t.config, weights, length, device)
         except RuntimeError as e:  # shapes or names that are not the run's model: a file changed by hand
             detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            raise FibctlError(f"checkpoint {t.checkpoint} does not fit run {t.run.name!r}'s model "
+            raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} does not fit run {t.run.name!r}'s model "
                               f"({detail[:160]})") from None
         for dataset, stream in streams.items():
             if on_start:
@@ -260,7 +260,7 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
                               position_tokens=t.config.train.position_tokens if positions else None)
             if not math.isfinite(res.loss):  # finite weights (_evaluate_run) that overflow: no number to record
                 raise FibctlError(f"run {t.run.name!r} scores a loss of {res.loss} on {dataset} at length "
-                                  f"{length}: there is no number to record (its checkpoint {t.checkpoint} "
+                                  f"{length}: there is no number to record (its checkpoint {shown_path(t.checkpoint)} "
                                   "holds finite weights)")
             # the perplexity and its positions: one transaction, never a new one beside old positions
             recorder.log_eval(step, dataset, length, res.tokens, res.loss,

@@ -40,9 +40,9 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
             elif not os.path.lexists(folder):  # a rename onto an empty folder would replace it
                 hidden.rename(folder)
         except OSError as e:
-            raise FibctlError(f"cannot {'move' if owned else 'delete'} {hidden}, the checkpoint folder of run "
-                              f"{name} a killed `fibctl queue rm` left ({e.strerror or e}): "
-                              f"{f'move it back to {folder}' if owned else 'delete it'} by hand") from None
+            raise FibctlError(f"cannot {'move' if owned else 'delete'} {shown_path(hidden)}, the checkpoint folder of "
+                              f"run {name} a killed `fibctl queue rm` left ({e.strerror or e}): "
+                              f"{f'move it back to {shown_path(folder)}' if owned else 'delete it'} by hand") from None
 
 
 def _asides(runs_dir: Path, name: str) -> list[tuple[Path, str, str | None]]:
@@ -95,7 +95,7 @@ def discard_logs(folder: Path) -> list[Path]:
             try:
                 shutil.rmtree(path)
             except OSError as e:
-                raise FibctlError(f"cannot delete {path}, the metric logs of the run's earlier attempt "
+                raise FibctlError(f"cannot delete {shown_path(path)}, the metric logs of the run's earlier attempt "
                                   f"({e.strerror or e}): delete it by hand; the run was not queued again") from None
             gone.append(path)
     return gone
@@ -106,9 +106,10 @@ def checkpoint_folder(name: str, runs_dir: Path) -> Path:
     check_name("run", name)
     folder = runs_dir / name
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
+        raise FibctlError(f"{shown_path(folder)} is not a checkpoint folder (a link or a file); nothing was removed")
     if folder.exists() and folder.resolve().parent != runs_dir.resolve():
-        raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
+        raise FibctlError(f"{shown_path(folder)} is not inside the runs folder {shown_path(runs_dir)}; nothing was "
+                          "removed")
     from fibctl.train.checkpoint import OWN  # torch: only for this command
 
     if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
@@ -157,7 +158,8 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
             try:
                 folder[0].rename(hidden)
             except OSError as e:
-                raise FibctlError(f"cannot delete {folder[0]}: {e.strerror or e}; nothing was removed") from None
+                raise FibctlError(f"cannot delete {shown_path(folder[0])}: {e.strerror or e}; nothing was "
+                                  "removed") from None
             aside.append(hidden)
 
     try:
@@ -176,8 +178,9 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
                 aside[0].rename(left)
             except OSError:
                 left = aside[0]
-            raise FibctlError(f"{message}, but not all of its checkpoint folder ({e.filename}: "
-                              f"{e.strerror or e}); what is left is at {left}: delete it by hand") from None
+            failed = shown_path(e.filename or aside[0])  # shown_path takes no None
+            raise FibctlError(f"{message}, but not all of its checkpoint folder ({failed}: {e.strerror or e}); "
+                              f"what is left is at {shown_path(left)}: delete it by hand") from None
         return message + f"; deleted {folder[0]}"
     if checkpoints:
         return message + f"; no checkpoint folder at {folder[0]}"

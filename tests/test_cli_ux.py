@@ -960,6 +960,19 @@ def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
                                  "`fibctl data prepare` wrote)\n")
 
 
+def test_data_show_suggests_a_command_that_pastes(tmp_path, monkeypatch, capsys):
+    """`fibctl data show 'my data'` suggested `fibctl data prepare RECIPE --data my data`:
+    pasted, that is two arguments."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my data").mkdir()
+    (tmp_path / "my r.toml").write_text('vocab_size = 512\n')
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", "my data")
+    assert code == 2 and err == ("error: no data manifest in my data; run `fibctl data prepare RECIPE --data "
+                                 "'my data'`\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", "my r.toml")
+    assert code == 2 and err.endswith("a recipe is prepared with `fibctl data prepare 'my r.toml' --data FOLDER`\n")
+
+
 def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_does(tmp_path, monkeypatch, capsys):
     """`fibctl worker | head -1`: rich's closed pipe, past the worker's `except Exception`,
     ended the command with 0 and left the run `running` until its heartbeat went stale, no

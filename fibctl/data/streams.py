@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fibctl.errors import FibctlError, shown_path
+from fibctl.errors import FibctlError, shell_word, shown_path
 from fibctl.hashes import short_hash
 from fibctl.names import check_name
 
@@ -127,14 +127,14 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if data_dir.exists() and not data_dir.is_dir():  # the hint below, `--data` it, would be refused in turn
-        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
+        recipe = f"; a recipe is prepared with `fibctl data prepare {shell_word(data_dir)} --data FOLDER`" \
             if data_dir.suffix == ".toml" else ""
         kind = "a file" if data_dir.is_file() else "a device or a pipe"
         raise FibctlError(f"{shown_path(data_dir)} is {kind}, not a data folder (one `fibctl data prepare` wrote)"
                           f"{recipe}")
     if not path.is_file():
-        shown = shown_path(data_dir)
-        raise FibctlError(f"no data manifest in {shown}; run `fibctl data prepare RECIPE --data {shown}`")
+        raise FibctlError(f"no data manifest in {shown_path(data_dir)}; run `fibctl data prepare RECIPE --data "
+                          f"{shell_word(data_dir)}`")
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict):

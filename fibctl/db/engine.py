@@ -33,7 +33,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, Oper
 from sqlalchemy.pool import NullPool
 
 import fibctl
-from fibctl.errors import DamagedDatabase, FibctlError, shown_path
+from fibctl.errors import DamagedDatabase, FibctlError, shell_word, shown_path
 from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -554,7 +554,8 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     engine = _engine(url, option, db)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
-        raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db {shown(db)}`")
+        raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db "
+                          f"{shell_word(shown(db))}`")
     return engine
 
 
@@ -585,7 +586,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
         engine.dispose()
         now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"
         raise FibctlError(f"{shown(db)} has {now}; this command reads revision {head_revision()}: "
-                          f"run `fibctl db upgrade --db {shown(db)}`")
+                          f"run `fibctl db upgrade --db {shell_word(shown(db))}`")
     return engine
 
 

@@ -41,7 +41,7 @@ from fibctl.attention import default_impl
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
-from fibctl.errors import FibctlError, WorkerError, first_line, shown_path
+from fibctl.errors import FibctlError, WorkerError, first_line, shell_word, shown_path
 from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM, NonFiniteAlpha
@@ -148,8 +148,9 @@ def _no_data(config: RunConfig, data_dir: Path | None) -> str:
         return (f"run {config.name!r} trains on text, and the --data folder does not exist: give a prepared one "
                 "(fibctl data prepare makes one)")
     recipe = shipped_for_vocab(config.model.vocab_size) or "RECIPE"
-    return (f"run {config.name!r} trains on text, and the --data folder {data_dir} does not exist: prepare it "
-            f"(`fibctl data prepare {recipe} --data {data_dir}`) or give the one you prepared (--data, FIBCTL_DATA)")
+    return (f"run {config.name!r} trains on text, and the --data folder {shown_path(data_dir)} does not exist: "
+            f"prepare it (`fibctl data prepare {recipe} --data {shell_word(data_dir)}`) or give the one you prepared "
+            "(--data, FIBCTL_DATA)")
 
 
 class Trainer:

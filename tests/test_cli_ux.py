@@ -923,6 +923,30 @@ def test_a_columns_of_no_width_or_any_width_still_draws_the_help(columns, widest
     assert "Usage:" in done.stdout and "queue" in done.stdout and max(len(line) for line in lines) <= widest
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_report_all_shows_which_table_or_figure_it_writes_at_a_terminal(terminal, tmp_path, monkeypatch, capsys):
+    """Its bar pulsed for seconds without a count or a name: nothing said how far it was.
+    Piped, stderr holds no bar."""
+    from rich.console import Console
+
+    import fibctl.cli.report as cli_report
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_report, "err_console", Console(file=screen, width=80, force_terminal=terminal,
+                                                           color_system=None))
+    code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--db", REPO_EXAMPLE, "--out",
+                                 str(tmp_path / "rep"))
+    frames = {line for line in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+              if line.startswith("writing")}
+    assert code == 0 and "skipped table2" in screen.getvalue()
+    if not terminal:
+        assert not frames
+        return
+    assert any(re.fullmatch(r"writing curves +━+ +\d+/10 0:00:\d\d", f) for f in frames), frames
+    assert any(re.fullmatch(r"writing coverage +━+ 10/10 0:00:\d\d", f) for f in frames), frames
+    assert max(map(len, frames)) <= 80
+
+
 def test_report_all_says_each_skipped_table_on_one_line(tmp_path, monkeypatch, capsys):
     """`skipped table2: ...` wrapped over 3 lines at 80 columns (and in a log file)."""
     code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--db", REPO_EXAMPLE, "--out",

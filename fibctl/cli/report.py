@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 from rich.cells import cell_len
-from rich.progress import track
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 from rich.text import Text
 
@@ -171,9 +171,7 @@ def report_all(
         with _reading(), ExitStack() as held:
             written, skipped = export.write_all(
                 engine, out, seed=seed, matrix=matrix, only=only, dataset=dataset, **chosen, source=export.made_from(db),
-                track=lambda jobs: track(_stopping_at_a_ctrl_c(jobs, held), description="Writing tables and figures",
-                                          console=err_console, transient=True,
-                                          disable=not err_console.is_terminal))  # errors stand alone
+                track=lambda jobs: _with_progress(_stopping_at_a_ctrl_c(jobs, held), len(jobs)))
     except KeyboardInterrupt as e:
         kept = getattr(e, "written", [])  # write_all's: the files in place when it stopped
         err_console.print(f"interrupted; the {len(kept)} files written before it are in {out}/ (no index.html): "
@@ -195,6 +193,21 @@ def report_all(
     page = out / "index.html"
     console.print(f"wrote {len(written)} files to {out}/" + (f"; all of them on one page: {page}" if page in written else ""),
                   highlight=False, markup=False, soft_wrap=True)
+
+
+def _with_progress(jobs: Iterable[export.Job], total: int) -> Iterator[export.Job]:
+    """`report all`'s jobs under a bar on stderr naming the one being written, with how many of
+    `total` are done and the time so far (a pulsing bar without a count had said neither); none
+    where stderr is not a terminal (piped, a log), and gone when it ends: an error stands alone."""
+    progress = Progress(TextColumn("writing {task.fields[job]:<13}", markup=False), BarColumn(bar_width=20),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
+                        disable=not err_console.is_terminal)
+    with progress:
+        task = progress.add_task("", total=total, job="")
+        for name, job in jobs:
+            progress.update(task, job=name)
+            yield name, job
+            progress.advance(task)
 
 
 def _stopping_at_a_ctrl_c(jobs: Iterable[export.Job], held: ExitStack) -> Iterator[export.Job]:

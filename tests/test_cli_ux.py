@@ -789,7 +789,8 @@ def test_eval_shows_run_and_set_names_as_written(tmp_path, capsys, monkeypatch):
 
     def measured(engine, names, lengths, *, on_result=None, **_):
         rows = [{"run": MARKUP, "step": 10, "dataset": ESC, "eval_length": 64, "tokens": 64, "loss": 1.0,
-                 "ppl": 2.718, "tokens_per_s": 100.0, "speed_batch": 8}]
+                 "ppl": 2.718, "tokens_per_s": 100.0, "tokens_per_s_min": 90.0, "tokens_per_s_max": 110.0,
+                 "speed_batch": 8}]
         for row in rows:
             on_result(row, len(rows))
         return pd.DataFrame(rows)

@@ -33,6 +33,10 @@ from fibctl.train.checkpoint import DAMAGED, latest_checkpoint, load_checkpoint,
 from fibctl.train.trainer import no_checkpoint_loads
 
 
+# what --speed adds to each row: the mean tokens/s and those of the slowest and fastest pass
+SPEED_COLUMNS = ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max")
+
+
 @dataclass
 class _Target:
     run: Run
@@ -117,7 +121,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
     Returns one row per run x length x dataset, with the run's inference tokens/s at that
-    length when `speed` measured it (else NaN); `on_result(row, total)` sees each as it is
+    length when `speed` measured it, the mean and its slowest and fastest pass (else NaN); `on_result(row, total)` sees each as it is
     written, with the number of rows to expect, and `on_start(item, total)` each (its run,
     dataset and eval_length) as its measurement begins. `log_to` back-ends (fibctl.train.loggers) get
     a copy of each result, their files in the folder of the run's checkpoint. `on_note` hears
@@ -138,7 +142,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
                               data=manifest, on_note=on_note, on_start=begin)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
-                                       "tokens_per_s", "speed_batch"])
+                                       *SPEED_COLUMNS, "speed_batch"])
 
 
 def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path, all_runs: bool = False,
@@ -266,8 +270,8 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             recorder.log_eval(step, dataset, length, res.tokens, res.loss,
                               *((res.position_losses.tolist(), res.position_windows) if positions else ()))
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
-                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan,
-                   "speed_batch": None}
+                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss),
+                   **dict.fromkeys(SPEED_COLUMNS, math.nan), "speed_batch": None}
             rows.append(row)
             if on_result:
                 on_result(row)
@@ -276,6 +280,6 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             for metric, value in measured.items():
                 recorder.log_metric(f"speed@{length}", metric, value)
             for row in rows[-len(streams):]:  # this length's rows: the speed is the model's, not a set's
-                row["tokens_per_s"], row["speed_batch"] = measured["tokens_per_s"], int(measured["batch"])
+                row.update({c: measured[c] for c in SPEED_COLUMNS}, speed_batch=int(measured["batch"]))
         del model
     return rows

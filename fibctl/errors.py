@@ -57,3 +57,9 @@ def shown_path(path: str | os.PathLike) -> str:
     empty or a blank begins or ends it (`'data '`), which would not show otherwise."""
     text = printable(os.fspath(path))
     return shlex.quote(text) if not text or text != text.strip() else text
+
+
+def shell_word(path: str | os.PathLike) -> str:
+    """A path as a command to paste names it: `printable`, and one shell word (`'a b'`, where
+    shown_path's `a b` pasted would be two arguments)."""
+    return shlex.quote(printable(os.fspath(path)))

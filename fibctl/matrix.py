@@ -30,7 +30,7 @@ from pathlib import Path
 from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, check_seed,
                            get_preset)
 from fibctl import tomls
-from fibctl.errors import FibctlError, printable
+from fibctl.errors import FibctlError, printable, shown_path
 from fibctl.names import NAME_RULE, check_name, is_name
 from fibctl.probe.cells import PROBE_MATRIX
 
@@ -211,19 +211,19 @@ def load_matrix(name_or_path: str) -> Matrix:
     # a shipped name wins over a folder or file of that name in the working directory
     if path.suffix == ".toml" or len(path.parts) > 1 or (path.is_file() and name_or_path not in shipped_matrices()):
         if path.is_dir():
-            raise FibctlError(f"{path} is a folder, not a matrix file")
+            raise FibctlError(f"{shown_path(path)} is a folder, not a matrix file")
         if not path.exists():
-            raise FibctlError(f"no matrix file {path}")
+            raise FibctlError(f"no matrix file {shown_path(path)}")
         if not path.is_file():  # a FIFO would block the read, a device never end it
-            raise FibctlError(f"{path} is not a regular file, not a matrix file")
+            raise FibctlError(f"{shown_path(path)} is not a regular file, not a matrix file")
         name = check_name("matrix", path.stem)
         if name in (*shipped_matrices(), PROBE_MATRIX) and not _is_shipped(path, name):
-            raise FibctlError(f"matrix file {path}: {name!r} names a matrix of fibctl's own; rename the "
+            raise FibctlError(f"matrix file {shown_path(path)}: {name!r} names a matrix of fibctl's own; rename the "
                               "file, or its runs would mix into that matrix's tables")
         try:
             text = tomls.read(path)
         except (OSError, tomls.TomlError) as e:
-            raise FibctlError(f"cannot read matrix file {path}: {e}") from None
+            raise FibctlError(f"cannot read matrix file {shown_path(path)}: {e}") from None
         return parse_matrix(text, name, str(path))
     if name_or_path not in shipped_matrices():
         raise FibctlError(f"unknown matrix {name_or_path!r}; shipped: {', '.join(shipped_matrices())} "
@@ -242,7 +242,7 @@ def _is_shipped(path: Path, name: str) -> bool:
 
 def parse_matrix(text: str, name: str, source: str) -> Matrix:
     def bad(problem: str) -> FibctlError:
-        return FibctlError(f"matrix file {source}: {problem}")
+        return FibctlError(f"matrix file {shown_path(source)}: {problem}")
 
     try:
         doc = tomls.loads(text)

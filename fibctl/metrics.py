@@ -94,29 +94,60 @@ def inference_speed(model: FibLM, length: int, device: torch.device) -> dict[str
     """The study's inference throughput: forward passes (logits, no loss) over a batch of
     SPEED_BATCH sequences of random tokens, SPEED_WARMUP untimed, then the mean of
     SPEED_TIMED; tokens/s is batch * length over that mean. A batch out of memory is halved
-    (the batch measured is recorded beside the speed)."""
+    (the batch measured is recorded beside the speed). The spread, which the study did not
+    report, is the tokens/s of the slowest and of the fastest of the timed passes
+    (`tokens_per_s_min`, `tokens_per_s_max`): a mean alone hid a pass slowed by another job."""
     was_training = model.training
     model.eval()
 
-    def measure(batch: int) -> float:
+    def measure(batch: int) -> tuple[float, list[float]]:
         # the values do not matter to the time; a seeded draw keeps the inputs the same
         x = torch.randint(0, model.cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
         x = x.to(device)
+        passes = _PassClock(device)
         with torch.no_grad(), autocast(device):
             for _ in range(SPEED_WARMUP):
                 model(x)
             synchronize(device)
             t0 = time.perf_counter()
             for _ in range(SPEED_TIMED):
+                passes.mark()
                 model(x)
+            passes.mark()
             synchronize(device)
-        return (time.perf_counter() - t0) / SPEED_TIMED
+        return (time.perf_counter() - t0) / SPEED_TIMED, passes.seconds()
 
     try:
-        batch, latency = _halved_until_it_fits(SPEED_BATCH, measure, length, device, "sequence")
+        batch, (latency, each) = _halved_until_it_fits(SPEED_BATCH, measure, length, device, "sequence")
     finally:
         model.train(was_training)
-    return {"latency_s": latency, "tokens_per_s": batch * length / latency, "batch": float(batch)}
+    tokens = batch * length
+    return {"latency_s": latency, "tokens_per_s": tokens / latency, "batch": float(batch),
+            "tokens_per_s_min": tokens / max(each), "tokens_per_s_max": tokens / min(each)}
+
+
+class _PassClock:
+    """The time of each timed pass, the passes still run back to back as the study ran them
+    (its mean is over their wall time): on CUDA events in the stream, read once it is done,
+    where the host's clock would read when a pass was queued; elsewhere the host's clock, a
+    pass being over when its call returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Each pass's seconds; after the device is synchronized."""
+        pairs = list(zip(self.marks, self.marks[1:]))
+        return [a.elapsed_time(b) / 1e3 for a, b in pairs] if self.cuda else [b - a for a, b in pairs]
 
 
 def _halved_until_it_fits(batch: int, measure: Callable[[int], T], length: int, device: torch.device,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
 NAME_RULE = "1-100 letters, digits, '_', '-' or '.', starting with a letter or digit"
@@ -27,7 +27,7 @@ def refuse_foreign(folder, own: re.Pattern, writer: str, then: str) -> None:
 
     foreign = sorted(p.name for p in Path(folder).iterdir() if not own.fullmatch(p.name))
     if foreign:
-        raise FibctlError(f"{folder} holds {len(foreign)} file(s) {writer} did not write there "
+        raise FibctlError(f"{shown_path(folder)} holds {len(foreign)} file(s) {writer} did not write there "
                           f"({foreign[0][:60]!r}{', ...' if len(foreign) > 1 else ''}); {then}")
 
 

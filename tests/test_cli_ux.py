@@ -790,7 +790,8 @@ def test_eval_shows_run_and_set_names_as_written(tmp_path, capsys, monkeypatch):
 
     def measured(engine, names, lengths, *, on_result=None, **_):
         rows = [{"run": MARKUP, "step": 10, "dataset": ESC, "eval_length": 64, "tokens": 64, "loss": 1.0,
-                 "ppl": 2.718, "tokens_per_s": 100.0, "speed_batch": 8}]
+                 "ppl": 2.718, "tokens_per_s": 100.0, "tokens_per_s_min": 90.0, "tokens_per_s_max": 110.0,
+                 "speed_batch": 8}]
         for row in rows:
             on_result(row, len(rows))
         return pd.DataFrame(rows)
@@ -924,6 +925,30 @@ def test_a_columns_of_no_width_or_any_width_still_draws_the_help(columns, widest
     assert "Usage:" in done.stdout and "queue" in done.stdout and max(len(line) for line in lines) <= widest
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_report_all_shows_which_table_or_figure_it_writes_at_a_terminal(terminal, tmp_path, monkeypatch, capsys):
+    """Its bar pulsed for seconds without a count or a name: nothing said how far it was.
+    Piped, stderr holds no bar."""
+    from rich.console import Console
+
+    import fibctl.cli.report as cli_report
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_report, "err_console", Console(file=screen, width=80, force_terminal=terminal,
+                                                           color_system=None))
+    code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--db", REPO_EXAMPLE, "--out",
+                                 str(tmp_path / "rep"))
+    frames = {line for line in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+              if line.startswith("writing")}
+    assert code == 0 and "skipped table2" in screen.getvalue()
+    if not terminal:
+        assert not frames
+        return
+    assert any(re.fullmatch(r"writing curves +━+ +\d+/10 0:00:\d\d", f) for f in frames), frames
+    assert any(re.fullmatch(r"writing coverage +━+ 10/10 0:00:\d\d", f) for f in frames), frames
+    assert max(map(len, frames)) <= 80
+
+
 def test_report_all_says_each_skipped_table_on_one_line(tmp_path, monkeypatch, capsys):
     """`skipped table2: ...` wrapped over 3 lines at 80 columns (and in a log file)."""
     code, out, err = _in_process(capsys, monkeypatch, "report", "all", "--db", REPO_EXAMPLE, "--out",
@@ -959,6 +984,19 @@ def test_data_show_of_a_file_says_it_is_a_file(tmp_path, monkeypatch, capsys):
     code, out, err = _in_process(capsys, monkeypatch, "data", "show", "/dev/null")  # not `--data /dev/null`
     assert code == 2 and err == ("error: /dev/null is a device or a pipe, not a data folder (one "
                                  "`fibctl data prepare` wrote)\n")
+
+
+def test_data_show_suggests_a_command_that_pastes(tmp_path, monkeypatch, capsys):
+    """`fibctl data show 'my data'` suggested `fibctl data prepare RECIPE --data my data`:
+    pasted, that is two arguments."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my data").mkdir()
+    (tmp_path / "my r.toml").write_text('vocab_size = 512\n')
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", "my data")
+    assert code == 2 and err == ("error: no data manifest in my data; run `fibctl data prepare RECIPE --data "
+                                 "'my data'`\n")
+    code, out, err = _in_process(capsys, monkeypatch, "data", "show", "my r.toml")
+    assert code == 2 and err.endswith("a recipe is prepared with `fibctl data prepare 'my r.toml' --data FOLDER`\n")
 
 
 def test_a_worker_whose_output_pipe_closes_mid_run_stops_it_as_a_first_ctrl_c_does(tmp_path, monkeypatch, capsys):

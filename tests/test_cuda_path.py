@@ -200,3 +200,19 @@ def test_bench_says_which_attention_path_auto_chose_for_each_setting():
     assert set(counts) <= {"gather", "mask", "flex"} and sum(counts.values()) == cfg.n_layers, used
     assert _paths_used(FibLM(cfg, impl="gather")) == "gather"
     assert _paths_used(FibLM(dataclasses.replace(cfg, schedule="dense", window=0))) == "sdpa"
+
+
+@needs_cuda
+def test_on_cuda_each_timed_pass_is_timed_by_events_without_waiting_between_them(monkeypatch):
+    """`eval --speed`'s spread: each pass timed by CUDA events in the stream, the host never
+    waiting between the timed passes (the study's mean is of them back to back)."""
+    from fibctl import metrics
+
+    waits = []
+    sync = torch.cuda.synchronize
+    monkeypatch.setattr(metrics, "synchronize", lambda device: (waits.append(device), sync(device)))
+    measured = metrics.inference_speed(micro("fixed").cuda(), 64, torch.device("cuda"))
+    assert len(waits) == 2  # after the untimed passes, after the timed ones
+    assert 0 < measured["tokens_per_s_min"] <= measured["tokens_per_s_max"]
+    # the events' passes and the host's clock over them agree but for launch and wait overhead
+    assert measured["tokens_per_s_min"] <= measured["tokens_per_s"] * 1.5

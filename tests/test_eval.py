@@ -89,19 +89,25 @@ def test_rerunning_the_command_replaces_rows_instead_of_duplicating_them(trained
     assert "fixed" in result.output and "ppl" in result.output
     first = rows(db, counts)
     # --speed shows what it recorded: a row per run and length, with its tokens/s
-    recorded = rows(db, "select r.name, a.name, value from aux_metrics a join runs r on r.id = a.run_id "
-                        "where metric = 'tokens_per_s' order by r.name, a.name")
+    # and the slowest and fastest of its timed passes
+    recorded = rows(db, "select r.name, a.name, a.value, lo.value, hi.value from aux_metrics a "
+                        "join runs r on r.id = a.run_id "
+                        "join aux_metrics lo on (lo.run_id, lo.name, lo.metric) = (a.run_id, a.name, 'tokens_per_s_min') "
+                        "join aux_metrics hi on (hi.run_id, hi.name, hi.metric) = (a.run_id, a.name, 'tokens_per_s_max') "
+                        "where a.metric = 'tokens_per_s' order by r.name, a.name")
     shown = [[cell.strip() for cell in line.split("│")[1:-1]] for line in result.output.splitlines()]
     assert len(recorded) == 4 and "tokens/s" in result.output
-    for run, metric, value in recorded:
-        assert [run, "10", metric.removeprefix("speed@"), "8", f"{value:,.0f}"] in shown, result.output
+    for run, metric, value, slowest, fastest in recorded:
+        assert slowest <= fastest
+        assert [run, "10", metric.removeprefix("speed@"), "8", f"{value:,.0f}",
+                f"{slowest:,.0f}-{fastest:,.0f}"] in shown, result.output
     assert CliRunner().invoke(app, args).exit_code == 0
     assert rows(db, counts) == first
     speed = rows(db, "select a.name, metric, value from aux_metrics a join runs r on r.id = a.run_id "
                      "where r.name = 'dense' order by a.name, metric")
-    assert [(n, m) for n, m, _ in speed] == [("speed@128", "batch"), ("speed@128", "latency_s"),
-                                            ("speed@128", "tokens_per_s"), ("speed@64", "batch"),
-                                            ("speed@64", "latency_s"), ("speed@64", "tokens_per_s")]
+    assert [(n, m) for n, m, _ in speed] == [
+        (f"speed@{length}", metric) for length in (128, 64)
+        for metric in ("batch", "latency_s", "tokens_per_s", "tokens_per_s_max", "tokens_per_s_min")]
     assert all(v > 0 for _, _, v in speed)
     assert rows(db, "select count(*) from position_losses p join runs r on r.id = p.run_id "
                     "where r.name = 'dense' and eval_length = 128") == [(127 * len(HELDOUT),)]

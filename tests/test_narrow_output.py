@@ -194,7 +194,8 @@ def test_eval_results_cut_no_name_or_number(columns):
     df = pd.DataFrame({"run": ["fib_stagger_w8_lr1e-3", RUNS[0]], "step": [200, 13_000],
                        "dataset": ["docs_val", "fineweb_edu_val"], "eval_length": [64, 4096],
                        "tokens": [4096, 1_048_576], "loss": [5.105, 3.25], "ppl": [164.848, 25.79],
-                       "speed_batch": [8, 8], "tokens_per_s": [95_470.0, 123_456.0]})
+                       "speed_batch": [8, 8], "tokens_per_s": [95_470.0, 123_456.0],
+                       "tokens_per_s_min": [90_001.0, 120_000.0], "tokens_per_s_max": [99_999.0, 1_234_567.0]})
     out = io.StringIO()
     console = Console(file=out, width=columns, color_system=None)
     for part in _results_tables(df, True, columns):
@@ -207,7 +208,7 @@ def test_eval_results_cut_no_name_or_number(columns):
             assert column(part, 0) == "fib_stagger_w8_lr1e-3" + RUNS[0]
         else:  # names would fold under 8 columns: a field a line, as status and queue ls do
             assert all(name in "".join(part.split()) for name in ("fib_stagger_w8_lr1e-3", RUNS[0])), part
-    for number in ("164.85", "25.79", "5.1050", "4096", "123,456"):
+    for number in ("164.85", "25.79", "5.1050", "4096", "123,456", "120,000-1,234,567"):
         assert number in text, (number, text)
 
 

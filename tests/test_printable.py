@@ -7,6 +7,7 @@ matrix description's refused neither."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -96,3 +97,61 @@ def test_tables_and_logs_show_them_escaped(ch, capsys):
     assert plain(f"{value}\n").plain == f"x{escaped(ch)}y\n"
     JobDisplay(None, "1", 0, 0).warn(f"{value}\nz")
     assert capsys.readouterr().out == f"task 0: warning: x{escaped(ch)}y\nz\n"
+
+
+# the names fibctl gives a path it puts in an error: `path`, `runs_dir`, `data_dir`, `folder`,
+# `t.checkpoint`, `e.filename`, ... and the few short ones (`out`, `own`, `left`, `hidden`)
+PATH_NAMES = re.compile(r"(^|_)(path|dir|folder|checkpoint|filename)$|^(out|own|left|hidden|db|source|above|existing|blocked)$")
+ERRORS = {"FibctlError", "WorkerError", "DamagedCheckpoint", "DamagedDatabase", "ConfigError", "DatabaseUnavailable",
+          "PeerLost", "TomlError", "NotToml", "CreatedMeanwhile", "NonFiniteAlpha"}
+
+
+def _named(e: ast.expr) -> str | None:
+    """The name an interpolated expression is known by: `path` for path, path.parent,
+    str(path), folder[0]; None for a call of anything else (shown_path(path), len(path))."""
+    while True:
+        if isinstance(e, ast.Subscript):
+            e = e.value
+        elif isinstance(e, ast.Attribute) and e.attr == "parent":
+            e = e.value
+        elif isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("absolute", "resolve"):
+            e = e.func.value
+        elif isinstance(e, ast.Call) and ast.unparse(e.func) in ("str", "Path", "os.fspath") and e.args:
+            e = e.args[0]
+        else:
+            break
+    return e.id if isinstance(e, ast.Name) else e.attr if isinstance(e, ast.Attribute) else None
+
+
+def test_no_error_shows_a_path_raw():
+    """An error names a path through `shown_path` (or `!r`): printed raw, one whose name begins
+    or ends with a blank (`data `) read as another, and one with a control character was
+    escaped only where the CLI printed it, not where a worker recorded it in an event."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ERRORS):
+                continue
+            for value in ast.walk(node):
+                if isinstance(value, ast.FormattedValue) and value.conversion != ord("r"):
+                    name = _named(value.value)
+                    if name and PATH_NAMES.search(name):
+                        found.append(f"{path.relative_to(PACKAGE)}:{value.value.lineno}: {ast.unparse(value.value)}")
+    assert not found
+
+
+def test_an_error_quotes_a_path_a_blank_ends(tmp_path, monkeypatch, capsys):
+    """`--runs-dir 'runs '` (a blank pasted with it) was said as `--runs-dir runs is not a
+    folder`, though runs was one."""
+    import sys
+
+    from fibctl.cli import main
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "queue", "retry", "r", "--from-start", "--runs-dir", "runs ",
+                                      "--db", str(tmp_path / "r.db")])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 2
+    assert capsys.readouterr().err == "error: --runs-dir 'runs ' is not a folder; nothing was changed\n"

@@ -449,6 +449,22 @@ def test_table4_bins_positions_by_sql_like_the_paper(study):
         [(fixed[a:b] - stagger[a:b]).mean() for a, b in zip(edges[:-1], edges[1:])])
 
 
+def test_no_table_prints_a_negative_zero():
+    """Table 4's gap (fixed less stagger) read -0.000 where the two agreed to 3 places; a
+    signed change read -0.00 or -0.0 %. Every text format shows the formatter's own zero."""
+    frame = pd.DataFrame({"Row": ["gap", "other"], "0-126": [-0.0004, -0.0125], "Δ": [-0.001, 0.5],
+                          "change": [-0.04, -3.0], "raw": [-0.0, 1.5]})
+    t = tables.Table("table4", "t", frame, "SELECT 1", {"0-126": tables.loss, "Δ": lambda x: f"{x:+.2f}",
+                                                        "change": tables.percent})
+    assert [render.cell(t, c, v) for c, v in zip(frame.columns[1:], frame.iloc[0, 1:])] == \
+        ["0.000", "+0.00", "+0.0 %", "0.0"]
+    assert [render.cell(t, c, v) for c, v in zip(frame.columns[1:], frame.iloc[1, 1:])] == \
+        ["-0.013", "+0.50", "-3.0 %", "1.5"]
+    for fmt in ("rich", "md", "latex"):
+        text = render.render(t, fmt)
+        assert "-0.000" not in text and "-0.00" not in text and "-0.0 %" not in text, (fmt, text)
+
+
 def test_table5_seeds_mean_and_population_std(study):
     f = tables.table5(ro(study)).frame
     assert f[["Base", "Schedule"]].values.tolist() == [["fib", "stagger"]]  # the only one with 2+ seeds

@@ -193,7 +193,8 @@ def test_a_worker_settles_the_folder_a_killed_queue_rm_moved_aside(data, tmp_pat
     work(engine, opts(data, runs_dir), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
     live = runs_dir / f".run.removing-{os.getpid()}"  # a `queue rm` still at work: left alone
     (runs_dir / "run").rename(live)
-    with pytest.raises(WorkerError, match="step_00000003.pt does not exist"):
+    with pytest.raises(WorkerError, match=rf"step_00000003.pt does not exist: .*\(process {os.getpid()}, still "
+                                          rf"running\) moved the run's folder aside to {live}"):
         work(engine, opts(data, runs_dir), Quiet())
     live.rename(runs_dir / f".run.removing-{dead}")
     [outcome] = work(engine, opts(data, runs_dir), Quiet())
@@ -207,6 +208,33 @@ def test_a_worker_settles_the_folder_a_killed_queue_rm_moved_aside(data, tmp_pat
     [outcome] = work(engine, opts(data, runs_dir), Quiet())
     assert outcome.status == "done" and sorted(p.name for p in runs_dir.iterdir()) == ["run"]
     assert sorted(p.name for p in (runs_dir / "run").glob("step_*.pt")) == ["step_00000010.pt"]
+
+
+def test_a_folder_moved_aside_in_another_pid_space_is_named_where_its_checkpoint_is_missing(data, tmp_path):
+    """A `queue rm --checkpoints` killed in another container left RUNS/.NAME.removing-PID-SPACE,
+    which no process here may settle: the worker stopped with "step_N.pt does not exist: give
+    the --runs-dir it was trained with", and eval said the same, neither naming the folder the
+    checkpoints were in. Both name it, and what to do."""
+    from fibctl.flows.evaluation import evaluate
+
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, runs_dir), Quiet(lambda p: p.step == 3 and stop.set()), stop=stop)
+    hidden = runs_dir / ".run.removing-4194305-0123456789ab"  # another PID space's: left alone
+    (runs_dir / "run").rename(hidden)
+    said = (f"a `fibctl queue rm --checkpoints` (process 4194305 of another machine or container) moved the run's "
+            f"folder aside to {hidden}: once that command is not running, move it back to {runs_dir / 'run'}")
+    with pytest.raises(WorkerError) as e:
+        work(engine, opts(data, runs_dir), Quiet())
+    assert str(e.value) == (f"run 'run' has checkpoint run/step_00000003.pt, but {runs_dir / 'run' / 'step_00000003.pt'}"
+                            f" does not exist: {said}")
+    with pytest.raises(FibctlError) as e:
+        evaluate(engine, ["run"], [64], data_dir=data)
+    assert str(e.value).endswith(f"step_00000003.pt does not exist; {said}")
+    hidden.rename(runs_dir / "run")  # as the message says
+    [outcome] = work(engine, opts(data, runs_dir), Quiet())
+    assert outcome.status == "done"
 
 
 def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):

@@ -18,7 +18,7 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_con
 from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.matrix import load_matrix, parse_settings, shipped_matrices
 from fibctl.names import check_name
 
@@ -341,7 +341,7 @@ def queue_retry(ctx: typer.Context,
     if from_start and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoint there: the rows would go, and a worker
         # given the real folder would resume from its checkpoint without them
-        raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was changed")
+        raise FibctlError(f"--runs-dir {shown_path(runs_dir)} is not a folder; nothing was changed")
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
@@ -359,9 +359,9 @@ def queue_retry(ctx: typer.Context,
                 settle_aside(folder.parent, name, owned=True)  # a killed `queue rm` hid them: back, and seen
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
-                    raise FibctlError(f"{left} is still there: `fibctl queue retry {name}` resumes from it (or "
-                                      f"from the newest that loads); to train from step 0 anyway, move {folder} "
-                                      "away first. Nothing was changed")
+                    raise FibctlError(f"{shown_path(left)} is still there: `fibctl queue retry {name}` resumes from "
+                                      "it (or from the newest that loads); to train from step 0 anyway, move "
+                                      f"{shown_path(folder)} away first. Nothing was changed")
 
         logs: list[Path] = []
 
@@ -412,7 +412,7 @@ def queue_rm(ctx: typer.Context, name: NameArg, db: DbOption = DEFAULT_DB,
     goes_with(ctx, "runs_dir", "--runs-dir", "--checkpoints", checkpoints)
     if checkpoints and runs_dir is not None and not runs_dir.is_dir():
         # a mistyped folder would find no checkpoints there, and leave them behind the rows
-        raise FibctlError(f"--runs-dir {runs_dir} is not a folder; nothing was removed")
+        raise FibctlError(f"--runs-dir {shown_path(runs_dir)} is not a folder; nothing was removed")
 
     def ask(question: str) -> None:
         if not yes and interactive():  # a person at a terminal: results are deleted for good

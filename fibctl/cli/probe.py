@@ -9,6 +9,7 @@ import typer
 from fibctl.cli import app
 from fibctl.cli.common import DEFAULT_DB, DbOption, console
 from fibctl.db import engine as db_engine
+from fibctl.errors import shell_word
 
 
 @app.command("probe")
@@ -54,4 +55,4 @@ def probe_cmd(
     console.print(f"{queue.added_line(added, present, 'probe run')}. Train them with:",
                   highlight=False, markup=False)
     # the command on a line of its own, never folded: folded at 80 columns it split from its path
-    console.print(f"  fibctl worker --db {db_engine.shown(db)}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"  fibctl worker --db {shell_word(db_engine.shown(db))}", highlight=False, markup=False, soft_wrap=True)

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 from rich.cells import cell_len
-from rich.progress import track
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 from rich.text import Text
 
@@ -23,7 +23,7 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_
                                raised_as_the_signal, seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
-from fibctl.errors import DamagedDatabase, FibctlError, printable
+from fibctl.errors import DamagedDatabase, FibctlError, printable, shown_path
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
@@ -59,8 +59,8 @@ def _output(value: str, *, folder: bool) -> Path:
     for above in (start, *start.parents):  # the nearest that exists must be a folder
         if above.exists():
             if not above.is_dir():
-                raise FibctlError(f"cannot write {'the report into ' if folder else ''}{path}: "
-                                  f"{above} is not a folder")
+                raise FibctlError(f"cannot write {'the report into ' if folder else ''}{shown_path(path)}: "
+                                  f"{shown_path(above)} is not a folder")
             break
     return path
 
@@ -171,9 +171,7 @@ def report_all(
         with _reading(), ExitStack() as held:
             written, skipped = export.write_all(
                 engine, out, seed=seed, matrix=matrix, only=only, dataset=dataset, **chosen, source=export.made_from(db),
-                track=lambda jobs: track(_stopping_at_a_ctrl_c(jobs, held), description="Writing tables and figures",
-                                          console=err_console, transient=True,
-                                          disable=not err_console.is_terminal))  # errors stand alone
+                track=lambda jobs: _with_progress(_stopping_at_a_ctrl_c(jobs, held), len(jobs)))
     except KeyboardInterrupt as e:
         kept = getattr(e, "written", [])  # write_all's: the files in place when it stopped
         err_console.print(f"interrupted; the {len(kept)} files written before it are in {out}/ (no index.html): "
@@ -181,7 +179,7 @@ def report_all(
                           "interrupted; nothing was written", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except OSError as e:  # a read-only folder, a file where the folder should be, a full disk
-        raise FibctlError(f"cannot write the report into {out}: {e.strerror or e}") from None
+        raise FibctlError(f"cannot write the report into {shown_path(out)}: {e.strerror or e}") from None
     if interrupted.is_set():  # held while the last files were written
         if interrupted.signal == signal.SIGINT:
             err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
@@ -195,6 +193,21 @@ def report_all(
     page = out / "index.html"
     console.print(f"wrote {len(written)} files to {out}/" + (f"; all of them on one page: {page}" if page in written else ""),
                   highlight=False, markup=False, soft_wrap=True)
+
+
+def _with_progress(jobs: Iterable[export.Job], total: int) -> Iterator[export.Job]:
+    """`report all`'s jobs under a bar on stderr naming the one being written, with how many of
+    `total` are done and the time so far (a pulsing bar without a count had said neither); none
+    where stderr is not a terminal (piped, a log), and gone when it ends: an error stands alone."""
+    progress = Progress(TextColumn("writing {task.fields[job]:<13}", markup=False), BarColumn(bar_width=20),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True,
+                        disable=not err_console.is_terminal)
+    with progress:
+        task = progress.add_task("", total=total, job="")
+        for name, job in jobs:
+            progress.update(task, job=name)
+            yield name, job
+            progress.advance(task)
 
 
 def _stopping_at_a_ctrl_c(jobs: Iterable[export.Job], held: ExitStack) -> Iterator[export.Job]:
@@ -265,7 +278,7 @@ def figure(
                     draw(engine, path, **export.options_for(draw, dataset=dataset, seed=seed, matrix=matrix, only=only,
                                                             window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
-        raise FibctlError(f"cannot write {path}: {e.strerror or e}") from None
+        raise FibctlError(f"cannot write {shown_path(path)}: {e.strerror or e}") from None
     console.print(f"wrote {path}", highlight=False, markup=False)
 
 

@@ -467,8 +467,10 @@ def _results_tables(df, speed: bool, width: int) -> list:
     shown = [fitted_view(headers, rows, width=width, names=("run", "dataset"), optional=("tokens", "step"),
                          right=("step", "length", "tokens", "loss", "ppl"))]
     if speed:  # one measurement per run and length, whatever the held-out sets
-        headers = ["run", "step", "length", "batch", "tokens/s"]
-        rows = [[r.run, str(r.step), str(r.eval_length), str(r.speed_batch), f"{r.tokens_per_s:,.0f}"]
+        # the mean of the timed passes, as the study reported it, then its slowest and fastest pass
+        headers = ["run", "step", "length", "batch", "tokens/s", "passes"]
+        rows = [[r.run, str(r.step), str(r.eval_length), str(r.speed_batch), f"{r.tokens_per_s:,.0f}",
+                 f"{r.tokens_per_s_min:,.0f}-{r.tokens_per_s_max:,.0f}"]
                 for r in df.drop_duplicates(["run", "eval_length"]).itertuples()]
         shown.append(fitted_view(headers, rows, width=width, names=("run",), optional=("step",),
                                  right=headers[1:], title="inference speed"))
@@ -489,7 +491,7 @@ def eval_cmd(
         "--positions", help="Also record the mean loss at every position, over the windows of the "
         "run's position_tokens (default: all).")] = False,
     speed: Annotated[bool, typer.Option("--speed", help="Also record inference tokens/s as the study timed it: forward passes over a batch of 8 "
-        "sequences, the mean of 5 after 2 untimed.")] = False,
+        "sequences, the mean of 5 after 2 untimed, and the slowest and fastest of the 5.")] = False,
     db: DbOption = DEFAULT_DB,
     data: DataOption = DEFAULT_DATA,
     runs_dir: Annotated[Optional[Path], typer.Option(

@@ -143,7 +143,7 @@ class _Chunks:
             return value, end
 
 
-def _value(path: str, chunks: _Chunks, item: int | None = None):
+def _value(name: str, chunks: _Chunks, item: int | None = None):
     """The value at the chunks' pos, consumed: item `item` of an array, else the file's one
     object; an error names the file and its line and column."""
     where = "the file" if item is None else f"item {item}"
@@ -153,61 +153,61 @@ def _value(path: str, chunks: _Chunks, item: int | None = None):
     except json.JSONDecodeError as e:
         line, column = chunks.where(e.pos)
         if item is None:  # the file's one object: named by the line
-            raise _not_json(path, f"line {line}", e.msg, f"column {column}") from None
-        raise _not_json(path, where, e.msg, f"line {line}, column {column}") from None
+            raise _not_json(name, f"line {line}", e.msg, f"column {column}") from None
+        raise _not_json(name, where, e.msg, f"line {line}, column {column}") from None
     except RecursionError:  # the parser recurses once per level
-        raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
+        raise FibctlError(f"{name}: {where} nests its values too deeply to read") from None
     chunks.pos = end
-    return _record(path, where, value)
+    return _record(name, where, value)
 
 
-def _whole(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
+def _whole(name: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
     """The one object of a file whose first line is not one, read in chunks: a JSON Lines file
     whose first line is broken, or one of records spread over lines, ends up here too (read
     whole before its error, a large one filled memory), its error found in the first chunks."""
-    value = _value(path, chunks)
+    value = _value(name, chunks)
     if chunks.next_char():  # records one after another, pretty-printed or with commas
         line, column = chunks.where(chunks.pos)
-        raise _not_json(path, f"line {line}", "Extra data", f"column {column}")
+        raise _not_json(name, f"line {line}", "Extra data", f"column {column}")
     yield "", value
 
 
-def _array(path: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
+def _array(name: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
     """The items of the JSON array whose "[" the chunks have just read, parsed one at a time:
     a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
     if chunks.next_char() == "]":
         chunks.pos += 1
     else:
         for i in itertools.count():
-            yield f"item {i}", _value(path, chunks, i)
+            yield f"item {i}", _value(name, chunks, i)
             c = chunks.next_char()
             if c == "]":
                 chunks.pos += 1
                 break
             if c != ",":
-                raise FibctlError(f"{path}: after item {i}, {c!r} is not JSON (expecting ',' or ']')"
-                                  if c else f"{path}: the array is not closed (']' is missing)")
+                raise FibctlError(f"{name}: after item {i}, {c!r} is not JSON (expecting ',' or ']')"
+                                  if c else f"{name}: the array is not closed (']' is missing)")
             chunks.pos += 1
             chunks.next_char()
     if chunks.next_char():
-        raise FibctlError(f"{path}: the file is not JSON (text after the array's ']')")
+        raise FibctlError(f"{name}: the file is not JSON (text after the array's ']')")
 
 
-def _loads(path: str, where: str, text: str):
+def _loads(name: str, where: str, text: str):
     try:
         return _unpaired(_DECODER.decode(text), _SURROGATE.search(text))
     except json.JSONDecodeError as e:
-        raise _not_json(path, where, e.msg, f"column {e.colno}") from None
+        raise _not_json(name, where, e.msg, f"column {e.colno}") from None
     except RecursionError:  # the parser recurses once per level
-        raise FibctlError(f"{path}: {where} nests its values too deeply to read") from None
+        raise FibctlError(f"{name}: {where} nests its values too deeply to read") from None
 
 
-def _not_json(path: str, where: str, msg: str, at: str) -> FibctlError:
+def _not_json(name: str, where: str, msg: str, at: str) -> FibctlError:
     """The error for a JSONDecodeError's `msg` at `at` (its column, or its line and column)."""
     if msg == "Extra data":  # records one after another, pretty-printed or with commas
-        return FibctlError(f"{path}: {where} is not JSON (text after a whole record, at {at}; a file is JSON Lines, "
+        return FibctlError(f"{name}: {where} is not JSON (text after a whole record, at {at}; a file is JSON Lines, "
                            "one array or one object: `jq -c .` writes records one per line)")
-    return FibctlError(f"{path}: {where} is not JSON ({msg.removesuffix(' at')} at {at})")
+    return FibctlError(f"{name}: {where} is not JSON ({msg.removesuffix(' at')} at {at})")
 
 
 class Unpaired(str):
@@ -230,7 +230,7 @@ def _unpaired(value, escaped: object):
     return value
 
 
-def _record(path: str, where: str, value) -> dict:
+def _record(name: str, where: str, value) -> dict:
     if not isinstance(value, dict):
-        raise FibctlError(f"{path}: {where} is a JSON {type(value).__name__}, not an object of fields")
+        raise FibctlError(f"{name}: {where} is a JSON {type(value).__name__}, not an object of fields")
     return value

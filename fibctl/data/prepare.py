@@ -42,7 +42,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from fibctl.data import installed_docs, sources
 from fibctl.data.recipe import file_identity, Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.durable import fsync
 from fibctl.hashes import file_hash, short_hash
 from fibctl.names import refuse_foreign
@@ -78,7 +78,7 @@ def data_folder(out: str | Path) -> Path:
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        raise FibctlError(f"--data {out} is a symlink loop; name the data folder itself") from None
+        raise FibctlError(f"--data {shown_path(out)} is a symlink loop; name the data folder itself") from None
 
 
 def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
@@ -87,7 +87,8 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
     `note` gets a line saying why a folder of this recipe is rebuilt rather than reused."""
     out = data_folder(out)
     if out.name in ("", ".."):  # '.', '/', '..': its lock and work folder go beside it, under its own name
-        raise FibctlError(f"--data {out}: name the data folder itself (e.g. --data data), not {out}")
+        raise FibctlError(f"--data {shown_path(out)}: name the data folder itself (e.g. --data data), not "
+                          f"{shown_path(out)}")
     progress = progress or Progress(disable=True)
     _check_documents_alike(recipe)
     inputs_hash = _inputs_hash(recipe)
@@ -103,7 +104,8 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FibctlError(f"--data {out}: cannot create its parent folder {out.parent}: {e.strerror or e}") from None
+        raise FibctlError(f"--data {shown_path(out)}: cannot create its parent folder {shown_path(out.parent)}: "
+                          f"{e.strerror or e}") from None
     with _building(out):
         if out.is_dir():  # the rebuild replaces the folder whole: it would take anything else with it
             refuse_foreign(out, _OWN, "`fibctl data prepare`", "it would replace the folder whole: "
@@ -485,7 +487,7 @@ def _existing(out: Path) -> DataManifest | None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return None
     if not (out / MANIFEST).is_file():
-        raise FibctlError(f"{out} exists and is not a fibctl data folder (no {MANIFEST}); "
+        raise FibctlError(f"{shown_path(out)} exists and is not a fibctl data folder (no {MANIFEST}); "
                           "choose another --data or remove it")
     try:
         return load_manifest(out)
@@ -532,13 +534,13 @@ def _building(out: Path) -> Iterator[None]:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # /proc, a read-only disk, another's folder: the lock is ours, the folder theirs
-            raise FibctlError(f"--data {out}: cannot create files in {out.parent}, where it is built: "
-                              f"{e.strerror or e}") from None
+            raise FibctlError(f"--data {shown_path(out)}: cannot create files in {shown_path(out.parent)}, where it "
+                              f"is built: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise FibctlError(f"{out}: another `fibctl data prepare` is building it now; "
+            raise FibctlError(f"{shown_path(out)}: another `fibctl data prepare` is building it now; "
                               "wait for it to finish, or choose another --data") from None
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(path)):

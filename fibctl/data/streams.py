@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fibctl.errors import FibctlError, shown_path
+from fibctl.errors import FibctlError, shell_word, shown_path
 from fibctl.hashes import file_hash, short_hash
 from fibctl.names import check_name
 
@@ -72,7 +72,7 @@ class DataManifest:
 
     def split_path(self, split: str) -> Path:
         if split not in self.splits:
-            raise FibctlError(f"no split {split!r} in {self.data_dir}; splits: {', '.join(self.splits)}")
+            raise FibctlError(f"no split {split!r} in {shown_path(self.data_dir)}; splits: {', '.join(self.splits)}")
         return self.data_dir / f"{split}.bin"
 
     def stream(self, split: str) -> np.memmap:
@@ -86,14 +86,15 @@ class DataManifest:
     def _open(self, split: str) -> np.memmap:
         path = self.split_path(split)
         if not path.is_file() or path.stat().st_size != 2 * self.tokens[split]:
-            raise FibctlError(f"{path} is missing or not the size its manifest says; prepare the data again")
+            raise FibctlError(f"{shown_path(path)} is missing or not the size its manifest says; "
+                              "prepare the data again")
         if self.tokens[split] == 0:
-            raise FibctlError(f"{path} holds no tokens; prepare the data again")
+            raise FibctlError(f"{shown_path(path)} holds no tokens; prepare the data again")
         stream = np.memmap(path, dtype=DTYPE, mode="r")
         # an id past the vocabulary would index outside the embedding table mid-run
         top = int(stream.max())
         if top >= self.vocab_size:
-            raise FibctlError(f"{path} holds token id {top}, beyond the vocabulary of {self.vocab_size:,}; "
+            raise FibctlError(f"{shown_path(path)} holds token id {top}, beyond the vocabulary of {self.vocab_size:,}; "
                               "prepare the data again")
         # one of the same size, edited or copied over (by a co-user of a shared data folder, say),
         # was trained and scored on as the data its runs record (`data_hash`: the manifest's)
@@ -107,7 +108,8 @@ class DataManifest:
         """Refuse a folder without its tokenizer: training reads only the streams, but the ids
         mean nothing without it (decoding a sample, tokenizing new text)."""
         if not self.tokenizer_path.is_file():
-            raise FibctlError(f"{self.data_dir}: its tokenizer {TOKENIZER} is missing; prepare the data again")
+            raise FibctlError(f"{shown_path(self.data_dir)}: its tokenizer {TOKENIZER} is missing; "
+                              "prepare the data again")
 
     def to_dict(self) -> dict:
         return {
@@ -132,20 +134,20 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if data_dir.exists() and not data_dir.is_dir():  # the hint below, `--data` it, would be refused in turn
-        recipe = f"; a recipe is prepared with `fibctl data prepare {data_dir} --data FOLDER`" \
+        recipe = f"; a recipe is prepared with `fibctl data prepare {shell_word(data_dir)} --data FOLDER`" \
             if data_dir.suffix == ".toml" else ""
         kind = "a file" if data_dir.is_file() else "a device or a pipe"
         raise FibctlError(f"{shown_path(data_dir)} is {kind}, not a data folder (one `fibctl data prepare` wrote)"
                           f"{recipe}")
     if not path.is_file():
-        shown = shown_path(data_dir)
-        raise FibctlError(f"no data manifest in {shown}; run `fibctl data prepare RECIPE --data {shown}`")
+        raise FibctlError(f"no data manifest in {shown_path(data_dir)}; run `fibctl data prepare RECIPE --data "
+                          f"{shell_word(data_dir)}`")
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict):
             raise TypeError(f"it holds a {type(d).__name__}, not an object")
         if d.get("format") != FORMAT_VERSION:
-            raise FibctlError(f"{path} has format {d.get('format')!r}; this fibctl reads {FORMAT_VERSION}; "
+            raise FibctlError(f"{shown_path(path)} has format {d.get('format')!r}; this fibctl reads {FORMAT_VERSION}; "
                               "prepare the data again")
         manifest = DataManifest(
             data_dir=data_dir, recipe=d["recipe"], recipe_hash=d["recipe_hash"],
@@ -159,9 +161,10 @@ def load_manifest(data_dir: str | Path) -> DataManifest:
         _check(manifest)
         return manifest
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-        raise FibctlError(f"{path} is not a valid data manifest ({type(e).__name__}: {e})") from None
+        raise FibctlError(f"{shown_path(path)} is not a valid data manifest ({type(e).__name__}: {e})") from None
     except RecursionError:  # the parser recurses once per level of nesting
-        raise FibctlError(f"{path} is not a valid data manifest (it nests its values too deeply to read)") from None
+        raise FibctlError(f"{shown_path(path)} is not a valid data manifest (it nests its values "
+                          "too deeply to read)") from None
 
 
 SOURCE_COUNTS = ("target_tokens", "train_tokens", "train_documents", "heldout_tokens", "heldout_documents")

@@ -33,7 +33,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, Oper
 from sqlalchemy.pool import NullPool
 
 import fibctl
-from fibctl.errors import DamagedDatabase, FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError, shell_word, shown_path
 from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -59,7 +59,7 @@ def resolve_url(db: str, option: str = "--db") -> URL:
         raise FibctlError(f"{option} is empty; name a database (a file path or a URL)")
     if "://" not in db:
         if db.endswith(os.sep) and not os.path.isdir(db):  # a file of the folder's name would be made
-            raise FibctlError(f"{option} {db} ends with {os.sep!r}: name a database file, not a folder "
+            raise FibctlError(f"{option} {shown_path(db)} ends with {os.sep!r}: name a database file, not a folder "
                               f"(e.g. {os.path.join(db, 'results.db')})")
         url = URL.create("sqlite", database=db)
     else:
@@ -73,8 +73,8 @@ def resolve_url(db: str, option: str = "--db") -> URL:
                           "it keeps nothing between commands; name a file (e.g. results.db)")
     ignored = _ignored_sqlite_options(url)
     if ignored:  # SQLAlchemy only warns, and a `mode=ro` asked for would not be kept
-        raise FibctlError(f"{option} {db}: the SQLite driver ignores {', '.join(ignored)} without uri=true; "
-                          "name the file alone (commands that only read open it read-only themselves)")
+        raise FibctlError(f"{option} {shown_path(db)}: the SQLite driver ignores {', '.join(ignored)} without "
+                          "uri=true; name the file alone (commands that only read open it read-only themselves)")
     return url
 
 
@@ -196,11 +196,13 @@ def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None
         raise FibctlError(f"{named} is not a regular file: name a database file or URL")
     if not path.exists():
         if must_exist:
-            raise FibctlError(f"no database at {path}{_missing_hint(option)}")
+            raise FibctlError(f"no database at {shown_path(path)}{_missing_hint(option)}")
         if path.parent.exists() and not path.parent.is_dir():
-            raise FibctlError(f"cannot create database {path}: {path.parent} is not a directory")
+            raise FibctlError(f"cannot create database {shown_path(path)}: {shown_path(path.parent)} "
+                              "is not a directory")
         if not path.parent.is_dir():
-            raise FibctlError(f"cannot create database {path}: directory {path.parent} does not exist")
+            raise FibctlError(f"cannot create database {shown_path(path)}: directory {shown_path(path.parent)} does "
+                              "not exist")
         return
     with path.open("rb") as f:
         header = f.read(len(SQLITE_HEADER))
@@ -224,10 +226,10 @@ def check_writable(path: Path) -> None:
     write needs a -journal, or a -wal and -shm, file there). chattr +i refuses root as well."""
     folder = path.absolute().parent
     if path.exists() and not os.access(path, os.W_OK):
-        raise FibctlError(f"cannot write to database {path}: the file is not writable")
+        raise FibctlError(f"cannot write to database {shown_path(path)}: the file is not writable")
     if not os.access(folder, os.W_OK | os.X_OK):
         doing = "write to" if path.exists() else "create"
-        raise FibctlError(f"cannot {doing} database {path}: directory {folder} is not writable")
+        raise FibctlError(f"cannot {doing} database {shown_path(path)}: directory {shown_path(folder)} is not writable")
 
 
 def _install_sqlite_settings(engine: Engine, *, foreign_keys: bool = True) -> None:
@@ -427,8 +429,8 @@ def _check_revision(engine: Engine, db: str, *, reading: bool = False,
                 and not os.access(path.absolute().parent, os.W_OK | os.X_OK):
             # SQLite makes a new database, and a WAL one's -wal and -shm files, in its folder
             doing = "write to" if path.exists() else "create"
-            raise FibctlError(f"cannot {doing} database {path}: directory {path.absolute().parent} "
-                              "is not writable") from None
+            raise FibctlError(f"cannot {doing} database {shown_path(path)}: directory "
+                              f"{shown_path(path.absolute().parent)} is not writable") from None
         if _disk_refused(e.orig):  # the database may be whole: it is the disk to look at
             raise FibctlError(f"{shown(db)}: {_disk_line(reason)}") from None
         raise FibctlError(f"{shown(db)} is not a usable database: {reason}") from None
@@ -514,7 +516,7 @@ def _set_wal(engine: Engine) -> None:
         except sqlite3.OperationalError as e:
             if "readonly" in str(e) or "unable to open" in str(e):  # a read-only mount, say
                 path = Path(engine.url.database)
-                raise FibctlError(f"cannot write to database {path}: {e}") from None
+                raise FibctlError(f"cannot write to database {shown_path(path)}: {e}") from None
             if _disk_refused(e):  # a full disk: it was a traceback
                 raise FibctlError(f"{Path(engine.url.database)}: {_disk_line(str(e))}") from None
             if "locked" not in str(e) or time.monotonic() > deadline:
@@ -558,7 +560,8 @@ def connect(db: str, *, create: bool = True, must_exist: bool = False, option: s
     engine = _engine(url, option, db)
     if not create and _check_revision(engine, db) != head_revision():
         engine.dispose()
-        raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db {shown(db)}`")
+        raise FibctlError(f"{shown(db)} is not at the latest schema revision; run `fibctl db upgrade --db "
+                          f"{shell_word(shown(db))}`")
     return engine
 
 
@@ -593,7 +596,7 @@ def connect_readonly(db: str, *, current: bool = True, option: str = "--db",
         engine.dispose()
         now = f"schema revision {rev}" if rev else "no fibctl schema (an empty database)"
         raise FibctlError(f"{shown(db)} has {now}; this command reads revision {head_revision()}: "
-                          f"run `fibctl db upgrade --db {shown(db)}`")
+                          f"run `fibctl db upgrade --db {shell_word(shown(db))}`")
     return engine
 
 
@@ -613,8 +616,8 @@ def _readonly_sqlite_url(path: Path) -> URL:
         pending = False
     if not os.access(path.parent, os.W_OK):
         if pending and not shm.exists():
-            raise FibctlError(f"{path} has committed changes in {wal.name} that SQLite cannot read in a folder "
-                              f"it cannot write (no {shm.name} there); copy {path.name} with {wal.name} to a "
+            raise FibctlError(f"{shown_path(path)} has committed changes in {wal.name} that SQLite cannot read in a "
+                              f"folder it cannot write (no {shm.name} there); copy {path.name} with {wal.name} to a "
                               "folder you can write, and read that copy")
         immutable = not pending
     else:

@@ -53,7 +53,7 @@ from fibctl.config import SEED_MAX, ProbeConfig, RunConfig, get_preset
 from fibctl.probe.cells import PROBE_MATRIX, PROBE_METRICS, task_label
 from fibctl.db import schema
 from fibctl.db.store import run_row, upsert
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.matrix import load_matrix
 from fibctl.names import is_name
 
@@ -166,10 +166,10 @@ def check_inputs(fib_db: str | Path, lenextrap: str | Path | None = None, poslos
         if not str(path).strip():
             raise FibctlError(f"an empty path where {what} was expected")
         if Path(path).is_dir():
-            raise FibctlError(f"{path} is a folder, not a file (expected {what})")
+            raise FibctlError(f"{shown_path(path)} is a folder, not a file (expected {what})")
         if Path(path).exists():  # /dev/null, a pipe: reading one would find nothing, or wait
-            raise FibctlError(f"{path} is not a regular file (expected {what})")
-        raise FibctlError(f"{path}: no such file (expected {what})")
+            raise FibctlError(f"{shown_path(path)} is not a regular file (expected {what})")
+        raise FibctlError(f"{shown_path(path)}: no such file (expected {what})")
 
 
 def _open_study(path: Path) -> sqlite3.Connection:
@@ -191,11 +191,11 @@ def _open_study(path: Path) -> sqlite3.Connection:
     except sqlite3.DatabaseError as e:
         conn.close()
         if getattr(e, "sqlite_errorname", "") == "SQLITE_NOTADB":
-            raise FibctlError(f"{path}: not an SQLite database; expected the study's fib.db") from None
-        raise FibctlError(f"{path}: cannot read it ({_cut(str(e), 80)})") from None
+            raise FibctlError(f"{shown_path(path)}: not an SQLite database; expected the study's fib.db") from None
+        raise FibctlError(f"{shown_path(path)}: cannot read it ({_cut(str(e), 80)})") from None
     if "alembic_version" in tables:  # a fibctl database (its schema revision table)
         conn.close()
-        raise FibctlError(f"{path} is a fibctl results database, not the study's fib.db; the reports "
+        raise FibctlError(f"{shown_path(path)} is a fibctl results database, not the study's fib.db; the reports "
                           "read it as it is (--db, or --compare beside another)")
     for table, columns in EXPECTED.items():
         have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")} if table in tables else set()
@@ -203,7 +203,7 @@ def _open_study(path: Path) -> sqlite3.Connection:
         if missing:
             conn.close()
             what = f"table {table!r} lacks columns {', '.join(missing)}" if have else f"no table {table!r}"
-            raise FibctlError(f"{path}: {_cut(what, 120)}; not the layout of the study's fib.db "
+            raise FibctlError(f"{shown_path(path)}: {_cut(what, 120)}; not the layout of the study's fib.db "
                               "(docs/method.md, 'The published files')")
     return conn
 
@@ -212,9 +212,9 @@ def _load_json(path: str | Path, layout: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting too deep
-        raise FibctlError(f"{path}: cannot read JSON ({_cut(str(e), 80)}); expected {layout}") from None
+        raise FibctlError(f"{shown_path(path)}: cannot read JSON ({_cut(str(e), 80)}); expected {layout}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise FibctlError(f"{path}: expected an object {layout}")
+        raise FibctlError(f"{shown_path(path)}: expected an object {layout}")
     return data
 
 
@@ -555,7 +555,7 @@ def _json_run(conn: Connection, title: str, source: str, runs: dict[str, _Import
         return runs[title]
     run = study_run(title, source)
     if run is None:
-        raise FibctlError(f"{source}: {_shown(title)} is not a study run name "
+        raise FibctlError(f"{shown_path(source)}: {_shown(title)} is not a study run name "
                           f"(expected names like f13__fib_stagger_w12, or {DENSE_BASELINE})")
     step = get_preset("paper").train.steps
     values = _run_values(run, source, step, created_at=_now())
@@ -573,7 +573,7 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
         of = f"for run {_shown(title)}"
         for length, by_dataset in by_length.items():
             if not isinstance(by_dataset, dict):
-                raise FibctlError(f"{source}: run {_shown(title)} length {_shown(length)}: expected "
+                raise FibctlError(f"{shown_path(source)}: run {_shown(title)} length {_shown(length)}: expected "
                                   "{length: {dataset: ppl}} with integer lengths and positive perplexities")
             # int() only of ASCII digits, few enough to parse ('²' is a digit to str.isdigit)
             n = _num(int(length) if re.fullmatch(r"[0-9]{1,12}", length) else length, f"{source}: length", of,
@@ -596,13 +596,14 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
             of = f"for run {_shown(title)} dataset {_shown(ds)}"
             if not (isinstance(entry, dict) and isinstance(entry.get("per_position"), list)
                     and isinstance(entry.get("n_windows"), int) and isinstance(entry.get("seq_len"), int)):
-                raise FibctlError(f"{source}: expected {{per_position: [losses], n_windows: int, seq_len: int}} {of}")
+                raise FibctlError(f"{shown_path(source)}: expected {{per_position: [losses], n_windows: int, seq_len: "
+                                  f"int}} {of}")
             _dataset(ds, f"{source}: dataset", f"for run {_shown(title)}")
             seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=2, hi=INT32)
             windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, lo=1, hi=INT32)
             if len(entry["per_position"]) != seq_len - 1:  # Table 4's bins span the whole window
-                raise FibctlError(f"{source}: {len(entry['per_position'])} per-position losses {of}; expected "
-                                  f"seq_len - 1 = {seq_len - 1} (one per predicted position of the window)")
+                raise FibctlError(f"{shown_path(source)}: {len(entry['per_position'])} per-position losses {of}; "
+                                  f"expected seq_len - 1 = {seq_len - 1} (one per predicted position of the window)")
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=seq_len, position=i,
                           mean_loss=_num(v, f"{source}: per_position[{i}]", of), windows=windows)
                      for i, v in enumerate(entry["per_position"])]

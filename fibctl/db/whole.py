@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fibctl.db.engine import check_sqlite_file, check_writable, resolve_url, shown, upgrade
 from fibctl.durable import fsync
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 
 # beside a database, what SQLite may write next to it
 SIDE_FILES = ("-wal", "-shm", "-journal")
@@ -105,7 +105,7 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)  # SQLite takes an empty file
     except OSError as e:  # a folder this process cannot write, say
-        raise FibctlError(f"cannot create database {path}: {e.strerror}") from None
+        raise FibctlError(f"cannot create database {shown_path(path)}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # ours while we live (flock: apart from SQLite's own locks)
         into = url.set(database=str(tmp)).render_as_string(hide_password=False)
@@ -118,7 +118,7 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
             finally:
                 last.close()
             if any(tmp.with_name(tmp.name + s).exists() for s in SIDE_FILES):
-                raise FibctlError(f"{path}: another process has the new database open; nothing was written")
+                raise FibctlError(f"{shown_path(path)}: another process has the new database open; nothing was written")
             fsync(tmp)
             raced = CreatedMeanwhile(f"{shown(db)} was created by another process meanwhile; nothing was "
                                      "written to it: run this again to write into it")

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 
 from fibctl import queue
 from fibctl.config import get_preset
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.matrix import load_matrix
 from fibctl.units import duration
 
@@ -60,15 +60,16 @@ def check_out_dir(out: Path, p: DemoPlan) -> None:
     anything in it changes: the other plan's data would be rebuilt, then its runs refused);
     mark ours, with its plan."""
     if out.exists() and not out.is_dir():
-        raise FibctlError(f"--out {out} is a file, not a folder")
+        raise FibctlError(f"--out {shown_path(out)} is a file, not a folder")
     marker = out / MARKER
     if out.is_dir() and any(out.iterdir()) and not marker.exists():
-        raise FibctlError(f"--out {out} holds files that are not a fibctl demo; "
+        raise FibctlError(f"--out {shown_path(out)} holds files that are not a fibctl demo; "
                           "choose an empty or new folder so results are not mixed")
     theirs = re.search(r"^plan: (\w+)$", marker.read_text(), re.M) if marker.exists() else None
     if theirs and theirs[1] != p.name:
-        raise FibctlError(f"--out {out} holds a {'`fibctl demo --quick`' if theirs[1] == 'quick' else '`fibctl demo`'}"
-                          f"; run that to resume it, or choose another folder")
+        raise FibctlError(f"--out {shown_path(out)} holds a "
+                          f"{'`fibctl demo --quick`' if theirs[1] == 'quick' else '`fibctl demo`'}; run that to "
+                          "resume it, or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"made by `fibctl demo`; a later `fibctl demo` of the same plan resumes here\nplan: {p.name}\n")
 

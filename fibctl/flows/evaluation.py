@@ -24,12 +24,17 @@ from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.schema import Evaluation, Run
 from fibctl.db.store import RunRecorder
 from fibctl.device import resolve_device
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
+from fibctl.flows.removal import aside_hint
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
 from fibctl.queue import no_run_named, stored_config
 from fibctl.train.checkpoint import DAMAGED, latest_checkpoint, load_checkpoint, resolve_path, stored_config_hash
 from fibctl.train.trainer import no_checkpoint_loads
+
+
+# what --speed adds to each row: the mean tokens/s and those of the slowest and fastest pass
+SPEED_COLUMNS = ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max")
 
 
 @dataclass
@@ -90,14 +95,14 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = _current(resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name), r)
         if path.exists() and not path.is_file():
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path} is not a file")
+            raise FibctlError(f"run {r.name!r}: its checkpoint {shown_path(path)} is not a file")
         if not path.is_file() and path.with_name(path.name + DAMAGED).is_file():
             if all_runs:  # no checkpoint left that loads: as a run without one, not among --all's
                 continue
             raise FibctlError(no_checkpoint_loads(r.name, f"run {r.name!r}: its checkpoint {path.name} was damaged"))
         if not path.is_file():
-            raise FibctlError(f"run {r.name!r}: its checkpoint {path} does not exist; give the --runs-dir it "
-                              "was trained in")
+            hint = aside_hint(path.parent.parent, r.name) or "give the --runs-dir it was trained in"
+            raise FibctlError(f"run {r.name!r}: its checkpoint {shown_path(path)} does not exist; {hint}")
         targets.append(_Target(r, config, path))
     if not targets:
         raise FibctlError("no run in the database has a checkpoint to evaluate on text (probe runs are scored "
@@ -116,7 +121,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
     Returns one row per run x length x dataset, with the run's inference tokens/s at that
-    length when `speed` measured it (else NaN); `on_result(row, total)` sees each as it is
+    length when `speed` measured it, the mean and its slowest and fastest pass (else NaN); `on_result(row, total)` sees each as it is
     written, with the number of rows to expect, and `on_start(item, total)` each (its run,
     dataset and eval_length) as its measurement begins. `log_to` back-ends (fibctl.train.loggers) get
     a copy of each result, their files in the folder of the run's checkpoint. `on_note` hears
@@ -137,7 +142,7 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
         rows += _evaluate_run(engine, t, lengths, streams, tokens, positions, speed, dev, report, log_to,
                               data=manifest, on_note=on_note, on_start=begin)
     return pd.DataFrame(rows, columns=["run", "step", "dataset", "eval_length", "tokens", "loss", "ppl",
-                                       "tokens_per_s", "speed_batch"])
+                                       *SPEED_COLUMNS, "speed_batch"])
 
 
 def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path, all_runs: bool = False,
@@ -153,8 +158,8 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
         raise FibctlError(f"--tokens {tokens} is below 2")
     manifest = load_manifest(data_dir)
     if not manifest.heldout:  # nothing to evaluate on: exit 0 with nothing recorded said otherwise
-        raise FibctlError(f"{manifest.data_dir} has no held-out set to evaluate on (its manifest lists only "
-                          f"{manifest.train_split!r}): prepare the data again")
+        raise FibctlError(f"{shown_path(manifest.data_dir)} has no held-out set to evaluate on (its manifest lists "
+                          f"only {manifest.train_split!r}): prepare the data again")
     datasets = list(dict.fromkeys(datasets or manifest.heldout))
     unknown = [d for d in datasets if d not in manifest.heldout]
     if unknown:
@@ -164,7 +169,7 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
     for t in targets:
         if t.config.model.vocab_size != manifest.vocab_size:
             raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
-                              f"{data_dir} has vocab {manifest.vocab_size:,}")
+                              f"{shown_path(data_dir)} has vocab {manifest.vocab_size:,}")
     streams = {d: manifest.stream(d) for d in datasets}
     _check_fits(streams, lengths, datasets_given=datasets != manifest.heldout)
     return targets, manifest, datasets, streams
@@ -189,23 +194,23 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
     ckpt = _load(t)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
-        raise FibctlError(f"checkpoint {t.checkpoint} has config hash {theirs} but run {t.run.name!r} has "
+        raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} has config hash {theirs} but run {t.run.name!r} has "
                           f"{t.config.config_hash}: it is another run's; pass this run's own --runs-dir")
     if t.run.status == "done" and t.run.final_step is not None and ckpt["step"] != t.run.final_step:
         # its results would be recorded at that step, where no report reads a finished run's numbers
-        raise FibctlError(f"checkpoint {t.checkpoint} holds step {ckpt['step']}, but run {t.run.name!r} finished "
-                          f"at step {t.run.final_step}: it is not the run's final checkpoint (was the file "
-                          "replaced?)")
+        raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} holds step {ckpt['step']}, but run {t.run.name!r} "
+                          f"finished at step {t.run.final_step}: it is not the run's final checkpoint "
+                          "(was the file replaced?)")
     if not data.holds(ckpt.get("data_hash", data.data_hash)):  # its held-out sets are other text
-        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but {data.data_dir} has data "
-                          f"{data.data_hash}: its results would replace the recorded ones; give the --data it was "
-                          "trained on")
+        raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but "
+                          f"{shown_path(data.data_dir)} has data {data.data_hash}: its results would replace the "
+                          "recorded ones; give the --data it was trained on")
     # before any is measured, for every schedule: a learned layer cannot even place its rungs
     # at a NaN alpha (floor(nan) raised a ValueError traceback), where the others score NaN
     bad = next((name for name, w in ckpt["model"].items() if not bool(torch.isfinite(w).all())), None)
     if bad is not None:
-        raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {t.checkpoint} holds weights "
-                          f"that are not finite ({bad} among them)")
+        raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {shown_path(t.checkpoint)} holds "
+                          f"weights that are not finite ({bad} among them)")
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
                                     for length in lengths for d, s in streams.items()})
@@ -250,7 +255,7 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             model = load_model(t.config, weights, length, device)
         except RuntimeError as e:  # shapes or names that are not the run's model: a file changed by hand
             detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            raise FibctlError(f"checkpoint {t.checkpoint} does not fit run {t.run.name!r}'s model "
+            raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} does not fit run {t.run.name!r}'s model "
                               f"({detail[:160]})") from None
         for dataset, stream in streams.items():
             if on_start:
@@ -259,14 +264,14 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
                               position_tokens=t.config.train.position_tokens if positions else None)
             if not math.isfinite(res.loss):  # finite weights (_evaluate_run) that overflow: no number to record
                 raise FibctlError(f"run {t.run.name!r} scores a loss of {res.loss} on {dataset} at length "
-                                  f"{length}: there is no number to record (its checkpoint {t.checkpoint} "
+                                  f"{length}: there is no number to record (its checkpoint {shown_path(t.checkpoint)} "
                                   "holds finite weights)")
             # the perplexity and its positions: one transaction, never a new one beside old positions
             recorder.log_eval(step, dataset, length, res.tokens, res.loss,
                               *((res.position_losses.tolist(), res.position_windows) if positions else ()))
             row = {"run": t.run.name, "step": step, "dataset": dataset, "eval_length": length,
-                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss), "tokens_per_s": math.nan,
-                   "speed_batch": None}
+                   "tokens": res.tokens, "loss": res.loss, "ppl": math.exp(res.loss),
+                   **dict.fromkeys(SPEED_COLUMNS, math.nan), "speed_batch": None}
             rows.append(row)
             if on_result:
                 on_result(row)
@@ -275,6 +280,6 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
             for metric, value in measured.items():
                 recorder.log_metric(f"speed@{length}", metric, value)
             for row in rows[-len(streams):]:  # this length's rows: the speed is the model's, not a set's
-                row["tokens_per_s"], row["speed_batch"] = measured["tokens_per_s"], int(measured["batch"])
+                row.update({c: measured[c] for c in SPEED_COLUMNS}, speed_batch=int(measured["batch"]))
         del model
     return rows

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fibctl import durable, queue
 from fibctl.db import engine as db_engine
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.names import check_name, is_name, refuse_foreign
 
 
@@ -30,12 +30,9 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
     aside by a process now dead goes back where the run of that name has it as its own
     (`owned`; unless a folder of the name is there again, which its run trains in), else is
     deleted, as that command was asked."""
-    check_name("run", name)  # a path component: never a way out of the runs folder
     folder = runs_dir / name
-    pattern = re.compile(rf"\.{re.escape(name)}\.removing-{durable.OWNER}")
-    for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
-        m = pattern.fullmatch(hidden.name)
-        if not m or not durable.owner_ended(*m.groups()) or hidden.is_symlink() or not hidden.is_dir():
+    for hidden, pid, space in _asides(runs_dir, name):
+        if not durable.owner_ended(pid, space):
             continue
         try:
             if not owned:
@@ -43,9 +40,39 @@ def settle_aside(runs_dir: Path, name: str, owned: bool) -> None:
             elif not os.path.lexists(folder):  # a rename onto an empty folder would replace it
                 hidden.rename(folder)
         except OSError as e:
-            raise FibctlError(f"cannot {'move' if owned else 'delete'} {hidden}, the checkpoint folder of run "
-                              f"{name} a killed `fibctl queue rm` left ({e.strerror or e}): "
-                              f"{f'move it back to {folder}' if owned else 'delete it'} by hand") from None
+            raise FibctlError(f"cannot {'move' if owned else 'delete'} {shown_path(hidden)}, the checkpoint folder of "
+                              f"run {name} a killed `fibctl queue rm` left ({e.strerror or e}): "
+                              f"{f'move it back to {shown_path(folder)}' if owned else 'delete it'} by hand") from None
+
+
+def _asides(runs_dir: Path, name: str) -> list[tuple[Path, str, str | None]]:
+    """The folders a `queue rm --checkpoints` moved RUNS_DIR/NAME aside to, real folders only,
+    each with its maker's PID and PID space (durable.OWNER's groups)."""
+    check_name("run", name)  # a path component: never a way out of the runs folder
+    pattern = re.compile(rf"\.{re.escape(name)}\.removing-{durable.OWNER}")
+    found = []
+    for hidden in sorted(runs_dir.glob(f".{glob.escape(name)}.removing-*")):
+        m = pattern.fullmatch(hidden.name)
+        if m and not hidden.is_symlink() and hidden.is_dir():
+            found.append((hidden, *m.groups()))
+    return found
+
+
+def aside_hint(runs_dir: Path, name: str) -> str | None:
+    """Where run `name`'s checkpoints are, for a command that found none in RUNS_DIR/NAME: the
+    folder a `queue rm --checkpoints` moved aside and `settle_aside` left there (its maker in
+    another container, or still running); None where there is none. Without it the worker
+    said only that the recorded checkpoint does not exist."""
+    asides = _asides(runs_dir, name)
+    if not asides:
+        return None
+    hidden, pid, space = asides[-1]
+    if (space or durable.pid_space()) != durable.pid_space():
+        who = f"process {pid} of another machine or container"
+    else:
+        who = f"process {pid}, {'ended' if durable.owner_ended(pid, space) else 'still running'}"
+    return (f"a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {shown_path(hidden)}: "
+            f"once that command is not running, move it back to {shown_path(runs_dir / name)}")
 
 
 # the metric back-ends' folders in a run's (fibctl.train.loggers): TensorBoard's event files,
@@ -68,7 +95,7 @@ def discard_logs(folder: Path) -> list[Path]:
             try:
                 shutil.rmtree(path)
             except OSError as e:
-                raise FibctlError(f"cannot delete {path}, the metric logs of the run's earlier attempt "
+                raise FibctlError(f"cannot delete {shown_path(path)}, the metric logs of the run's earlier attempt "
                                   f"({e.strerror or e}): delete it by hand; the run was not queued again") from None
             gone.append(path)
     return gone
@@ -79,9 +106,10 @@ def checkpoint_folder(name: str, runs_dir: Path) -> Path:
     check_name("run", name)
     folder = runs_dir / name
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        raise FibctlError(f"{folder} is not a checkpoint folder (a link or a file); nothing was removed")
+        raise FibctlError(f"{shown_path(folder)} is not a checkpoint folder (a link or a file); nothing was removed")
     if folder.exists() and folder.resolve().parent != runs_dir.resolve():
-        raise FibctlError(f"{folder} is not inside the runs folder {runs_dir}; nothing was removed")
+        raise FibctlError(f"{shown_path(folder)} is not inside the runs folder {shown_path(runs_dir)}; nothing was "
+                          "removed")
     from fibctl.train.checkpoint import OWN  # torch: only for this command
 
     if folder.exists():  # a folder of the same name that is not (only) this run's checkpoints
@@ -130,7 +158,8 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
             try:
                 folder[0].rename(hidden)
             except OSError as e:
-                raise FibctlError(f"cannot delete {folder[0]}: {e.strerror or e}; nothing was removed") from None
+                raise FibctlError(f"cannot delete {shown_path(folder[0])}: {e.strerror or e}; nothing was "
+                                  "removed") from None
             aside.append(hidden)
 
     try:
@@ -149,8 +178,9 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
                 aside[0].rename(left)
             except OSError:
                 left = aside[0]
-            raise FibctlError(f"{message}, but not all of its checkpoint folder ({e.filename}: "
-                              f"{e.strerror or e}); what is left is at {left}: delete it by hand") from None
+            failed = shown_path(e.filename or aside[0])  # shown_path takes no None
+            raise FibctlError(f"{message}, but not all of its checkpoint folder ({failed}: {e.strerror or e}); "
+                              f"what is left is at {shown_path(left)}: delete it by hand") from None
         return message + f"; deleted {folder[0]}"
     if checkpoints:
         return message + f"; no checkpoint folder at {folder[0]}"

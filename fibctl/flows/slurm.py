@@ -220,7 +220,7 @@ def check_worker(worker: WorkerSettings, spec: JobSpec, configs: list[RunConfig]
         for config in configs:
             check_data(config, manifest)
     except FibctlError as e:
-        raise FibctlError(f"--data {worker.data_dir}: {e}") from None
+        raise FibctlError(f"--data {shown_path(worker.data_dir)}: {e}") from None
     check_runs_dir(worker.runs_dir)
 
 
@@ -232,13 +232,15 @@ def check_runs_dir(runs_dir: Path) -> None:
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not a folder")
+        raise FibctlError(f"--runs-dir {shown_path(runs_dir)} cannot hold checkpoints: {shown_path(existing)} is not "
+                          "a folder")
     kind = filesystem_type(existing)
     if kind in PSEUDO_FILESYSTEMS:  # os.access says root may write to /proc, where nothing can be made
-        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is on {kind}, "
-                          "a pseudo filesystem of the kernel's")
+        raise FibctlError(f"--runs-dir {shown_path(runs_dir)} cannot hold checkpoints: {shown_path(existing)} is on "
+                          f"{kind}, a pseudo filesystem of the kernel's")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise FibctlError(f"--runs-dir {runs_dir} cannot hold checkpoints: {existing} is not writable")
+        raise FibctlError(f"--runs-dir {shown_path(runs_dir)} cannot hold checkpoints: {shown_path(existing)} is not "
+                          "writable")
 
 
 # the kernel's own filesystems, which hold no files (a folder made in cgroup is a control group)
@@ -298,7 +300,7 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
                           "its log file names, and the job would fail with no log; choose another folder")
     blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:  # a dry run too: its script names job folders that could never be made
-        raise FibctlError(f"--folder {folder}: {blocked} is a file, not a folder")
+        raise FibctlError(f"--folder {shown_path(folder)}: {shown_path(blocked)} is a file, not a folder")
     submitit = require_submitit()
     if not dry_run:
         require_slurm("sbatch")

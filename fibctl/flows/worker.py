@@ -48,9 +48,9 @@ from sqlalchemy.exc import IntegrityError
 from fibctl import queue
 from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.store import DatabaseUnavailable, RunRecorder
-from fibctl.errors import FibctlError, WorkerError
+from fibctl.errors import FibctlError, WorkerError, shown_path
 from fibctl.flops import peak_flops
-from fibctl.flows.removal import settle_aside
+from fibctl.flows.removal import aside_hint, settle_aside
 from fibctl.matrix import queue_again
 from fibctl.names import check_name
 from fibctl.provenance import provenance
@@ -135,7 +135,8 @@ def check_environment(opts: WorkerOptions, device: torch.device) -> DataManifest
         made = next(p for p in (opts.runs_dir, *opts.runs_dir.parents) if p.exists())
         tempfile.TemporaryFile(dir=made).close()
     except OSError as e:
-        raise WorkerError(f"--runs-dir {opts.runs_dir} cannot hold checkpoints: {e.strerror or e}") from None
+        raise WorkerError(f"--runs-dir {shown_path(opts.runs_dir)} cannot hold checkpoints: "
+                          f"{e.strerror or e}") from None
     return manifest
 
 
@@ -571,17 +572,19 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
         # have left it: otherwise it is a removed run's or another database's, and resuming
         # from it would mark the run trained with none of its steps or evaluations recorded
         if left is not None and not queue.claimed_before(engine, claimed.id):
-            raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {left} exists "
+            raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {shown_path(left)} exists "
                               f"(a run of that name removed and queued again, or another database's): "
-                              f"move {own} away to train the run from step 0")
+                              f"move {shown_path(own)} away to train the run from step 0")
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)  # in `own`, or refused
     # one moved aside (or deleted) as damaged: the run resumes from the newest left in its folder
     if not path.is_file() and ckpt.latest_checkpoint(path.parent) is None:
         if any(path.parent.glob(f"step_*.pt{ckpt.DAMAGED}")):  # the run's fault, not the folder's: it fails
-            raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {path.parent} were damaged"))
-        raise WorkerError(f"run {claimed.name!r} has checkpoint {claimed.checkpoint_path}, but {path} does not "
-                          "exist: give the --runs-dir it was trained with")
+            raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {shown_path(path.parent)} were "
+                                                                "damaged"))
+        raise WorkerError(f"run {claimed.name!r} has checkpoint {shown_path(claimed.checkpoint_path)}, but "
+                          f"{shown_path(path)} does not exist: "
+                          f"{aside_hint(opts.runs_dir, claimed.name) or 'give the --runs-dir it was trained with'}")
     return own
 
 
@@ -594,7 +597,7 @@ def _recorded(engine: Engine, claimed: queue.ClaimedRun) -> Recorded:
 
 def _refuse_link(own: Path) -> None:
     if own.is_symlink():  # its checkpoints would land (and old ones be deleted) wherever the link points
-        raise WorkerError(f"run folder {own} is a link; a run's checkpoints are written only inside "
+        raise WorkerError(f"run folder {shown_path(own)} is a link; a run's checkpoints are written only inside "
                           "--runs-dir: remove the link")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, get_preset
-from fibctl.errors import DamagedDatabase, FibctlError
+from fibctl.errors import DamagedDatabase, FibctlError, shown_path
 from fibctl.reports import figures, html, render, tables
 from fibctl.reports.output import remove_leftovers, write_text
 
@@ -96,8 +96,8 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     theirs = [p.name for p in outputs(out) if (p.is_symlink() or p.exists()) and p.name not in listed]
     if theirs:
         why = f"its {MANIFEST} does not list them" if (out / MANIFEST).is_file() else f"it has no {MANIFEST}"
-        raise FibctlError(f"{out} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, not written by "
-                          f"a fibctl report ({why}), which the report would replace: "
+        raise FibctlError(f"{shown_path(out)} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, not "
+                          f"written by a fibctl report ({why}), which the report would replace: "
                           "move them or choose another --out; nothing was written")
     built, before = Built(), listed
     written, skipped = [], []

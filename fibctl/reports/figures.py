@@ -29,7 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_length
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.reports.output import replace_file
 from fibctl.reports.tables import (
     Table, dataset_label, default_dataset, pick_runs, read_sql, sort_runs, table3, table4,
@@ -96,7 +96,8 @@ OUTLIER_FACTOR = 1.5
 def check_path(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() not in FIGURE_SUFFIXES:
-        raise FibctlError(f"{path}: figures are written as PNG, PDF or SVG; name the file .png, .pdf or .svg")
+        raise FibctlError(f"{shown_path(path)}: figures are written as PNG, PDF or SVG; name the file "
+                          ".png, .pdf or .svg")
     return path
 
 

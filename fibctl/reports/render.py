@@ -7,6 +7,7 @@ columns the paper bolds; CSV and JSON carry the raw numbers.
 from __future__ import annotations
 
 import io
+import numbers
 import re
 
 from fibctl.lazy import pandas as pd
@@ -33,10 +34,19 @@ def title_line(title: str):
 
 
 def cell(table: Table, column: str, value) -> str:
+    """A value as every text format shows it: the column's formatter's text, never a negative
+    zero (Table 4's gap, fixed less stagger, read -0.000 where the two agreed to 3 places)."""
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return MISSING
-    fmt = table.formats.get(column)
-    return fmt(value) if fmt else str(value)
+    fmt = table.formats.get(column) or str
+    text = fmt(value)
+    if isinstance(value, numbers.Real) and _NEGATIVE_ZERO.fullmatch(text):
+        return fmt(0.0)  # the formatter's own zero: 0.000, or +0.00 where it signs its values
+    return text
+
+
+# a number that rounded to zero from below, as a formatter writes it: -0, -0.000, -0.0 %
+_NEGATIVE_ZERO = re.compile(r"-0(\.0*)?( ?%)?")
 
 
 def best_rows(table: Table) -> dict[str, set[int]]:

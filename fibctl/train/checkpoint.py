@@ -98,7 +98,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         with suppress(OSError):  # no folder to delete it from, say
             tmp.unlink(missing_ok=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e, 100)
-        raise WorkerError(f"cannot write checkpoint {path}: {reason}{_free(run_dir)}") from None
+        raise WorkerError(f"cannot write checkpoint {shown_path(path)}: {reason}{_free(run_dir)}") from None
     for old in list_checkpoints(run_dir)[:-max(1, keep)]:
         old.unlink(missing_ok=True)
     return path
@@ -127,35 +127,36 @@ def load_checkpoint(path: Path) -> dict:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FibctlError(f"checkpoint {path} does not exist") from None
+        raise FibctlError(f"checkpoint {shown_path(path)} does not exist") from None
     except IsADirectoryError:
-        raise FibctlError(f"checkpoint {path} is a directory") from None
+        raise FibctlError(f"checkpoint {shown_path(path)} is a directory") from None
     except pickle.UnpicklingError as e:
         # torch's message is a page of advice; the line naming what was refused is the one to show
         reason = next((line for line in str(e).splitlines() if "nsupported" in line), "not weights-only")
-        raise FibctlError(f"checkpoint {path} was refused: it holds more than tensors and plain values "
+        raise FibctlError(f"checkpoint {shown_path(path)} was refused: it holds more than tensors and plain values "
                           f"({reason[:200]})") from None
     except Exception as e:  # truncated, random or empty files raise whatever the reader hit first
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint "
+        raise DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged or not a checkpoint "
                                 f"({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise DamagedCheckpoint(f"checkpoint {path} is not a fibctl checkpoint (no model weights and step)")
+        raise DamagedCheckpoint(f"checkpoint {shown_path(path)} is not a fibctl checkpoint (no model weights and step)")
     # checked here, for every reader (a resume, fibctl eval): load_state_dict and the step's
     # arithmetic would otherwise raise a TypeError, a traceback, wherever they read it
     weights, step = state["model"], state["step"]
     problem = _weights_problem(weights)
     if problem:
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its model weights {problem})")
+        raise DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged or not a checkpoint "
+                                f"(its model weights {problem})")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         what = step if isinstance(step, int) and not isinstance(step, bool) else _a(step)
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its step is {what}, not a "
-                                "count of steps)")
+        raise DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged or not a checkpoint (its step is {what}, "
+                                "not a count of steps)")
     # compared with the run's as text: a tensor there raised a RuntimeError (a traceback) in the comparing
     odd = next((k for k in ("config_hash", "data_hash") if state.get(k) is not None and not isinstance(state[k], str)),
                None)
     if odd:
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged or not a checkpoint (its {odd} is {_a(state[odd])}, "
-                                "not text)")
+        raise DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged or not a checkpoint (its {odd} is "
+                                f"{_a(state[odd])}, not text)")
     return state
 
 

@@ -420,8 +420,9 @@ def open_sinks(names, run_dir: Path, name: str, config: dict, heldout=()) -> lis
         for n in names:
             folder = Path(run_dir) / n
             if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-                raise WorkerError(f"--log-to {n}: {folder} is a {'link' if folder.is_symlink() else 'file'}; "
-                                  f"{n}'s files are written only into a folder of the run's own: remove it")
+                raise WorkerError(f"--log-to {n}: {shown_path(folder)} is a "
+                                  f"{'link' if folder.is_symlink() else 'file'}; {n}'s files are written only into a "
+                                  "folder of the run's own: remove it")
             try:
                 sinks.append(SINKS[n](run_dir, name, config, tuple(heldout)))
             except WorkerError:  # said in full already

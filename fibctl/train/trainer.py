@@ -41,7 +41,7 @@ from fibctl.attention import default_impl
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
-from fibctl.errors import FibctlError, WorkerError, first_line
+from fibctl.errors import FibctlError, WorkerError, first_line, shell_word, shown_path
 from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.metrics import stream_loss
 from fibctl.model import FibLM, NonFiniteAlpha
@@ -119,20 +119,21 @@ def check_data(config: RunConfig, manifest: DataManifest | None,
         raise WorkerError(_no_data(config, data_dir))
     if manifest.vocab_size != config.model.vocab_size:
         raise WorkerError(f"run {config.name!r} (preset {config.preset}) has vocab "
-                          f"{config.model.vocab_size:,} but the tokenizer of {manifest.data_dir} has "
+                          f"{config.model.vocab_size:,} but the tokenizer of {shown_path(manifest.data_dir)} has "
                           f"{manifest.vocab_size:,}")
     # the run evaluates every held-out set of the manifest (Trainer.evaluate): with none it
     # would record no evaluation, the numbers the tables read
     if not manifest.heldout:
-        raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but {manifest.data_dir} "
-                          f"has none (its manifest lists only {manifest.train_split!r}): prepare the data again")
+        raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but "
+                          f"{shown_path(manifest.data_dir)} has none (its manifest lists only "
+                          f"{manifest.train_split!r}): prepare the data again")
     # a training batch and an evaluation each read windows of seq_len inputs and the next token;
     # training, as the study drew it, never starts at the stream's last window (WindowSampler)
     window = config.model.seq_len + 1
     for split in manifest.splits:
         need = window + (split == manifest.train_split)
         if manifest.tokens[split] < need:
-            raise WorkerError(f"run {config.name!r}: the {split} stream of {manifest.data_dir} holds "
+            raise WorkerError(f"run {config.name!r}: the {split} stream of {shown_path(manifest.data_dir)} holds "
                               f"{manifest.tokens[split]:,} tokens; seq_len {config.model.seq_len:,} needs at least "
                               f"{need:,}: prepare more data")
     return manifest
@@ -147,8 +148,9 @@ def _no_data(config: RunConfig, data_dir: Path | None) -> str:
         return (f"run {config.name!r} trains on text, and the --data folder does not exist: give a prepared one "
                 "(fibctl data prepare makes one)")
     recipe = shipped_for_vocab(config.model.vocab_size) or "RECIPE"
-    return (f"run {config.name!r} trains on text, and the --data folder {data_dir} does not exist: prepare it "
-            f"(`fibctl data prepare {recipe} --data {data_dir}`) or give the one you prepared (--data, FIBCTL_DATA)")
+    return (f"run {config.name!r} trains on text, and the --data folder {shown_path(data_dir)} does not exist: "
+            f"prepare it (`fibctl data prepare {recipe} --data {shell_word(data_dir)}`) or give the one you prepared "
+            "(--data, FIBCTL_DATA)")
 
 
 class Trainer:
@@ -455,7 +457,7 @@ class Trainer:
         logged = self._check_recorded(state, path)
         used = state.get("optimizer_name", "adamw")  # checkpoints before the choice existed: adamw
         if used != self.optimizer_name:  # this worker's lack (no CUDA, no bitsandbytes), not the run's
-            raise WorkerError(f"checkpoint {path} was trained with {used}, but this worker would resume "
+            raise WorkerError(f"checkpoint {shown_path(path)} was trained with {used}, but this worker would resume "
                               f"with {self.optimizer_name}" + (f" ({self.optimizer_warning})"
                                                                if self.optimizer_warning else "")
                               + "; the run stays queued for a worker that can")
@@ -503,10 +505,10 @@ class Trainer:
         resuming from it would report its weights as this run's."""
         theirs = ckpt.stored_config_hash(state)
         if theirs != self.config.config_hash:
-            raise WorkerError(f"checkpoint {path} has config hash {theirs} but run {self.config.name!r} has "
-                              f"{self.config.config_hash}: it is another run's; use this run's own --runs-dir")
+            raise WorkerError(f"checkpoint {shown_path(path)} has config hash {theirs} but run {self.config.name!r} "
+                              f"has {self.config.config_hash}: it is another run's; use this run's own --runs-dir")
         if not self.holds_data(state.get("data_hash", self.data_hash)):
-            raise WorkerError(f"checkpoint {path} was trained on data {state['data_hash']} but "
+            raise WorkerError(f"checkpoint {shown_path(path)} was trained on data {state['data_hash']} but "
                               f"{self.config.name!r} would resume on data {self.data_hash}: use the --data it "
                               "was trained on")
 
@@ -531,15 +533,15 @@ class Trainer:
         restarts = state.get("restarts")
         if isinstance(restarts, int) and restarts < r.restarts:
             raise WorkerError(f"run {name!r} was queued again from step 0 (fibctl queue retry --from-start) after "
-                              f"its checkpoint {path} was written: move {self.run_dir} away to train the run "
-                              "from step 0")
+                              f"its checkpoint {shown_path(path)} was written: move {shown_path(self.run_dir)} away "
+                              "to train the run from step 0")
         if logged > r.step:
-            raise WorkerError(f"run {name!r} has rows up to step {r.step} in the database, but checkpoint {path} "
-                              f"was written once step {logged} was recorded (a database restored from an older "
-                              f"copy, or another database's): resuming from it would leave steps {r.step + 1}-"
-                              f"{logged} unrecorded; restore the database that recorded them, or move the "
-                              f"checkpoints past step {r.step} out of {self.run_dir} (none left: `fibctl queue "
-                              f"cancel {name}`, then `fibctl queue retry {name} --from-start`)")
+            raise WorkerError(f"run {name!r} has rows up to step {r.step} in the database, but checkpoint "
+                              f"{shown_path(path)} was written once step {logged} was recorded (a database restored "
+                              "from an older copy, or another database's): resuming from it would leave steps "
+                              f"{r.step + 1}-{logged} unrecorded; restore the database that recorded them, or move the "
+                              f"checkpoints past step {r.step} out of {shown_path(self.run_dir)} (none left: `fibctl "
+                              f"queue cancel {name}`, then `fibctl queue retry {name} --from-start`)")
         return logged
 
     def _heartbeat(self) -> None:

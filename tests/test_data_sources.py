@@ -337,7 +337,7 @@ def test_a_file_of_one_array_is_read_item_by_item(tmp_path, monkeypatch):
                         ('[{"text": "a"}', "the array is not closed"),
                         ('[{"text": "a"} {"text": "b"}]', "after item 0, '{' is not JSON"),
                         ('[{"text": "a"}] x', "the file is not JSON (text after the array's ']')"),
-                        ("[1, 23]", "item 0 is a JSON int"), ('[{"text": "\\ud800"}]', None)]:
+                        ("[1, 23]", "item 0 is a number, not a JSON object"), ('[{"text": "\\ud800"}]', None)]:
         path.write_text(text)
         for chunk in (1, 3, 1 << 20):
             monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
@@ -376,7 +376,9 @@ def test_an_integer_longer_than_python_converts_is_read_as_a_number(tmp_path):
 
 @pytest.mark.parametrize("content, words", [
     ('{"text": "a"}\n{"text": "b"\n', "rows.json: line 2 is not JSON"),
-    ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is a JSON list, not an object of fields"),
+    ('\n\n{"text": "a"}\n["x"]\n', "rows.json: line 4 is an array, not a JSON object of fields"),
+    ('{"text": "a"}\nnull\n', "rows.json: line 2 is null, not a JSON object of fields"),  # was "a JSON NoneType"
+    ('{"text": "a"}\n"b"\n', "rows.json: line 2 is a string, not a JSON object of fields"),
     ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "rows.json: line 1 nests its values too deeply to read"),
 ])
 def test_a_bad_json_file_names_the_file_and_line(content, words, tmp_path):
@@ -384,6 +386,16 @@ def test_a_bad_json_file_names_the_file_and_line(content, words, tmp_path):
     recipe, source = _local(str(tmp_path / "rows.json"), "json")
     with pytest.raises(FibctlError, match=re.escape(words)):
         _docs(recipe, source, tmp_path)
+
+
+def test_a_byte_order_mark_opening_a_json_lines_line_is_dropped(tmp_path):
+    """JSON Lines files each with a byte-order mark, joined (`cat a.jsonl b.jsonl`): the first
+    file's mark was dropped, the second's refused as "line 2 is not JSON (Expecting value at
+    column 1)", a column that looks fine."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "rows.jsonl").write_bytes(bom + b'{"text": "a"}\r\n' + bom + b'{"text": "b"}\r\n' + bom + b"\r\n")
+    recipe, source = _local(str(tmp_path / "rows.jsonl"), "json")
+    assert _docs(recipe, source, tmp_path) == ["a", "b"]
 
 
 @pytest.mark.parametrize("damage", ["cut", "flipped"])

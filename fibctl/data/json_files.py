@@ -66,6 +66,9 @@ def records(path: str) -> Iterator[tuple[str, dict]]:
             yield from _whole(name, _Chunks(f, first, line, pos=column - 1))
             return
         for n, text in enumerate(itertools.chain([first], f), line):
+            # a byte-order mark opening a line is that of a file joined on (`cat a.jsonl b.jsonl`):
+            # dropped, as the file's own is, rather than "not JSON" at a column that looks fine
+            text = text.removeprefix("\ufeff")
             if text.strip():
                 where = f"line {n}"
                 yield where, _record(name, where, _loads(name, where, text))
@@ -230,7 +233,12 @@ def _unpaired(value, escaped: object):
     return value
 
 
+# a value's kind as JSON names it (Python's names, `NoneType` and `list`, are not the file's)
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null", Unpaired: "a string"}
+
+
 def _record(name: str, where: str, value) -> dict:
     if not isinstance(value, dict):
-        raise FibctlError(f"{name}: {where} is a JSON {type(value).__name__}, not an object of fields")
+        raise FibctlError(f"{name}: {where} is {_JSON_KINDS[type(value)]}, not a JSON object of fields")
     return value

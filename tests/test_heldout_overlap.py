@@ -228,19 +228,53 @@ def test_a_corpus_with_a_huge_word_prepares(tmp_path):
     assert sum(n for _, n in _documents(tmp_path / "out", "train")) == 20000
 
 
-def test_an_empty_held_out_set_says_how_many_documents_were_read(tmp_path):
-    """It said only "raise its heldout_fraction", which cannot help a one-document corpus."""
+def _kept_in_training(texts: list[str], fraction: float) -> list[str]:
+    return [t for t in texts if not prep._hashed_below(t, fraction)]
+
+
+ONE_DOCUMENT = re.escape("its one document cannot be both trained on and held out; split its text into documents "
+                         '(sample_by = "paragraph" or "line", or one file per document)') + "$"
+
+
+@pytest.mark.parametrize("documents, train_tokens, words", [
+    # the one document ran out before the share was full, or filled it: no more to read either way
+    (1, 100_000, ONE_DOCUMENT),
+    (1, 50, ONE_DOCUMENT),  # said "read before its training share was full ... give the source more documents"
+    # all read (it said "before its training share was full"): more documents would help
+    (3, 100_000, r"none of its 3 documents hashed below its heldout_fraction 0\.1 \(about 0\.3 would\); give "
+                 r"the source more documents, or raise heldout_fraction$"),
+    # full while documents are left unread: more documents would not be read, more tokens would
+    (40, 50, r"none of the 1 document\(s\) read before its training share was full hashed below its "
+             r"heldout_fraction 0\.1; raise heldout_fraction, or train_tokens \(more of its documents are read\)$"),
+])
+def test_an_empty_held_out_set_says_what_to_change(tmp_path, documents, train_tokens, words):
+    """An empty held-out set said "give the source more documents, or raise heldout_fraction"
+    whatever the corpus: to a one-document corpus (where neither helps), and to a source whose
+    share was full before its documents were all read (where more are not read)."""
     from fibctl.errors import FibctlError
 
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "one.txt").write_text("a single document of plain words " * 40)
-    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0].replace("60000", "500")
+    texts = _kept_in_training([f"document {i} of plain words " * 20 for i in range(200)], 0.1)[:documents]
+    for i, text in enumerate(texts):
+        (tmp_path / "docs" / f"{i:03d}.txt").write_text(text)
+    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0].replace("60000", str(train_tokens))
                                      + '[[sources]]\nname = "a"\nkind = "local"\nformat = "text"\n'
                                        'files = ["docs/*.txt"]\nshare = 1.0\nheldout = "a_val"\n'
                                        'heldout_fraction = 0.1\n')
-    with pytest.raises(FibctlError, match=r"held-out set 'a_val' got no documents from source 'a': none of the "
-                                          r"1 document\(s\) read before its training share was full hashed below "
-                                          r"its heldout_fraction 0\.1; give the source more documents"):
+    with pytest.raises(FibctlError, match=r"^held-out set 'a_val' got no documents from source 'a': " + words):
+        prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+
+
+def test_sources_that_give_no_document_name_their_text_fields(tmp_path):
+    """Empty files, or rows whose text is null: it said only "the sources gave no training
+    documents"."""
+    from fibctl.errors import FibctlError
+
+    (tmp_path / "rows.jsonl").write_text('{"body": null}\n{"body": "  "}\n')
+    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0] + '[[sources]]\nname = "a"\nkind = "local"\n'
+                                     'format = "json"\nfiles = ["rows.jsonl"]\ntext = ["body"]\nshare = 1.0\n')
+    with pytest.raises(FibctlError, match=r"^recipe 'overlap': the sources gave no documents: their files hold no "
+                                          r"rows, or only rows whose text fields \(a: body\) are null or empty$"):
         prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
 
 

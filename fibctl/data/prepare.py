@@ -452,16 +452,36 @@ def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer],
             raise FibctlError(f"recipe {recipe.name!r}: no training documents: the held-out hash held out all "
                               f"{read:,} document(s) the sources gave (each hashed below heldout_fraction "
                               f"{_training_cut(recipe)}); give the sources more documents, or lower heldout_fraction")
+        if not read:  # empty files, or rows whose text fields are all null or empty: say which fields
+            fields = "; ".join(f"{f.source.name}: {', '.join(f.source.text)}" for f in feeds
+                               if f.source.kind in ("hub", "local"))
+            raise FibctlError(f"recipe {recipe.name!r}: the sources gave no documents: their files hold no rows, "
+                              f"or only rows whose text fields ({fields}) are null or empty"
+                              if fields else f"recipe {recipe.name!r}: the sources gave no documents")
         raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
     for feed in feeds:
         s = feed.source
         if s.heldout and heldout[s.heldout].tokens == 0:
-            # a source is read until its training share is full: only the documents read by then
-            # can be held out
-            raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}: none of the "
-                              f"{feed.read:,} document(s) read before its training share was full hashed below "
-                              f"its heldout_fraction {s.heldout_fraction}; give the source more documents, or "
-                              "raise heldout_fraction")
+            raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}: "
+                              f"{_why_none_held_out(feed)}")
+
+
+def _why_none_held_out(feed: _Feed) -> str:
+    """Why a source's held-out set is empty, and what to change: a source is read until its
+    training share is full (only the documents read by then can be held out), or until it runs
+    out (its share full with its last document: looked for one more); one document can never be
+    both trained on and held out."""
+    s, fraction = feed.source, feed.source.heldout_fraction
+    if feed.queue or next(feed.docs, None) is not None:  # documents not read: more training tokens read them
+        return (f"none of the {feed.read:,} document(s) read before its training share was full hashed below its "
+                f"heldout_fraction {fraction}; raise heldout_fraction, or train_tokens (more of its documents are "
+                "read)")
+    if feed.read == 1:
+        how = (' (sample_by = "paragraph" or "line", or one file per document)'
+               if s.format == "text" and s.sample_by == "document" else "")
+        return f"its one document cannot be both trained on and held out; split its text into documents{how}"
+    return (f"none of its {feed.read:,} documents hashed below its heldout_fraction {fraction} (about "
+            f"{feed.read * fraction:.1f} would); give the source more documents, or raise heldout_fraction")
 
 
 # ---- the output folder -----------------------------------------------------------------------

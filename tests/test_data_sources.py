@@ -917,3 +917,14 @@ def test_a_json_error_is_found_before_the_file_is_read_whole(tmp_path, monkeypat
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()
+
+
+def test_a_sources_files_are_read_in_sorted_order_across_its_globs(tmp_path):
+    """docs/data.md: the order decides which files a full share leaves out."""
+    for name in ("b/2.txt", "a/9.txt", "b/1.txt", "a/10.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": "text", "files": [str(tmp_path / "b/*.txt"),
+                                                                       str(tmp_path / "a/*.txt")], "share": 1}]})
+    assert _docs(recipe, recipe.sources[0], tmp_path) == ["a/10.txt", "a/9.txt", "b/1.txt", "b/2.txt"]

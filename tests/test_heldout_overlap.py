@@ -290,3 +290,21 @@ def test_documents_are_encoded_in_batches_bounded_in_characters(monkeypatch):
     assert [d for b in batches for d in b] == given
     monkeypatch.setattr(prep, "ENCODE_CHARS", 10**9)
     assert len(prep._batch(iter(given))) == prep.ENCODE_BATCH
+
+
+def test_the_held_out_hash_is_the_one_docs_data_md_states(tmp_path):
+    """docs/data.md states the hash so that a researcher can check a split from the streams."""
+    import hashlib
+
+    _corpus(tmp_path, 60)
+    (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0] + '[[sources]]\nname = "a"\nkind = "local"\n'
+                                     'format = "text"\nfiles = ["docs/*.txt"]\nshare = 1.0\nheldout = "a_val"\n'
+                                     'heldout_fraction = 0.3\n')
+    prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+
+    def fraction(text: str) -> float:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
+
+    held, train = (_documents(tmp_path / "out", split) for split in ("a_val", "train"))
+    assert held and all(fraction(t) < 0.3 for t, _ in held)
+    assert all(fraction(t) >= 0.3 for t, _ in train)

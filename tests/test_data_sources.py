@@ -541,6 +541,23 @@ def test_a_folder_named_in_files_says_so(tmp_path):
         recipe.local_files(source)
 
 
+def test_a_folder_of_folders_or_a_glob_missing_its_subfolders_names_the_glob_that_reaches_them(tmp_path):
+    """A corpus in nested folders: naming the folder suggested `corpus/*`, which matches only
+    its folders (refused in turn), and `corpus/*.txt` matched nothing without a word of `**`."""
+    (tmp_path / "corpus" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "corpus" / "a" / "b" / "1.txt").write_text("deep\n")
+    corpus = tmp_path / "corpus"
+    for files, words in ((corpus, rf"{corpus} is a folder; name its files, e.g. \"{corpus}/\*\*\"$"),
+                         (corpus / "*.txt", rf"no files match {corpus}/\*\.txt; files in its subfolders match "
+                                            rf"\"{corpus}/\*\*/\*\.txt\"$"),
+                         (corpus / "*.md", rf"no files match {corpus}/\*\.md$")):
+        recipe, source = _local(str(files))
+        with pytest.raises(FibctlError, match=rf"^source 'notes': {words}"):
+            recipe.local_files(source)
+    recipe, source = _local(str(corpus / "**" / "*.txt"))
+    assert _docs(recipe, source, tmp_path) == ["deep"]
+
+
 def test_a_zstd_file_reads_or_names_the_package_it_needs(tmp_path):
     data = b'{"text": "first"}\n'  # one zstd frame holding one raw block, written without a library
     frame = b"\x28\xb5\x2f\xfd" + bytes([0x20, len(data)]) + ((len(data) << 3) | 1).to_bytes(3, "little") + data

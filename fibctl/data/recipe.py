@@ -134,14 +134,29 @@ class Recipe:
                 matched.append(path)
             if not matched and not looped:
                 if folders:
+                    # a folder of folders: `*` would match only them, `**` every file at any depth
+                    try:
+                        deep = any(entry.is_dir() for entry in os.scandir(folders[0]))
+                    except OSError:  # unreadable: the plain suggestion
+                        deep = False
                     raise FibctlError(f"{where}: {shown_path(folders[0])} is a folder; name its files, e.g. "
-                                      f"\"{shown_path(os.path.join(folders[0], '*'))}\"")
-                raise FibctlError(f"{where}: no files match {shown_path(pattern)}")
+                                      f"\"{shown_path(os.path.join(folders[0], '**' if deep else '*'))}\"")
+                raise FibctlError(f"{where}: no files match {shown_path(pattern)}{_deeper(pattern)}")
             files.update(matched)
         found: dict[tuple[int, int], str] = {}  # the file -> the first path that matched it
         for path in sorted(files):
             found.setdefault(file_identity(path), path)
         return sorted(found.values())
+
+
+def _deeper(pattern: str) -> str:
+    """For a glob without `**` that matches no file: the glob that matches files in the
+    subfolders of its folder (`corpus/**/*.txt` for `corpus/*.txt`), if one does."""
+    folder, name = os.path.split(pattern)
+    deeper = os.path.join(folder, "**", name)
+    if "**" in pattern or not any(os.path.isfile(p) for p in glob.iglob(deeper, recursive=True)):
+        return ""
+    return f"; files in its subfolders match \"{shown_path(deeper)}\""
 
 
 def file_identity(path: str) -> tuple[int, int]:

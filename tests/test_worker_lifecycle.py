@@ -78,8 +78,10 @@ def without_heldout(d: Path) -> Path:
     ["train", "run", "--nproc", "2", "--device", "cpu"],  # refused before torchrun starts the ranks
     marks=pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="gloo runs one process per CPU; this has 1"))])
 @pytest.mark.parametrize("make, words", [
-    (short_train, "the train stream of {d} holds 40 tokens; seq_len 64 needs at least 66"),
-    (short_heldout, f"the {HELDOUT[0]} stream of {{d}} holds 40 tokens; seq_len 64 needs at least 65"),
+    (short_train, "the train stream of {d} holds 40 tokens; seq_len 64 needs at least 66: prepare more data "
+                  "(the recipe's train_tokens, or more documents)"),
+    (short_heldout, f"the {HELDOUT[0]} stream of {{d}} holds 40 tokens; seq_len 64 needs at least 65: prepare "
+                    "more data (the recipe's heldout_tokens or its source's heldout_fraction, or more documents)"),
     (without_heldout, "records evaluations on held-out sets, but {d} has none (its manifest lists only 'train')"),
 ])
 def test_data_that_cannot_train_or_evaluate_the_run_leaves_it_queued(command, make, words, tmp_path, capsys,

@@ -133,9 +133,12 @@ def check_data(config: RunConfig, manifest: DataManifest | None,
     for split in manifest.splits:
         need = window + (split == manifest.train_split)
         if manifest.tokens[split] < need:
+            # what in the recipe makes the stream longer (docs/data.md, "Held-out sets")
+            more = ("train_tokens, or more documents" if split == manifest.train_split else
+                    "heldout_tokens or its source's heldout_fraction, or more documents")
             raise WorkerError(f"run {config.name!r}: the {split} stream of {shown_path(manifest.data_dir)} holds "
                               f"{manifest.tokens[split]:,} tokens; seq_len {config.model.seq_len:,} needs at least "
-                              f"{need:,}: prepare more data")
+                              f"{need:,}: prepare more data (the recipe's {more})")
     return manifest
 
 

@@ -273,8 +273,14 @@ def test_sources_that_give_no_document_name_their_text_fields(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"body": null}\n{"body": "  "}\n')
     (tmp_path / "r.toml").write_text(OVERLAP.split("[[sources]]")[0] + '[[sources]]\nname = "a"\nkind = "local"\n'
                                      'format = "json"\nfiles = ["rows.jsonl"]\ntext = ["body"]\nshare = 1.0\n')
-    with pytest.raises(FibctlError, match=r"^recipe 'overlap': the sources gave no documents: their files hold no "
-                                          r"rows, or only rows whose text fields \(a: body\) are null or empty$"):
+    with pytest.raises(FibctlError, match=r"^recipe 'overlap': the sources gave no documents \(a: no row has text "
+                                          r"in body: each is null or empty\)$"):
+        prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "0blank.txt").write_text(" \n\n")
+    (tmp_path / "r.toml").write_text(OVERLAP.format(b_heldout=""))
+    with pytest.raises(FibctlError, match=r"^recipe 'overlap': the sources gave no documents \(a: its files are "
+                                          r"empty or whitespace; b: its files are empty or whitespace\)$"):
         prepare(load_recipe(tmp_path / "r.toml"), tmp_path / "out")
 
 

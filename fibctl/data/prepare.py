@@ -452,18 +452,24 @@ def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer],
             raise FibctlError(f"recipe {recipe.name!r}: no training documents: the held-out hash held out all "
                               f"{read:,} document(s) the sources gave (each hashed below heldout_fraction "
                               f"{_training_cut(recipe)}); give the sources more documents, or lower heldout_fraction")
-        if not read:  # empty files, or rows whose text fields are all null or empty: say which fields
-            fields = "; ".join(f"{f.source.name}: {', '.join(f.source.text)}" for f in feeds
-                               if f.source.kind in ("hub", "local"))
-            raise FibctlError(f"recipe {recipe.name!r}: the sources gave no documents: their files hold no rows, "
-                              f"or only rows whose text fields ({fields}) are null or empty"
-                              if fields else f"recipe {recipe.name!r}: the sources gave no documents")
+        if not read:  # empty files, or rows whose text fields are all null or empty: say which
+            raise FibctlError(f"recipe {recipe.name!r}: the sources gave no documents "
+                              f"({'; '.join(_why_no_documents(f.source) for f in feeds)})")
         raise FibctlError(f"recipe {recipe.name!r}: the sources gave no training documents")
     for feed in feeds:
         s = feed.source
         if s.heldout and heldout[s.heldout].tokens == 0:
             raise FibctlError(f"held-out set {s.heldout!r} got no documents from source {s.name!r}: "
                               f"{_why_none_held_out(feed)}")
+
+
+def _why_no_documents(source: Source) -> str:
+    """What a source that gave no document read: empty files, or rows without text."""
+    if source.format == "text":
+        return f"{source.name}: its files are empty or whitespace"
+    if source.kind in ("hub", "local"):
+        return f"{source.name}: no row has text in {', '.join(source.text)}: each is null or empty"
+    return f"{source.name}: none"
 
 
 def _why_none_held_out(feed: _Feed) -> str:

@@ -345,7 +345,7 @@ def queue_retry(ctx: typer.Context,
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
-        from fibctl.flows.removal import discard_logs, settle_aside
+        from fibctl.flows.removal import discard_logs, settle_or_refuse
         from fibctl.train import checkpoint as ckpt
 
         def folders(recorded_dir: str | None) -> list[Path]:
@@ -356,7 +356,9 @@ def queue_retry(ctx: typer.Context,
 
         def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
             for folder in folders(recorded_dir):  # the only folders a worker resumes in (checkpoint.resolve_path)
-                settle_aside(folder.parent, name, owned=True)  # a killed `queue rm` hid them: back, and seen
+                # a killed `queue rm` hid them: back, and seen; one it cannot settle is refused,
+                # else the retry would find no checkpoint and delete the rows
+                settle_or_refuse(folder.parent, name, True, "nothing was changed")
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
                     raise FibctlError(f"{shown_path(left)} is still there: `fibctl queue retry {name}` resumes from "

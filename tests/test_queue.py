@@ -658,6 +658,40 @@ def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
     assert text_.count("40/100") >= 3 and "\x1b" not in text_
 
 
+def test_status_watch_waits_out_a_database_it_cannot_open(tmp_path, monkeypatch, capsys):
+    """A database that did not answer as --watch drew a view (a server restarting, a file
+    moved) ended the watch: one line, exit code 2. The view says so, with the time it began,
+    and the watch tries again at its interval (the same path as tests/test_postgres.py's
+    server restart, on a SQLite file moved away and back)."""
+    import re
+
+    from fibctl.cli import main
+
+    db, moved = tmp_path / "r.db", tmp_path / "moved.db"
+    engine = connect(str(db))
+    queue.add_runs(engine, _configs(1))
+    engine.dispose()
+    between = iter([lambda: db.rename(moved), lambda: None, lambda: moved.rename(db)])
+
+    def sleep(_seconds):  # each pause between views: the file goes, stays gone, comes back; then Ctrl-C
+        next(between, lambda: (_ for _ in ()).throw(KeyboardInterrupt))()
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "status", "--db", str(db), "--watch", "--every", "3"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr().out
+    views = re.split(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$", out, flags=re.M)[1:]
+    assert exit_.value.code == 130 and len(views) == 4, out
+    said = [" ".join(v.split()) for v in views]
+    assert "1 queued" in said[0] and "1 queued" in said[3], out
+    refused = re.compile(rf"the database {re.escape(str(db))} refused the operation: unable to open database file; "
+                         r"since (\d\d:\d\d:\d\d) UTC, trying again every 3 s")
+    down = [refused.fullmatch(v) for v in said[1:3]]
+    assert all(down) and down[0][1] == down[1][1], out  # since the first view it missed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.db"]
+
+
 def test_status_watch_on_postgresql_holds_no_connection_between_views():
     """`status --watch` kept its one connection open, idle between views, for as long as it
     ran (hours, on a shared server), and a server restart or a server that ends idle sessions

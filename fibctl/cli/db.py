@@ -296,15 +296,31 @@ def status_cmd(
     if not watch:
         console.print(view())
         return
+    down: list = []  # [when the database stopped answering], while it does not
+
+    def watched():
+        # a server restarting (or a file moved) mid-watch: said in the view, and waited out
+        # (it ended the watch, exit code 2); at the start it is one line, exit 2, as anywhere
+        try:
+            shown = view()
+        except Exception as e:
+            if (refused := db_engine.refusal(e)) is None:
+                raise
+            down[:] = down or [utcnow()]
+            # a Group, as a view is: printed under its time, not on the time's line
+            return Group(plain(f"{refused}; since {down[0]:%H:%M:%S} UTC, trying again every {every:g} s"))
+        down.clear()
+        return shown
+
     # Ctrl-C, the way out of --watch, ends it as it ends every command (fibctl.cli): one line, 130
     if not console.is_terminal:  # Live would print its first view alone: a log gets each view, dated
         while True:
-            console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), view(), "")
+            console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), watched(), "")
             time.sleep(every)
-    with Live(view(), console=console, auto_refresh=False) as live:
+    with Live(watched(), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(every)
-            live.update(view(), refresh=True)
+            live.update(watched(), refresh=True)
 
 
 @queue_app.command("cancel")

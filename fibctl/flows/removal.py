@@ -196,9 +196,9 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
             failed = shown_path(e.filename or aside[0])  # shown_path takes no None
             raise FibctlError(f"{message}, but not all of its checkpoint folder ({failed}: {e.strerror or e}); "
                               f"what is left is at {shown_path(left)}: delete it by hand") from None
-        return message + f"; deleted {folder[0]}"
+        return message + f"; deleted {shown_path(folder[0])}"
     if checkpoints:
-        return message + f"; no checkpoint folder at {folder[0]}"
+        return message + f"; no checkpoint folder at {shown_path(folder[0])}"
     if folder[0].is_dir() and any(folder[0].glob("step_*.pt")):
-        return message + f"; its checkpoints stay in {folder[0]} (--checkpoints deletes them)"
+        return message + f"; its checkpoints stay in {shown_path(folder[0])} (--checkpoints deletes them)"
     return message

@@ -503,7 +503,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_warning = lambda message: display.warn(f"{claimed.name}: {message}")
-        trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({path})")
+        trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({shown_path(path)})")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
@@ -643,7 +643,7 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
             return lost
         return Outcome(claimed.name, "done", result.step, None, result.checkpoint)
     if result.status == "stopped":
-        if not queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {result.checkpoint}",
+        if not queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {shown_path(result.checkpoint)}",
                              worker):
             return lost
         return Outcome(claimed.name, "released", result.step, None, result.checkpoint)

@@ -575,6 +575,10 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
             raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {shown_path(left)} exists "
                               f"(a run of that name removed and queued again, or another database's): "
                               f"move {shown_path(own)} away to train the run from step 0")
+        # one an earlier attempt wrote but did not record may be in a folder a `queue rm` moved
+        # aside and settle_aside left: training from step 0 would leave it behind, unseen
+        if left is None and owned and (hint := aside_hint(opts.runs_dir, claimed.name)):
+            raise WorkerError(f"run {claimed.name!r} has no checkpoint in {shown_path(own)}: {hint}")
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)  # in `own`, or refused
     # one moved aside (or deleted) as damaged: the run resumes from the newest left in its folder

@@ -396,6 +396,37 @@ def test_tensorboard_files_put_in_a_run_folder_by_hand_neither_stop_nor_hold_its
     assert not missing("train/loss", 10) and missing("train/loss", 20)
 
 
+def test_tensorboard_writes_no_event_file_through_a_link_put_at_its_name(tmp_path, monkeypatch):
+    """The event file's name (time in seconds, host, PID, a count) is foreseeable and torch's
+    SummaryWriter opens it without O_EXCL: a co-user's link at that name was written through,
+    the run's metrics landing in (and truncating) the file it pointed at. The name now ends
+    with a random suffix; fibctl still finds its own files (a resume's catching up)."""
+    pytest.importorskip("tensorboard")
+    import socket
+    import types
+
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
+    monkeypatch.setattr(event_file_writer, "_global_uid", types.SimpleNamespace(get=lambda: 0))
+    folder = tmp_path / "tensorboard"
+    folder.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept\n")
+    (folder / f"events.out.tfevents.1700000000.{socket.gethostname()}.{os.getpid()}.0").symlink_to(victim)
+    sink = open_sinks(["tensorboard"], tmp_path, "r", {"seed": 42})[0]
+    sink.log(10, {"train/loss": 1.0})
+    sink.resume(10)  # a second writer, of the same foreseeable name
+    sink.log(20, {"train/loss": 2.0})
+    missing = sink.missing(20)
+    sink.close()
+    assert victim.read_text() == "kept\n"
+    written = [p for p in folder.iterdir() if not p.is_symlink()]
+    assert len(written) == 2 and all(re.fullmatch(r"events\.out\.tfevents\..*\.0\.[0-9a-f]{16}", p.name)
+                                     for p in written), written
+    assert not missing("train/loss", 10) and not missing("train/loss", 20) and missing("train/loss", 30)
+
+
 def test_a_runs_wandb_id_file_is_read_and_written_only_as_fibctl_writes_it(tmp_path):
     """A co-user of a shared runs folder linked RUN/wandb/fibctl-run-id to another file: its
     content became the W&B id, the name of a folder anyone could list; and a link at the

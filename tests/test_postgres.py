@@ -59,20 +59,38 @@ def test_queue_worker_eval_report_and_read_only_sql_end_to_end(pg, data, tmp_pat
     assert fibctl("sql", "SELECT count(*) AS n FROM runs", "--format", "json", *reader).count('"n": 2') == 1
 
 
-def _restart_server() -> None:
-    """Restart the server under test (it runs as the `postgres` user; we are root in CI)."""
+def _server_control():
+    """`control(action)`: pg_ctl's restart, stop or start of the server under test (it runs as
+    the `postgres` user; we are root in CI), waiting for it to be done. Asked for before the
+    server goes down: its data folder is asked of the server."""
     import glob
+    import shlex
     import shutil
+    from pathlib import Path
 
     with create_engine(SERVER).connect() as conn:
         data = conn.execute(text("SHOW data_directory")).scalar()
     pg_ctl = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     if os.geteuid() != 0 or not pg_ctl or not shutil.which("runuser"):
         pytest.skip("restarting the server needs root and Debian's pg_ctl")
-    # the server's output goes to a log file: on a pipe it would keep this call waiting
-    subprocess.run(["runuser", "-u", "postgres", "--", pg_ctl[-1], "-D", data, "-l", f"{data}/../restart.log",
-                    "restart", "-m", "fast", "-w"], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=120)
+
+    # the options it was started with (.ci/postgres: its port, its socket folder): a restart
+    # reuses them, a start is given them again, else it would listen on the default port
+    options = shlex.split(Path(data, "postmaster.opts").read_text())[1:]  # the program's name first
+    if "-D" in options:  # given apart
+        del options[options.index("-D"):options.index("-D") + 2]
+
+    def control(action: str) -> None:
+        how = ["-o", shlex.join(options)] if action == "start" else ["-m", "fast"]
+        # the server's output goes to a log file: on a pipe it would keep this call waiting
+        subprocess.run(["runuser", "-u", "postgres", "--", pg_ctl[-1], "-D", data, "-l", f"{data}/../restart.log",
+                        action, *how, "-w"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=120)
+    return control
+
+
+def _restart_server() -> None:
+    _server_control()("restart")
 
 
 @pytest.fixture
@@ -118,6 +136,62 @@ def test_a_server_restart_mid_run_loses_no_metric_row(pg_alone, data, tmp_path):
         steps = [s for (s,) in conn.execute(text("SELECT step FROM train_steps ORDER BY step"))]
     engine.dispose()
     assert steps == list(range(2, 301, 2))  # every logged step, the restart notwithstanding
+
+
+def test_status_watch_rides_out_the_server_going_down(pg_alone, tmp_path):
+    """`status --watch` ended, exit code 2, when the server was down as it drew a view: a
+    server restart ended every watch on it. The view says the database does not answer, and
+    since when, and the watch tries again at its interval until Ctrl-C; a server that does
+    not answer at the start is still one line, exit code 2."""
+    import select
+    import signal
+    import time
+
+    from sqlalchemy.engine import make_url
+
+    from fibctl import queue
+    from fibctl.config import RunConfig
+    from fibctl.db.engine import connect
+
+    env = {**os.environ, "COLUMNS": "80"}
+    nowhere = make_url(pg_alone).set(port=1).render_as_string(hide_password=False)  # nothing listens
+    done = subprocess.run([sys.executable, "-m", "fibctl", "status", "--watch", "--db", nowhere], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    engine = connect(pg_alone)
+    queue.add_runs(engine, [RunConfig.resolve("a", "test", "micro", schedule="fixed")])
+    engine.dispose()
+    control = _server_control()
+    watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", pg_alone, "--watch", "--every",
+                              "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    shown = b""
+
+    def until(said: bytes) -> bytes:  # what the watch writes from now until it says `said`
+        nonlocal shown
+        start, deadline = len(shown), time.monotonic() + 60
+        while said not in shown[start:] and time.monotonic() < deadline:
+            if select.select([watch.stdout], [], [], 1)[0]:
+                chunk = os.read(watch.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                shown += chunk
+        return shown[start:]
+
+    try:
+        assert b"1 queued" in until(b"1 queued")
+        control("stop")
+        try:
+            down = until(b"trying again every 0.2 s")
+        finally:
+            control("start")
+        assert watch.poll() is None, watch.stderr.read()
+        back = until(b"1 queued")
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+    said = " ".join(down.decode().split())
+    assert "refused the operation:" in said and "trying again every 0.2 s" in said, down
+    assert b"1 queued" in back and watch.returncode == 130 and err == b"interrupted\n", (back, err)
 
 
 def test_probe_names_the_database_it_queued_into_with_the_password_masked(pg, tmp_path):

@@ -658,6 +658,40 @@ def test_status_watch_into_a_log_writes_each_view_with_its_time(db):
     assert text_.count("40/100") >= 3 and "\x1b" not in text_
 
 
+def test_status_watch_waits_out_a_database_it_cannot_open(tmp_path, monkeypatch, capsys):
+    """A database that did not answer as --watch drew a view (a server restarting, a file
+    moved) ended the watch: one line, exit code 2. The view says so, with the time it began,
+    and the watch tries again at its interval (the same path as tests/test_postgres.py's
+    server restart, on a SQLite file moved away and back)."""
+    import re
+
+    from fibctl.cli import main
+
+    db, moved = tmp_path / "r.db", tmp_path / "moved.db"
+    engine = connect(str(db))
+    queue.add_runs(engine, _configs(1))
+    engine.dispose()
+    between = iter([lambda: db.rename(moved), lambda: None, lambda: moved.rename(db)])
+
+    def sleep(_seconds):  # each pause between views: the file goes, stays gone, comes back; then Ctrl-C
+        next(between, lambda: (_ for _ in ()).throw(KeyboardInterrupt))()
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "status", "--db", str(db), "--watch", "--every", "3"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out = capsys.readouterr().out
+    views = re.split(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$", out, flags=re.M)[1:]
+    assert exit_.value.code == 130 and len(views) == 4, out
+    said = [" ".join(v.split()) for v in views]
+    assert "1 queued" in said[0] and "1 queued" in said[3], out
+    refused = re.compile(rf"the database {re.escape(str(db))} refused the operation: unable to open database file; "
+                         r"since (\d\d:\d\d:\d\d) UTC, trying again every 3 s")
+    down = [refused.fullmatch(v) for v in said[1:3]]
+    assert all(down) and down[0][1] == down[1][1], out  # since the first view it missed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.db"]
+
+
 def test_status_watch_on_postgresql_holds_no_connection_between_views():
     """`status --watch` kept its one connection open, idle between views, for as long as it
     ran (hours, on a shared server), and a server restart or a server that ends idle sessions
@@ -836,10 +870,47 @@ def test_queue_rm_settles_the_folder_a_killed_queue_rm_moved_aside(db, tmp_path,
     assert rm("r003", "--checkpoints") == (0, "removed run r003 (queued) and 0 metric and event row(s); "
                                               "deleted runs/r003")
     assert rm("r001", "--checkpoints") == (2, "error: no run named 'r001'; did you mean 'r002'?")
-    assert rm("r002", "--checkpoints") == (0, "removed run r002 (queued) and 0 metric and event row(s); "
-                                              "no checkpoint folder at runs/r002")
+    # the live one's folder may be the run's checkpoints: --checkpoints, unable to delete it,
+    # is refused where it said "no checkpoint folder" and left it behind the rows
+    assert rm("r002", "--checkpoints") == (2, f"error: run r002: a `fibctl queue rm --checkpoints` (process "
+                                              f"{os.getpid()}, still running) moved the run's folder aside to "
+                                              f"runs/{live.name}: once that command is not running, move it back "
+                                              "to runs/r002; nothing was removed")
+    assert rm("r002") == (0, "removed run r002 (queued) and 0 metric and event row(s)")
     assert sorted(p.name for p in runs.iterdir()) == [live.name, "r000"]
     assert [r["name"] for r in queue.list_runs(engine)] == []
+
+
+@pytest.mark.parametrize("maker", ["other-space", "running"])
+def test_retry_from_start_refuses_while_the_runs_folder_is_aside(db, tmp_path, monkeypatch, capsys, maker):
+    """A folder a `queue rm --checkpoints` moved aside and `settle_aside` may not settle (its
+    maker in another container, or still at work): the retry found no checkpoint in
+    RUNS/NAME and deleted the run's rows, though its checkpoints were there, hidden."""
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    run = queue.claim_next(engine, "w1")
+    RunRecorder(engine, run.id, "w1").log_step(5, 3.0, 1e-3)
+    queue.cancel(engine, "r000")
+    runs = tmp_path / "runs"
+    owner = f"{2**22 + 1}-0123456789ab" if maker == "other-space" else f"{os.getpid()}-{pid_space()}"
+    hidden = runs / f".r000.removing-{owner}"
+    hidden.mkdir(parents=True)
+    (hidden / "step_00000005.pt").write_bytes(b"x")
+    who = ("process 4194305 of another machine or container" if maker == "other-space"
+           else f"process {os.getpid()}, still running")
+    code, err = _main_exit(monkeypatch, capsys, "queue", "retry", "r000", "--from-start", "--db", db,
+                           "--runs-dir", str(runs))
+    assert code == 2 and " ".join(err.split()) == (
+        f"error: run r000: a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {hidden}: "
+        f"once that command is not running, move it back to {runs / 'r000'}; nothing was changed"), err
+    assert err.count("\n") == 1, err
+    assert queue.list_runs(engine)[0]["status"] == "cancelled" and [p.name for p in runs.iterdir()] == [hidden.name]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT step FROM train_steps")).scalars().all() == [5]
+    hidden.rename(runs / "r000")  # as the message says: the retry then sees the checkpoint
+    code, err = _main_exit(monkeypatch, capsys, "queue", "retry", "r000", "--from-start", "--db", db,
+                           "--runs-dir", str(runs))
+    assert code == 2 and "step_00000005.pt is still there" in err, err
 
 
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"name": 5}', "[" * 100_000 + "]" * 100_000])

@@ -237,6 +237,29 @@ def test_a_folder_moved_aside_in_another_pid_space_is_named_where_its_checkpoint
     assert outcome.status == "done"
 
 
+def test_a_run_claimed_before_waits_for_its_folder_moved_aside_in_another_pid_space(data, tmp_path):
+    """A run an earlier attempt trained (its checkpoint written, not yet recorded) whose folder a
+    `queue rm --checkpoints` in another container moved aside: the worker found no checkpoint
+    and trained it from step 0, the checkpoint left behind, unseen. It names the folder, and
+    the run waits in the queue, as for a run whose recorded checkpoint is missing."""
+    from fibctl import queue
+
+    runs_dir = tmp_path / "runs"
+    engine = queued_db(tmp_path / "r.db", micro_run("run", **SHORT))
+    first = queue.claim_next(engine, "w0")
+    queue.release(engine, first.id, "killed before it recorded its checkpoint")
+    hidden = runs_dir / ".run.removing-4194305-0123456789ab"  # another PID space's: left alone
+    hidden.mkdir(parents=True)
+    (hidden / "step_00000003.pt").write_bytes(b"x")
+    with pytest.raises(WorkerError) as e:
+        work(engine, opts(data, runs_dir), Quiet())
+    assert str(e.value) == (f"run 'run' has no checkpoint in {runs_dir / 'run'}: a `fibctl queue rm --checkpoints` "
+                            f"(process 4194305 of another machine or container) moved the run's folder aside to "
+                            f"{hidden}: once that command is not running, move it back to {runs_dir / 'run'}")
+    assert [p.name for p in runs_dir.iterdir()] == [hidden.name]
+    assert sqlite3.connect(tmp_path / "r.db").execute("select status from runs").fetchone() == ("queued",)
+
+
 def test_a_checkpoint_an_attempt_wrote_but_did_not_record_is_resumed(data, tmp_path):
     engine = queued_db(tmp_path / "r.db", micro_run("run", **LONG))
     stop = threading.Event()

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from fibctl.cli.common import (err_console, hold_interrupts, interrupted, noting_interrupts,
                                unencodable_shown_as_question_marks)
-from fibctl.errors import FibctlError, printable
+from fibctl.errors import FibctlError, printable, shown_path
 from fibctl.flows.torchrun import launched  # here, not in main: an import there is a window for a Ctrl-C
 
 
@@ -347,7 +347,7 @@ def _run(command) -> None:
         from fibctl.db.engine import refusal
 
         if isinstance(e, OSError) and e.strerror:  # the system refused a path: a name too long, no space
-            _fail(f"{str(e.filename)[:120]}: {e.strerror}" if e.filename else e.strerror)
+            _fail(f"{shown_path(str(e.filename))[:120]}: {e.strerror}" if e.filename else e.strerror)
         # a database's refusal, or one that pandas wrapped (its DatabaseError) mid-query
         message = refusal(e) or (refusal(e.__cause__) if e.__cause__ is not None else None)
         if message is None:

@@ -15,7 +15,7 @@ from fibctl.cli import app
 from fibctl.cli.common import console, data_dir_value, err_console, fitted_table, fitted_view, folder_value, plain
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
-from fibctl.errors import printable
+from fibctl.errors import printable, shown_path
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
                        no_args_is_help=True)
@@ -78,7 +78,7 @@ def prepare_cmd(
                 f"[yellow]note:[/] {escape(printable(line, lines=True))}", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:  # the build is in a folder beside `out`, swapped in only when complete
         _remove_empty(made)
-        err_console.print(f"interrupted; run the same command again to prepare {out}", markup=False,
+        err_console.print(f"interrupted; run the same command again to prepare {shown_path(out)}", markup=False,
                           highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except BaseException:
@@ -86,14 +86,14 @@ def prepare_cmd(
         raise
     _warn_short(result.manifest)
     if result.finished:  # killed while putting its build in place: that build, checked, is in place now
-        console.print(f"{out}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
+        console.print(f"{shown_path(out)}: finished the interrupted prepare of recipe {r.name!r} ({r.recipe_hash}): "
                       "its complete build is in place", markup=False, highlight=False, soft_wrap=True)
     elif result.reused:
-        console.print(f"{out}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False,
+        console.print(f"{shown_path(out)}: up to date with recipe {r.name!r} ({r.recipe_hash}); reused", markup=False,
                       highlight=False, soft_wrap=True)
     else:  # one line, also in a log file (soft_wrap): a terminal folds it at its own width
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
-        console.print(f"{out}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})",
+        console.print(f"{shown_path(out)}: prepared recipe {r.name!r} in {time.perf_counter() - start:.1f} s ({phases})",
                       markup=False, highlight=False, soft_wrap=True)
     _print_manifest(result.manifest)
 

@@ -296,15 +296,31 @@ def status_cmd(
     if not watch:
         console.print(view())
         return
+    down: list = []  # [when the database stopped answering], while it does not
+
+    def watched():
+        # a server restarting (or a file moved) mid-watch: said in the view, and waited out
+        # (it ended the watch, exit code 2); at the start it is one line, exit 2, as anywhere
+        try:
+            shown = view()
+        except Exception as e:
+            if (refused := db_engine.refusal(e)) is None:
+                raise
+            down[:] = down or [utcnow()]
+            # a Group, as a view is: printed under its time, not on the time's line
+            return Group(plain(f"{refused}; since {down[0]:%H:%M:%S} UTC, trying again every {every:g} s"))
+        down.clear()
+        return shown
+
     # Ctrl-C, the way out of --watch, ends it as it ends every command (fibctl.cli): one line, 130
     if not console.is_terminal:  # Live would print its first view alone: a log gets each view, dated
         while True:
-            console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), view(), "")
+            console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), watched(), "")
             time.sleep(every)
-    with Live(view(), console=console, auto_refresh=False) as live:
+    with Live(watched(), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(every)
-            live.update(view(), refresh=True)
+            live.update(watched(), refresh=True)
 
 
 @queue_app.command("cancel")
@@ -345,7 +361,7 @@ def queue_retry(ctx: typer.Context,
     if from_start:
         check_name("run", name)
         # torch, only for this option: seconds to import, so not while holding the write lock
-        from fibctl.flows.removal import discard_logs, settle_aside
+        from fibctl.flows.removal import discard_logs, settle_or_refuse
         from fibctl.train import checkpoint as ckpt
 
         def folders(recorded_dir: str | None) -> list[Path]:
@@ -356,7 +372,9 @@ def queue_retry(ctx: typer.Context,
 
         def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
             for folder in folders(recorded_dir):  # the only folders a worker resumes in (checkpoint.resolve_path)
-                settle_aside(folder.parent, name, owned=True)  # a killed `queue rm` hid them: back, and seen
+                # a killed `queue rm` hid them: back, and seen; one it cannot settle is refused,
+                # else the retry would find no checkpoint and delete the rows
+                settle_or_refuse(folder.parent, name, True, "nothing was changed")
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
                     raise FibctlError(f"{shown_path(left)} is still there: `fibctl queue retry {name}` resumes from "

@@ -174,7 +174,7 @@ def report_all(
                 track=lambda jobs: _with_progress(_stopping_at_a_ctrl_c(jobs, held), len(jobs)))
     except KeyboardInterrupt as e:
         kept = getattr(e, "written", [])  # write_all's: the files in place when it stopped
-        err_console.print(f"interrupted; the {len(kept)} files written before it are in {out}/ (no index.html): "
+        err_console.print(f"interrupted; the {len(kept)} files written before it are in {shown_path(out)}/ (no index.html): "
                           "run the same command again for the whole report" if kept else
                           "interrupted; nothing was written", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
@@ -182,7 +182,7 @@ def report_all(
         raise FibctlError(f"cannot write the report into {shown_path(out)}: {e.strerror or e}") from None
     if interrupted.is_set():  # held while the last files were written
         if interrupted.signal == signal.SIGINT:
-            err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {out}/",
+            err_console.print(f"interrupted; the report was complete: its {len(written)} files are in {shown_path(out)}/",
                               markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(128 + interrupted.signal)
     for name, why in skipped:
@@ -191,7 +191,8 @@ def report_all(
     if not written:
         raise FibctlError(f"nothing to report from {shown(db)}: every table and figure lacks its data")
     page = out / "index.html"
-    console.print(f"wrote {len(written)} files to {out}/" + (f"; all of them on one page: {page}" if page in written else ""),
+    console.print(f"wrote {len(written)} files to {shown_path(out)}/"
+                  + (f"; all of them on one page: {shown_path(page)}" if page in written else ""),
                   highlight=False, markup=False, soft_wrap=True)
 
 
@@ -279,7 +280,7 @@ def figure(
                                                             window=window, run=run))
     except OSError as e:  # a read-only folder, a folder where the file should be, a full disk
         raise FibctlError(f"cannot write {shown_path(path)}: {e.strerror or e}") from None
-    console.print(f"wrote {path}", highlight=False, markup=False)
+    console.print(f"wrote {shown_path(path)}", highlight=False, markup=False)
 
 
 @app.command("compare")

@@ -19,7 +19,7 @@ from fibctl.cli import OUTPUT_CLOSED, app, silence_closed_output, stopped_by_clo
 from fibctl.cli.common import DEFAULT_DB, DbOption, console, data_dir_value, err_console, runs_dir_value
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, shown_path
 from fibctl.reports.tables import ppl  # perplexity as every table prints it
 from fibctl.train.loggers import LOGGERS, check_loggers
 from fibctl.units import duration
@@ -115,7 +115,7 @@ class RunDisplay:
         if last is not None and outcome.status == "done":  # how long, and what it scored at the end
             detail += f" in {duration(last.elapsed_s)}" + ("; final ppl " + ", ".join(
                 f"{dataset} {_ppl(loss)}" for dataset, loss in last.evals.items()) if last.evals else "")
-        where = f" ({outcome.checkpoint})" if outcome.checkpoint and outcome.status != "failed" else ""
+        where = f" ({shown_path(outcome.checkpoint)})" if outcome.checkpoint and outcome.status != "failed" else ""
         # folded at a terminal's width; one line in a file, for grep
         line = as_written(f"{outcome.name}: {outcome.status} {outcome.at}{detail}", style)
         self._print(console, line + as_written(where), highlight=False, soft_wrap=not console.is_terminal)
@@ -189,12 +189,12 @@ class EvalProgress:
 
     def result(self, row: dict, total: int) -> None:
         self.done += 1
-        left = self._left(total)
+        eta = self._left(total)
         if self.progress is not None:
-            self.progress.update(self.task, completed=self.done, total=total, left=left)
+            self.progress.update(self.task, completed=self.done, total=total, left=eta)
             return
         console.print(as_written(f"{row['run']} length {row['eval_length']} {row['dataset']}: ppl {ppl(row['ppl'])} "
-                                 f"({self.done}/{total}" + (f", {left})" if left else ")")),
+                                 f"({self.done}/{total}" + (f", {eta})" if eta else ")")),
                       highlight=False, soft_wrap=True)
 
 

@@ -100,7 +100,7 @@ def prepare(recipe: Recipe, out: str | Path, progress: Progress | None = None,
         if mismatch is None:
             _tidy(out)
             return PrepareResult(existing, True, {})
-        note(f"{out}: {mismatch}; rebuilding it")
+        note(f"{shown_path(out)}: {mismatch}; rebuilding it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

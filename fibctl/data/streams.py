@@ -100,7 +100,7 @@ class DataManifest:
         # was trained and scored on as the data its runs record (`data_hash`: the manifest's)
         recorded = self.stream_hashes.get(split)
         if recorded is not None and file_hash(path) != recorded:
-            raise FibctlError(f"{path} no longer matches the hash its manifest records (changed since it was "
+            raise FibctlError(f"{shown_path(path)} no longer matches the hash its manifest records (changed since it was "
                               "prepared); prepare the data again")
         return stream
 

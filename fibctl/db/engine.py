@@ -110,7 +110,7 @@ def has_password(url: URL) -> bool:
 def shown(db: str | URL) -> str:
     """The database as messages show it: a URL's password masked, in its query too."""
     if isinstance(db, str) and "://" not in db:
-        return db
+        return shown_path(db)
     try:
         url = make_url(db)
     except (ArgumentError, ValueError):
@@ -188,7 +188,7 @@ def check_sqlite_file(path: Path, *, must_exist: bool, option: str | None = None
     missing database (`must_exist`), or a new one whose folder is not there. `option`: the
     option that named it (said first, as a bad URL is), and a missing one's way out (--db: the
     results database)."""
-    named = f"{option} {path}" if option else str(path)
+    named = f"{option} {shown_path(path)}" if option else shown_path(path)
     if path.is_dir():  # first: '.' or '/' has no name to put -wal beside
         raise FibctlError(f"{named} is a directory, not a database file")
     _opened.setdefault(path.resolve(), not any(p.exists() for p in _wal_files(path)))

@@ -336,7 +336,7 @@ def _import_runs(conn: Connection, study: sqlite3.Connection, source: str,
                  summary: ImportSummary) -> dict[str, _Imported]:
     """Each study run's chosen attempt with its evaluations and auxiliary metrics."""
     out = {}
-    where = f"study database {source}"
+    where = f"study database {shown_path(source)}"
     ends = _measured_ends(study)
     for title, attempts in _attempts(study, where).items():
         run = study_run(title, where)
@@ -493,7 +493,7 @@ def _probe_config(name: str, depth: int, seed: int, staggered: bool) -> RunConfi
 
 
 def _import_probe(conn: Connection, study: sqlite3.Connection, source: str, summary: ImportSummary) -> None:
-    where = f"study database {source}: retrieval_results"
+    where = f"study database {shown_path(source)}: retrieval_results"
     models: dict[tuple[int, int, int], list[sqlite3.Row]] = {}
     for r in study.execute(f"SELECT {_columns('retrieval_results')} FROM retrieval_results "
                            "WHERE source = 'marked' AND kind = 'target' "
@@ -576,11 +576,11 @@ def _import_lenextrap(conn: Connection, data: dict, source: str, runs: dict[str,
                 raise FibctlError(f"{shown_path(source)}: run {_shown(title)} length {_shown(length)}: expected "
                                   "{length: {dataset: ppl}} with integer lengths and positive perplexities")
             # int() only of ASCII digits, few enough to parse ('²' is a digit to str.isdigit)
-            n = _num(int(length) if re.fullmatch(r"[0-9]{1,12}", length) else length, f"{source}: length", of,
+            n = _num(int(length) if re.fullmatch(r"[0-9]{1,12}", length) else length, f"{shown_path(source)}: length", of,
                      integer=True, lo=1, hi=INT32)
             for ds, v in by_dataset.items():
-                _dataset(ds, f"{source}: dataset", f"{of} length {n}")
-                ppl = _num(v, f"{source}: ppl", f"{of} length {n} dataset {_shown(ds)}", positive=True)
+                _dataset(ds, f"{shown_path(source)}: dataset", f"{of} length {n}")
+                ppl = _num(v, f"{shown_path(source)}: ppl", f"{of} length {n} dataset {_shown(ds)}", positive=True)
                 rows.append(dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=n, tokens=None,
                                  ppl=ppl, loss=math.log(ppl), created_at=None))
     summary.evaluations += upsert(conn, schema.Evaluation.__table__, rows,
@@ -598,14 +598,14 @@ def _import_posloss(conn: Connection, data: dict, source: str, runs: dict[str, _
                     and isinstance(entry.get("n_windows"), int) and isinstance(entry.get("seq_len"), int)):
                 raise FibctlError(f"{shown_path(source)}: expected {{per_position: [losses], n_windows: int, seq_len: "
                                   f"int}} {of}")
-            _dataset(ds, f"{source}: dataset", f"for run {_shown(title)}")
-            seq_len = _num(entry["seq_len"], f"{source}: seq_len", of, integer=True, lo=2, hi=INT32)
-            windows = _num(entry["n_windows"], f"{source}: n_windows", of, integer=True, lo=1, hi=INT32)
+            _dataset(ds, f"{shown_path(source)}: dataset", f"for run {_shown(title)}")
+            seq_len = _num(entry["seq_len"], f"{shown_path(source)}: seq_len", of, integer=True, lo=2, hi=INT32)
+            windows = _num(entry["n_windows"], f"{shown_path(source)}: n_windows", of, integer=True, lo=1, hi=INT32)
             if len(entry["per_position"]) != seq_len - 1:  # Table 4's bins span the whole window
                 raise FibctlError(f"{shown_path(source)}: {len(entry['per_position'])} per-position losses {of}; "
                                   f"expected seq_len - 1 = {seq_len - 1} (one per predicted position of the window)")
             rows += [dict(run_id=run.id, step=run.final_step, dataset=ds, eval_length=seq_len, position=i,
-                          mean_loss=_num(v, f"{source}: per_position[{i}]", of), windows=windows)
+                          mean_loss=_num(v, f"{shown_path(source)}: per_position[{i}]", of), windows=windows)
                      for i, v in enumerate(entry["per_position"])]
         summary.position_losses += upsert(conn, schema.PositionLoss.__table__, rows,
                                            ("run_id", "step", "dataset", "eval_length", "position"))

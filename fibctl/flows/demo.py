@@ -255,12 +255,12 @@ def run_demo(out: Path, quick: bool, view: DemoView, stop_if_signalled: Callable
     with view.data_progress() as progress:
         prepared = prepare(load_recipe(p.recipe), data_dir, progress)
     stop_if_signalled()
-    view.line(f"data ready in {data_dir} ({'reused' if prepared.reused else 'built'})")
+    view.line(f"data ready in {shown_path(data_dir)} ({'reused' if prepared.reused else 'built'})")
 
     view.section(f"2/5 queue: matrix 'demo' at preset {p.preset!r}")
     engine = connect(db)
     added, present = queue_demo(engine, p)
-    view.line(f"{queue.added_line(added, present)} in {db}")
+    view.line(f"{queue.added_line(added, present)} in {shown_path(db)}")
     released = release_ended_workers(engine)
     if released:
         view.line(f"queued again {', '.join(released)}: its worker, an earlier demo, has ended")
@@ -303,9 +303,9 @@ def run_demo(out: Path, quick: bool, view: DemoView, stop_if_signalled: Callable
                   tables.table4(engine, matrix="demo")):
         view.table(table)
     written, skipped = export.write_all(engine, out / "report", matrix="demo", source=export.made_from(db))
-    view.line(f"wrote {len(written)} files of tables and figures to {out / 'report'}/ "
+    view.line(f"wrote {len(written)} files of tables and figures to {shown_path(out / 'report')}/ "
               f"(skipped: {', '.join(n for n, _ in skipped) or 'none'}; all of them on one page: "
-              f"{out / 'report' / 'index.html'}); database: {db}")
+              f"{shown_path(out / 'report' / 'index.html')}); database: {shown_path(db)}")
     if quick:
         view.line("--quick: too little training for the length effect; run `fibctl demo` for the real thing.")
     else:

@@ -75,6 +75,16 @@ def aside_hint(runs_dir: Path, name: str) -> str | None:
             f"once that command is not running, move it back to {shown_path(runs_dir / name)}")
 
 
+def settle_or_refuse(runs_dir: Path, name: str, owned: bool, unchanged: str) -> None:
+    """`settle_aside`, for a command about to act on what RUNS_DIR/NAME holds (delete the run's
+    rows or its folder): a folder left aside (its maker in another container, or still
+    running) may hold the run's checkpoints, which the command would not see; one line naming
+    it, ending in `unchanged`, instead."""
+    settle_aside(runs_dir, name, owned)
+    if hint := aside_hint(runs_dir, name):
+        raise FibctlError(f"run {name}: {hint}; {unchanged}")
+
+
 # the metric back-ends' folders in a run's (fibctl.train.loggers): TensorBoard's event files,
 # the W&B run files and the W&B id
 LOG_FOLDERS = ("tensorboard", "wandb")
@@ -125,7 +135,12 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
         return runs_dir or Path(recorded_dir or "runs")
 
     def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
-        settle_aside(runs_of(recorded_dir), name, owned=True)  # the run is there: what it left is its own
+        # the run is there: what a killed removal left is its own; with --checkpoints it is to go
+        # too, so a folder left aside that cannot be settled (unseen, it would stay) is refused
+        if checkpoints:
+            settle_or_refuse(runs_of(recorded_dir), name, True, "nothing was removed")
+        else:
+            settle_aside(runs_of(recorded_dir), name, owned=True)
         return checkpoint_folder(name, runs_of(recorded_dir)) if checkpoints else runs_of(recorded_dir) / name
 
     removable = queue.check_remove(name, folder_of)
@@ -181,9 +196,9 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
             failed = shown_path(e.filename or aside[0])  # shown_path takes no None
             raise FibctlError(f"{message}, but not all of its checkpoint folder ({failed}: {e.strerror or e}); "
                               f"what is left is at {shown_path(left)}: delete it by hand") from None
-        return message + f"; deleted {folder[0]}"
+        return message + f"; deleted {shown_path(folder[0])}"
     if checkpoints:
-        return message + f"; no checkpoint folder at {folder[0]}"
+        return message + f"; no checkpoint folder at {shown_path(folder[0])}"
     if folder[0].is_dir() and any(folder[0].glob("step_*.pt")):
-        return message + f"; its checkpoints stay in {folder[0]} (--checkpoints deletes them)"
+        return message + f"; its checkpoints stay in {shown_path(folder[0])} (--checkpoints deletes them)"
     return message

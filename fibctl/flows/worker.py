@@ -503,7 +503,7 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
         if trainer.optimizer_warning:
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_warning = lambda message: display.warn(f"{claimed.name}: {message}")
-        trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({path})")
+        trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({shown_path(path)})")
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for
@@ -575,6 +575,10 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
             raise WorkerError(f"run {claimed.name!r} has no checkpoint in the database, but {shown_path(left)} exists "
                               f"(a run of that name removed and queued again, or another database's): "
                               f"move {shown_path(own)} away to train the run from step 0")
+        # one an earlier attempt wrote but did not record may be in a folder a `queue rm` moved
+        # aside and settle_aside left: training from step 0 would leave it behind, unseen
+        if left is None and owned and (hint := aside_hint(opts.runs_dir, claimed.name)):
+            raise WorkerError(f"run {claimed.name!r} has no checkpoint in {shown_path(own)}: {hint}")
         return own
     path = ckpt.resolve_path(claimed.checkpoint_path, opts.runs_dir, claimed.name)  # in `own`, or refused
     # one moved aside (or deleted) as damaged: the run resumes from the newest left in its folder
@@ -643,7 +647,7 @@ def _settle(engine: Engine, claimed: queue.ClaimedRun, recorder: RunRecorder, op
             return lost
         return Outcome(claimed.name, "done", result.step, None, result.checkpoint)
     if result.status == "stopped":
-        if not queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {result.checkpoint}",
+        if not queue.release(engine, claimed.id, f"stopped at step {result.step}; resumes from {shown_path(result.checkpoint)}",
                              worker):
             return lost
         return Outcome(claimed.name, "released", result.step, None, result.checkpoint)

@@ -47,15 +47,26 @@ def check_loggers(names) -> tuple[str, ...]:
     return names
 
 
+# TensorBoard's event files: it reads every file whose name holds "tfevents"
+EVENT_FILES = "events.out.tfevents.*"
+
+
+def _summary_writer(log_dir: str, **options):
+    """torch's SummaryWriter, its event file named with a random suffix: the name it makes
+    (time in seconds, host, PID, a count) is foreseeable, and the file is opened without
+    O_EXCL, so a link a co-user put at that name was written through."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=log_dir, filename_suffix=f".{secrets.token_hex(8)}", **options)
+
+
 class TensorBoardSink:
     """Event files under RUN_DIR/tensorboard (`tensorboard --logdir runs`)."""
 
     def __init__(self, run_dir: Path, name: str, config: dict, heldout: tuple[str, ...] = ()):
-        from torch.utils.tensorboard import SummaryWriter
-
         log_dir = Path(run_dir) / "tensorboard"
-        fresh = not any(log_dir.glob("events.out.tfevents.*"))  # a resumed or evaluated run has its config
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        fresh = not any(log_dir.glob(EVENT_FILES))  # a resumed or evaluated run has its config
+        self.writer = _summary_writer(str(log_dir))
         if fresh:
             self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```", 0)
             self._add_hparams(config, heldout)
@@ -86,7 +97,7 @@ class TensorBoardSink:
         from google.protobuf.message import DecodeError
 
         last: dict[str, int] = {}
-        for path in Path(self.writer.log_dir).glob("events.out.tfevents.*"):
+        for path in Path(self.writer.log_dir).glob(EVENT_FILES):
             if not _plain(path):  # a pipe's read waited forever, a folder's raised
                 continue
             try:
@@ -107,11 +118,9 @@ class TensorBoardSink:
         """The run resumed from its checkpoint at `step`: the steps an earlier attempt logged
         after it (a worker killed between checkpoints) are trained and logged again, so
         TensorBoard is told to hide those (purge_step) rather than draw each step twice."""
-        from torch.utils.tensorboard import SummaryWriter
-
         log_dir = self.writer.log_dir
         self.writer.close()
-        self.writer = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
+        self.writer = _summary_writer(log_dir, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()

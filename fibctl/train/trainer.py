@@ -414,7 +414,7 @@ class Trainer:
         if self.lost:
             return None
         path = self.write_checkpoint()
-        self.reporter.event("checkpoint", f"step {self.step}: {path}", {"step": self.step, "path": str(path)})
+        self.reporter.event("checkpoint", f"step {self.step}: {shown_path(path)}", {"step": self.step, "path": str(path)})
         if self.on_checkpoint:
             self.on_checkpoint(self._result("running", path))
         return path
@@ -443,7 +443,7 @@ class Trainer:
                     continue
                 raise
             self._set_aside(damaged, f"resuming from step {self.step}", path)
-            self.reporter.event("resumed", f"resumed from step {self.step}: {path}", {"step": self.step})
+            self.reporter.event("resumed", f"resumed from step {self.step}: {shown_path(path)}", {"step": self.step})
             if self.on_resumed:
                 self.on_resumed(self.step, path)
             return path
@@ -472,7 +472,7 @@ class Trainer:
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
             self.logged_step, self.complete_step = logged, state["step"]
         except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
-            raise ckpt.DamagedCheckpoint(f"checkpoint {path} is damaged ({type(e).__name__}: "
+            raise ckpt.DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged ({type(e).__name__}: "
                                          f"{first_line(e)})") from None
 
     def _set_aside(self, damaged: list[tuple[Path, str]], then: str, left: Path | None) -> None:

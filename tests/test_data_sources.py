@@ -945,3 +945,104 @@ def test_a_sources_files_are_read_in_sorted_order_across_its_globs(tmp_path):
         {"name": "notes", "kind": "local", "format": "text", "files": [str(tmp_path / "b/*.txt"),
                                                                        str(tmp_path / "a/*.txt")], "share": 1}]})
     assert _docs(recipe, recipe.sources[0], tmp_path) == ["a/10.txt", "a/9.txt", "b/1.txt", "b/2.txt"]
+
+
+SQUAD = {"version": "1.1", "data": [
+    {"title": "Rivers", "paragraphs": [{"context": "The river bends.", "qas": [{"question": "What bends?"}]},
+                                       {"context": "Stones lie in it."}]},
+    {"title": "Lanterns", "paragraphs": [{"context": "A lantern glows.", "qas": []}]}]}
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_records_reads_the_array_inside_each_files_object(tmp_path, indent):
+    """A dump of one object holding its records in an array ({"version": ..., "data": [...]},
+    as SQuAD's) was read as one record: `records` names the array, and its items are the
+    records, in each file; a path may go through arrays (an index, or `*` for every item)."""
+    (tmp_path / "a.json").write_text(json.dumps(SQUAD, indent=indent))
+    (tmp_path / "b.json").write_text(json.dumps({"data": [{"title": "Third", "paragraphs": []}]}, indent=indent))
+    recipe, source = _local(str(tmp_path / "*.json"), "json", records="data", text=["title"])
+    assert _docs(recipe, source, tmp_path) == ["Rivers", "Lanterns", "Third"]
+    recipe, source = _local(str(tmp_path / "a.json"), "json", records="data.*.paragraphs", text=["context"])
+    assert _docs(recipe, source, tmp_path) == ["The river bends.", "Stones lie in it.", "A lantern glows."]
+    recipe, source = _local(str(tmp_path / "a.json"), "json", records="data.1.paragraphs", text=["context"])
+    assert _docs(recipe, source, tmp_path) == ["A lantern glows."]
+    recipe, source = _local(str(tmp_path / "a.json"), "json", records="data", text=["title", "version"])
+    with pytest.raises(FibctlError, match="no row has field version; fields: title, paragraphs"):
+        _docs(recipe, source, tmp_path)  # the object's other keys are not fields of its records
+
+
+def test_records_in_a_file_of_one_line_are_read_one_at_a_time(tmp_path, monkeypatch):
+    """A dump is often one line: read as JSON Lines, that line was held whole (with its parsed
+    records), however large; with `records` it is parsed from chunks, one record at a time."""
+    import tracemalloc
+
+    from fibctl.data import json_files
+
+    monkeypatch.setattr(json_files, "ARRAY_CHUNK", 4096)
+    data = [{"text": f"record {i} " + "x" * 100} for i in range(30_000)]  # 3.5 MB
+    (tmp_path / "dump.json").write_text(json.dumps({"version": "1", "meta": {"n": [1, 2]}, "data": data}))
+    recipe, source = _local(str(tmp_path / "dump.json"), "json", records="data")
+    tracemalloc.start()
+    try:
+        assert sum(1 for _ in sources.documents(recipe, source, tmp_path)) == 30_000
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("content, records, message", [
+    ('{"version": "1.1", "articles": []}', "data",
+     "the file has no key 'data' (its keys: version, articles); records names the array"),
+    ('{"version": "1.1", "data": {"a": {}}}', "data", "data is an object, not an array of records"),
+    ('{"data": "text"}', "data", "data is a string, not an array of records"),
+    ('[{"data": []}]', "data", "the file is an array, not an object with key 'data'"),
+    ('{"data": [[]]}', "data.0.x", "data.0 is an array, not an object with key 'x'"),
+    ('{"data": [[]]}', "data.1", "data has 1 items, no item 1"),
+    ('{"data": [{"text": "a"}, 2]}', "data", "item 1 of data is a number, not a JSON object of fields"),
+    ('{"data": [{"text": "a"}, {"text": tru}]}', "data",
+     "item 1 of data is not JSON (Expecting value at line 1, column 35)"),
+    ('{"data": [{"text": "a"}}', "data", "after item 0 of data, '}' is not JSON (expecting ',' or ']')"),
+    ('{"data" [{"text": "a"}]}', "data", "line 1 is not JSON (Expecting ':' delimiter at column 9)"),
+    ('{"v": 1 "data": []}', "data", "line 1 is not JSON (Expecting ',' delimiter at column 9)"),
+    ('{"data": []', "data", "the file is not JSON (it ends inside an object: '}' is missing)"),
+    ('{"data": [{"text": "a"}], "data": []}', "data", "the file has key 'data' twice"),
+    ('{"data": []}\n{"data": []}\n', "data", "line 2 is not JSON (text after the file's one value, at column 1; "
+                                           "with records set, a file holds one object)"),
+])
+def test_records_not_found_names_the_file_and_what_is_there(tmp_path, monkeypatch, content, records, message):
+    from fibctl.data import json_files
+
+    (tmp_path / "d.json").write_text(content)
+    recipe, source = _local(str(tmp_path / "d.json"), "json", records=records)
+    for chunk in (1, 3, 1 << 20):  # wherever the chunks end
+        monkeypatch.setattr(json_files, "ARRAY_CHUNK", chunk)
+        with pytest.raises(FibctlError, match=f"^source 'notes': .*d\\.json: {re.escape(message)}"):
+            _docs(recipe, source, tmp_path)
+
+
+def test_records_missing_from_a_file_is_one_line_exit_2(tmp_path):
+    (tmp_path / "d.json").write_text('{"version": "1.1", "rows": []}')
+    (tmp_path / "r.toml").write_text(RECIPE.replace('format = "text"\nfiles = ["notes/*.txt"]',
+                                                    'format = "json"\nfiles = ["d.json"]\nrecords = "data"'))
+    done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out", "--plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "d.json: the file has no key 'data' (its keys: version, rows)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"records": "data..rows"}, "records 'data..rows' must be a dotted path of names, none empty"),
+    ({"records": ""}, "records '' must be a dotted path of names, none empty"),
+    ({"records": ["data"]}, "records=\\['data'\\] must be a string"),
+    ({"records": "data", "format": "csv"}, "records applies to format \"json\" only, not 'csv'"),
+])
+def test_a_bad_records_is_named(tmp_path, extra, message):
+    with pytest.raises(FibctlError, match=f"source 'notes': {message}"):
+        _local(str(tmp_path / "d.json"), **{"fmt": "json", **extra})
+
+
+def test_records_left_out_leaves_recipes_hashes_as_they_were():
+    # a changed hash would rebuild every data folder, and checkpoints record the data they trained on
+    assert _local("/data/x.json", "json")[0].recipe_hash == "ccc99c195b148fc9"  # as before records was a key
+    assert _local("/data/x.json", "json", records="data")[0].recipe_hash != "ccc99c195b148fc9"

@@ -175,6 +175,8 @@ def test_a_single_source_cuts_only_its_own_held_out_documents(recipe):
      "sample_by 'document' against 'paragraph'"),
     ('format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]\nheldout_by = ["title"]',
      'format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]', "heldout_by ['title'] against None"),
+    ('format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]\nrecords = "data"',
+     'format = "json"\nfiles = ["notes.jsonl"]\ntext = ["title", "body"]', "records 'data' against None"),
 ])
 def test_sources_that_cut_the_same_files_otherwise_are_refused(a, b, words, tmp_path):
     """a holds out "title + body" documents, b trains on the bodies of the same rows (73 of a's

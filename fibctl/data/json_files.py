@@ -6,7 +6,9 @@ the whole source ("Couldn't cast ... because column names don't match"). Read he
 record keeps its own fields. A file is JSON Lines (one object per line, blank lines skipped),
 one array of objects (parsed item by item, so its size is not held in memory), or one object
 spread over lines (parsed from chunks too, so that an error is found before the file is read
-whole); fibctl.data.decoding opens it (decompressed, UTF-8).
+whole); fibctl.data.decoding opens it (decompressed, UTF-8). A file of one object that holds
+its records in an array (`{"version": ..., "data": [...]}`, a recipe's `records = "data"`) is
+walked in chunks to that array, whose items are parsed one at a time as an array file's are.
 """
 
 from __future__ import annotations
@@ -48,18 +50,28 @@ class _Decoder(json.JSONDecoder):
 _DECODER = _Decoder()
 
 
-def records(path: str) -> Iterator[tuple[str, dict]]:
+def records(path: str, inside: str | None = None) -> Iterator[tuple[str, dict]]:
     """Each record of one JSON file, in order, with where it is in the file (`line 3`, `item
-    2`; '' for the file's one object). A line that is not JSON, or a record that is not an
-    object, names the file and the line."""
+    2`; '' for the file's one object). With `inside` (a recipe's `records`: `data`, a dotted
+    path) the records are the items of the array there in the file's one object (`item 2 of
+    data`). A line that is not JSON, or a record that is not an object, names the file and the
+    line."""
     with open_text(path, newline=None) as f:
         name = shown_path(path)  # in messages: one line, whatever the file is called
         start, line, column = _first_char(f)
         if not start:
             return
         first = " " * (column - 1) + start  # the whitespace before it as spaces: an error's column is the file's
+        if inside is not None:  # read in chunks, even on one line: a dump is often one line of a whole corpus
+            chunks = _Chunks(f, first, line, pos=column - 1)
+            yield from _walk(name, chunks, inside.split("."), "")
+            if chunks.next_char():
+                line, column = chunks.where(chunks.pos)
+                raise FibctlError(f"{name}: line {line} is not JSON (text after the file's one value, at column "
+                                  f"{column}; with records set, a file holds one object)")
+            return
         if start == "[":
-            yield from _array(name, _Chunks(f, first, line, pos=column))
+            yield from _array(name, _Chunks(f, first, line, pos=column - 1))
             return
         first += f.readline()
         if start == "{" and not _an_object(first):  # one object spread over lines
@@ -146,29 +158,28 @@ class _Chunks:
             return value, end
 
 
-def _value(name: str, chunks: _Chunks, item: int | None = None):
-    """The value at the chunks' pos, consumed: item `item` of an array, else the file's one
-    object; an error names the file and its line and column."""
-    where = "the file" if item is None else f"item {item}"
+def _parse(name: str, chunks: _Chunks, item: str | None = None):
+    """The JSON value at the chunks' pos, consumed: `item` of an array (`item 2`), else a value
+    named by its line; an error names the file and its line and column."""
     try:
         value, end = chunks.value()
         value = _unpaired(value, _SURROGATE.search(chunks.buf, chunks.pos, end))
     except json.JSONDecodeError as e:
         line, column = chunks.where(e.pos)
-        if item is None:  # the file's one object: named by the line
+        if item is None:  # the file's one object, or a value inside it: named by the line
             raise _not_json(name, f"line {line}", e.msg, f"column {column}") from None
-        raise _not_json(name, where, e.msg, f"line {line}, column {column}") from None
+        raise _not_json(name, item, e.msg, f"line {line}, column {column}") from None
     except RecursionError:  # the parser recurses once per level
-        raise FibctlError(f"{name}: {where} nests its values too deeply to read") from None
+        raise FibctlError(f"{name}: {item or 'the file'} nests its values too deeply to read") from None
     chunks.pos = end
-    return _record(name, where, value)
+    return value
 
 
 def _whole(name: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
     """The one object of a file whose first line is not one, read in chunks: a JSON Lines file
     whose first line is broken, or one of records spread over lines, ends up here too (read
     whole before its error, a large one filled memory), its error found in the first chunks."""
-    value = _value(name, chunks)
+    value = _record(name, "the file", _parse(name, chunks))
     if chunks.next_char():  # records one after another, pretty-printed or with commas
         line, column = chunks.where(chunks.pos)
         raise _not_json(name, f"line {line}", "Extra data", f"column {column}")
@@ -176,24 +187,126 @@ def _whole(name: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
 
 
 def _array(name: str, chunks: _Chunks) -> Iterator[tuple[str, dict]]:
-    """The items of the JSON array whose "[" the chunks have just read, parsed one at a time:
-    a file of one array can be a whole corpus (read whole, 250 MB took 660 MB)."""
-    if chunks.next_char() == "]":
-        chunks.pos += 1
-    else:
-        for i in itertools.count():
-            yield f"item {i}", _value(name, chunks, i)
-            c = chunks.next_char()
-            if c == "]":
-                chunks.pos += 1
-                break
-            if c != ",":
-                raise FibctlError(f"{name}: after item {i}, {c!r} is not JSON (expecting ',' or ']')"
-                                  if c else f"{name}: the array is not closed (']' is missing)")
-            chunks.pos += 1
-            chunks.next_char()
+    """The items of the JSON array at the chunks' pos, parsed one at a time: a file of one
+    array can be a whole corpus (read whole, 250 MB took 660 MB)."""
+    yield from _items(name, chunks, "")
     if chunks.next_char():
         raise FibctlError(f"{name}: the file is not JSON (text after the array's ']')")
+
+
+def _items(name: str, chunks: _Chunks, at: str) -> Iterator[tuple[str, dict]]:
+    """The records of the array at the chunks' pos (`at` its path in the file's object, ''
+    for the file's own array), each parsed as it comes."""
+    for i in _elements(name, chunks, at):
+        where = f"item {i} of {at}" if at else f"item {i}"
+        yield where, _record(name, where, _parse(name, chunks, where))
+
+
+def _elements(name: str, chunks: _Chunks, at: str) -> Iterator[int]:
+    """The index of each item of the array whose '[' is at the chunks' pos, the pos at the item:
+    the caller consumes it before the next is asked for. The pos ends after the ']'."""
+    of = f" of {at}" if at else ""
+    chunks.pos += 1
+    if chunks.next_char() == "]":
+        chunks.pos += 1
+        return
+    for i in itertools.count():
+        yield i
+        c = chunks.next_char()
+        if c == "]":
+            chunks.pos += 1
+            return
+        if c != ",":
+            raise FibctlError(f"{name}: after item {i}{of}, {c!r} is not JSON (expecting ',' or ']')"
+                              if c else f"{name}: the array{of} is not closed (']' is missing)")
+        chunks.pos += 1
+        chunks.next_char()
+
+
+def _members(name: str, chunks: _Chunks) -> Iterator[str]:
+    """Each key of the object whose '{' is at the chunks' pos, the pos at its value: the caller
+    consumes the value before the next key is asked for. The pos ends after the '}'."""
+    chunks.pos += 1
+    c = chunks.next_char()
+    if c == "}":
+        chunks.pos += 1
+        return
+    while True:
+        if c != '"':
+            raise _expecting(name, chunks, "property name enclosed in double quotes")
+        key = _parse(name, chunks)
+        if chunks.next_char() != ":":
+            raise _expecting(name, chunks, "':' delimiter")
+        chunks.pos += 1
+        chunks.next_char()
+        yield key
+        c = chunks.next_char()
+        if c == "}":
+            chunks.pos += 1
+            return
+        if c != ",":
+            raise _expecting(name, chunks, "',' delimiter")
+        chunks.pos += 1
+        c = chunks.next_char()
+
+
+def _expecting(name: str, chunks: _Chunks, what: str) -> FibctlError:
+    """What json's parser says of a character out of place inside an object, at its line."""
+    if not chunks.next_char():
+        return FibctlError(f"{name}: the file is not JSON (it ends inside an object: '}}' is missing)")
+    line, column = chunks.where(chunks.pos)
+    return _not_json(name, f"line {line}", f"Expecting {what}", f"column {column}")
+
+
+_SHOWN_KEYS = 8  # an object's keys named when the one sought is not among them
+
+
+def _walk(name: str, chunks: _Chunks, path: list[str], at: str) -> Iterator[tuple[str, dict]]:
+    """The records of the array that `path` (a recipe's `records`, split) reaches from the value
+    at the chunks' pos (`at`: the path to that value, '' for the file's), the value consumed:
+    only one record, and each value beside the path, is held at a time. A key in an object, an
+    index or `*` (each item) in an array; the path missing, or reaching no array, names the file
+    and what is there."""
+    c = chunks.next_char()
+    if not path:
+        if c != "[":
+            raise FibctlError(f"{name}: {at} is {_kind(_parse(name, chunks))}, not an array of records")
+        yield from _items(name, chunks, at)
+        return
+    part, rest = path[0], path[1:]
+    here = f"{at}.{part}" if at else part
+    if c == "{":
+        keys = []
+        for key in _members(name, chunks):
+            if key == part and key in keys:  # json.loads would keep the last: which is meant is unsaid
+                raise FibctlError(f"{name}: {at or 'the file'} has key {part!r} twice")
+            if key == part:
+                yield from _walk(name, chunks, rest, here)
+            else:
+                _parse(name, chunks)
+            keys.append(key)
+        if part not in keys:
+            shown = ", ".join(keys[:_SHOWN_KEYS]) + (", ..." if len(keys) > _SHOWN_KEYS else "")
+            raise FibctlError(f"{name}: {at or 'the file'} has no key {part!r} (its keys: {shown or 'none'}); "
+                              f"records names the array of records in each file's object")
+    elif c == "[" and (part == "*" or index(part) is not None):
+        count = 0
+        for i in _elements(name, chunks, at):
+            if part == "*" or index(part) == i:
+                yield from _walk(name, chunks, rest, f"{at}.{i}" if at else str(i))
+            else:
+                _parse(name, chunks)
+            count = i + 1
+        if part != "*" and index(part) >= count:
+            raise FibctlError(f"{name}: {at or 'the file'} has {count} items, no item {part}")
+    else:
+        wanted = f"an object with key {part!r}" if part != "*" and index(part) is None else "an array"
+        raise FibctlError(f"{name}: {at or 'the file'} is {_kind(_parse(name, chunks))}, not {wanted}")
+
+
+def index(part: str) -> int | None:
+    """A dotted name's part as an array's index (`0`, `12`), else None."""
+    return int(part) if part.isascii() and part.isdigit() else None
 
 
 def _loads(name: str, where: str, text: str):
@@ -234,11 +347,15 @@ def _unpaired(value, escaped: object):
 
 
 # a value's kind as JSON names it (Python's names, `NoneType` and `list`, are not the file's)
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
                type(None): "null", Unpaired: "a string"}
+
+
+def _kind(value) -> str:
+    return _JSON_KINDS[type(value)]
 
 
 def _record(name: str, where: str, value) -> dict:
     if not isinstance(value, dict):
-        raise FibctlError(f"{name}: {where} is {_JSON_KINDS[type(value)]}, not a JSON object of fields")
+        raise FibctlError(f"{name}: {where} is {_kind(value)}, not a JSON object of fields")
     return value

@@ -246,6 +246,8 @@ def _document_rule(source: Source) -> dict:
             rule["sample_by"] = source.sample_by
         if source.format == "csv":
             rule["delimiter"] = source.delimiter
+        if source.format == "json":
+            rule["records"] = source.records
     return rule
 
 

@@ -29,9 +29,9 @@ MIN_TARGET = 2  # a source's training tokens: one of its text and the end-of-tex
 # the keys of one kind of source (the others apply to every kind): set on another kind, or
 # another local format, they would be ignored without a word
 KIND_KEYS = {"hub": ("text", "heldout_by", "dataset", "configs", "split", "revision"),
-             "local": ("text", "heldout_by", "format", "files", "sample_by", "delimiter"),
+             "local": ("text", "heldout_by", "format", "files", "sample_by", "delimiter", "records"),
              "installed-docs": ("packages",), "generated": ("seed", "documents")}
-FORMAT_KEYS = {"sample_by": "text", "delimiter": "csv"}
+FORMAT_KEYS = {"sample_by": "text", "delimiter": "csv", "records": "json"}
 @dataclass(frozen=True)
 class Source:
     """One corpus of the mixture. Which fields apply depends on `kind`."""
@@ -55,6 +55,9 @@ class Source:
     files: tuple[str, ...] = ()  # globs, relative to the recipe file
     sample_by: str = "document"  # for format "text": "line", "paragraph" or "document" (per file)
     delimiter: str = ","  # for format "csv": one character, e.g. "\t" or ";"
+    # for format "json": the dotted path, in each file's one object, to the array of its
+    # records (`data`: {"version": ..., "data": [...]}); None: the file's objects are the records
+    records: str | None = None
     # installed-docs
     packages: tuple[str, ...] = ()  # empty: all of installed_docs.PACKAGES
     # generated
@@ -92,7 +95,7 @@ class Recipe:
         d = self.to_dict()
         del d["name"], d["description"]
         for source in d["sources"]:  # keys added later leave, at their defaults, older hashes as they were
-            for key in ("delimiter", "heldout_by"):
+            for key in ("delimiter", "heldout_by", "records"):
                 if source[key] == getattr(Source, key):
                     del source[key]
         return short_hash(d)
@@ -237,7 +240,7 @@ def _parse_source(raw: dict, base_dir: Path, number: int) -> Source:
             if not isinstance(value, (str, list)) or not all(isinstance(v, str) for v in value):
                 raise FibctlError(f"{where}: {key} must be a string or a list of strings, not {value!r}")
             fields[key] = (value,) if isinstance(value, str) else tuple(value)
-    for key in ("dataset", "split", "revision", "format", "sample_by", "delimiter"):
+    for key in ("dataset", "split", "revision", "format", "sample_by", "delimiter", "records"):
         if key in fields and not isinstance(fields[key], str):
             raise FibctlError(f"{where}: {key}={fields[key]!r} must be a string")
     for key in ("seed", "documents"):
@@ -335,6 +338,9 @@ def _validate_source(s: Source) -> None:
             raise FibctlError(f"{where}: sample_by {s.sample_by!r} is not line, paragraph or document")
         if len(s.delimiter) != 1:
             raise FibctlError(f"{where}: delimiter {s.delimiter!r} must be one character, e.g. \"\\t\" or \";\"")
+        if s.records is not None and not all(s.records.split(".")):
+            raise FibctlError(f"{where}: records {s.records!r} must be a dotted path of names, none empty "
+                              "(e.g. \"data\")")
     if s.kind == "generated" and s.documents < 1:
         raise FibctlError(f"{where}: documents={s.documents} must be >= 1")
 

@@ -71,8 +71,10 @@ def _local_documents(recipe: Recipe, source: Source) -> Iterator[Document]:
     if source.format == "parquet":
         files, columns = _check_columns(source, files)
     if source.format == "json":
-        yield from _texts(source, _rows(source, files, json_files.records),
-                          again=lambda: _rows(source, files, json_files.records))
+        def read(path: str) -> Iterator[tuple[str, dict]]:
+            return json_files.records(path, source.records)
+
+        yield from _texts(source, _rows(source, files, read), again=lambda: _rows(source, files, read))
     elif source.format == "csv":
         yield from _texts(source, _rows(source, files, lambda p: local_files.csv_rows(p, source.delimiter,
                                                                                        source.text)))

@@ -1046,3 +1046,37 @@ def test_records_left_out_leaves_recipes_hashes_as_they_were():
     # a changed hash would rebuild every data folder, and checkpoints record the data they trained on
     assert _local("/data/x.json", "json")[0].recipe_hash == "ccc99c195b148fc9"  # as before records was a key
     assert _local("/data/x.json", "json", records="data")[0].recipe_hash != "ccc99c195b148fc9"
+
+
+def test_a_dotted_field_reads_inside_arrays(tmp_path):
+    """`c.0.body` was refused as a field no row has: an index reaches an array's item, and `*`
+    every item's, their texts joined as a document's fields are, in JSON records and parquet
+    list columns alike; an array too short, or items all without it, is a null field."""
+    rows = [{"t": "A", "c": [{"body": "a0"}, {"body": "a1"}, {"other": 1}]}, {"t": "B", "c": [{"body": "b0"}]},
+            {"t": "C", "c": []}, {"t": "D", "c": None}, {"t": "E", "c": [{"body": None}, {"body": " e1 "}]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    for name, fmt in (("a.jsonl", "json"), ("a.parquet", "parquet")):
+        recipe, source = _local(str(tmp_path / name), fmt, text=["t", "c.0.body"])
+        assert _docs(recipe, source, tmp_path) == ["A\n\na0", "B\n\nb0", "C", "D", "E"], fmt
+        recipe, source = _local(str(tmp_path / name), fmt, text=["c.1.body"])
+        assert _docs(recipe, source, tmp_path) == ["a1", "e1"], fmt
+        recipe, source = _local(str(tmp_path / name), fmt, text=["t", "c.*.body"])
+        assert _docs(recipe, source, tmp_path) == ["A\n\na0\n\na1", "B\n\nb0", "C", "D", "E\n\ne1"], fmt
+        recipe, source = _local(str(tmp_path / name), fmt, text=["c.*.bdy"])
+        with pytest.raises(FibctlError, match=r"no row has field c\.\*\.bdy"):
+            _docs(recipe, source, tmp_path)
+    (tmp_path / "n.jsonl").write_text('{"t": [["x", "y"], ["z"]], "n": [{"k": 1}]}\n')
+    recipe, source = _local(str(tmp_path / "n.jsonl"), "json", text=["t.*.*"])
+    assert _docs(recipe, source, tmp_path) == ["x\n\ny\n\nz"]
+    recipe, source = _local(str(tmp_path / "n.jsonl"), "json", text=["n.*.k"])
+    with pytest.raises(FibctlError, match=r"field 'n\.\*\.k' holds int values, not text, in .*n\.jsonl, line 1"):
+        _docs(recipe, source, tmp_path)
+    recipe, source = _local(str(tmp_path / "a.jsonl"), "json", text=["c"])
+    with pytest.raises(FibctlError, match=r"field 'c' holds list values, not text, in .*a\.jsonl, line 1; text = "
+                                          r"\[\.\.\.\] must name string fields \(or an item's: c\.0\.body, or every "
+                                          r"item's: c\.\*\.body\)"):
+        _docs(recipe, source, tmp_path)
+    recipe, source = _local(str(tmp_path / "a.parquet"), "parquet", text=["c.0.other"])
+    with pytest.raises(FibctlError, match=r"field 'c\.0\.other' holds int values, not text, in .*a\.parquet; text"):
+        _docs(recipe, source, tmp_path)  # checked from the footer, through the list column's item type

@@ -142,15 +142,25 @@ def _check_columns(source: Source, files: list[str]) -> tuple[list[str], list[st
 
 
 def _field_type(arrow_type, inner: str):
-    """The arrow type of the field `inner` (dotted) inside a column of `arrow_type`; None where
-    a record on the way lacks it (a null field, as _lookup reads it)."""
+    """The arrow type of the field `inner` (dotted) inside a column of `arrow_type` (through
+    an array's items for an index or `*`); None where a record on the way lacks it (a null
+    field, as _lookup reads it)."""
     import pyarrow.types as types
 
     for part in inner.split(".") if inner else ():
-        if not types.is_struct(arrow_type) or arrow_type.get_field_index(part) < 0:
+        if types.is_struct(arrow_type) and arrow_type.get_field_index(part) >= 0:
+            arrow_type = arrow_type[arrow_type.get_field_index(part)].type
+        elif _is_array(arrow_type) and (part == "*" or json_files.index(part) is not None):
+            arrow_type = arrow_type.value_type
+        else:
             return None
-        arrow_type = arrow_type[arrow_type.get_field_index(part)].type
     return arrow_type
+
+
+def _is_array(arrow_type) -> bool:
+    import pyarrow.types as types
+
+    return types.is_list(arrow_type) or types.is_large_list(arrow_type) or types.is_fixed_size_list(arrow_type)
 
 
 # arrow types whose values are text: strings, bytes (decoded as UTF-8) and nulls (by name:
@@ -335,17 +345,33 @@ def _texts(source: Source, rows: Iterable[Row],
 _ABSENT = object()  # a field a row lacks: null there
 
 
+class _Gathered(list):
+    """The values a `*` in a dotted name found, one per item of an array: their texts are
+    joined as a document's fields are."""
+
+
 def _lookup(row: dict, field: str) -> object:
-    """A row's value of `field`. A dotted name reaches into nested records (`meta.title`) when
-    the row has no field of that whole name; a field the row lacks (or whose parent is null)
-    is _ABSENT."""
+    """A row's value of `field`. A dotted name reaches into nested records (`meta.title`) and
+    arrays (`paragraphs.0.context`; `paragraphs.*.context`, every item's, _Gathered) when the
+    row has no field of that whole name; a field the row lacks (or whose parent is null, or an
+    array too short) is _ABSENT, as is a `*` that finds it in no item."""
     if field in row:
         return row[field]
-    value: object = row
-    for part in field.split("."):
-        if not isinstance(value, dict) or part not in value:
+    return _reach(row, field.split("."))
+
+
+def _reach(value: object, parts: list[str]) -> object:
+    for n, part in enumerate(parts):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part == "*":
+            found = [_reach(item, parts[n + 1:]) for item in value]
+            found = [v for f in found for v in (f if isinstance(f, _Gathered) else [f]) if v is not _ABSENT]
+            return _Gathered(found) if found else _ABSENT
+        elif isinstance(value, list) and (i := json_files.index(part)) is not None and i < len(value):
+            value = value[i]
+        else:
             return _ABSENT
-        value = value[part]
     return value
 
 
@@ -355,6 +381,8 @@ def _field_text(source: Source, field: str, value: object, file: str, where: str
     '' for a hub row): their Python repr is not a document to train on."""
     if value is None:
         return ""
+    if isinstance(value, _Gathered):
+        return "\n\n".join(filter(None, (_field_text(source, field, v, file, where) for v in value)))
     if isinstance(value, bytes):  # a binary parquet column
         try:
             value = value.decode("utf-8")
@@ -365,12 +393,19 @@ def _field_text(source: Source, field: str, value: object, file: str, where: str
         raise FibctlError(f"source {source.name!r}: field {field!r} holds a lone surrogate escape (half of a "
                           f"character, e.g. \\ud800), not text{_in(file, where)}")
     if not isinstance(value, str):
-        inside = f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else ""
+        inside = (f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else
+                  f" (or an item's: {field}.0{_first_key(value[0])}, or every item's: {field}.*{_first_key(value[0])})"
+                  if isinstance(value, list) and value else "")
         raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
                           f"values, not text{_in(file, where)}; text = [...] must name string fields{inside}") from None
     if source.format == "text":  # a file's byte-order mark (the json and csv readers drop it)
         value = value.lstrip("\ufeff")
     return value.strip()
+
+
+def _first_key(item: object) -> str:
+    """`.KEY` for an array's first item that is a record (paragraphs.*.context), else ''."""
+    return f".{next(iter(item))}" if isinstance(item, dict) and item else ""
 
 
 def _in(file: str, where: str) -> str:

@@ -995,6 +995,8 @@ def test_records_in_a_file_of_one_line_are_read_one_at_a_time(tmp_path, monkeypa
      "the file has no key 'data' (its keys: version, articles); records names the array"),
     ('{"version": "1.1", "data": {"a": {}}}', "data", "data is an object, not an array of records"),
     ('{"data": "text"}', "data", "data is a string, not an array of records"),
+    (json.dumps({f"k{i}": i for i in range(10)}), "data",
+     "the file has no key 'data' (its keys: k0, k1, k2, k3, k4, k5, k6, k7, ...)"),
     ('[{"data": []}]', "data", "the file is an array, not an object with key 'data'"),
     ('{"data": [[]]}', "data.0.x", "data.0 is an array, not an object with key 'x'"),
     ('{"data": [[]]}', "data.1", "data has 1 items, no item 1"),

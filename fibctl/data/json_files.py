@@ -274,34 +274,37 @@ def _walk(name: str, chunks: _Chunks, path: list[str], at: str) -> Iterator[tupl
         yield from _items(name, chunks, at)
         return
     part, rest = path[0], path[1:]
-    here = f"{at}.{part}" if at else part
+    wanted = None if part == "*" else index(part)
     if c == "{":
-        keys = []
+        found, keys, shown = False, 0, []  # keys counted, not held: an object may hold a corpus by id
         for key in _members(name, chunks):
-            if key == part and key in keys:  # json.loads would keep the last: which is meant is unsaid
+            if key == part and found:  # json.loads would keep the last: which is meant is unsaid
                 raise FibctlError(f"{name}: {at or 'the file'} has key {part!r} twice")
             if key == part:
-                yield from _walk(name, chunks, rest, here)
+                found = True
+                yield from _walk(name, chunks, rest, f"{at}.{part}" if at else part)
             else:
                 _parse(name, chunks)
-            keys.append(key)
-        if part not in keys:
-            shown = ", ".join(keys[:_SHOWN_KEYS]) + (", ..." if len(keys) > _SHOWN_KEYS else "")
-            raise FibctlError(f"{name}: {at or 'the file'} has no key {part!r} (its keys: {shown or 'none'}); "
+            keys += 1
+            if len(shown) < _SHOWN_KEYS:
+                shown.append(key)
+        if not found:
+            listed = ", ".join(shown) + (", ..." if keys > len(shown) else "")
+            raise FibctlError(f"{name}: {at or 'the file'} has no key {part!r} (its keys: {listed or 'none'}); "
                               f"records names the array of records in each file's object")
-    elif c == "[" and (part == "*" or index(part) is not None):
+    elif c == "[" and (part == "*" or wanted is not None):
         count = 0
         for i in _elements(name, chunks, at):
-            if part == "*" or index(part) == i:
+            if wanted in (None, i):
                 yield from _walk(name, chunks, rest, f"{at}.{i}" if at else str(i))
             else:
                 _parse(name, chunks)
             count = i + 1
-        if part != "*" and index(part) >= count:
+        if wanted is not None and wanted >= count:
             raise FibctlError(f"{name}: {at or 'the file'} has {count} items, no item {part}")
     else:
-        wanted = f"an object with key {part!r}" if part != "*" and index(part) is None else "an array"
-        raise FibctlError(f"{name}: {at or 'the file'} is {_kind(_parse(name, chunks))}, not {wanted}")
+        kind = "an array" if part == "*" or wanted is not None else f"an object with key {part!r}"
+        raise FibctlError(f"{name}: {at or 'the file'} is {_kind(_parse(name, chunks))}, not {kind}")
 
 
 def index(part: str) -> int | None:
@@ -347,8 +350,8 @@ def _unpaired(value, escaped: object):
 
 
 # a value's kind as JSON names it (Python's names, `NoneType` and `list`, are not the file's)
-_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null", Unpaired: "a string"}
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null", Unpaired: "a string"}
 
 
 def _kind(value) -> str:

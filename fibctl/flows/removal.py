@@ -58,6 +58,15 @@ def _asides(runs_dir: Path, name: str) -> list[tuple[Path, str, str | None]]:
     return found
 
 
+def _maker(pid: str, space: str | None) -> tuple[str, bool]:
+    """The process that moved a folder aside, in words, and whether it has ended (False for
+    another PID space's, which this one cannot see)."""
+    if (space or durable.pid_space()) != durable.pid_space():
+        return f"process {pid} of another machine or container", False
+    ended = durable.owner_ended(pid, space)
+    return f"process {pid}, {'ended' if ended else 'still running'}", ended
+
+
 def aside_hint(runs_dir: Path, name: str, checkpoint: str | None = None) -> str | None:
     """Where run `name`'s checkpoints are, for a command that found none in RUNS_DIR/NAME: the
     folder a `queue rm --checkpoints` moved aside and `settle_aside` left there (its maker in
@@ -68,12 +77,7 @@ def aside_hint(runs_dir: Path, name: str, checkpoint: str | None = None) -> str 
     if not asides:
         return None
     hidden, pid, space = asides[-1]
-    ended = False  # another PID space's: not known here
-    if (space or durable.pid_space()) != durable.pid_space():
-        who = f"process {pid} of another machine or container"
-    else:
-        ended = durable.owner_ended(pid, space)
-        who = f"process {pid}, {'ended' if ended else 'still running'}"
+    who, ended = _maker(pid, space)
     said = f"a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {shown_path(hidden)}"
     wait = "" if ended else "once that command is not running, "
     folder = runs_dir / name
@@ -217,6 +221,14 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
         return message + f"; deleted {shown_path(folder[0])}"
     if checkpoints:
         return message + f"; no checkpoint folder at {shown_path(folder[0])}"
-    if folder[0].is_dir() and any(folder[0].glob("step_*.pt")):
-        return message + f"; its checkpoints stay in {shown_path(folder[0])} (--checkpoints deletes them)"
-    return message
+    stay = [f"{shown_path(folder[0])} (--checkpoints deletes them)"] if _holds_checkpoints(folder[0]) else []
+    # a folder another `queue rm --checkpoints` has aside (settle_aside left it): without it
+    # named, the run's checkpoints were said to be nowhere
+    stay += [f"{shown_path(hidden)}, moved aside there by a `fibctl queue rm --checkpoints` ({_maker(pid, space)[0]}) "
+             "that was to delete them" for hidden, pid, space in _asides(folder[0].parent, name)
+             if _holds_checkpoints(hidden)]
+    return message + (f"; its checkpoints stay in {' and in '.join(stay)}" if stay else "")
+
+
+def _holds_checkpoints(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("step_*.pt"))

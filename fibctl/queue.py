@@ -672,23 +672,24 @@ def to_remove(engine: Engine, name: str) -> Removed:
         return Removed(name, str(row.status), _recorded_rows(conn, row.id), row.runs_dir)
 
 
-def remove(engine: Engine, name: str, check: Callable[[str | None], None] | None = None,
+def remove(engine: Engine, name: str, check: Callable[[str | None, str | None], None] | None = None,
            deleted: Callable[[], None] | None = None) -> Removed:
     """Delete a run that is not running. Its train steps, evaluations, position losses,
     alphas, auxiliary metrics and events go with it (ON DELETE CASCADE); its checkpoints are
-    files, left to the caller. A running run is refused: cancel it first. `check(runs_dir)`
-    (the folder it last trained in) runs before the delete, `deleted()` after it and before
+    files, left to the caller. A running run is refused: cancel it first. `check(runs_dir,
+    checkpoint_path)` (the folder it last trained in, its recorded checkpoint) runs before the delete, `deleted()` after it and before
     the commit; what either raises keeps the run."""
     from sqlalchemy import delete
 
     with engine.begin() as conn:
-        row = conn.execute(select(Run.id, Run.status, Run.runs_dir).where(Run.name == name)).first()
+        row = conn.execute(select(Run.id, Run.status, Run.runs_dir, Run.checkpoint_path)
+                           .where(Run.name == name)).first()
         if row is None:
             raise no_run_named([name], _run_names(conn))
         if row.status == "running":
             raise FibctlError(_not_removable(name))
         if check:
-            check(row.runs_dir)
+            check(row.runs_dir, row.checkpoint_path)
         rows = _recorded_rows(conn, row.id)
         # the status check again in the delete: a worker may have claimed it meanwhile
         if not conn.execute(delete(Run).where(Run.id == row.id, Run.status != "running")).rowcount:

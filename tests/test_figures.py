@@ -388,7 +388,17 @@ def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_st
         figures.alphas(connect_readonly(path), tmp_path / f"{only}.png", only=only)
     assert titles == [f"Per-layer \u03b1{what} (rung distance = \u03b1 \u00d7 base sequence)" for what in (
         ": each static schedule once, each learned run over training", " of each static schedule",
-        " of each learned run over training")]
+        " over training")]
+
+
+def test_one_learned_runs_alphas_have_a_title_of_two_lines_at_column_width(tmp_path, drawn):
+    """One learned run is drawn a column wide: its title, 'Per-layer alpha of each learned run
+    over training (rung distance = ...)', took three lines over a panel that names the run."""
+    figures.alphas(connect_readonly(_alphas_db(str(tmp_path / "a.db"), 1)), tmp_path / "a.png")
+    fig = drawn[0]
+    assert fig.get_figwidth() == figures.COLUMN_WIDTH and _panel_titles(fig) == ["r00__logsparse_learned_w12_s43"]
+    assert fig.get_suptitle() == "Per-layer \u03b1 over training\n(rung distance = \u03b1 \u00d7 base sequence)"
+    _assert_text_inside_and_apart(fig, "alphas")
 
 
 # --- a reader of the printed page: greyscale, one colour per schedule, readable ticks -----

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -876,7 +877,10 @@ def test_queue_rm_settles_the_folder_a_killed_queue_rm_moved_aside(db, tmp_path,
                                               f"{os.getpid()}, still running) moved the run's folder aside to "
                                               f"runs/{live.name}: once that command is not running, move it back "
                                               "to runs/r002; nothing was removed")
-    assert rm("r002") == (0, "removed run r002 (queued) and 0 metric and event row(s)")
+    # without --checkpoints the rows go and the hidden folder stays: it is where the checkpoints are
+    assert rm("r002") == (0, f"removed run r002 (queued) and 0 metric and event row(s); its checkpoints stay in "
+                             f"runs/{live.name}, moved aside there by a `fibctl queue rm --checkpoints` (process "
+                             f"{os.getpid()}, still running) that was to delete them")
     assert sorted(p.name for p in runs.iterdir()) == [live.name, "r000"]
     assert [r["name"] for r in queue.list_runs(engine)] == []
 
@@ -911,6 +915,64 @@ def test_retry_from_start_refuses_while_the_runs_folder_is_aside(db, tmp_path, m
     code, err = _main_exit(monkeypatch, capsys, "queue", "retry", "r000", "--from-start", "--db", db,
                            "--runs-dir", str(runs))
     assert code == 2 and "step_00000005.pt is still there" in err, err
+
+
+def test_queue_rm_without_checkpoints_names_both_folders_the_checkpoints_stay_in(db, tmp_path, monkeypatch, capsys):
+    """Plain `queue rm` said the checkpoints stay in RUNS/NAME, and nothing of the folder another
+    container's `queue rm --checkpoints` had moved aside, holding the run's recorded one."""
+    from fibctl.cli import app
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    monkeypatch.chdir(tmp_path)  # the default runs folder, ./runs
+    runs = Path("runs")
+    hidden = runs / ".r000.removing-4194305-0123456789ab"  # another PID space's: left alone
+    for folder, step in ((hidden, 5), (runs / "r000", 2)):
+        folder.mkdir(parents=True)
+        (folder / f"step_{step:08d}.pt").write_bytes(b"x")
+    said = CliRunner().invoke(app, ["queue", "rm", "r000", "--db", db])
+    assert said.exit_code == 0 and " ".join(said.output.split()) == (
+        f"removed run r000 (queued) and 0 metric and event row(s); its checkpoints stay in {runs / 'r000'} "
+        f"(--checkpoints deletes them) and in {hidden}, moved aside there by a `fibctl queue rm --checkpoints` "
+        "(process 4194305 of another machine or container) that was to delete them"), said.output
+    assert sorted(p.name for p in runs.iterdir()) == [hidden.name, "r000"] and not queue.list_runs(engine)
+
+
+@pytest.mark.parametrize("command", [("rm", "--checkpoints"), ("retry", "--from-start")])
+def test_a_folder_moved_aside_beside_a_new_one_of_its_name_is_named_with_where_the_checkpoint_is(
+        db, tmp_path, monkeypatch, capsys, command):
+    """A killed `queue rm --checkpoints` left RUNS/.NAME.removing-PID, and RUNS/NAME was made
+    again since: `settle_aside` cannot move it back (the rename would replace the new one),
+    and the refusal said "move it back to RUNS/NAME", a folder that is there. It names both,
+    which one holds the run's recorded checkpoint, and to move or merge them by hand."""
+    from fibctl.flows import removal
+
+    engine = connect(db)
+    queue.add_runs(engine, _configs(1))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET checkpoint_path = 'r000/step_00000005.pt', status = 'cancelled'"))
+    runs = tmp_path / "runs"
+    hidden = runs / f".r000.removing-{2**22 + 1}"  # above any pid_max: its process is gone
+    hidden.mkdir(parents=True)
+    (hidden / "step_00000005.pt").write_bytes(b"x")
+    (runs / "r000").mkdir()
+    (runs / "r000" / "step_00000002.pt").write_bytes(b"x")
+    code, err = _main_exit(monkeypatch, capsys, "queue", *command[:1], "r000", *command[1:], "--db", db,
+                           "--runs-dir", str(runs))
+    unchanged = "nothing was removed" if command[0] == "rm" else "nothing was changed"
+    assert code == 2 and err.count("\n") == 1 and " ".join(err.split()) == (
+        f"error: run r000: a `fibctl queue rm --checkpoints` (process 4194305, ended) moved the run's folder aside "
+        f"to {hidden}, and {runs / 'r000'} was made again since; the run's recorded checkpoint step_00000005.pt is "
+        f"in {hidden}: move or merge by hand what is the run's into "
+        f"{runs / 'r000'}, and delete {hidden}; {unchanged}"), err
+    assert sorted(p.name for p in runs.iterdir()) == [hidden.name, "r000"] and queue.list_runs(engine)
+    # the other places it can be, and a run that records none (a worker's earlier attempt)
+    (runs / "r000" / "step_00000005.pt").write_bytes(b"x")
+    assert "checkpoint step_00000005.pt is in both" in removal.aside_hint(runs, "r000", "r000/step_00000005.pt")
+    (hidden / "step_00000005.pt").unlink()
+    assert f"step_00000005.pt is in {runs / 'r000'}:" in removal.aside_hint(runs, "r000", "r000/step_00000005.pt")
+    assert "step_00000009.pt is in neither:" in removal.aside_hint(runs, "r000", "r000/step_00000009.pt")
+    assert "since; the run records no checkpoint: move" in removal.aside_hint(runs, "r000")
 
 
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"name": 5}', "[" * 100_000 + "]" * 100_000])

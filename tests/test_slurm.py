@@ -378,8 +378,13 @@ def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(inputs, tmp_path):
     assert runs(inputs["db"]) == [("a", "queued", None, None)]
 
 
+# SLURM's generic PartitionConfig: the line names the option, from the node's CPUs (scontrol)
 NEVER = [(["--nodes", "2"], "PartitionNodeLimit", "--nodes"),  # one node: a server database, not SQLite
-         (["--cpus-per-task", "9999"], "PartitionConfig", "--cpus-per-task")]
+         (["--cpus-per-task", "9999"], "PartitionConfig",
+          r"--cpus-per-task 9999 is above the \d+ CPUs of the partition's largest node: give at most that"),
+         (["--tasks-per-node", "9999"], "PartitionConfig",
+          r"9999 tasks a node of 1 CPU\(s\) each \(--tasks-per-node or --gpus-per-node, --cpus-per-task\) are 9999 "
+          r"CPUs, above the \d+ CPUs of the partition's largest node")]
 
 
 @needs_cluster
@@ -397,23 +402,24 @@ def test_a_job_slurm_would_never_start_is_cancelled_and_refused_in_one_line(data
                       "--folder", str(tmp_path / "jobs"), "--time", "00:10:00", *extra)
     jobs = re.findall(r"SLURM job (\d+)", done.stdout + done.stderr)
     try:
-        one_line_error(done, "can never start in partition ", reason, option, "the job was cancelled")
+        one_line_error(done, "can never start in partition ", reason, "the job was cancelled")
+        assert re.search(option, done.stderr), done.stderr
         assert [squeue_state(job) for job in jobs] == ["CANCELLED"]
     finally:  # not left pending forever when the test fails
         subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
     assert not (tmp_path / "jobs").exists()  # nothing of the job that never was
 
 
-@pytest.fixture
-def short_partition():
-    """A partition of this cluster's one node whose MaxTime is 5 minutes, made for the test
+@contextlib.contextmanager
+def made_partition(*settings: str):
+    """A partition of this cluster's one node with `settings` (scontrol's), made for the test
     (scontrol, as SLURM's administrator) and deleted with its jobs afterwards: the cluster's
     own partition has no limit."""
     if os.geteuid() != 0:
         pytest.skip("making a partition (scontrol create) needs SLURM's administrator, root here")
     name = f"fibctl_short_{os.getpid()}_{time.monotonic_ns() % 10**6}"
     node = socket.gethostname().split(".")[0]
-    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={node}", "MaxTime=00:05:00",
+    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={node}", *settings,
                            "State=UP"], capture_output=True, text=True, timeout=30)
     assert made.returncode == 0, made.stderr
     try:
@@ -425,6 +431,13 @@ def short_partition():
                               timeout=30).returncode == 0:
                 break
             time.sleep(0.5)
+
+
+@pytest.fixture
+def short_partition():
+    """A partition whose MaxTime is 5 minutes."""
+    with made_partition("MaxTime=00:05:00") as name:
+        yield name
 
 
 @needs_cluster
@@ -450,6 +463,34 @@ def test_a_time_above_the_partitions_max_time_is_refused_naming_that_max_time(da
 
     assert "--time 00:10:00 is above the partition's MaxTime 00:05:00" in never_message(
         "1", "PartitionConfig", short_partition, "00:10:00")
+
+
+@needs_cluster
+def test_a_partition_config_reason_names_the_option_asking_too_much():
+    """SLURM's first word for a job beyond its partition may be its generic PartitionConfig, kept
+    where the cluster schedules seldom, whatever the cause: the line listed every option it
+    might be. It names the one asking more than the partition's nodes have, or than its
+    MaxCPUsPerNode allows, from what scontrol says of the job; the list where neither is it."""
+    from fibctl.flows.slurm import never_message
+
+    with made_partition("MaxCPUsPerNode=1") as partition:
+        said = {}
+        for extra in (["--cpus-per-task", "2"], ["--ntasks-per-node", "2", "--cpus-per-task", "2"], ["--nodes", "2"],
+                      []):
+            job = held_job("--partition", partition, *extra)
+            try:
+                said[" ".join(extra)] = never_message(job, "PartitionConfig", partition, "00:10:00").split(": ", 1)[1]
+            finally:
+                subprocess.run(["scancel", job], timeout=30)
+    assert said == {
+        "--cpus-per-task 2": "PartitionConfig (--cpus-per-task 2 is above the partition's MaxCPUsPerNode 1: give at "
+                             "most that)",
+        "--ntasks-per-node 2 --cpus-per-task 2": "PartitionConfig (2 tasks a node of 2 CPU(s) each (--tasks-per-node "
+                                                 "or --gpus-per-node, --cpus-per-task) are 4 CPUs, above the "
+                                                 "partition's MaxCPUsPerNode 1)",
+        "--nodes 2": "PartitionConfig (--nodes 2 is above the partition's 1 node(s): give at most that)",
+        "": "PartitionConfig (more than the partition or its nodes allow: --nodes, --cpus-per-task, --gpus-per-node, "
+            "--tasks-per-node)"}
 
 
 @needs_cluster

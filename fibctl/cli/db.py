@@ -370,11 +370,11 @@ def queue_retry(ctx: typer.Context,
             return [where / name for where in dict.fromkeys([runs_dir or Path(recorded_dir or "runs"),
                                                              *([Path(recorded_dir)] if recorded_dir else [])])]
 
-        def check(recorded_dir: str | None, _checkpoint: str | None) -> None:
+        def check(recorded_dir: str | None, checkpoint: str | None) -> None:
             for folder in folders(recorded_dir):  # the only folders a worker resumes in (checkpoint.resolve_path)
                 # a killed `queue rm` hid them: back, and seen; one it cannot settle is refused,
                 # else the retry would find no checkpoint and delete the rows
-                settle_or_refuse(folder.parent, name, True, "nothing was changed")
+                settle_or_refuse(folder.parent, name, True, "nothing was changed", checkpoint)
                 left = ckpt.latest_checkpoint(folder)
                 if left is not None:
                     raise FibctlError(f"{shown_path(left)} is still there: `fibctl queue retry {name}` resumes from "

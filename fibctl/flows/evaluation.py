@@ -101,7 +101,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
                 continue
             raise FibctlError(no_checkpoint_loads(r.name, f"run {r.name!r}: its checkpoint {path.name} was damaged"))
         if not path.is_file():
-            hint = aside_hint(path.parent.parent, r.name) or "give the --runs-dir it was trained in"
+            hint = aside_hint(path.parent.parent, r.name, r.checkpoint_path) or "give the --runs-dir it was trained in"
             raise FibctlError(f"run {r.name!r}: its checkpoint {shown_path(path)} does not exist; {hint}")
         targets.append(_Target(r, config, path))
     if not targets:

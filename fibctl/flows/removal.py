@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from fibctl import durable, queue
 from fibctl.db import engine as db_engine
@@ -58,30 +58,52 @@ def _asides(runs_dir: Path, name: str) -> list[tuple[Path, str, str | None]]:
     return found
 
 
-def aside_hint(runs_dir: Path, name: str) -> str | None:
+def _maker(pid: str, space: str | None) -> tuple[str, bool]:
+    """The process that moved a folder aside, in words, and whether it has ended (False for
+    another PID space's, which this one cannot see)."""
+    if (space or durable.pid_space()) != durable.pid_space():
+        return f"process {pid} of another machine or container", False
+    ended = durable.owner_ended(pid, space)
+    return f"process {pid}, {'ended' if ended else 'still running'}", ended
+
+
+def aside_hint(runs_dir: Path, name: str, checkpoint: str | None = None) -> str | None:
     """Where run `name`'s checkpoints are, for a command that found none in RUNS_DIR/NAME: the
     folder a `queue rm --checkpoints` moved aside and `settle_aside` left there (its maker in
-    another container, or still running); None where there is none. Without it the worker
-    said only that the recorded checkpoint does not exist."""
+    another container, or still running, or RUNS_DIR/NAME made again since); None where there
+    is none. Without it the worker said only that the recorded checkpoint does not exist.
+    `checkpoint` is the run's recorded one: with both folders there, which one holds it."""
     asides = _asides(runs_dir, name)
     if not asides:
         return None
     hidden, pid, space = asides[-1]
-    if (space or durable.pid_space()) != durable.pid_space():
-        who = f"process {pid} of another machine or container"
+    who, ended = _maker(pid, space)
+    said = f"a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {shown_path(hidden)}"
+    wait = "" if ended else "once that command is not running, "
+    folder = runs_dir / name
+    if not os.path.lexists(folder):
+        return f"{said}: {wait}move it back to {shown_path(folder)}"
+    # it was said to move it back onto a folder that is there: which one is the run's is the
+    # person's to decide, from where its recorded checkpoint is
+    if checkpoint is None:
+        where = "the run records no checkpoint"
     else:
-        who = f"process {pid}, {'ended' if durable.owner_ended(pid, space) else 'still running'}"
-    return (f"a `fibctl queue rm --checkpoints` ({who}) moved the run's folder aside to {shown_path(hidden)}: "
-            f"once that command is not running, move it back to {shown_path(runs_dir / name)}")
+        file = PurePath(checkpoint).name
+        holders = [shown_path(f) for f in (hidden, folder) if (f / file).is_file()]
+        where = (f"the run's recorded checkpoint {file} is "
+                 f"{'in both' if len(holders) == 2 else f'in {holders[0]}' if holders else 'in neither'}")
+    return (f"{said}, and {shown_path(folder)} was made again since; {where}: {wait}"
+            f"move or merge by hand what is the run's into {shown_path(folder)}, and delete {shown_path(hidden)}")
 
 
-def settle_or_refuse(runs_dir: Path, name: str, owned: bool, unchanged: str) -> None:
+def settle_or_refuse(runs_dir: Path, name: str, owned: bool, unchanged: str, checkpoint: str | None) -> None:
     """`settle_aside`, for a command about to act on what RUNS_DIR/NAME holds (delete the run's
     rows or its folder): a folder left aside (its maker in another container, or still
-    running) may hold the run's checkpoints, which the command would not see; one line naming
-    it, ending in `unchanged`, instead."""
+    running, or RUNS_DIR/NAME made again since) may hold the run's checkpoints, which the
+    command would not see; one line naming it (and which folder holds `checkpoint`, the run's
+    recorded one), ending in `unchanged`, instead."""
     settle_aside(runs_dir, name, owned)
-    if hint := aside_hint(runs_dir, name):
+    if hint := aside_hint(runs_dir, name, checkpoint):
         raise FibctlError(f"run {name}: {hint}; {unchanged}")
 
 
@@ -134,11 +156,11 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
     def runs_of(recorded_dir: str | None) -> Path:
         return runs_dir or Path(recorded_dir or "runs")
 
-    def folder_of(recorded_dir: str | None, _checkpoint: str | None = None) -> Path:
+    def folder_of(recorded_dir: str | None, checkpoint: str | None = None) -> Path:
         # the run is there: what a killed removal left is its own; with --checkpoints it is to go
         # too, so a folder left aside that cannot be settled (unseen, it would stay) is refused
         if checkpoints:
-            settle_or_refuse(runs_of(recorded_dir), name, True, "nothing was removed")
+            settle_or_refuse(runs_of(recorded_dir), name, True, "nothing was removed", checkpoint)
         else:
             settle_aside(runs_of(recorded_dir), name, owned=True)
         return checkpoint_folder(name, runs_of(recorded_dir)) if checkpoints else runs_of(recorded_dir) / name
@@ -178,7 +200,7 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
             aside.append(hidden)
 
     try:
-        removed = queue.remove(engine, name, lambda recorded: folder.append(folder_of(recorded)), move_aside)
+        removed = queue.remove(engine, name, lambda *recorded: folder.append(folder_of(*recorded)), move_aside)
     except BaseException:
         for hidden in aside:  # the rows stay: so does the folder, where it was
             hidden.rename(folder[0])
@@ -199,6 +221,14 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
         return message + f"; deleted {shown_path(folder[0])}"
     if checkpoints:
         return message + f"; no checkpoint folder at {shown_path(folder[0])}"
-    if folder[0].is_dir() and any(folder[0].glob("step_*.pt")):
-        return message + f"; its checkpoints stay in {shown_path(folder[0])} (--checkpoints deletes them)"
-    return message
+    stay = [f"{shown_path(folder[0])} (--checkpoints deletes them)"] if _holds_checkpoints(folder[0]) else []
+    # a folder another `queue rm --checkpoints` has aside (settle_aside left it): without it
+    # named, the run's checkpoints were said to be nowhere
+    stay += [f"{shown_path(hidden)}, moved aside there by a `fibctl queue rm --checkpoints` ({_maker(pid, space)[0]}) "
+             "that was to delete them" for hidden, pid, space in _asides(folder[0].parent, name)
+             if _holds_checkpoints(hidden)]
+    return message + (f"; its checkpoints stay in {' and in '.join(stay)}" if stay else "")
+
+
+def _holds_checkpoints(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("step_*.pt"))

@@ -357,26 +357,75 @@ def _never_hint(reason: str) -> str:
     return NEVER_STARTS.get(reason) or "above a per-job limit of the account or QOS"
 
 
-def partition_max_time(partition: str) -> int | None:
-    """The partition's MaxTime in seconds (scontrol); None where it has none or scontrol does not say."""
-    for line in _slurm_lines(["scontrol", "-o", "show", "partition", partition]) or []:
+def _scontrol(*what: str) -> list[dict[str, str]]:
+    """`scontrol -o show WHAT`'s records, each as its KEY=VALUE fields (the first of a key: a
+    free-text field may hold words like them); none where scontrol does not say."""
+    records = []
+    for line in _slurm_lines(["scontrol", "-o", "show", *what]) or []:
+        fields: dict[str, str] = {}
         for field in line.split():
-            if field.startswith("MaxTime="):
-                return shown_seconds(field.removeprefix("MaxTime="))
-    return None
+            key, eq, value = field.partition("=")
+            if eq:
+                fields.setdefault(key, value)
+        records.append(fields)
+    return records
+
+
+def _count(text: str | None) -> int | None:
+    """A count scontrol printed (2, or a range's least, 2-2); None for UNLIMITED, N/A or none."""
+    m = re.match(r"\d+", text or "")
+    return int(m[0]) if m else None
+
+
+def _config_cause(job_id: str, partition: dict[str, str]) -> str | None:
+    """Which option a job pending with SLURM's generic PartitionConfig asks too much of, from
+    what scontrol says of the job, the partition and its nodes: more nodes than the partition
+    has, or more CPUs a node (tasks times CPUs each) than its largest node has or the partition
+    lets a job use; None where neither is it (scontrol silent, or another cause: memory, GPUs)."""
+    name = partition.get("PartitionName")
+    job = next(iter(_scontrol("job", job_id)), {}) if name else {}
+    if not job:
+        return None
+    nodes = _count(job.get("NumNodes"))
+    # the nodes it has, or fewer where it lets a job have fewer (MaxNodes)
+    most_nodes = min([n for n in (_count(partition.get("TotalNodes")), _count(partition.get("MaxNodes")))
+                      if n is not None], default=None)
+    if nodes is not None and most_nodes is not None and nodes > most_nodes:
+        return f"--nodes {nodes} is above the partition's {most_nodes} node(s): give at most that"
+    # tasks a node as asked (0 where only a task count was: a node's share of them)
+    tasks = _count(job.get("NtasksPerN:B:S:C")) or -(-(_count(job.get("NumTasks")) or 1) // (nodes or 1))
+    each = _count(job.get("CPUs/Task")) or 1
+    cpus = [n for node in _scontrol("node") if name in node.get("Partitions", "").split(",")
+            if (n := _count(node.get("CPUEfctv") or node.get("CPUTot"))) is not None]
+    if not cpus:
+        return None
+    most, capped = max(cpus), _count(partition.get("MaxCPUsPerNode"))
+    allowed = f"the {most} CPUs of the partition's largest node"
+    if capped is not None and capped < most:
+        most, allowed = capped, f"the partition's MaxCPUsPerNode {capped}"
+    if tasks * each <= most:
+        return None
+    if tasks == 1:
+        return f"--cpus-per-task {each} is above {allowed}: give at most that"
+    # tasks a node: --tasks-per-node's, or one a GPU (--gpus-per-node)
+    return (f"{tasks} tasks a node of {each} CPU(s) each (--tasks-per-node or --gpus-per-node, --cpus-per-task) "
+            f"are {tasks * each} CPUs, above {allowed}")
 
 
 def never_message(job_id: str, reason: str, partition: str, limit: str) -> str:
     """Why a pending job can never start, `limit` its time limit as given or shown: the
     partition's MaxTime where the limit is above it, else what the reason means. The time is
-    named whenever it is above: SLURM's first word for that is its generic PartitionConfig."""
+    named whenever it is above: SLURM's first word for that is its generic PartitionConfig,
+    for which the option asking too much (nodes, CPUs) is named where scontrol tells it."""
     asked = shown_seconds(limit)
-    most = partition_max_time(partition) if reason in ("PartitionTimeLimit", "PartitionConfig") else None
+    fields = next(iter(_scontrol("partition", partition)), {}) \
+        if reason in ("PartitionTimeLimit", "PartitionConfig") else {}
+    most = shown_seconds(fields["MaxTime"]) if "MaxTime" in fields else None
     # SLURM holds a limit in whole minutes: 00:05:30 is 6 of them, above a MaxTime of 00:05:00
     if asked is not None and most is not None and -(-asked // 60) * 60 > most:
         why = f"--time {_hms(asked)} is above the partition's MaxTime {_hms(most)}: give at most that"
     else:
-        why = _never_hint(reason)
+        why = (reason == "PartitionConfig" and _config_cause(job_id, fields)) or _never_hint(reason)
     return f"SLURM job {job_id} can never start in partition {partition}: {reason} ({why})"
 
 

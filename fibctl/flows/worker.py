@@ -586,9 +586,9 @@ def _run_dir(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions) -> 
         if any(path.parent.glob(f"step_*.pt{ckpt.DAMAGED}")):  # the run's fault, not the folder's: it fails
             raise FibctlError(no_checkpoint_loads(claimed.name, f"the checkpoints in {shown_path(path.parent)} were "
                                                                 "damaged"))
+        hint = aside_hint(opts.runs_dir, claimed.name, claimed.checkpoint_path)
         raise WorkerError(f"run {claimed.name!r} has checkpoint {shown_path(claimed.checkpoint_path)}, but "
-                          f"{shown_path(path)} does not exist: "
-                          f"{aside_hint(opts.runs_dir, claimed.name) or 'give the --runs-dir it was trained with'}")
+                          f"{shown_path(path)} does not exist: {hint or 'give the --runs-dir it was trained with'}")
     return own
 
 

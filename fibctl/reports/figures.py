@@ -693,11 +693,14 @@ ORDER BY r.name, a.layer, a.step"""
 
 def _alphas_shown(panels: list[tuple[str, pd.DataFrame]]) -> str:
     """What the alphas figure's panels draw, for its title: a static schedule's curve once for
-    all its runs (not each run's), a learned run's alpha over training."""
+    all its runs (not each run's), a learned run's alpha over training. One learned run's is a
+    column wide, its name over its panel: 'of each learned run' took the title to three lines."""
     kinds = {points["schedule"].iloc[0] == "learned" for _, points in panels}
     if kinds == {True, False}:
         return ": each static schedule once, each learned run over training"
-    return " of each learned run over training" if True in kinds else " of each static schedule"
+    if True in kinds:
+        return " over training" if len(panels) == 1 else " of each learned run over training"
+    return " of each static schedule"
 
 
 def alpha_panels(long: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:

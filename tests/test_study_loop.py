@@ -280,6 +280,18 @@ def test_learned_trainer_in_float64_is_the_study_loop_to_float64_rounding(data, 
         torch.testing.assert_close(weights[name], w, rtol=0, atol=bound, msg=lambda m: f"{name}: {m}")
 
 
+def spread_model(cfg, dtype):
+    """A model of `cfg` on the `mask` path in `dtype`, seeded, its learned layers' theta drawn
+    from (-2, 2) (alphas 0.62 to 1.38) so that their rungs are fractional."""
+    torch.manual_seed(0)
+    model = FibLM(cfg, "mask").to(dtype)
+    if cfg.schedule == "learned":
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.theta.uniform_(-2, 2)
+    return model
+
+
 @pytest.mark.parametrize("schedule,base", EVERY)
 def test_float64_logits_and_gradients_are_the_study_models(schedule, base):
     """One forward and backward of the `mask` path in float64 beside the study's model on the
@@ -289,12 +301,7 @@ def test_float64_logits_and_gradients_are_the_study_models(schedule, base):
     1.0e-14 (of logits up to 5), gradients within 2.4e-15 and 8.9e-16. The bounds are about
     10 times those."""
     cfg = dataclasses.replace(micro_run("f64", schedule).model, base=base, n_layers=LAYERS)
-    torch.manual_seed(0)
-    model = FibLM(cfg, "mask").double()
-    if schedule == "learned":
-        with torch.no_grad():
-            for block in model.blocks:
-                block.attn.theta.uniform_(-2, 2)
+    model = spread_model(cfg, torch.float64)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     logits = model(x)

@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from fibctl import metrics
+from fibctl import model as model_module
 from fibctl.errors import FibctlError
 from fibctl.metrics import eval_windows, load_model, stream_loss
+from fibctl.model import LOSS_TOKENS
 from test_study_loop import LAYERS, spread_model, study_logits
 from train_helpers import micro_run
 
@@ -61,7 +63,9 @@ def study_reading(n, T, budget, batch, evaluator):
 
 
 def study_batch(evaluator, T):
-    return EXTRAPOLATION_BATCH.get(T, 1) if evaluator == "extrapolation" else TRAINING_BATCH
+    if evaluator == "extrapolation":
+        return EXTRAPOLATION_BATCH.get(T, 1)
+    return TRAINING_BATCH if evaluator == "training" else POSITION_BATCH
 
 
 def study_windows(stream, T, budget, evaluator):
@@ -117,43 +121,49 @@ def models(schedule, base):
     return config, state, {n: t.double() for n, t in state.items()}
 
 
-def fibctl_eval(monkeypatch, config, state, stream, length, budget):
+def fibctl_eval(monkeypatch, config, state, stream, length, budget, chunked):
     """What `fibctl eval --positions` and the trainer compute: the run's weights in a model
-    rebuilt at `length` (here on the `mask` path, in float64), its stream_loss."""
+    rebuilt at `length` (here on the `mask` path, in float64), its stream_loss; `chunked`,
+    in batches of 3 windows (the study's were 8 or 1) and losses of 40 tokens at a time, as
+    a long length would be (its memory bounded), else in one batch and one chunk."""
     monkeypatch.setattr(metrics, "default_impl", lambda device: "mask")
+    monkeypatch.setattr(model_module, "LOSS_TOKENS", 40 if chunked else LOSS_TOKENS)
     model = load_model(config, state, length, torch.device("cpu")).double()
     assert {b.attn.impl for b in model.blocks} == {"mask"}
-    return stream_loss(model, stream, length, budget, torch.device("cpu"), position_tokens=budget)
+    return stream_loss(model, stream, length, budget, torch.device("cpu"), position_tokens=budget,
+                       batch_tokens=3 * length if chunked else metrics.BATCH_TOKENS)
 
 
 @pytest.mark.parametrize("schedule,base", CASES)
 def test_evaluation_is_the_studys_evaluators_in_float64(stream, monkeypatch, schedule, base):
     """At T, 2T and 4T, a budget of 2,048 tokens (whole batches of every evaluator: 32, 16
-    and 8 windows), fibctl's evaluation reads the windows the study's read and gives its
-    mean loss, perplexity and per-position losses to float64's rounding: fibctl adds each
-    position's losses over the windows and averages those sums, the study multiplied each
-    batch's mean by its tokens, so the same losses are added in another order. Measured
-    (torch 2.13, the CPU, the six cases): mean losses (about 6.3) within 1.8e-15,
-    perplexities within 1.9e-15 (relative), per-position losses within 3.6e-15, bins within
-    1.8e-15; the bounds are about 10 times those. The study's float32 cast of the logits puts
-    its per-position losses of a float64 model up to 9.7e-7 from fibctl's (bound 1e-5)."""
+    and 8 windows), fibctl's evaluation, in one batch or in batches and chunks, reads the
+    windows the study's read and gives its mean loss, perplexity and per-position losses to
+    float64's rounding: fibctl adds each position's losses over the windows and averages
+    those sums, the study multiplied each batch's mean by its tokens, so the same losses are
+    added in another order. Measured (torch 2.13, the CPU, the six cases): mean losses
+    (about 6.3) within 1.8e-15, perplexities within 1.9e-15 (relative), per-position losses
+    within 3.6e-15, bins within 1.8e-15; the bounds are about 10 times those. The study's
+    float32 cast of the logits puts its per-position losses of a float64 model up to 9.7e-7
+    from fibctl's (bound 1e-5)."""
     config, state, w = models(schedule, base)
     T, budget = config.model.seq_len, 2_048
     for length in (T, 2 * T, 4 * T):
         cfg = config.model.with_length(length)
-        res = fibctl_eval(monkeypatch, config, state, stream, length, budget)
         evaluators = ("training", "extrapolation") if length == T else ("extrapolation",)
-        for evaluator in evaluators:
-            loss, ppl, windows = study_perplexity(w, cfg, stream, budget, evaluator)
-            assert res.windows == windows == budget // length
-            assert res.loss == pytest.approx(loss, rel=0, abs=2e-14)
-            assert math.exp(res.loss) == pytest.approx(ppl, rel=2e-14, abs=0)
+        studied = [study_perplexity(w, cfg, stream, budget, evaluator) for evaluator in evaluators]
         per, windows = study_position_loss(w, cfg, stream, budget, torch.float64)
-        assert res.position_windows == windows == budget // length
-        np.testing.assert_allclose(res.position_losses, per.numpy(), rtol=0, atol=4e-14)
-        np.testing.assert_allclose(study_bins(res.position_losses), study_bins(per.numpy()), rtol=0, atol=2e-14)
         narrowed, _ = study_position_loss(w, cfg, stream, budget)  # the study's float32 cast
-        np.testing.assert_allclose(res.position_losses, narrowed.numpy(), rtol=0, atol=1e-5)
+        for chunked in (False, True):
+            res = fibctl_eval(monkeypatch, config, state, stream, length, budget, chunked)
+            for loss, ppl, read in studied:
+                assert res.windows == read == budget // length
+                assert res.loss == pytest.approx(loss, rel=0, abs=2e-14)
+                assert math.exp(res.loss) == pytest.approx(ppl, rel=2e-14, abs=0)
+            assert res.position_windows == windows == budget // length
+            np.testing.assert_allclose(res.position_losses, per.numpy(), rtol=0, atol=4e-14)
+            np.testing.assert_allclose(study_bins(res.position_losses), study_bins(per.numpy()), rtol=0, atol=2e-14)
+            np.testing.assert_allclose(res.position_losses, narrowed.numpy(), rtol=0, atol=1e-5)
 
 
 def windows_read(evaluator, n, T, budget):
@@ -185,7 +195,7 @@ def test_a_budget_not_whole_batches_reads_the_documented_windows(evaluator, T, b
 
 @pytest.mark.parametrize("evaluator", ["training", "extrapolation", "position"])
 @pytest.mark.parametrize("T", [64, 1_000, 1_024, 2_048, 3_000, 4_096, 8_192])
-def test_the_study_reads_whole_batches_past_the_budget_and_fibctl_whole_windows_within_it(evaluator, T):
+def test_the_study_reads_whole_batches_past_the_budget(evaluator, T):
     """Over budgets from one window to a few batches: the study reads b * ceil(N / bT) windows
     (b its batch; the training-time evaluator's starts stop below N, ceil(N / T)), fibctl
     N // T: the same where bT divides N, up to b - 1 more where T does, up to b more
@@ -212,3 +222,4 @@ def test_a_stream_shorter_than_the_budget(T):
         assert windows_read("training", n, T, 10 * n) == (k - 1, k)
         assert windows_read("extrapolation", n, T, 10 * n) == (0 if k == 1 else k, k)
         assert windows_read("position", n, T, 10 * n) == (k, k)
+

@@ -253,12 +253,20 @@ def test_learned_trainer_is_the_study_loop_within_rounding(data, tmp_path, monke
     those most); the study's own loop run in float64 lies as far from either (its weights
     1.7e-5 and 4.4e-4 from the study's float32 ones). The bounds below leave a margin of
     about 4 over those figures."""
-    config, initial, batches, losses, norms, weights = fibctl_training(data, tmp_path, monkeypatch, "learned", base)
+    learned_within(fibctl_training(data, tmp_path, monkeypatch, "learned", base),
+                   loss=1e-5, norm=2e-5, theta=1e-6, weight=5e-4)
+
+
+def learned_within(trained, *, loss, norm, theta, weight):
+    """fibctl's learned training (fibctl_training's result) beside the study's loop on the
+    same initial weights and batches: losses within `loss`, gradient norms within `norm`
+    (relative), thetas within `theta` and every other weight within `weight`."""
+    config, initial, batches, losses, norms, weights = trained
     study_losses, study_norms, study_weights = study_training(initial, config.model, config.train, batches)
-    assert losses == pytest.approx(study_losses, rel=0, abs=1e-5)
-    assert norms == pytest.approx(study_norms, rel=2e-5)
+    assert losses == pytest.approx(study_losses, rel=0, abs=loss)
+    assert norms == pytest.approx(study_norms, rel=norm)
     for name, w in study_weights.items():
-        bound = 1e-6 if name.endswith("theta") else 5e-4
+        bound = theta if name.endswith("theta") else weight
         torch.testing.assert_close(weights[name], w, rtol=0, atol=bound, msg=lambda m: f"{name}: {m}")
 
 
@@ -270,14 +278,8 @@ def test_learned_trainer_in_float64_is_the_study_loop_to_float64_rounding(data, 
     1.2e-14 of theirs (relative), theta within 1.5e-16 and 4.3e-16 (alpha within 2.3e-16,
     having moved 3e-3 from 1), every weight within 8.0e-14 and 3.3e-13. The bounds are about
     10 times those."""
-    config, initial, batches, losses, norms, weights = fibctl_training(data, tmp_path, monkeypatch, "learned", base,
-                                                                       dtype=torch.float64)
-    study_losses, study_norms, study_weights = study_training(initial, config.model, config.train, batches)
-    assert losses == pytest.approx(study_losses, rel=0, abs=7e-14)
-    assert norms == pytest.approx(study_norms, rel=1.2e-13)
-    for name, w in study_weights.items():
-        bound = 5e-15 if name.endswith("theta") else 3e-12
-        torch.testing.assert_close(weights[name], w, rtol=0, atol=bound, msg=lambda m: f"{name}: {m}")
+    learned_within(fibctl_training(data, tmp_path, monkeypatch, "learned", base, dtype=torch.float64),
+                   loss=7e-14, norm=1.2e-13, theta=5e-15, weight=3e-12)
 
 
 def spread_model(cfg, dtype):

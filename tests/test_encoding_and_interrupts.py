@@ -234,6 +234,24 @@ def test_an_error_while_a_connection_closes_is_still_logged(tmp_path, monkeypatc
     assert any(r.exc_info and isinstance(r.exc_info[1], OSError) for r in caplog.records)
 
 
+def test_psycopgs_warnings_on_cancelling_an_interrupted_query_are_not_printed(tmp_path, caplog):
+    """A Ctrl-C in `status --watch` on PostgreSQL, landing in a query the server was ending,
+    printed psycopg's "query cancellation interrupted (AdminShutdown): closing connection"
+    above `interrupted` (seen in tests/test_queue.py's watch test); its other warnings stay."""
+    import logging
+
+    from fibctl.db.engine import connect
+
+    connect(str(tmp_path / "r.db")).dispose()  # any database: psycopg is loaded for a server's
+    psycopg = logging.getLogger("psycopg")
+    with caplog.at_level("WARNING", logger="psycopg"):
+        psycopg.warning("query cancellation interrupted (%s): closing connection", "AdminShutdown")
+        psycopg.warning("query not terminated after cancellation: closing connection")
+        psycopg.warning("query cancellation failed: %s", "timeout")
+        psycopg.warning("error ignoring the notice: %s", "x")
+    assert [r.getMessage() for r in caplog.records] == ["error ignoring the notice: x"]
+
+
 def _quiet_143(done: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr[-3000:])

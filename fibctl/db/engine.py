@@ -263,6 +263,7 @@ def _create_engine(url: URL, option: str = "--db", name: str | None = None, **kw
         engine = create_engine(url, **kwargs)
         _engines.add(engine)
         engine.pool.logger.addFilter(_raised_on)  # the class's logger: once per pool class
+        logging.getLogger("psycopg").addFilter(_not_cancelling)  # a set: once
         _note_database(engine, name if name is not None else url)
         if engine.dialect.name == "sqlite":
             _refuse_damaged(engine, name if name is not None else url)
@@ -285,6 +286,17 @@ def _raised_on(record: logging.LogRecord) -> bool:
     it on, and the command ends as interrupted with its own line. Errors are still logged."""
     raised = record.exc_info[1] if record.exc_info else None
     return raised is None or isinstance(raised, Exception)
+
+
+# what psycopg logs while it cancels the query a Ctrl-C (or SIGTERM) landed in, on stderr
+# with no handler set, before it raises the interrupt on: the command's own line says it
+CANCELLING = ("query cancellation ", "query not terminated after cancellation")
+
+
+def _not_cancelling(record: logging.LogRecord) -> bool:
+    """Drop psycopg's warnings about cancelling an interrupted query ("query cancellation
+    interrupted (AdminShutdown): closing connection" above `interrupted`); others are kept."""
+    return not str(record.msg).startswith(CANCELLING)
 
 
 def _note_database(engine: Engine, db: str | URL) -> None:

@@ -179,7 +179,8 @@ def remove_run(db: str, name: str, checkpoints: bool, runs_dir: Path | None, ask
         if db_engine.current_revision(reader) != db_engine.head_revision():
             older.append(r.rows)
         what = f"remove run {name} ({r.status}) and its {r.rows:,} metric and event row(s)"
-        ask(what + (f", and delete {folder_of(r.runs_dir)}?" if checkpoints else "?"))
+        # the folder `removable` has just checked and settled: named, not settled again
+        ask(what + (f", and delete {runs_of(r.runs_dir) / name}?" if checkpoints else "?"))
 
     # on the database as it is, before any upgrade: a refusal, or a "no", leaves it as it was
     engine = db_engine.connect(db, must_exist=True, check=check)

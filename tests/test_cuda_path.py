@@ -54,6 +54,30 @@ def test_on_cuda_adamw_is_fused_and_batches_arrive_equal_to_the_cpu_ones():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_a_checkpoint_of_a_node_s_gpus_resumes_on_a_worker_that_sees_one(monkeypatch):
+    # rank 0 of an 8-GPU DDP group (or an unpinned worker) saves 8 CUDA RNG states; a worker
+    # pinned to one GPU (--gpus) resuming it failed the run: set_rng_state_all(8 states) indexed
+    # devices 1-7, which it does not have (IndexError, as torch.cuda.default_generators[7])
+    from fibctl.train import checkpoint
+
+    visible, restored = 1, {}
+
+    def set_rng_state(state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index >= visible:
+            raise IndexError("tuple index out of range")
+        restored[index] = state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": __import__("random").getstate(),
+              "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
+    checkpoint.restore_rng_states(states)
+    assert list(restored) == [0] and torch.equal(restored[0], states["cuda"][0])
+
+
 def micro(schedule: str, impl: str = "gather") -> FibLM:
     return FibLM(dataclasses.replace(get_preset("micro").model, schedule=schedule), impl)
 

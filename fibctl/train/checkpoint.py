@@ -233,7 +233,11 @@ def restore_rng_states(states: dict) -> None:
     np.random.set_state(_numpy_state(states["numpy"]))
     random.setstate(_python_state(states["python"]))
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # the devices this process sees, no more: rank 0 of a DDP group (or an unpinned worker)
+        # saves one state per GPU of its node, and a worker pinned to one GPU (--gpus) resumes
+        # its checkpoint; set_rng_state_all would index a device it lacks (IndexError)
+        for index, state in enumerate(states["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
 
 
 def _numpy_state(s) -> tuple:

@@ -131,6 +131,22 @@ def test_an_nproc_that_does_not_fit_is_one_line_exit_2_and_the_run_stays_queued(
     assert not (tmp_path / "runs").exists()
 
 
+def test_train_with_part_of_torchrun_s_environment_is_one_line_exit_2_and_the_run_stays_queued(data, tmp_path):
+    # a rank started by hand (RANK and WORLD_SIZE, no rendezvous): it trained the run alone,
+    # as one process, where `worker --ddp` refuses the same environment
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("run")).dispose()
+    env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT} | {"RANK": "1", "WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-m", "fibctl", "train", "run", "--db", str(db), "--data", str(data),
+                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "torchrun's environment is incomplete (LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set)" in done.stderr
+    assert "unset RANK, WORLD_SIZE to train in one process" in done.stderr
+    assert sqlite3.connect(db).execute("select status, attempts from runs").fetchall() == [("queued", 0)]
+    assert not (tmp_path / "runs").exists()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc), children first."""
     parents = {}

@@ -4,7 +4,6 @@ fibctl.flows, show progress."""
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -266,13 +265,17 @@ def train_cmd(
     Example: fibctl train fib_fixed_w8 --data data/demo --log-to tensorboard"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, train_named
     from fibctl.queue import NOT_QUEUED, check_named
-    from fibctl.flows.torchrun import launched
+    from fibctl.flows.torchrun import ENVIRONMENT, launched, missing
 
     opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=device, threads=threads,
                          heartbeat_timeout_s=_positive_timeout(heartbeat_timeout),
                          log_to=check_loggers(log_to or ()), compile=compile)
     # an unknown name is refused before the database is upgraded or switched to WAL mode
     known = check_named([name], NOT_QUEUED)
+    if partial := missing():  # one process would claim the run alone, its group never formed
+        raise FibctlError(f"torchrun's environment is incomplete ({', '.join(partial)} not set): start the ranks "
+                          "with torchrun, or unset " + ", ".join(n for n in ENVIRONMENT if n not in partial)
+                          + " to train in one process")
     if nproc is not None:
         from fibctl.flows.worker import check_ddp, launch_ddp
 
@@ -327,11 +330,10 @@ def worker_cmd(
 
     Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work
-    from fibctl.flows.torchrun import ENVIRONMENT, launched, reports
+    from fibctl.flows.torchrun import launched, missing, reports
 
     check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
-    missing = [k for k in ENVIRONMENT if k not in os.environ]
-    _check_ddp_options(ddp, nproc, gpus, launched(), missing if len(missing) < len(ENVIRONMENT) else [])
+    _check_ddp_options(ddp, nproc, gpus, launched(), missing())
     log_to = check_loggers(log_to or ())  # before any claim: a missing extra would fail every run
     if gpus is not None and device is not None:  # each per-GPU worker is given its device
         raise FibctlError("--gpus and --device: choose one (--gpus starts a worker on each GPU listed; "

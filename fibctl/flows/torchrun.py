@@ -30,6 +30,13 @@ def launched() -> bool:
     return all(name in os.environ for name in ENVIRONMENT)
 
 
+def missing() -> list[str]:
+    """The names of torchrun's environment this process lacks where it has some of them (a rank
+    started by hand: neither one process nor a rank of a group); [] with all or none."""
+    absent = [name for name in ENVIRONMENT if name not in os.environ]
+    return absent if len(absent) < len(ENVIRONMENT) else []
+
+
 def reports() -> bool:
     """Whether this process reports the runs it trains: a single process, or rank 0 of a group
     (the other ranks train what it claims and say nothing)."""

@@ -381,6 +381,18 @@ def test_an_error_of_the_gradient_exchange_is_a_lost_peer_and_others_are_the_run
     assert not peer_failure(ValueError("connection closed"))  # only errors torch raises from a collective
 
 
+def test_a_lost_peer_is_named_by_the_first_sentence_of_gloo_s_error_without_its_source_file():
+    # the released event and the error line ran to 200 characters of it, cut mid-word
+    from fibctl.train.distributed import as_peer_lost
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:59017. This is typically caused by a remote worker crashing. Check the logs "
+                        "of the remote worker for the root cause.\nException raised from ...")
+    assert str(as_peer_lost(gloo)) == ("another rank of the group died or stopped answering (Connection closed by peer "
+                                       "[127.0.0.1]:59017)")
+    assert str(as_peer_lost(RuntimeError(""))).endswith("(RuntimeError)")
+
+
 @needs_two_cpus
 def test_worker_ddp_claims_each_queued_run_once_and_trains_it_on_both_ranks(data, tmp_path):
     configs = [micro_run("a", steps=10), micro_run("b", "learned", steps=10), micro_run("c", steps=10)]

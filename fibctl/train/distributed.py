@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -141,6 +142,15 @@ def as_peer_lost(e: Exception) -> PeerLost:
     return e if isinstance(e, PeerLost) else PeerLost(_lost(e))
 
 
+# gloo's and NCCL's messages open with the C++ source line that raised them
+SOURCE_LINE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
+
+
 def _lost(e: Exception) -> str:
+    """The first sentence of the collective's error, without the source file it names: gloo's
+    ran to 200 characters, cut mid-word ("[/__w/pytorch/.../pair.cc:553] Connection closed by
+    peer [127.0.0.1]:59017. This is typically caused by a remote worker crashing. Check the
+    logs of the remote w")."""
     lines = str(e).strip().splitlines()
-    return "another rank of the group died or stopped answering (" + (lines[0][:200] if lines else type(e).__name__) + ")"
+    said = SOURCE_LINE.sub("", lines[0], count=1).split(". ")[0][:200] if lines else ""
+    return "another rank of the group died or stopped answering (" + (said or type(e).__name__) + ")"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,21 @@ def study_lr(step, tc):
     return tc.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def study_windows(stream, seed, T, batch_size, count):
+    """The study's first `count` training micro-batches on `stream`: it seeded numpy's global
+    generator with the run's seed, drew each micro-batch's starts in one randint call below
+    n - T - 1 (n the stream's length) and read windows of T + 1 tokens there; an evaluation
+    put the generator's state back, so evaluations do not figure."""
+    np.random.seed(seed)
+    batches = []
+    for _ in range(count):
+        starts = np.random.randint(0, len(stream) - T - 1, size=(batch_size,))
+        x = np.stack([stream[s:s + T].astype(np.int64) for s in starts])
+        y = np.stack([stream[s + 1:s + T + 1].astype(np.int64) for s in starts])
+        batches.append((torch.from_numpy(x), torch.from_numpy(y)))
+    return batches
+
+
 def study_training(weights, cfg, tc, batches):
     """The study's loop of tc.steps steps over `batches` (grad_accum per step): (step losses,
     gradient norms, final weights)."""
@@ -239,6 +255,19 @@ def test_trainer_is_the_study_loop_bit_for_bit_on_the_mask_path(data, tmp_path, 
     assert norms == study_norms
     for name, w in study_weights.items():
         assert torch.equal(weights[name], w), name
+
+
+def test_the_trainer_reads_the_windows_the_study_drew(data, tmp_path, monkeypatch):
+    """The run's data seed and training stream give the study's micro-batches: the same
+    window starts, in the same order, through 10 steps of 2 micro-batches (a generator of
+    the sampler's own, numpy's legacy one, drawn as the study drew numpy's global one).
+    Torch's generator, seeded alike, drew other starts."""
+    config, _, batches, *_ = fibctl_training(data, tmp_path, monkeypatch, "fixed", "fib")
+    stream = load_manifest(data).stream("train")
+    study = study_windows(stream, config.data_seed, config.model.seq_len, config.train.batch_size, len(batches))
+    assert len(batches) == STEPS * config.train.grad_accum
+    for (x, y), (sx, sy) in zip(batches, study):
+        assert torch.equal(x, sx) and torch.equal(y, sy)
 
 
 @pytest.mark.parametrize("base", BASES)

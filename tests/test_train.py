@@ -205,6 +205,33 @@ def test_sampler_resumes_its_random_sequence():
     assert torch.equal(x1, x2) and torch.equal(y1, x1 + 1)  # targets are the next tokens
 
 
+def test_a_split_batch_reads_the_whole_batchs_windows_in_order():
+    """The study's learned runs drew 4 windows 8 times a step where its controls drew 8
+    windows 4 times: one generator call per micro-batch, so the same windows in the same
+    order. fibctl's sampler draws likewise."""
+    stream = np.arange(50_000, dtype=np.uint16)
+    whole, split = WindowSampler(stream, 16, 8, seed=42), WindowSampler(stream, 16, 4, seed=42)
+    for _ in range(3):
+        assert torch.equal(whole.next_batch()[0], torch.cat([split.next_batch()[0], split.next_batch()[0]]))
+
+
+def test_a_run_resumed_from_a_torch_generator_checkpoint_keeps_its_order():
+    """A checkpoint of a run whose sampler drew from torch's generator (fibctl's sampler
+    before it drew as the study did) resumes that run's sequence, and its later checkpoints
+    keep the same generator: one run, one order."""
+    stream = np.arange(1000, dtype=np.uint16)
+    before = torch.Generator().manual_seed(1)
+    torch.randint(0, len(stream) - 17, (4,), generator=before)  # one batch drawn before the checkpoint
+    sampler = WindowSampler(stream, 16, 4, seed=1)
+    sampler.load_state_dict({"generator": before.get_state()})
+    for _ in range(2):
+        starts = torch.randint(0, len(stream) - 17, (4,), generator=before)
+        assert sampler.next_batch()[0][:, 0].tolist() == starts.tolist()
+    again = WindowSampler(stream, 16, 4, seed=1)
+    again.load_state_dict(sampler.state_dict())
+    assert torch.equal(again.next_batch()[0][:, 0], torch.randint(0, len(stream) - 17, (4,), generator=before))
+
+
 def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
     for step in (10, 20, 30):
         save_checkpoint(tmp_path, step, {"step": step, "model": {}}, keep=2)

@@ -217,11 +217,8 @@ def resolve_path(stored: str, runs_dir: Path, run_name: str) -> Path:
 
 def rng_states() -> dict:
     """Every RNG state as tensors and plain values (what weights-only loading accepts)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    states = {"torch": torch.get_rng_state(),
-              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+    states = {"torch": torch.get_rng_state(), "numpy": numpy_state_dict(np.random.get_state()),
               "python": {"version": version, "state": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -230,7 +227,7 @@ def rng_states() -> dict:
 
 def restore_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
-    np.random.set_state(_numpy_state(states["numpy"]))
+    np.random.set_state(numpy_state(states["numpy"]))
     random.setstate(_python_state(states["python"]))
     if "cuda" in states and torch.cuda.is_available():
         # the devices this process sees, no more: rank 0 of a DDP group (or an unpinned worker)
@@ -240,7 +237,15 @@ def restore_rng_states(states: dict) -> None:
             torch.cuda.set_rng_state(state, index)
 
 
-def _numpy_state(s) -> tuple:
+def numpy_state_dict(state: tuple) -> dict:
+    """A numpy generator's state (`get_state()`'s tuple) as tensors and plain values."""
+    kind, keys, pos, has_gauss, gauss = state
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+
+
+def numpy_state(s) -> tuple:
+    """The tuple `set_state()` takes, from numpy_state_dict's dict."""
     if not isinstance(s, dict):  # an older checkpoint: numpy's own tuple
         return s
     return (s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])

@@ -876,6 +876,25 @@ def test_binary_data_is_refused_and_a_nul_in_a_text_is_read(tmp_path):
     assert _docs(recipe, source, tmp_path) == ["before\0after, a NUL in a text"]
 
 
+def test_an_image_is_refused_as_binary_and_text_in_another_encoding_is_not(tmp_path):
+    """A PNG (compressed pixels: few NULs) was taken for UTF-8 text with a bad byte: 'fix that
+    line'. Binary data is not UTF-8 and full of control bytes; text in a legacy encoding has
+    none, and is still pointed at iconv."""
+    import random
+    import zlib
+
+    pixels = zlib.compress(random.Random(0).randbytes(12_000))
+    (tmp_path / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + pixels)
+    recipe, source = _local(str(tmp_path / "a.png"), "text")
+    with pytest.raises(FibctlError, match=r"a\.png looks like binary data, not text: it is not UTF-8, and "
+                                          r"[\d,]+ of its first 8,192 bytes are control bytes$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "a.txt").write_bytes("Привет, мир: текст в другой кодировке.\n".encode("cp1251") * 50)
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=r"a\.txt is not UTF-8 text: line 1 .*iconv -f latin1"):
+        _docs(recipe, source, tmp_path)
+
+
 def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):
     """Two sources reading one file through a hard link each were taken for other inputs: one
     held its lines out, the other trained on them inside its whole-file document."""

@@ -54,6 +54,32 @@ def test_recipe_with_a_byte_order_mark_loads(tmp_path):
     assert load_recipe(tmp_path / "bom.toml").name == "odd"
 
 
+def test_a_tilde_in_a_recipes_files_is_the_home_folder(tmp_path, monkeypatch):
+    """`~/corpus/*.txt` was taken relative to the recipe's folder (`RECIPE_DIR/~/corpus`), so
+    a recipe written as a shell path matched no file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    _notes(home)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "r.toml").write_text(RECIPE.replace("notes/*.txt", "~/notes/*.txt"))
+    recipe = load_recipe(tmp_path / "r.toml")
+    assert recipe.sources[0].files == (str(home / "notes" / "*.txt"),)
+    assert _docs(recipe, recipe.sources[0], tmp_path)[0] == "note 0 river stone lantern"
+
+
+def test_a_glob_skips_hidden_names_as_a_shell_does_unless_it_names_the_dot(tmp_path):
+    """As docs/data.md says: `*` and `**` do not reach `.git` or `.notes.txt`; a glob naming
+    the dot does."""
+    notes = _notes(tmp_path, 1)
+    (notes / ".hidden.txt").write_text("hidden note\n")
+    (notes / ".git").mkdir()
+    (notes / ".git" / "x.txt").write_text("git note\n")
+    recipe, source = _local(str(notes / "**" / "*.txt"), "text")
+    assert _docs(recipe, source, tmp_path) == ["note 0 river stone lantern"]
+    recipe, source = _local(str(notes / ".*.txt"), "text")
+    assert _docs(recipe, source, tmp_path) == ["hidden note"]
+
+
 def test_recipe_not_utf8_is_one_line_exit_2(tmp_path):
     (tmp_path / "latin.toml").write_bytes(RECIPE.replace("a recipe", "caf\xe9").encode("latin-1"))
     with pytest.raises(FibctlError, match=r"latin\.toml: byte 0xe9 .* not UTF-8"):

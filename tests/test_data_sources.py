@@ -80,6 +80,24 @@ def test_a_glob_skips_hidden_names_as_a_shell_does_unless_it_names_the_dot(tmp_p
     assert _docs(recipe, source, tmp_path) == ["hidden note"]
 
 
+def test_files_are_read_in_path_order_whatever_order_the_disk_lists_them(tmp_path, monkeypatch):
+    """Same corpus, same stream: the order a folder lists its files in (creation order, a
+    filesystem's hash order) and the order of the recipe's globs decide nothing."""
+    import glob
+
+    from fibctl.data import recipe as recipe_module
+
+    for folder, name in [("b", "2"), ("a", "1"), ("b", "0"), ("a", "3")]:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / f"{name}.txt").write_text(f"{folder}/{name}\n")
+    real = glob.glob
+    monkeypatch.setattr(recipe_module.glob, "glob", lambda *a, **k: real(*a, **k)[::-1])
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": "text", "share": 1,
+         "files": [str(tmp_path / "b" / "*.txt"), str(tmp_path / "a" / "*.txt")]}]})
+    assert _docs(recipe, recipe.sources[0], tmp_path) == ["a/1", "a/3", "b/0", "b/2"]
+
+
 def test_recipe_not_utf8_is_one_line_exit_2(tmp_path):
     (tmp_path / "latin.toml").write_bytes(RECIPE.replace("a recipe", "caf\xe9").encode("latin-1"))
     with pytest.raises(FibctlError, match=r"latin\.toml: byte 0xe9 .* not UTF-8"):

@@ -54,6 +54,50 @@ def test_recipe_with_a_byte_order_mark_loads(tmp_path):
     assert load_recipe(tmp_path / "bom.toml").name == "odd"
 
 
+def test_a_tilde_in_a_recipes_files_is_the_home_folder(tmp_path, monkeypatch):
+    """`~/corpus/*.txt` was taken relative to the recipe's folder (`RECIPE_DIR/~/corpus`), so
+    a recipe written as a shell path matched no file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    _notes(home)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "r.toml").write_text(RECIPE.replace("notes/*.txt", "~/notes/*.txt"))
+    recipe = load_recipe(tmp_path / "r.toml")
+    assert recipe.sources[0].files == (str(home / "notes" / "*.txt"),)
+    assert _docs(recipe, recipe.sources[0], tmp_path)[0] == "note 0 river stone lantern"
+
+
+def test_a_glob_skips_hidden_names_as_a_shell_does_unless_it_names_the_dot(tmp_path):
+    """As docs/data.md says: `*` and `**` do not reach `.git` or `.notes.txt`; a glob naming
+    the dot does."""
+    notes = _notes(tmp_path, 1)
+    (notes / ".hidden.txt").write_text("hidden note\n")
+    (notes / ".git").mkdir()
+    (notes / ".git" / "x.txt").write_text("git note\n")
+    recipe, source = _local(str(notes / "**" / "*.txt"), "text")
+    assert _docs(recipe, source, tmp_path) == ["note 0 river stone lantern"]
+    recipe, source = _local(str(notes / ".*.txt"), "text")
+    assert _docs(recipe, source, tmp_path) == ["hidden note"]
+
+
+def test_files_are_read_in_path_order_whatever_order_the_disk_lists_them(tmp_path, monkeypatch):
+    """Same corpus, same stream: the order a folder lists its files in (creation order, a
+    filesystem's hash order) and the order of the recipe's globs decide nothing."""
+    import glob
+
+    from fibctl.data import recipe as recipe_module
+
+    for folder, name in [("b", "2"), ("a", "1"), ("b", "0"), ("a", "3")]:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / f"{name}.txt").write_text(f"{folder}/{name}\n")
+    real = glob.glob
+    monkeypatch.setattr(recipe_module.glob, "glob", lambda *a, **k: real(*a, **k)[::-1])
+    recipe = parse_recipe({"vocab_size": 512, "train_tokens": 1000, "sources": [
+        {"name": "notes", "kind": "local", "format": "text", "share": 1,
+         "files": [str(tmp_path / "b" / "*.txt"), str(tmp_path / "a" / "*.txt")]}]})
+    assert _docs(recipe, recipe.sources[0], tmp_path) == ["a/1", "a/3", "b/0", "b/2"]
+
+
 def test_recipe_not_utf8_is_one_line_exit_2(tmp_path):
     (tmp_path / "latin.toml").write_bytes(RECIPE.replace("a recipe", "caf\xe9").encode("latin-1"))
     with pytest.raises(FibctlError, match=r"latin\.toml: byte 0xe9 .* not UTF-8"):
@@ -874,6 +918,25 @@ def test_binary_data_is_refused_and_a_nul_in_a_text_is_read(tmp_path):
         _docs(recipe, source, tmp_path)
     (tmp_path / "a.txt").write_bytes(b"before\0after, a NUL in a text\n")
     assert _docs(recipe, source, tmp_path) == ["before\0after, a NUL in a text"]
+
+
+def test_an_image_is_refused_as_binary_and_text_in_another_encoding_is_not(tmp_path):
+    """A PNG (compressed pixels: few NULs) was taken for UTF-8 text with a bad byte: 'fix that
+    line'. Binary data is not UTF-8 and full of control bytes; text in a legacy encoding has
+    none, and is still pointed at iconv."""
+    import random
+    import zlib
+
+    pixels = zlib.compress(random.Random(0).randbytes(12_000))
+    (tmp_path / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + pixels)
+    recipe, source = _local(str(tmp_path / "a.png"), "text")
+    with pytest.raises(FibctlError, match=r"a\.png looks like binary data, not text: it is not UTF-8, and "
+                                          r"[\d,]+ of its first 8,192 bytes are control bytes$"):
+        _docs(recipe, source, tmp_path)
+    (tmp_path / "a.txt").write_bytes("Привет, мир: текст в другой кодировке.\n".encode("cp1251") * 50)
+    recipe, source = _local(str(tmp_path / "a.txt"), "text")
+    with pytest.raises(FibctlError, match=r"a\.txt is not UTF-8 text: line 1 .*iconv -f latin1"):
+        _docs(recipe, source, tmp_path)
 
 
 def test_a_hard_link_is_the_same_input_as_its_file(tmp_path):

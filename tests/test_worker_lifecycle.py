@@ -82,7 +82,9 @@ def without_heldout(d: Path) -> Path:
                   "(the recipe's train_tokens, or more documents)"),
     (short_heldout, f"the {HELDOUT[0]} stream of {{d}} holds 40 tokens; seq_len 64 needs at least 65: prepare "
                     "more data (the recipe's heldout_tokens or its source's heldout_fraction, or more documents)"),
-    (without_heldout, "records evaluations on held-out sets, but {d} has none (its manifest lists only 'train')"),
+    # preparing the same recipe again makes none: the line says to give a source one
+    (without_heldout, "records evaluations on held-out sets, but {d} has no held-out set (its manifest lists "
+                      "only 'train'): give a source of recipe "),
 ])
 def test_data_that_cannot_train_or_evaluate_the_run_leaves_it_queued(command, make, words, tmp_path, capsys,
                                                                     monkeypatch):

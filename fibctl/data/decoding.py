@@ -6,8 +6,9 @@ alone, such a file was read as text), else by its extension (`.gz`, `.bz2`, `.xz
 a `.gz` file that is not gzip is refused by the decompressor). Its text is read as UTF-8, a
 byte-order mark dropped. Refused, naming the file, are: a tar or zip archive (its headers are
 not text to train on), UTF-16 text (with a byte-order mark or without: ASCII in UTF-16 is
-valid UTF-8, a NUL beside each letter), binary data (many NULs), and a file that is not UTF-8
-(naming the line of its first byte that is not)."""
+valid UTF-8, a NUL beside each letter), binary data (many NULs; or not UTF-8 and many control
+bytes: an image, a PDF), and a file that is not UTF-8 (naming the line of its first byte that
+is not)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,26 @@ def _check_head(path: str, head: bytes) -> None:
                               f"letter), not UTF-8; convert it (e.g. iconv -f utf-16{order} -t utf-8)")
         raise FibctlError(f"{name} looks like binary data, not text: {nuls:,} of its first {len(head):,} bytes "
                           "are NUL")
+    # compressed or encoded data (an image, a PDF) has few NULs but is not UTF-8 and is full of
+    # control bytes, which text in another encoding (latin1, cp1251: for iconv) has none of
+    controls = len(head) - len(head.translate(None, _CONTROL_BYTES))
+    if controls * CONTROL_SHARE > len(head) and not _utf8(head):
+        raise FibctlError(f"{name} looks like binary data, not text: it is not UTF-8, and {controls:,} of its first "
+                          f"{len(head):,} bytes are control bytes")
+
+
+# bytes no text holds: C0 controls but for tab, line breaks, form feed and escape (ANSI colours)
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1b")
+CONTROL_SHARE = 30  # a file whose first bytes are more than one in this many such (and not UTF-8) is not text
+
+
+def _utf8(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-8 (the last character may be cut by their end)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 UTF8_SCAN_BYTES = 1 << 20  # read at a time to find a file's first byte that is not UTF-8

@@ -253,8 +253,10 @@ def _parse_source(raw: dict, base_dir: Path, number: int) -> Source:
             fields[key] = float(fields[key])
     _check_applies(where, raw)
     if "files" in fields:  # relative to the recipe, stored absolute so the hash sees where they are
+        # `~` is the home folder, as in a shell (a file named `~` is `./~`)
+        expanded = (os.path.expanduser(f) for f in fields["files"])
         fields["files"] = tuple(str((base_dir / f).resolve()) if not Path(f).is_absolute() else f
-                                for f in fields["files"])
+                                for f in expanded)
     try:
         return Source(**fields)
     except TypeError as e:

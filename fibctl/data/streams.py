@@ -57,6 +57,14 @@ class DataManifest:
         return short_hash({"tokenizer": self.tokenizer_hash, "streams": self.stream_hashes,
                            "vocab_size": self.vocab_size, "train_split": self.train_split})
 
+    @property
+    def no_heldout(self) -> str:
+        """Why a folder without held-out sets cannot be trained or evaluated on, and what to do:
+        preparing the same recipe again makes none."""
+        return (f"{shown_path(self.data_dir)} has no held-out set (its manifest lists only "
+                f"{self.train_split!r}): give a source of recipe {self.recipe!r} one (heldout = \"NAME\") "
+                "and prepare it again")
+
     def holds(self, data_hash: str) -> bool:
         """Whether a run recorded as trained on `data_hash` (a checkpoint's, written before
         runs recorded the content hash: an inputs hash) was trained on this folder's data."""

@@ -158,8 +158,7 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
         raise FibctlError(f"--tokens {tokens} is below 2")
     manifest = load_manifest(data_dir)
     if not manifest.heldout:  # nothing to evaluate on: exit 0 with nothing recorded said otherwise
-        raise FibctlError(f"{shown_path(manifest.data_dir)} has no held-out set to evaluate on (its manifest lists "
-                          f"only {manifest.train_split!r}): prepare the data again")
+        raise FibctlError(f"nothing to evaluate on: {manifest.no_heldout}")
     datasets = list(dict.fromkeys(datasets or manifest.heldout))
     unknown = [d for d in datasets if d not in manifest.heldout]
     if unknown:

@@ -124,9 +124,7 @@ def check_data(config: RunConfig, manifest: DataManifest | None,
     # the run evaluates every held-out set of the manifest (Trainer.evaluate): with none it
     # would record no evaluation, the numbers the tables read
     if not manifest.heldout:
-        raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but "
-                          f"{shown_path(manifest.data_dir)} has none (its manifest lists only "
-                          f"{manifest.train_split!r}): prepare the data again")
+        raise WorkerError(f"run {config.name!r} records evaluations on held-out sets, but {manifest.no_heldout}")
     # a training batch and an evaluation each read windows of seq_len inputs and the next token;
     # training, as the study drew it, never starts at the stream's last window (WindowSampler)
     window = config.model.seq_len + 1

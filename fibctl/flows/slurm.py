@@ -12,6 +12,10 @@ requeues the job, which starts again on a new allocation and claims the released
 resume from their checkpoints: a matrix larger than one allocation finishes across several.
 SIGTERM (`scancel`) stops the workers the same way, without a requeue.
 
+With `ddp` the job is one DDP group instead (`GroupTask`): each task starts torchrun on its
+node, the tasks meet at a c10d rendezvous at the job's first host, and the group's ranks run
+`fibctl worker --ddp`; a stop reaches each task's ranks through the task.
+
 Each run a task starts gets a `slurm` event naming the job id, the task and the host, which
 `jobs` joins with SLURM's own view of the job (squeue, and sacct where accounting is on).
 """

@@ -23,21 +23,10 @@ from fibctl.train.distributed import PeerLost
 from fibctl.flows.torchrun import ENVIRONMENT
 from fibctl.train.trainer import Trainer
 from cli_helpers import refused
-from train_helpers import micro_run, queued_db, write_data
+from train_helpers import Losses, assert_close, micro_run, one_process, queued_db, write_data
 
 torch.set_num_threads(1)
 needs_two_cpus = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="gloo runs one process per CPU; this has 1")
-
-
-class Losses:
-    def __init__(self):
-        self.losses = {}
-
-    def log_step(self, step, loss, *rest):
-        self.losses[step] = loss
-
-    def __getattr__(self, name):
-        return lambda *a, **k: True
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +39,9 @@ def fibctl(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
-def one_process(config, data, run_dir) -> tuple[dict, dict]:
-    reporter = Losses()
-    trainer = Trainer(config, load_manifest(data), run_dir, reporter)
-    assert trainer.run().status == "done"
-    return trainer.model.state_dict(), reporter.losses
-
-
 def final_checkpoint(db: Path, runs: Path) -> dict:
     path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = 'run'").fetchone()[0]
     return load_checkpoint(runs / path)
-
-
-def assert_close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), (k, float((a[k] - b[k]).abs().max()))
 
 
 @needs_two_cpus

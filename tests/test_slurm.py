@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 
 import os
 import re
@@ -24,7 +25,7 @@ import torch
 from fibctl.data.streams import load_manifest
 from fibctl.train.checkpoint import load_checkpoint
 from fibctl.train.trainer import Trainer
-from train_helpers import NullReporter, micro_run, queued_db, write_data
+from train_helpers import NullReporter, assert_close, micro_run, one_process, queued_db, write_data
 
 ENV = {**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
 CLUSTER = os.environ.get("FIBCTL_TEST_SLURM")
@@ -194,6 +195,18 @@ BAD_OPTIONS = [
     (["--folder", "{root}/jo\\bs"], ["--folder", "jo\\bs", "'%' or '\\'"]),
     (["--time", "99999999-00:00:00"], ["--time", "at most 365-00:00:00"]),  # SLURM read it as INVALID
     (["--db", "{root}/done.db"], ["no queued runs", "done.db"]),  # a dry run too, as docs/cluster.md says
+    # --ddp: the job is one torchrun group (a micro run accumulates 2 micro-batches)
+    (["--nproc", "2"], ["--nproc 2 goes with --ddp"]),
+    (["--ddp"], ["--ddp on a CPU-only cluster", "--nproc N"]),
+    (["--ddp", "--nproc", "0"], ["--nproc 0 must be >= 1"]),
+    (["--ddp", "--nproc", "2", "--gpus-per-node", "2"], ["--ddp --nproc 2 with --gpus-per-node 2", "drop --nproc"]),
+    (["--ddp", "--gpus-per-node", "2", "--tasks-per-node", "2"], ["--ddp --tasks-per-node 2 with --gpus-per-node 2"]),
+    (["--ddp", "--nproc", "2", "--cpus-per-task", "1"], ["--cpus-per-task 1 with --ddp --nproc 2", "at least 2"]),
+    (["--ddp", "--nproc", "2", "--cpus-per-task", "2", "--threads", "2"],
+     ["--threads 2 with --nproc 2: 4 CPUs a task, above --cpus-per-task 2"]),
+    (["--ddp", "--nproc", "3"], ["--ddp, a group of 3 process(es): run 'a' accumulates 2 micro-batches per step, "
+                                 "which 3 processes cannot share evenly"]),
+    (["--ddp", "--nproc", "1", "--tasks-per-node", "3"], ["a group of 3 process(es)", "3 processes"]),
 ]
 
 
@@ -277,6 +290,54 @@ def test_dry_run_prints_the_sbatch_script_and_submits_nothing(data, tmp_path, mo
                    "4", "--nodes", "1", "--dry-run")
     assert gpu.returncode == 0 and "#SBATCH --gpus-per-node=4" in gpu.stdout and "--ntasks-per-node=4" in gpu.stdout
     assert not (tmp_path / "jobs").exists() and runs(db) == [("a", "queued", None, None)]
+
+
+def test_a_ddp_dry_run_shows_each_task_s_torchrun_of_the_one_group(data, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
+    from fibctl.probe.cells import probe_runs
+
+    db = tmp_path / "r.db"
+    queued_db(db, micro_run("a", steps=4))
+    base = ["slurm", "submit", "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+            "--folder", str(tmp_path / "jobs"), "--dry-run", "--ddp"]
+    cpu = cli_done(monkeypatch, capsys, *base, "--nproc", "1", "--tasks-per-node", "2", "--max-runs", "5")
+    assert cpu.returncode == 0, cpu.stderr
+    lines = cpu.stdout.splitlines()
+    for line in ["#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=1", "#SBATCH --signal=USR2@120",
+                 "# one DDP group of 2 process(es): each of the job's 2 task(s) starts torchrun on its node,",
+                 "# FIRST_NODE the job's first, PORT 20000 + the job id % 10000:",
+                 "#   torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
+                 "--rdzv-id=$SLURM_JOB_ID -m fibctl worker --ddp --plain --device cpu --data $FIBCTL_DATA "
+                 "--runs-dir $FIBCTL_RUNS_DIR --heartbeat-timeout 600.0 --max-attempts 3 --max-runs 5"]:
+        assert line in lines, (line, cpu.stdout)
+    # a node's GPUs: one task a node, one process a GPU
+    gpu = cli_done(monkeypatch, capsys, *base, "--gpus-per-node", "2")
+    assert gpu.returncode == 0, gpu.stderr
+    for line in ["#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=1"]:
+        assert line in gpu.stdout.splitlines(), (line, gpu.stdout)
+    assert "--nproc-per-node=2" in gpu.stdout and "--device cuda" in gpu.stdout and "cpus-per-task" not in gpu.stdout
+    # a probe run trains in one process: a group would put it back in the queue and stop
+    queued_db(tmp_path / "probe.db", *probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10))
+    probe = cli_done(monkeypatch, capsys, *base[:2], "--db", str(tmp_path / "probe.db"), *base[4:], "--nproc", "1")
+    one_line_error(probe, "--ddp, a group of 1 process(es)", "is a probe run")
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_ddp_job_s_rendezvous_is_its_first_host_at_a_port_from_its_id(monkeypatch):
+    from fibctl.errors import FibctlError
+    from fibctl.flows.slurm import JOB_TASK, in_job, rendezvous_endpoint
+
+    assert rendezvous_endpoint(["gpu07", "gpu08"], "1234567") == "gpu07:24567"
+    assert rendezvous_endpoint(["vm"], "3") == "vm:20003"
+    # the ranks' note of their task: as the task sets it, else a line saying what is wrong
+    display = object()
+    assert in_job(None, display) == (None, display)
+    monkeypatch.setenv(JOB_TASK, "12 1 0")
+    _, noted = in_job(None, display)
+    assert (noted.job_id, noted.task, noted.restart) == ("12", 1, 0)
+    monkeypatch.setenv(JOB_TASK, "12 x")
+    with pytest.raises(FibctlError, match="FIBCTL_SLURM_TASK='12 x' is not a job id, task and restart"):
+        in_job(None, display)
 
 
 def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path, monkeypatch, capsys):
@@ -591,6 +652,22 @@ def test_a_job_given_a_password_keeps_its_files_to_this_user(data, tmp_path, whe
 LONG = dict(steps=200, eval_interval=1000, checkpoint_interval=1000)
 
 
+def preempt_midway(db: Path, runs: int, job: str, tmp_path: Path) -> list[int]:
+    """SLURM's preemption signal (USR2) to every task of the job, once each of its `runs` runs
+    has logged step 20 or later; the steps each had reached."""
+    deadline = time.monotonic() + 60
+    steps: list[int] = []
+    while time.monotonic() < deadline:
+        steps = [m for (m,) in sqlite3.connect(db).execute(
+            "select max(step) from train_steps group by run_id")]
+        if len(steps) == runs and min(steps) >= 20:
+            break
+        time.sleep(0.2)
+    assert len(steps) == runs and 20 <= min(steps) and max(steps) < LONG["steps"], (steps, job_log(tmp_path, job))
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+    return steps
+
+
 @needs_cluster
 def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_bit_exact(data, tmp_path):
     db = tmp_path / "r.db"
@@ -603,16 +680,7 @@ def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_b
     job = submit(db, data, tmp_path, "--tasks-per-node", "2")
     # wait until both tasks' workers are part-way through, then send SLURM's preemption signal
     # to every task of the job (task 0's is submitit's handler, task 1's the worker's own)
-    deadline = time.monotonic() + 60
-    steps: list[int] = []
-    while time.monotonic() < deadline:
-        steps = [m for (m,) in sqlite3.connect(db).execute(
-            "select max(step) from train_steps group by run_id")]
-        if len(steps) == 2 and min(steps) >= 20:
-            break
-        time.sleep(0.2)
-    assert len(steps) == 2 and 20 <= min(steps) and max(steps) < LONG["steps"], (steps, job_log(tmp_path, job))
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+    steps = preempt_midway(db, 2, job, tmp_path)
     assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
     kinds = [k for (k,) in sqlite3.connect(db).execute("select kind from events order by id")]
     assert kinds.count("released") == 2 and kinds.count("resumed") == 2 and kinds.count("claimed") == 4, kinds
@@ -629,3 +697,68 @@ def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_b
         assert final.keys() == expected.keys()
         for k in final:
             assert torch.equal(final[k], expected[k]), (name, k)
+
+
+def slurm_events(db: Path) -> list[tuple[str, str, dict]]:
+    return [(name, message, raw if isinstance(raw, dict) else json.loads(raw))
+            for name, message, raw in events(db, "slurm")]
+
+
+DDP = ("--ddp", "--nproc", "1", "--tasks-per-node", "2")  # one group of 2 tasks x 1 gloo process
+
+
+@needs_cluster
+def test_a_ddp_job_is_one_group_over_its_tasks_and_trains_each_run_once_as_one_process_would(data, tmp_path):
+    """Two tasks on the one node stand for two nodes: each starts torchrun with --nnodes 2, and
+    the two meet at the job's c10d rendezvous (the path of several nodes)."""
+    torch.set_num_threads(1)
+    db = tmp_path / "r.db"
+    short = dict(steps=8, eval_interval=8, checkpoint_interval=8)
+    configs = [micro_run("a", **short), micro_run("b", "learned", **short)]
+    queued_db(db, *configs)
+    job = submit(db, data, tmp_path, *DDP)
+    assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
+    host = socket.gethostname()
+    rows = sqlite3.connect(db).execute("select name, status, attempts, device, worker from runs order by id").fetchall()
+    assert [r[:3] for r in rows] == [("a", "done", 1), ("b", "done", 1)], job_log(tmp_path, job)
+    assert all(r[3].endswith(" x 2 ranks") and r[4].endswith(":ddp2") for r in rows), rows
+    assert sorted(name for name, _, _ in events(db, "claimed")) == ["a", "b"]  # each claimed once
+    noted = slurm_events(db)
+    assert sorted(name for name, _, _ in noted) == ["a", "b"], noted  # one event a run: rank 0's
+    for name, message, info in noted:
+        assert info["job_id"] == job and info["host"] == host and info["task"] in (0, 1), info
+        assert f"SLURM job {job} task {info['task']} on {host}" in message
+        assert next(r[4] for r in rows if r[0] == name) == f"{host}:{info['pid']}:ddp2"  # rank 0 trained it
+    # both tasks started torchrun as one of the group's 2 "nodes", at the job's rendezvous
+    endpoint = f"--rdzv-endpoint={host.split('.')[0]}:{20000 + int(job) % 10000}"
+    for task in (0, 1):
+        log = (tmp_path / "jobs" / job / f"{job}_{task}_log.out").read_text()
+        assert f"task {task}/2 of SLURM job {job}" in log and "--nnodes=2 --nproc-per-node=1" in log, log
+        assert endpoint in log and f"--rdzv-id={job}" in log, log
+    for config in configs:  # the gradients of 2 ranks summed in another order: within 1e-5 (fp32)
+        path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = ?",
+                                           (config.name,)).fetchone()[0]
+        reference, _ = one_process(config, data, tmp_path / f"one_{config.name}")
+        assert_close(load_checkpoint(tmp_path / "runs" / path)["model"], reference, 1e-5)
+
+
+@needs_cluster
+def test_a_preempted_ddp_job_stops_its_group_requeues_and_finishes_the_run_as_one_process_would(data, tmp_path):
+    """USR2 reaches every process of a task here (proctrack/linuxproc): torchrun and its ranks
+    would end by it; the task alone acts on it, stopping its ranks, and task 0 requeues the job."""
+    torch.set_num_threads(1)
+    db = tmp_path / "r.db"
+    config = micro_run("long", **LONG)
+    queued_db(db, config)
+    job = submit(db, data, tmp_path, *DDP)
+    steps = preempt_midway(db, 1, job, tmp_path)
+    assert wait_for(job, 110) == "COMPLETED", job_log(tmp_path, job)
+    kinds = [k for (k,) in sqlite3.connect(db).execute("select kind from events order by id")]
+    assert kinds.count("released") == 1 and kinds.count("resumed") == 1 and kinds.count("claimed") == 2, kinds
+    (message,) = sqlite3.connect(db).execute("select message from events where kind = 'released'").fetchone()
+    assert steps[0] <= int(message.split()[3].rstrip(";")) < LONG["steps"], message
+    assert sorted(info["restart"] for _, _, info in slurm_events(db)) == [0, 1]  # the same job, requeued
+    assert [r[1] for r in runs(db)] == ["done"]
+    path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
+    reference, _ = one_process(config, data, tmp_path / "one")
+    assert_close(load_checkpoint(tmp_path / "runs" / path)["model"], reference, 1e-5)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fibctl.config import RunConfig
-from fibctl.data.streams import DataManifest
+from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.db.engine import connect
 from fibctl.hashes import file_hash
 from fibctl.queue import add_runs
+from fibctl.train.trainer import Trainer
 
 HELDOUT = ("stories_val", "math_val")
 
@@ -96,3 +98,30 @@ def generated_recipe(path: Path, train_tokens: int = 3000) -> Path:
     """A small offline recipe (the `generated` source, one held-out set), written to `path`."""
     path.write_text(GENERATED_RECIPE.format(train_tokens=train_tokens))
     return path
+
+
+class Losses:
+    """A reporter that keeps each step's loss."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def log_step(self, step, loss, *rest):
+        self.losses[step] = loss
+
+    def __getattr__(self, name):
+        return lambda *a, **k: True
+
+
+def one_process(config: RunConfig, data: Path, run_dir: Path) -> tuple[dict, dict]:
+    """The run trained by one process (the reference of a DDP group's): its weights and losses."""
+    reporter = Losses()
+    trainer = Trainer(config, load_manifest(data), run_dir, reporter)
+    assert trainer.run().status == "done"
+    return trainer.model.state_dict(), reporter.losses
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), (k, float((a[k] - b[k]).abs().max()))

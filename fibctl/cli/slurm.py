@@ -46,12 +46,18 @@ def submit_cmd(
         "--folder", parser=folder_value("--folder", "the folder of the job's logs (default: slurm-jobs)"),
         metavar="<path>", help="Where submitit keeps the job's logs and state, one folder per job (on a filesystem "
         "every node shares).")] = Path("slurm-jobs"),
+    ddp: Annotated[bool, typer.Option(
+        "--ddp", help="The job is one DDP group: each task starts torchrun on its node (one process per GPU), "
+        "and the group trains each run on all of them.")] = False,
+    nproc: Annotated[Optional[int], typer.Option(
+        "--nproc", help="With --ddp on a CPU-only cluster: gloo processes per task.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")] = False,
 ) -> None:
     """Submit a SLURM job whose tasks each run a worker against the database until the queue is
     empty. Before the time limit or on preemption each worker checkpoints and puts its run back
     in the queue, and the job requeues itself. A job SLURM queues but would never start
-    (beyond its partition's limits: squeue's reason) is cancelled and refused.
+    (beyond its partition's limits: squeue's reason) is cancelled and refused. With --ddp the
+    job is one DDP group instead, which trains each run on all of its nodes' processes.
 
     Example: fibctl slurm submit --gpus-per-node 8 --time 04:00:00 --dry-run"""
     from fibctl.flows.slurm import JobSpec, WorkerSettings, submit
@@ -60,14 +66,16 @@ def submit_cmd(
     check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
                    cpus_per_task=cpus_per_task, partition=partition, account=account, time=time,
-                   max_requeues=max_requeues)
+                   max_requeues=max_requeues, ddp=ddp, nproc=nproc)
     worker = WorkerSettings(db=db, data_dir=data, runs_dir=runs_dir, threads=threads,
                             heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
     sub = submit(worker, spec, folder, dry_run=dry_run)
     if dry_run:
         console.print(sub.script, highlight=False, markup=False, soft_wrap=True)
         return
-    console.print(f"submitted SLURM job {sub.job_id}: {sub.tasks} worker task(s) for {sub.queued} queued run(s); "
+    tasks = (f"{sub.tasks} task(s) of one DDP group of {spec.world()} process(es)" if ddp
+             else f"{sub.tasks} worker task(s)")
+    console.print(f"submitted SLURM job {sub.job_id}: {tasks} for {sub.queued} queued run(s); "
                   f"logs in {sub.folder / sub.job_id}", highlight=False, markup=False, soft_wrap=True)
 
 

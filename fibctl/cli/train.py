@@ -359,7 +359,11 @@ def worker_cmd(
     if ddp:
         from fibctl.flows.worker import work_distributed
 
-        outcomes = work_distributed(lambda: connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
+        from fibctl.flows.slurm import in_job
+
+        # a rank of a `slurm submit --ddp` job: each run gets its `slurm` event
+        connect_db, display = in_job(lambda: connect(db, must_exist=True), RunDisplay(plain, stop=stop))
+        outcomes = work_distributed(connect_db, opts, display, stop)
         if not reports():  # rank 0 reports the group's runs
             raise typer.Exit(1 if any(o.status == "failed" for o in outcomes) else 0)
     else:

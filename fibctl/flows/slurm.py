@@ -12,6 +12,10 @@ requeues the job, which starts again on a new allocation and claims the released
 resume from their checkpoints: a matrix larger than one allocation finishes across several.
 SIGTERM (`scancel`) stops the workers the same way, without a requeue.
 
+With `ddp` the job is one DDP group instead (`GroupTask`): each task starts torchrun on its
+node, the tasks meet at a c10d rendezvous at the job's first host, and the group's ranks run
+`fibctl worker --ddp`; a stop reaches each task's ranks through the task.
+
 Each run a task starts gets a `slurm` event naming the job id, the task and the host, which
 `jobs` joins with SLURM's own view of the job (squeue, and sacct where accounting is on).
 """
@@ -104,11 +108,23 @@ class JobSpec:
     # it comes late: submitit takes any USR2 after min(80 %, limit - 10 min) of --time for the limit
     max_requeues: int = 100
     signal_delay_s: int = SIGNAL_DELAY_S
+    ddp: bool = False  # the job is one torchrun group: each task starts torchrun on its node
+    nproc: int | None = None  # with ddp on a CPU-only cluster: gloo processes a task
 
     def tasks(self) -> int:
+        """Tasks a node: without ddp, one worker each; with it, one torchrun each (one a node,
+        or --tasks-per-node on a CPU-only cluster, several groups' "nodes" on one)."""
         if self.tasks_per_node is not None:
             return self.tasks_per_node
-        return self.gpus_per_node or 1
+        return 1 if self.ddp else self.gpus_per_node or 1
+
+    def per_task(self) -> int:
+        """The processes each task runs: its torchrun's ranks (one a GPU, or --nproc), else 1."""
+        return (self.gpus_per_node or self.nproc or 1) if self.ddp else 1
+
+    def world(self) -> int:
+        """The processes training each run: the DDP group's size, or 1."""
+        return self.nodes * self.tasks() * self.per_task() if self.ddp else 1
 
     def check(self) -> None:
         if self.nodes < 1:
@@ -117,7 +133,11 @@ class JobSpec:
             raise FibctlError(f"--gpus-per-node {self.gpus_per_node} must be >= 0 (0: a CPU-only cluster)")
         if self.tasks() < 1:
             raise FibctlError(f"--tasks-per-node {self.tasks()} must be >= 1")
-        if self.gpus_per_node and self.tasks() != self.gpus_per_node:
+        if self.nproc is not None and not self.ddp:
+            raise FibctlError(f"--nproc {self.nproc} goes with --ddp (one group of processes trains each run)")
+        if self.ddp:
+            self._check_ddp()
+        elif self.gpus_per_node and self.tasks() != self.gpus_per_node:
             raise FibctlError(f"--tasks-per-node {self.tasks()} with --gpus-per-node {self.gpus_per_node}: "
                               "each task is one worker on one GPU; leave --tasks-per-node out")
         if self.max_requeues < 0:
@@ -133,6 +153,23 @@ class JobSpec:
                               f"{self.signal_delay_s} s before the limit, so give at least "
                               f"{_hms(self.signal_delay_s + 120)}")
 
+    def _check_ddp(self) -> None:
+        if self.gpus_per_node and self.nproc is not None:
+            raise FibctlError(f"--ddp --nproc {self.nproc} with --gpus-per-node {self.gpus_per_node}: each node's "
+                              "torchrun starts one process per GPU; drop --nproc")
+        if self.gpus_per_node and self.tasks_per_node is not None:
+            raise FibctlError(f"--ddp --tasks-per-node {self.tasks_per_node} with --gpus-per-node "
+                              f"{self.gpus_per_node}: one task a node starts torchrun on all its GPUs; drop "
+                              "--tasks-per-node")
+        if not self.gpus_per_node and self.nproc is None:
+            raise FibctlError("--ddp on a CPU-only cluster (--gpus-per-node 0): give each task's gloo processes "
+                              "with --nproc N")
+        if self.nproc is not None and self.nproc < 1:
+            raise FibctlError(f"--nproc {self.nproc} must be >= 1")
+        if not self.gpus_per_node and self.cpus_per_task is not None and self.cpus_per_task < self.nproc:
+            raise FibctlError(f"--cpus-per-task {self.cpus_per_task} with --ddp --nproc {self.nproc}: each gloo "
+                              f"process needs a CPU; give at least {self.nproc}")
+
     def parameters(self, setup: list[str]) -> dict:
         """submitit's SlurmExecutor parameters."""
         limit = parse_time(self.time)
@@ -142,8 +179,10 @@ class JobSpec:
                       additional_parameters={"time": self.time})  # the exact limit in the script
         if self.gpus_per_node:
             params["gpus_per_node"] = self.gpus_per_node
-        if self.cpus_per_task:
-            params["cpus_per_task"] = self.cpus_per_task
+        # a CPU group's task: one CPU for each of its gloo processes, unless told otherwise
+        cpus = self.cpus_per_task or (self.nproc if self.ddp and not self.gpus_per_node else None)
+        if cpus:
+            params["cpus_per_task"] = cpus
         if self.partition:
             params["partition"] = self.partition
         if self.account:
@@ -211,6 +250,10 @@ def check_worker(worker: WorkerSettings, spec: JobSpec, configs: list[RunConfig]
             check_threads(worker.threads)  # this host's CPUs stand in for a node's
         elif not 1 <= worker.threads <= spec.cpus_per_task:  # a task may not use more CPUs than it has
             raise FibctlError(f"--threads {worker.threads} must be from 1 to --cpus-per-task {spec.cpus_per_task}")
+        elif spec.ddp and not spec.gpus_per_node and worker.threads * spec.per_task() > spec.cpus_per_task:
+            raise FibctlError(f"--threads {worker.threads} with --nproc {spec.per_task()}: "
+                              f"{worker.threads * spec.per_task()} CPUs a task, above --cpus-per-task "
+                              f"{spec.cpus_per_task}")
     manifest = None  # no folder: probe runs make their own data; check_data refuses text runs
     try:
         if worker.data_dir.exists():
@@ -221,6 +264,14 @@ def check_worker(worker: WorkerSettings, spec: JobSpec, configs: list[RunConfig]
             check_data(config, manifest)
     except FibctlError as e:
         raise FibctlError(f"--data {shown_path(worker.data_dir)}: {e}") from None
+    if spec.ddp:  # what the group's rank 0 would put back in the queue, stopping the group
+        from fibctl.flows.worker import check_group_run
+
+        for config in configs:
+            try:
+                check_group_run(config, manifest, spec.world())
+            except FibctlError as e:
+                raise FibctlError(f"--ddp, a group of {spec.world()} process(es): {e}") from None
     check_runs_dir(worker.runs_dir)
 
 
@@ -308,8 +359,17 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     # the paths travel as variables: a node whose filesystem differs sets its own in its TaskProlog
     setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
              f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]
+    if spec.ddp:  # what each task runs, said in the script (the task itself is submitit's pickle)
+        rdzv = torchrun_args(spec.nodes * spec.tasks(), spec.per_task(), "FIRST_NODE:PORT", "$SLURM_JOB_ID")
+        setup += [f"# one DDP group of {spec.world()} process(es): each of the job's {spec.nodes * spec.tasks()} "
+                  "task(s) starts torchrun on its node,",
+                  f"# FIRST_NODE the job's first, PORT {PORT_BASE} + the job id % {PORTS}:",
+                  "#   torchrun " + " ".join(rdzv) + " -m fibctl " + " ".join(
+                      group_args(settings, bool(spec.gpus_per_node), "$FIBCTL_DATA", "$FIBCTL_RUNS_DIR"))]
+        task = GroupTask(settings, spec.gpus_per_node, spec.per_task(), folder)
+    else:
+        task = WorkerTask(settings, spec.gpus_per_node, folder)
     params = spec.parameters(setup)
-    task = WorkerTask(settings, spec.gpus_per_node, folder)
     if dry_run:
         from submitit.slurm.slurm import _make_sbatch_string
 
@@ -553,6 +613,26 @@ class JobDisplay:
         print(f"task {self.task}: {printable(text, lines=True)}", flush=True)
 
 
+def in_job(connect_db, display):
+    """In a rank of a --ddp job's group (JOB_TASK set by its task): the database's connect and
+    a display that gives each run rank 0 starts its `slurm` event and logs as a worker's task
+    does; elsewhere, both as given."""
+    where = os.environ.get(JOB_TASK)
+    if where is None:
+        return connect_db, display
+    try:
+        job_id, task, restart = where.split()
+        noted = JobDisplay(None, job_id, int(task), int(restart))
+    except ValueError:
+        raise FibctlError(f"{JOB_TASK}={where!r} is not a job id, task and restart (fibctl slurm submit --ddp "
+                          "sets it for its ranks): unset it") from None
+
+    def connect_noted():
+        noted.engine = connect_db()
+        return noted.engine
+    return connect_noted, noted
+
+
 def note_job(engine: Engine, run_name: str, job_id: str, task: int, host: str, restart: int = 0) -> None:
     """The `slurm` event: which job, task and host trains the run (the worker is host:pid)."""
     def write(conn):
@@ -583,32 +663,19 @@ class WorkerTask(Checkpointable):
         self.__dict__.update(state)
         self._stop, self._thread, self._where = None, None, None
 
-    def __call__(self) -> list[dict]:
+    def __call__(self):
         import submitit
-
-        from fibctl.flows.worker import WorkerOptions
 
         env = submitit.JobEnvironment()
         restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         self._where = (str(env.job_id), restart, env.global_rank, env.num_tasks)
         self._stop = threading.Event()
-        stop = lambda *_: self._stop.set()  # noqa: E731
-        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGTERM, self._halt)
         if env.global_rank != 0:  # task 0's USR2 is submitit's, which calls checkpoint()
-            signal.signal(signal.SIGUSR2, stop)
-        w = self.worker
-        data = Path(os.environ.get("FIBCTL_DATA") or w.data_dir)
-        runs_dir = Path(os.environ.get("FIBCTL_RUNS_DIR") or w.runs_dir)
-        opts = WorkerOptions(data_dir=data, runs_dir=runs_dir, device=self._device(env.local_rank),
-                             threads=w.threads, heartbeat_timeout_s=w.heartbeat_timeout_s,
-                             max_attempts=w.max_attempts, max_runs=w.max_runs)
-        engine = connect(w.db, must_exist=True)
-        display = JobDisplay(engine, str(env.job_id), env.global_rank, restart)
+            signal.signal(signal.SIGUSR2, self._halt)
         result: dict = {}
-        self._thread = threading.Thread(target=self._work, args=(engine, opts, display, result),
+        self._thread = threading.Thread(target=self._keep, args=(self._begin(env, restart), result),
                                         name="fibctl-worker", daemon=True)
-        print(f"task {env.global_rank}/{env.num_tasks} of SLURM job {env.job_id} (restart {restart}) on "
-              f"{socket.gethostname()}: worker on {opts.device}, database {shown(w.db)}", flush=True)
         self._thread.start()
         try:
             while self._thread.is_alive():
@@ -622,7 +689,27 @@ class WorkerTask(Checkpointable):
                 time.sleep(1)
         if "error" in result:
             raise result["error"]
-        return [dict(name=o.name, status=o.status, step=o.step) for o in result.get("outcomes", [])]
+        return result.get("value")
+
+    def _begin(self, env, restart: int):
+        """Set up this task's work; the function its thread runs (what it returns, the task's)."""
+        from fibctl.flows.worker import WorkerOptions, work
+
+        w = self.worker
+        opts = WorkerOptions(data_dir=_node_path("FIBCTL_DATA", w.data_dir),
+                             runs_dir=_node_path("FIBCTL_RUNS_DIR", w.runs_dir), device=self._device(env.local_rank),
+                             threads=w.threads, heartbeat_timeout_s=w.heartbeat_timeout_s,
+                             max_attempts=w.max_attempts, max_runs=w.max_runs)
+        engine = connect(w.db, must_exist=True)
+        display = JobDisplay(engine, str(env.job_id), env.global_rank, restart)
+        print(f"task {env.global_rank}/{env.num_tasks} of SLURM job {env.job_id} (restart {restart}) on "
+              f"{socket.gethostname()}: worker on {opts.device}, database {shown(w.db)}", flush=True)
+        return lambda: [dict(name=o.name, status=o.status, step=o.step)
+                        for o in work(engine, opts, display, self._stop)]
+
+    def _halt(self, *_) -> None:
+        """Stop this task's work at the end of the step in progress (a signal's handler)."""
+        self._stop.set()
 
     def _device(self, local_rank: int) -> str:
         if not self.gpus_per_node:
@@ -632,11 +719,10 @@ class WorkerTask(Checkpointable):
         # one GPU per task either way: SLURM may show a task all of the node's GPUs, or only its own
         return f"cuda:{local_rank if torch.cuda.device_count() > 1 else 0}"
 
-    def _work(self, engine, opts, display, result: dict) -> None:
-        from fibctl.flows.worker import work
-
+    @staticmethod
+    def _keep(run, result: dict) -> None:
         try:
-            result["outcomes"] = work(engine, opts, display, self._stop)
+            result["value"] = run()
         except BaseException as e:  # raised again in the task's main thread
             result["error"] = e
 
@@ -652,13 +738,107 @@ class WorkerTask(Checkpointable):
         """Called by submitit in task 0 on USR2: stop, wait for the other tasks, requeue."""
         deadline = time.monotonic() + self.stop_wait_s
         if self._stop is not None:
-            self._stop.set()
+            self._halt()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()))
         while self._where is not None and not self._siblings_stopped() and time.monotonic() < deadline:
             time.sleep(0.5)
         print("task 0: workers stopped; the job is requeued", flush=True)
         return super().checkpoint(*args, **kwargs)
+
+
+def _node_path(variable: str, given: Path) -> Path:
+    """A folder as this node has it: the job's variable (a TaskProlog may set its own), else as given."""
+    return Path(os.environ.get(variable) or given)
+
+
+# the rendezvous port of a --ddp job: PORT_BASE + the job id % PORTS, below Linux's ephemeral
+# ports (32768 and up), so that two jobs on a node collide only 10,000 job ids apart
+PORT_BASE, PORTS = 20000, 10000
+JOB_TASK = "FIBCTL_SLURM_TASK"  # "JOB TASK RESTART": a --ddp job's ranks, for the `slurm` event
+
+
+def rendezvous_endpoint(hosts: list[str], job_id: str) -> str:
+    """The c10d rendezvous of a --ddp job: the job's first host, a port from its id."""
+    return f"{hosts[0]}:{PORT_BASE + int(re.match(r'[0-9]+', job_id)[0]) % PORTS}"
+
+
+def torchrun_args(nnodes: int, per_node: int, endpoint: str, rdzv_id: str) -> list[str]:
+    return [f"--nnodes={nnodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+
+
+def group_args(worker: WorkerSettings, gpus: bool, data: str, runs_dir: str) -> list[str]:
+    """`fibctl worker --ddp ...` as each rank of a --ddp job's group runs it."""
+    args = ["worker", "--ddp", "--plain", "--device", "cuda" if gpus else "cpu", "--data", data,
+            "--runs-dir", runs_dir, "--heartbeat-timeout", str(worker.heartbeat_timeout_s),
+            "--max-attempts", str(worker.max_attempts)]
+    return (args + (["--max-runs", str(worker.max_runs)] if worker.max_runs else [])
+            + (["--threads", str(worker.threads)] if worker.threads else []))
+
+
+class GroupTask(WorkerTask):
+    """One task of a --ddp job: torchrun on its node, one "node" of the job's one DDP group
+    (its c10d rendezvous at the job's first host, `rendezvous_endpoint`), whose ranks run
+    `fibctl worker --ddp`: global rank 0 claims each run and the whole group trains it.
+
+    A stop (USR2, SIGTERM) goes to this task's ranks as SIGTERM (`stop_group`); the ranks
+    agree on the step to stop after, and rank 0, wherever it is, checkpoints and puts the run
+    back in the queue. SLURM's USR2 reaches every process of the task where it tracks them
+    (proctrack/linuxproc, cgroup): it is blocked in torchrun and the ranks, which would end
+    by it, and acted on here alone. Task 0's checkpoint, as for workers, waits for every task's
+    group to end, then requeues the job."""
+
+    def __init__(self, worker: WorkerSettings, gpus_per_node: int, per_task: int, folder: Path,
+                 stop_wait_s: float = STOP_WAIT_S):
+        super().__init__(worker, gpus_per_node, folder, stop_wait_s)
+        self.per_task = per_task
+        self._group: tuple[subprocess.Popen, str] | None = None
+        self._group_stopped = False
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._group, self._group_stopped = None, False
+
+    def _begin(self, env, restart: int):
+        from fibctl.flows.torchrun import start_group
+
+        job_id = str(env.job_id)
+        # every node sees it (the job folder is shared): a rank of another node that ends still
+        # starting, by this stop, is read as the stop, not as a rank that died
+        mark = str(self.folder / job_id / f"stopping.{restart}")
+        endpoint = rendezvous_endpoint(env.hostnames, os.environ.get("SLURM_JOB_ID") or job_id)
+        rdzv = torchrun_args(env.num_tasks, self.per_task, endpoint, job_id)
+        args = group_args(self.worker, bool(self.gpus_per_node), str(_node_path("FIBCTL_DATA", self.worker.data_dir)),
+                          str(_node_path("FIBCTL_RUNS_DIR", self.worker.runs_dir)))
+        print(f"task {env.global_rank}/{env.num_tasks} of SLURM job {job_id} (restart {restart}) on "
+              f"{socket.gethostname()}: torchrun {' '.join(rdzv)}, database {shown(self.worker.db)}", flush=True)
+        child = start_group(rdzv, args, mark, {"FIBCTL_DB": self.worker.db,
+                                               JOB_TASK: f"{job_id} {env.global_rank} {restart}"},
+                            shielded=(signal.SIGUSR2,))
+        self._group = (child, mark)
+        if self._stop.is_set():  # asked while torchrun started
+            self._stop_group()
+        return lambda: self._ended(child.wait())
+
+    def _halt(self, *_) -> None:
+        super()._halt()
+        self._stop_group()
+
+    def _stop_group(self) -> None:
+        """Once: a rank signalled twice takes the second for an abort, without a checkpoint."""
+        from fibctl.flows.torchrun import stop_group
+
+        if self._group is not None and not self._group_stopped:
+            self._group_stopped = True
+            stop_group(*self._group)
+
+    def _ended(self, code: int) -> dict:
+        # 1: a run failed, as a worker's task records and goes on; after a stop, how it ended
+        # is the stop's (torchrun stopped before its ranks started reports the signal)
+        if code not in (0, 1) and not self._stop.is_set():
+            raise FibctlError(f"this task's torchrun ended with exit code {code}: its ranks' lines above say why")
+        return {"exit_code": code}
 
 
 # ----------------------------------------------------------------------------- fibctl slurm status

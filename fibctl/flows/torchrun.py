@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,6 +78,35 @@ def children(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def start_group(torchrun_args: list[str], fibctl_args: list[str], mark: str, env: dict[str, str] | None = None,
+                shielded: tuple[int, ...] = ()) -> subprocess.Popen:
+    """torchrun (this module's `main`) with `torchrun_args`, each rank running `fibctl
+    FIBCTL_ARGS`, in its own session; this process is its launcher (its end stops the group)
+    and `mark` the file that says the group is being stopped (`stop_group`). The `shielded`
+    signals are blocked in torchrun and its ranks (inherited across exec): a SLURM job's USR2
+    reaches every process of a task, and its launcher alone must act on it."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, shielded) if shielded else None
+    try:
+        # OMP_NUM_THREADS: torchrun's own default, given so that it does not print a banner about it
+        return subprocess.Popen([sys.executable, "-m", "fibctl.flows.torchrun", *torchrun_args, "-m", "fibctl",
+                                 *fibctl_args],
+                                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
+                                     LAUNCHER: str(os.getpid()), STOP_MARK: mark}, start_new_session=True)
+    finally:
+        if blocked is not None:  # one that came meanwhile is delivered here now
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def stop_group(child: subprocess.Popen, mark: str) -> None:
+    """Ask a group `start_group` started to stop: mark the stop, then SIGTERM to every rank
+    (each finishes the step; rank 0 checkpoints and requeues the run, and torchrun ends with
+    them); where the ranks cannot be listed (no /proc, or none yet), to torchrun itself."""
+    mark_stop(mark)
+    for pid in children(child.pid) or ([child.pid] if child.poll() is None else []):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def end_with_launcher() -> None:

@@ -59,7 +59,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
-from fibctl.flows.torchrun import LAUNCHER, STOP_MARK, children, mark_stop, stop_marked
+from fibctl.flows.torchrun import start_group, stop_group, stop_marked
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Recorded, Trainer, TrainResult, check_data, no_checkpoint_loads
 
@@ -442,21 +442,12 @@ def launch_ddp(nproc: int, fibctl_args: list[str], env: dict[str, str] | None = 
     is 128 + the signal received (130 after Ctrl-C, 143 after SIGTERM)."""
     marks = tempfile.TemporaryDirectory(prefix="fibctl-group-")
     mark = os.path.join(marks.name, "stopping")
-    # OMP_NUM_THREADS: torchrun's own default, given so that it does not print a banner about it
-    child = subprocess.Popen([sys.executable, "-m", "fibctl.flows.torchrun", "--standalone",
-                              f"--nproc-per-node={nproc}", "-m", "fibctl", *fibctl_args],
-                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
-                                  LAUNCHER: str(os.getpid()), STOP_MARK: mark}, start_new_session=True)
+    child = start_group(["--standalone", f"--nproc-per-node={nproc}"], fibctl_args, mark, env)
     received: list[int] = []
 
     def forward(signum, _frame):
         received.append(signum)
-        mark_stop(mark)
-        for pid in children(child.pid) or ([child.pid] if child.poll() is None else []):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        stop_group(child, mark)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

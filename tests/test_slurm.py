@@ -12,10 +12,12 @@ import json
 
 import os
 import re
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -340,6 +342,34 @@ def test_a_ddp_job_s_rendezvous_is_its_first_host_at_a_port_from_its_id(monkeypa
         in_job(None, display)
 
 
+@pytest.mark.parametrize("stopped_by, how", [
+    (signal.SIGUSR2, "this SLURM job requeues itself and resumes"),  # a task other than 0's USR2
+    (None, "this SLURM job requeues itself and resumes"),  # task 0's USR2: submitit's checkpoint()
+    (signal.SIGTERM, "a new job (fibctl slurm submit) or any worker resumes"),  # scancel
+    ("not in a job", "run the same command to resume")])
+def test_rank_0_of_a_stopped_ddp_job_says_how_its_run_goes_on(tmp_path, monkeypatch, capsys, stopped_by, how):
+    """"Run the same command" was rank 0's hint in a job's log too, where the job requeues
+    itself: the task marks the stop with why, and rank 0 says what follows from it."""
+    from fibctl.cli.train import _resume_hint
+    from fibctl.flows.slurm import GroupTask, WorkerSettings
+    from fibctl.flows.torchrun import ENVIRONMENT, JOB_TASK, STOP_MARK
+    from fibctl.flows.worker import Outcome
+
+    for name in (*ENVIRONMENT, JOB_TASK, STOP_MARK):  # as rank 0, which reports the runs
+        monkeypatch.delenv(name, raising=False)
+    if stopped_by != "not in a job":
+        task = GroupTask(WorkerSettings("sqlite:///r.db", tmp_path, tmp_path), 0, 1, tmp_path)
+        task._stop, mark = threading.Event(), tmp_path / "stopping.0"
+        with subprocess.Popen(["sleep", "30"]) as group:  # no ranks: the stop goes to it
+            task._group = (group, str(mark))
+            task._halt(*([stopped_by, None] if stopped_by else []))
+            assert group.wait(10) == -signal.SIGTERM
+        monkeypatch.setenv(JOB_TASK, "12 0 0")
+        monkeypatch.setenv(STOP_MARK, str(mark))
+    _resume_hint([Outcome("long", "released", 57)])
+    assert capsys.readouterr().err == f"hint: queued again; {how} long from step 57\n"
+
+
 def test_a_dry_run_leaves_an_older_database_at_its_revision(data, tmp_path, monkeypatch, capsys):
     """--dry-run upgraded the database's schema (a write) before printing the script."""
     pytest.importorskip("submitit", reason="fibctl slurm needs submitit (pip install -e '.[slurm]')")
@@ -652,9 +682,10 @@ def test_a_job_given_a_password_keeps_its_files_to_this_user(data, tmp_path, whe
 LONG = dict(steps=200, eval_interval=1000, checkpoint_interval=1000)
 
 
-def preempt_midway(db: Path, runs: int, job: str, tmp_path: Path) -> list[int]:
-    """SLURM's preemption signal (USR2) to every task of the job, once each of its `runs` runs
-    has logged step 20 or later; the steps each had reached."""
+def preempt_midway(db: Path, runs: int, job: str, tmp_path: Path, scancel: tuple = ("--signal=USR2",)) -> list[int]:
+    """SLURM's preemption signal (USR2) to every task of the job (or `scancel` with other
+    options; none: cancel it), once each of its `runs` runs has logged step 20 or later; the
+    steps each had reached."""
     deadline = time.monotonic() + 60
     steps: list[int] = []
     while time.monotonic() < deadline:
@@ -664,7 +695,7 @@ def preempt_midway(db: Path, runs: int, job: str, tmp_path: Path) -> list[int]:
             break
         time.sleep(0.2)
     assert len(steps) == runs and 20 <= min(steps) and max(steps) < LONG["steps"], (steps, job_log(tmp_path, job))
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+    subprocess.run(["scancel", *scancel, job], check=True, timeout=30)
     return steps
 
 
@@ -690,6 +721,7 @@ def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_b
                       for _, _, raw in events(db, "slurm"))
     assert restarts == [0, 0, 1, 1]  # the same job, requeued by submitit, trained the runs' second parts
     assert [r[1] for r in runs(db)] == ["done", "done"]
+    assert "hint:" not in job_log(tmp_path, job)  # a task's worker says nothing of what to run next
     expected = reference.model.state_dict()
     for name in names:
         path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = ?", (name,)).fetchone()[0]
@@ -756,8 +788,50 @@ def test_a_preempted_ddp_job_stops_its_group_requeues_and_finishes_the_run_as_on
     kinds = [k for (k,) in sqlite3.connect(db).execute("select kind from events order by id")]
     assert kinds.count("released") == 1 and kinds.count("resumed") == 1 and kinds.count("claimed") == 2, kinds
     (message,) = sqlite3.connect(db).execute("select message from events where kind = 'released'").fetchone()
-    assert steps[0] <= int(message.split()[3].rstrip(";")) < LONG["steps"], message
+    stopped = int(message.split()[3].rstrip(";"))
+    assert steps[0] <= stopped < LONG["steps"], message
+    # rank 0's hint in the job's log says the job requeues itself, not "run the same command"
+    assert (f"hint: queued again; this SLURM job requeues itself and resumes long from step {stopped}"
+            in job_log(tmp_path, job)), job_log(tmp_path, job)
     assert sorted(info["restart"] for _, _, info in slurm_events(db)) == [0, 1]  # the same job, requeued
+    assert [r[1] for r in runs(db)] == ["done"]
+    path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
+    reference, _ = one_process(config, data, tmp_path / "one")
+    assert_close(load_checkpoint(tmp_path / "runs" / path)["model"], reference, 1e-5)
+
+
+def released_at(db: Path) -> list[int]:
+    """The step each `released` event names ("released at step N; ...")."""
+    return [int(m.split()[3].rstrip(";")) for (m,) in sqlite3.connect(db).execute(
+        "select message from events where kind = 'released' order by id")]
+
+
+@needs_cluster
+def test_a_cancelled_ddp_job_stops_its_group_at_one_step_and_a_new_job_resumes_from_it(data, tmp_path):
+    """scancel's SIGTERM reaches torchrun and each rank here (proctrack/linuxproc) as well as
+    the task, which passes it on, and torchrun passes its own on: a rank signalled two or three
+    times must still take it for one stop, checkpointing at the step it stopped after."""
+    torch.set_num_threads(1)
+    db = tmp_path / "r.db"
+    config = micro_run("long", **LONG)  # no checkpoint of its own before step 200
+    queued_db(db, config)
+    job = submit(db, data, tmp_path, *DDP)
+    steps = preempt_midway(db, 1, job, tmp_path, scancel=())  # cancelled: SIGTERM to each process
+    assert wait_for(job, 60) == "CANCELLED", job_log(tmp_path, job)
+    log = job_log(tmp_path, job)
+    assert [r[1] for r in runs(db)] == ["queued"], log
+    (stopped,) = released_at(db)
+    assert steps[0] <= stopped < LONG["steps"], log
+    path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
+    assert path is not None and load_checkpoint(tmp_path / "runs" / path)["step"] == stopped, log
+    assert "aborted; it resumes" not in log and "run the same command" not in log, log
+    # rank 0's hint says how the run goes on: not "run the same command", nor a requeue
+    assert f"hint: queued again; a new job (fibctl slurm submit) or any worker resumes long from step {stopped}" \
+        in log, log
+    again = submit(db, data, tmp_path, *DDP)
+    assert wait_for(again, 110) == "COMPLETED", job_log(tmp_path, again)
+    resumed = [m for _, m, _ in events(db, "resumed")]
+    assert len(resumed) == 1 and f"step {stopped}" in resumed[0], resumed
     assert [r[1] for r in runs(db)] == ["done"]
     path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
     reference, _ = one_process(config, data, tmp_path / "one")

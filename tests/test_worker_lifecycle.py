@@ -247,6 +247,36 @@ def test_a_rank_that_finished_its_loop_outlives_torchruns_sigterm_to_report():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+@pytest.mark.parametrize("in_slurm_job", [False, True])
+def test_a_rank_of_a_slurm_job_takes_a_repeated_sigterm_for_the_same_stop(monkeypatch, in_slurm_job):
+    """scancel's SIGTERM reaches a SLURM job's ranks from SLURM, their task and torchrun: the
+    second is not the abort (no checkpoint) it is elsewhere, where a second Ctrl-C or SIGTERM
+    forces the stop; SIGINT forces it in both."""
+    from fibctl.flows.torchrun import JOB_TASK
+    from fibctl.flows.worker import StopRequest, stop_on_signals
+
+    monkeypatch.delenv(JOB_TASK, raising=False)
+    if in_slurm_job:
+        monkeypatch.setenv(JOB_TASK, "12 0 0")
+    def sent(signum: int) -> str:
+        try:
+            os.kill(os.getpid(), signum)
+        except KeyboardInterrupt:
+            return "forced"
+        return "noted"
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        with stop_on_signals(stop, rank=True):
+            assert sent(signal.SIGTERM) == "noted" and stop.signal == signal.SIGTERM
+            again = "noted" if in_slurm_job else "forced"
+            assert [sent(signal.SIGTERM), sent(signal.SIGTERM), sent(signal.SIGINT)] == [again, again, "forced"]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def test_a_resumed_runs_first_step_has_a_line(capsys):
     """Resumed from step 100, the first line was at 110: nothing said where the run resumed."""
     from fibctl.cli.train import RunDisplay

@@ -397,15 +397,21 @@ def _resume_hint(outcomes: list[Outcome]) -> None:
     """After a stop, how training goes on: "released" alone left a user who pressed Ctrl-C to
     guess. The same command line, whose --db and --data are the ones that trained it. In a
     torchrun group rank 0 says it, the launcher (`train --nproc`, `worker --ddp`) knowing
-    nothing of the runs; it is the same command there too."""
-    from fibctl.flows.torchrun import reports
+    nothing of the runs; it is the same command there too. Not in a SLURM job's group, whose
+    task started it: there the job requeues itself (its task marked the stop so), or, ended
+    by scancel, another job or a worker resumes the run."""
+    from fibctl.flows.torchrun import REQUEUE, in_slurm_job, reports, stop_reason
 
     released = [o for o in outcomes if o.status == "released" and o.step is not None]
     if released and reports():
         # one aborted by a second Ctrl-C (its error says so) goes back to its last checkpoint
         said = ", ".join(f"{o.name} from " + ("its last checkpoint" if o.error else f"step {o.step}")
                          for o in released)
-        err_console.print(as_written(f"hint: queued again; run the same command to resume {said}"),
+        how = "run the same command to resume"
+        if in_slurm_job():
+            how = ("this SLURM job requeues itself and resumes" if stop_reason() == REQUEUE else
+                   "a new job (fibctl slurm submit) or any worker resumes")
+        err_console.print(as_written(f"hint: queued again; {how} {said}"),
                           highlight=False, soft_wrap=not err_console.is_terminal)
 
 

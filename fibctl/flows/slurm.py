@@ -47,6 +47,7 @@ from fibctl.db.engine import connect, connect_readonly, has_password, resolve_ur
 from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError, printable, shown_path, unprintable
+from fibctl.flows.torchrun import JOB_TASK, REQUEUE
 
 try:
     from submitit.helpers import Checkpointable
@@ -755,7 +756,6 @@ def _node_path(variable: str, given: Path) -> Path:
 # the rendezvous port of a --ddp job: PORT_BASE + the job id % PORTS, below Linux's ephemeral
 # ports (32768 and up), so that two jobs on a node collide only 10,000 job ids apart
 PORT_BASE, PORTS = 20000, 10000
-JOB_TASK = "FIBCTL_SLURM_TASK"  # "JOB TASK RESTART": a --ddp job's ranks, for the `slurm` event
 
 
 def rendezvous_endpoint(hosts: list[str], job_id: str) -> str:
@@ -786,7 +786,9 @@ class GroupTask(WorkerTask):
     agree on the step to stop after, and rank 0, wherever it is, checkpoints and puts the run
     back in the queue. SLURM's USR2 reaches every process of the task where it tracks them
     (proctrack/linuxproc, cgroup): it is blocked in torchrun and the ranks, which would end
-    by it, and acted on here alone. Task 0's checkpoint, as for workers, waits for every task's
+    by it, and acted on here alone. Its SIGTERM (scancel) reaches them too, and torchrun
+    passes its own on: a rank of such a group takes each SIGTERM after the first for the same
+    stop (`stop_on_signals`). Task 0's checkpoint, as for workers, waits for every task's
     group to end, then requeues the job."""
 
     def __init__(self, worker: WorkerSettings, gpus_per_node: int, per_task: int, folder: Path,
@@ -795,10 +797,11 @@ class GroupTask(WorkerTask):
         self.per_task = per_task
         self._group: tuple[subprocess.Popen, str] | None = None
         self._group_stopped = False
+        self._why = ""  # what the stop mark tells rank 0 (REQUEUE: the job requeues itself)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._group, self._group_stopped = None, False
+        self._group, self._group_stopped, self._why = None, False, ""
 
     def _begin(self, env, restart: int):
         from fibctl.flows.torchrun import start_group
@@ -821,7 +824,11 @@ class GroupTask(WorkerTask):
             self._stop_group()
         return lambda: self._ended(child.wait())
 
-    def _halt(self, *_) -> None:
+    def _halt(self, signum: int | None = None, _frame=None) -> None:
+        """USR2 (task 0: submitit's, through `checkpoint`, without a signal) requeues the job;
+        SIGTERM (scancel) ends it."""
+        if not self._stop.is_set():
+            self._why = REQUEUE if signum in (None, signal.SIGUSR2) else ""
         super()._halt()
         self._stop_group()
 
@@ -831,7 +838,7 @@ class GroupTask(WorkerTask):
 
         if self._group is not None and not self._group_stopped:
             self._group_stopped = True
-            stop_group(*self._group)
+            stop_group(*self._group, self._why)
 
     def _ended(self, code: int) -> dict:
         # 1: a run failed, as a worker's task records and goes on; after a stop, how it ended

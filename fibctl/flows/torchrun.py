@@ -24,6 +24,8 @@ PR_SET_PDEATHSIG = 1
 # where torchrun's own SIGTERM after a rank's death looks the same to the others
 STOP_MARK = "FIBCTL_STOP_MARK"
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives each rank
+JOB_TASK = "FIBCTL_SLURM_TASK"  # "JOB TASK RESTART": set by a `slurm submit --ddp` task for its ranks
+REQUEUE = "requeue"  # what a SLURM task's stop mark says when the job requeues itself (stop_reason)
 
 
 def launched() -> bool:
@@ -44,17 +46,32 @@ def reports() -> bool:
     return not launched() or os.environ["RANK"] == "0"
 
 
-def mark_stop(path: str | None) -> None:
-    """Say the group is being stopped (STOP_MARK), before any rank is signalled."""
+def in_slurm_job() -> bool:
+    """Whether this process is a rank of a `slurm submit --ddp` job's group (JOB_TASK)."""
+    return JOB_TASK in os.environ
+
+
+def mark_stop(path: str | None, why: str = "") -> None:
+    """Say the group is being stopped (STOP_MARK), and why, before any rank is signalled."""
     if path:
         with contextlib.suppress(OSError):
-            Path(path).touch()
+            Path(path).write_text(why)
 
 
 def stop_marked() -> bool:
     """Whether this rank's group is being stopped by its launcher (STOP_MARK)."""
     path = os.environ.get(STOP_MARK)
     return bool(path) and os.path.exists(path)
+
+
+def stop_reason() -> str | None:
+    """Why this rank's group was stopped, as its launcher marked it ("" said nothing); None
+    where it was not marked."""
+    path = os.environ.get(STOP_MARK)
+    try:
+        return Path(path).read_text() if path else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def exit_code(codes: dict[int, int]) -> int:
@@ -99,11 +116,11 @@ def start_group(torchrun_args: list[str], fibctl_args: list[str], mark: str, env
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def stop_group(child: subprocess.Popen, mark: str) -> None:
-    """Ask a group `start_group` started to stop: mark the stop, then SIGTERM to every rank
-    (each finishes the step; rank 0 checkpoints and requeues the run, and torchrun ends with
-    them); where the ranks cannot be listed (no /proc, or none yet), to torchrun itself."""
-    mark_stop(mark)
+def stop_group(child: subprocess.Popen, mark: str, why: str = "") -> None:
+    """Ask a group `start_group` started to stop: mark the stop (`why`), then SIGTERM to every
+    rank (each finishes the step; rank 0 checkpoints and requeues the run, and torchrun ends
+    with them); where the ranks cannot be listed (no /proc, or none yet), to torchrun itself."""
+    mark_stop(mark, why)
     for pid in children(child.pid) or ([child.pid] if child.poll() is None else []):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

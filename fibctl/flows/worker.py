@@ -59,7 +59,7 @@ from fibctl.train import checkpoint as ckpt
 from fibctl.train import loggers
 from fibctl.train.distributed import Group, PeerLost, Silent, as_peer_lost, check_split, join, peer_failure
 from fibctl.device import check_compile, describe, resolve_device, setup_process
-from fibctl.flows.torchrun import start_group, stop_group, stop_marked
+from fibctl.flows.torchrun import in_slurm_job, start_group, stop_group, stop_marked
 from fibctl.probe.trainer import ProbeTrainer
 from fibctl.train.trainer import Progress, Recorded, Trainer, TrainResult, check_data, no_checkpoint_loads
 
@@ -156,9 +156,17 @@ def stop_on_signals(stop: threading.Event, *, rank: bool = False):
 
     A torchrun `rank` keeps noting them after the loop: torchrun sends SIGTERM to the group
     when one rank ends, and rank 0, its loop over, is then only reporting (the one line saying
-    why the run is queued again), which the default handler would cut short."""
+    why the run is queued again), which the default handler would cut short.
+
+    A rank of a SLURM job's group takes every SIGTERM for one stop: scancel's reaches each
+    process of a task (proctrack/linuxproc, cgroup), so the rank has it from SLURM, from its
+    task and from torchrun at once, and SLURM itself forces the end (SIGKILL, KillWait later)."""
+    repeated = rank and in_slurm_job()
+
     def handler(signum, _frame):
         if stop.is_set():
+            if repeated and signum == signal.SIGTERM:
+                return
             raise KeyboardInterrupt
         if isinstance(stop, StopRequest):
             stop.signal = signum

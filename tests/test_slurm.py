@@ -699,6 +699,15 @@ def preempt_midway(db: Path, runs: int, job: str, tmp_path: Path, scancel: tuple
     return steps
 
 
+def released_at(db: Path, names: list[str] = ("long",)) -> list[int]:
+    """The step each run's one `released` event names ("released at step N; ..."), in order."""
+    con = sqlite3.connect(db)
+    messages = [con.execute("select e.message from events e join runs r on r.id = e.run_id where r.name = ? "
+                            "and e.kind = 'released'", (name,)).fetchall() for name in names]
+    assert all(len(m) == 1 for m in messages), messages
+    return [int(m[0][0].split()[3].rstrip(";")) for m in messages]
+
+
 @needs_cluster
 def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_bit_exact(data, tmp_path):
     db = tmp_path / "r.db"
@@ -729,6 +738,35 @@ def test_a_preempted_two_task_job_releases_its_runs_requeues_and_finishes_them_b
         assert final.keys() == expected.keys()
         for k in final:
             assert torch.equal(final[k], expected[k]), (name, k)
+
+
+@needs_cluster
+def test_a_cancelled_two_task_job_releases_its_runs_at_the_step_reached_and_a_worker_finishes_them(data, tmp_path):
+    """scancel JOBID: SIGTERM to every task; each worker finishes its step, checkpoints and
+    puts its run back in the queue, and the job ends, not requeued."""
+    db = tmp_path / "r.db"
+    names = ["long_a", "long_b"]
+    queued_db(db, *(micro_run(n, **LONG) for n in names))
+    job = submit(db, data, tmp_path, "--tasks-per-node", "2")
+    steps = preempt_midway(db, 2, job, tmp_path, scancel=())
+    assert wait_for(job, 60) == "CANCELLED", job_log(tmp_path, job)
+    log = job_log(tmp_path, job)
+    assert [r[1] for r in runs(db)] == ["queued", "queued"] and "hint:" not in log, log
+    for name, stopped in zip(names, released_at(db, names)):
+        assert min(steps) <= stopped < LONG["steps"], log
+        path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = ?", (name,)).fetchone()[0]
+        assert load_checkpoint(tmp_path / "runs" / path)["step"] == stopped, log
+    assert [k for (k,) in sqlite3.connect(db).execute("select kind from events")].count("slurm") == 2  # no requeue
+    done = fibctl("worker", "--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"),
+                  "--threads", "1", "--plain", timeout=300)
+    assert done.returncode == 0 and [r[1] for r in runs(db)] == ["done", "done"], done.stderr
+    torch.set_num_threads(1)
+    reference = Trainer(micro_run("ref", **LONG), load_manifest(data), tmp_path / "ref", NullReporter())
+    assert reference.run().status == "done"
+    for name in names:
+        path = sqlite3.connect(db).execute("select checkpoint_path from runs where name = ?", (name,)).fetchone()[0]
+        final = load_checkpoint(tmp_path / "runs" / path)["model"]
+        assert all(torch.equal(final[k], v) for k, v in reference.model.state_dict().items()), name
 
 
 def slurm_events(db: Path) -> list[tuple[str, str, dict]]:
@@ -800,10 +838,6 @@ def test_a_preempted_ddp_job_stops_its_group_requeues_and_finishes_the_run_as_on
     assert_close(load_checkpoint(tmp_path / "runs" / path)["model"], reference, 1e-5)
 
 
-def released_at(db: Path) -> list[int]:
-    """The step each `released` event names ("released at step N; ...")."""
-    return [int(m.split()[3].rstrip(";")) for (m,) in sqlite3.connect(db).execute(
-        "select message from events where kind = 'released' order by id")]
 
 
 @needs_cluster

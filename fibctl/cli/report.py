@@ -509,8 +509,8 @@ def import_study(
     # what this import wrote or changed: importing the same files again counts nothing
     counts = (s.runs, s.probe_runs, s.evaluations, s.aux_metrics, s.position_losses)
     if any(counts):
-        console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
-                      f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into "
+        console.print(f"imported {s.runs:,} runs, {s.probe_runs:,} probe models, {s.evaluations:,} evaluations, "
+                      f"{s.aux_metrics:,} auxiliary metrics, {s.position_losses:,} per-position losses into "
                       f"{shown(db)} (new or changed rows)", highlight=False, markup=False)
     else:
         console.print(f"nothing to import: {shown(db)} already holds every row of these files unchanged",

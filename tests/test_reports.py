@@ -656,6 +656,15 @@ def test_renderings_bold_the_best_and_keep_raw_numbers(study):
         render.render(t, "html")
 
 
+def test_latex_sets_a_negative_number_with_a_minus_sign(tmp_path):
+    """A negative number's sign was a hyphen in LaTeX's text mode, half as long as the plus
+    beside it (Table 3's -0.7 % under +82.3 %); a cell that is only '-' (no base) stays text."""
+    tex = render.render(tables.table3(ro(_example_with(tmp_path))), "latex")
+    assert "fib\\_fixed\\_w8 & fib & fixed & 8 & 28.01 & 27.53 & 27.82 & 28.40 & \\textbf{$-$0.7 \\%} & 3.318 & " \
+           "$-$0.014 \\\\" in tex, tex
+    assert "dense & - & dense & - & 28.73" in tex and "+82.3 \\%" in tex, tex
+
+
 def test_cli_report_formats_show_sql_and_all(study, tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["report", "table3", "--db", study, "--format", "csv", "--show-sql"])

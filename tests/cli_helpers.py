@@ -56,3 +56,59 @@ def close_stdout(monkeypatch, dup2=None) -> None:
     monkeypatch.setattr(common.console, "quiet", common.console.quiet)
     monkeypatch.setattr(common.console._thread_locals, "buffer", [])
     monkeypatch.setattr(os, "dup2", dup2 or (lambda fd, to: None))
+
+
+class Terminal:
+    """A pty whose secondary end (`secondary`) is a command's stdout, a terminal to it, read
+    all along as a terminal's window reads: a pty nobody reads (15 KB of it unread, on Linux)
+    blocks the command's next write, rich's last frame as a watch ends included, and a test
+    waiting for it to end then waits for ever. Use it as a context manager; `shown`: what the
+    command wrote so far."""
+
+    def __init__(self) -> None:
+        import pty
+        import threading
+
+        self.primary, self.secondary = pty.openpty()
+        self.shown = b""
+        self._more = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+
+    def __enter__(self) -> "Terminal":
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        import os
+
+        while True:
+            try:
+                chunk = os.read(self.primary, 4096)
+            except OSError:  # EIO: every secondary end is closed, the command has ended
+                chunk = b""
+            with self._more:
+                self.shown += chunk
+                self._more.notify_all()
+            if not chunk:
+                return
+
+    def started(self) -> None:
+        """Close this process's secondary end, once the command has its own: its end is then
+        the pty's end (a read says so)."""
+        import os
+
+        if self.secondary is not None:
+            os.close(self.secondary)
+            self.secondary = None
+
+    def until(self, said: bytes, timeout: float = 60) -> bool:
+        """Whether the command wrote `said` within `timeout` seconds."""
+        with self._more:
+            return self._more.wait_for(lambda: said in self.shown, timeout)
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        self.started()
+        self._reader.join(timeout=10)
+        os.close(self.primary)

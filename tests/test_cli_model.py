@@ -28,6 +28,22 @@ def test_model_prints_paper_breakdown_and_layers():
     assert "60,850,704" in runner.invoke(app, ["model", "--schedule", "learned"]).output
 
 
+def test_model_per_layer_numbers_are_right_aligned():
+    """The per-layer table's alpha and distance count stood left-aligned, as words do, below
+    the parameter counts, which are right-aligned: a count of 9 would sit under 15's first digit."""
+    import re
+
+    r = runner.invoke(app, ["model", "--preset", "tiny", "--schedule", "stagger", "--window", "8", "--length", "512"],
+                      env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    [header] = [line for line in r.output.splitlines() if "window + rungs" in line]
+    rows = [line for line in r.output.splitlines() if re.match(r"│ [0-3] ", line)]
+    assert len(rows) == 4, r.output
+    for name in ("alpha", "distances"):  # each number's last digit under its header's last letter
+        end = header.index(name) + len(name)
+        assert all(row[end - 1].isdigit() and row[end] == " " for row in rows), (name, r.output)
+
+
 def test_the_model_line_says_its_heads_in_words_within_80_columns():
     """It said `heads 8/2`, a ratio to decode: now the query heads and the key/value heads
     they share, on one line at 80 columns for the paper's widest shape (coprime pow2 W=12);
@@ -56,7 +72,7 @@ def test_dense_coverage_counts_every_distance_and_a_window_shows_capped_at_the_l
     r = runner.invoke(app, ["coverage", "--schedule", "dense", "--layers", "2", "--length", "3000"])
     assert r.exit_code == 0 and r.output.strip().splitlines()[-2].split("│")[-2].strip() == "3000"
     r = runner.invoke(app, ["model", "--preset", "micro", "--window", "8", "--length", "5"])
-    assert r.exit_code == 0 and "│ 5         │ 0..4  " in r.output and "0..8" not in r.output
+    assert r.exit_code == 0 and "│         5 │ 0..4  " in r.output and "0..8" not in r.output
 
 
 def test_dense_shows_no_window_and_takes_any():

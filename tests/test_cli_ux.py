@@ -276,18 +276,42 @@ def test_option_names_agree_across_commands():
     assert "--format" in help_text("sql") and "--format" in help_text("report", "table1")
 
 
-def test_data_prepare_writes_to_data_and_still_accepts_out(tmp_path):
+def _tiny_recipe(tmp_path: Path) -> Path:
     recipe = tmp_path / "tiny.toml"
     # a sample of 20,000 characters for the tokenizer (the default, 50 million, took 20 s)
     recipe.write_text('name = "tiny"\nvocab_size = 300\ntrain_tokens = 3000\nheldout_tokens = 500\n'
                       'tokenizer_sample_chars = 20000\n\n'
                       '[[sources]]\nname = "gen"\nkind = "generated"\nseed = 1\nshare = 1.0\n'
                       'heldout = "gen_val"\nheldout_fraction = 0.1\n')
+    return recipe
+
+
+def test_data_prepare_writes_to_data_and_still_accepts_out(tmp_path):
+    recipe = _tiny_recipe(tmp_path)
     done = fibctl("data", "prepare", str(recipe), "--data", str(tmp_path / "a"), "--plain")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "a" / "manifest.json").is_file() and "prepared recipe 'tiny'" in " ".join(done.stdout.split())
     done = fibctl("data", "prepare", str(recipe), "--out", str(tmp_path / "b"), "-q")
     assert done.returncode == 0 and (tmp_path / "b" / "manifest.json").is_file(), done.stderr
+
+
+def test_data_prepare_into_a_log_says_now_and_then_how_far_it_is(tmp_path, monkeypatch, capsys):
+    """Not on a terminal (a log, a SLURM job's output), `data prepare` drew no bars and said
+    nothing until it ended: hours, for the paper's recipe. It now writes a line for each task
+    under way every LOG_EVERY_S (here at every update); --plain still writes none."""
+    from cli_helpers import ran
+    from fibctl.cli import data
+
+    monkeypatch.setattr(data, "LOG_EVERY_S", 0.0)
+    recipe = _tiny_recipe(tmp_path)
+    code, _, err = ran(monkeypatch, capsys, "data", "prepare", str(recipe), "--data", str(tmp_path / "a"))
+    assert code == 0, err
+    said = err.splitlines()
+    assert any(re.fullmatch(r"train tokens: [\d,]+ of 3,000 tokens \(\d+ %\)(, [\d.]+k? tokens/s)?, \d+s", line)
+               for line in said), err
+    assert max(map(len, said)) <= 80, err
+    code, _, err = ran(monkeypatch, capsys, "data", "prepare", str(recipe), "--data", str(tmp_path / "b"), "--plain")
+    assert (code, err) == (0, ""), err
 
 
 def test_the_torch_floor_is_the_one_the_model_needs():

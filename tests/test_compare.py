@@ -93,6 +93,11 @@ def test_compare_shows_what_a_dense_run_does_not_use_as_not_applicable():
 def test_compare_of_two_runs_of_one_recipe_says_no_setting_differs(tmp_path):
     out = compared("a", "b", "--db", _two_runs(tmp_path))
     assert out.startswith("no setting differs between these runs\n") and "Perplexity" not in out
+    # no training step logged (as for the study's imported runs): no columns of '-' for loss
+    # and tokens/s (the second went on in a table of its own at 80 columns); said under it
+    table, note = out.split("Training")[1].split("no training step logged")
+    assert "loss" not in table and "tokens/s" not in table, out
+    assert note.startswith(": no loss or tokens/s"), out
 
 
 @pytest.mark.parametrize("names, words", [

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import Terminal
+
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "results.db.example")
 ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8")}
 ENV.update(COLUMNS="80", TERM="dumb", NO_COLOR="1")
@@ -62,15 +64,17 @@ def test_in_the_c_locale_report_all_prints_and_writes_its_files_as_utf8(tmp_path
 
 # --- Ctrl-C ------------------------------------------------------------------------------
 
-def _fibctl_with(patch: str, *args: str) -> subprocess.CompletedProcess:
+def _fibctl_with(patch: str, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     """`fibctl ARGS` as the program runs (fibctl.__main__, its SIGINT handler), after `patch`,
-    Python that sends the Ctrl-C from wherever it makes it land."""
+    Python that sends the Ctrl-C from wherever it makes it land. `stdout`: where its output
+    goes (a pty's end: a terminal), read by the caller if not a pipe."""
     script = ("import functools, os, signal, sys, weakref\n"
               + patch
               + f"sys.argv = ['fibctl', *{list(args)!r}]\n"
               "from fibctl.__main__ import main\n"
               "main()\n")
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    return subprocess.run([sys.executable, "-c", script], stdout=stdout, stderr=subprocess.PIPE, text=True, env=ENV,
+                          timeout=120)
 
 
 # `in_a_callback(f)`: f, whose calls first send a Ctrl-C that lands in a weakref's callback,
@@ -156,6 +160,21 @@ def test_a_ctrl_c_while_the_index_is_written_ends_the_complete_report_with_130(t
 def test_a_ctrl_c_lost_in_a_callback_still_ends_a_short_command_with_130():
     done = _fibctl_with(IN_A_CALLBACK, "report", "table3", "--db", EXAMPLE)
     assert _one_line(done) == "interrupted"
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_status_watch_ends_at_a_ctrl_c_lost_in_a_callback(terminal):
+    """`status --watch` ran on, drawing its views, after a Ctrl-C lost in a weakref's callback
+    (its KeyboardInterrupt ignored there): a watch has no end of its own, and nothing in it
+    looked at the Ctrl-C noted. A test once waited 60 s for a watch sent SIGINT, under load."""
+    patch = CALLBACK + "from fibctl import queue\nqueue.progress = in_a_callback(queue.progress)\n"
+    args = ("status", "--db", EXAMPLE, "--watch", "--every", "0.2")
+    if not terminal:
+        assert _one_line(_fibctl_with(patch, *args)) == "interrupted"
+        return
+    with Terminal() as shown:
+        done = _fibctl_with(patch, *args, stdout=shown.secondary)
+    assert _one_line(done) == "interrupted" and b" done" in shown.shown, shown.shown
 
 
 def test_report_all_sent_a_ctrl_c_at_any_point_exits_130_with_one_line(tmp_path):

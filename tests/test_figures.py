@@ -383,12 +383,12 @@ def test_a_static_runs_alphas_are_labelled_as_the_schedules_a_learned_runs_by_st
     figures.alphas(connect_readonly(path), tmp_path / "a.png")
     assert labels == {"s": "layer (at every step)", "l": "layer (step 250)"}
     # the title says how each kind is drawn: "of each sparse run" said nothing of a static
-    # schedule's panel standing for all its runs
+    # schedule's panel standing for all its runs; a learned run recorded at one step (the
+    # study's imported probe) is drawn by layer, which the title called "over training"
     for only in ("s", "l"):
         figures.alphas(connect_readonly(path), tmp_path / f"{only}.png", only=only)
     assert titles == [f"Per-layer \u03b1{what} (rung distance = \u03b1 \u00d7 base sequence)" for what in (
-        ": each static schedule once, each learned run over training", " of each static schedule",
-        " over training")]
+        ": each static schedule once, each learned run by layer", " of each static schedule", " by layer")]
 
 
 def test_one_learned_runs_alphas_have_a_title_of_two_lines_at_column_width(tmp_path, drawn):

@@ -518,7 +518,9 @@ def test_cli_import_study_and_its_bad_input_exit_code(tmp_path, db_url, monkeypa
     ok = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--lenextrap", str(extrap), "--posloss",
                 str(posloss), "--db", db)
     assert ok.returncode == 0, ok.stderr
-    assert "imported 10 runs, 4 probe models" in ok.stdout
+    # counts as every other fibctl count is shown: 2,046, not 2046
+    assert "imported 10 runs, 4 probe models, 43 evaluations, 20 auxiliary metrics, 2,046 per-position losses" \
+        in " ".join(ok.stdout.split()), ok.stdout
     bad = fibctl(monkeypatch, capsys, "import-study", str(extrap), "--db", db)
     assert bad.returncode == 2
     assert "not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr

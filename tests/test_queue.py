@@ -565,19 +565,17 @@ def test_status_shows_each_running_run_where_how_far_and_how_fast(db, monkeypatc
     # Ctrl-C is the way out of --watch: 130 and one line, as for every command a Ctrl-C ends (it
     # was 0, then 130 saying nothing). On a terminal (a pty), so the view is drawn: the signal
     # comes once the first frame is
-    import pty
-    import select
     import signal
-    primary, secondary = pty.openpty()
-    watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0.2"],
-                             stdout=secondary, stderr=subprocess.PIPE, text=True, env=env)
-    os.close(secondary)
-    shown = b""
-    while b"queued" not in shown and select.select([primary], [], [], 60)[0]:
-        shown += os.read(primary, 4096)
-    watch.send_signal(signal.SIGINT)
-    _, err = watch.communicate(timeout=60)
-    os.close(primary)
+
+    from cli_helpers import Terminal
+
+    with Terminal() as shown:
+        watch = subprocess.Popen([sys.executable, "-m", "fibctl", "status", "--db", db, "--watch", "--every", "0.2"],
+                                 stdout=shown.secondary, stderr=subprocess.PIPE, text=True, env=env)
+        shown.started()
+        assert shown.until(b"queued"), shown.shown
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
     assert watch.returncode == 130 and err == "interrupted\n", err
 
 

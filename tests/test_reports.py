@@ -338,6 +338,29 @@ def test_tables_4_and_5_refuse_two_runs_for_one_cell(tmp_path, monkeypatch, caps
         tables.table5(ro(db), window=4, matrix="demo")
 
 
+def test_a_continued_table_repeats_the_columns_that_name_its_rows(tmp_path):
+    """Table 5 too wide for the terminal went on below under its Base column alone (`fib`,
+    `fib`, `pow2`, ...: which row is which?). Each continued part repeats the columns that name
+    a row (base, schedule and W; Table 2's depth and init), as many of them as fit beside the
+    next column: at 20 columns Base alone, as before."""
+    t5 = tables.table5(ro(_windowed_study(str(tmp_path / "r.db"), seeds=(42, 43))), window=4)
+    assert t5.key == 3
+
+    def heads(width: int) -> list[list[str]]:  # each part's headers, as drawn (a header may wrap)
+        parts = []
+        for line in render.to_text(t5, width).splitlines():
+            if line.startswith("┏"):
+                parts.append([])
+            elif line.startswith("┃"):
+                parts[-1].append(line.strip("┃").split("┃"))
+        return [[" ".join(" ".join(words).split()) for words in zip(*part)] for part in parts]
+
+    wide, *continued = heads(50)
+    assert wide[:3] == ["Base", "Schedule", "W"] and continued, (wide, continued)
+    assert all(part[:3] == ["Base", "Schedule", "W"] for part in continued), continued
+    assert all(part[:2] != ["Base", "Schedule"] for part in heads(20)[1:]), heads(20)
+
+
 def test_only_picks_a_sweeps_runs_for_every_table_and_figure(tmp_path, monkeypatch, capsys):
     """A sweep (`queue add --suffix _lr1e-3`) shares its matrix with the runs it varies: Tables 4
     and 5 refused both, and --matrix could not pick either. --only picks runs by name."""
@@ -654,6 +677,15 @@ def test_renderings_bold_the_best_and_keep_raw_numbers(study):
     assert "Table 1" in text and "42.00" in text
     with pytest.raises(FibctlError, match="unknown format 'html'"):
         render.render(t, "html")
+
+
+def test_latex_sets_a_negative_number_with_a_minus_sign(tmp_path):
+    """A negative number's sign was a hyphen in LaTeX's text mode, half as long as the plus
+    beside it (Table 3's -0.7 % under +82.3 %); a cell that is only '-' (no base) stays text."""
+    tex = render.render(tables.table3(ro(_example_with(tmp_path))), "latex")
+    assert "fib\\_fixed\\_w8 & fib & fixed & 8 & 28.01 & 27.53 & 27.82 & 28.40 & \\textbf{$-$0.7 \\%} & 3.318 & " \
+           "$-$0.014 \\\\" in tex, tex
+    assert "dense & - & dense & - & 28.73" in tex and "+82.3 \\%" in tex, tex
 
 
 def test_cli_report_formats_show_sql_and_all(study, tmp_path):

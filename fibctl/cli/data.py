@@ -16,22 +16,59 @@ from fibctl.cli.common import console, data_dir_value, err_console, fitted_table
 from fibctl.data.recipe import load_recipe, shipped
 from fibctl.data.streams import DataManifest, load_manifest
 from fibctl.errors import printable, shown_path
+from fibctl.units import duration
 
 data_app = typer.Typer(help="Data recipes -> byte-level BPE tokenizer -> uint16 token streams.",
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 
-class _RateColumn(ProgressColumn):
-    """Tokens (or chars, or packages) per second, in at most 5 characters before the unit."""
+def _rate(task: Task) -> str:
+    """Tokens (or chars, or packages) per second, in at most 5 characters before the unit; ''
+    before the first measure."""
+    speed = task.finished_speed or task.speed
+    if not speed:
+        return ""
+    scaled = next(((speed / 10**p, s) for p, s in ((9, "G"), (6, "M"), (3, "k")) if speed >= 10**p), (speed, ""))
+    return f"{scaled[0]:.3g}{scaled[1]} {task.fields.get('unit', '')}/s"
 
+
+class _RateColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        unit = task.fields.get("unit", "")
-        if not speed:
-            return Text("")
-        scaled = next(((speed / 10**p, s) for p, s in ((9, "G"), (6, "M"), (3, "k")) if speed >= 10**p), (speed, ""))
-        return Text(f"{scaled[0]:.3g}{scaled[1]} {unit}/s", style="progress.data.speed")
+        return Text(_rate(task), style="progress.data.speed")
+
+
+LOG_EVERY_S = 60.0  # in a log, a line for each unfinished task at most this often
+
+
+class _LoggedProgress(Progress):
+    """No bars, for a log (stderr not a terminal), but a line for each unfinished task every
+    LOG_EVERY_S: `data prepare paper` (hours) said nothing there until it ended."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._logged_at = time.monotonic()
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._log()
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._log()
+
+    def _log(self) -> None:
+        if time.monotonic() - self._logged_at < LOG_EVERY_S:
+            return
+        self._logged_at = time.monotonic()
+        for task in self.tasks:
+            if task.finished or not task.completed:
+                continue
+            share = f" ({task.percentage:.0f} %)" if task.total else ""
+            rate = _rate(task)
+            self.console.print(f"{task.description}: {task.completed:,.0f} of {task.total or 0:,.0f} "
+                               f"{task.fields.get('unit', '')}{share}" + (f", {rate}" if rate else "")
+                               + f", {duration(task.elapsed or 0)}", highlight=False, markup=False, soft_wrap=True)
 
 
 # the columns beside the bar: the description (22), the count and its unit (21: "packages"),
@@ -42,13 +79,14 @@ BESIDE_THE_BAR = 70
 def token_progress(plain: bool = False) -> Progress:
     """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain,
     nor when stderr is not a terminal (a log: stopped there, the bars left a blank line before
-    the error or summary). The bar is as wide as the terminal leaves (none below 5), so that
+    the error or summary), where a line now and then says how far each task is. The bar is as wide as the terminal leaves (none below 5), so that
     a line fits 80 columns."""
     room = min(20, err_console.width - BESIDE_THE_BAR)
-    return Progress(
+    logged = not plain and not err_console.is_terminal
+    return (_LoggedProgress if logged else Progress)(
         TextColumn("{task.description:<22}"), *([BarColumn(bar_width=room)] if room >= 5 else []),
         TextColumn("{task.completed:>12,.0f} {task.fields[unit]}"), _RateColumn(), TimeElapsedColumn(),
-        console=err_console, disable=plain or not err_console.is_terminal, transient=True,  # an error is one line
+        console=err_console, disable=plain or logged, transient=True,  # an error is one line
     )
 
 

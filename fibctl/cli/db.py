@@ -14,7 +14,7 @@ from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
                                goes_with, interactive, model_line, plain, runs_dir_value, split_label, step_of,
-                               unbroken)
+                               stop_if_interrupted, unbroken)
 from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -312,14 +312,20 @@ def status_cmd(
         down.clear()
         return shown
 
+    def pause() -> None:
+        # a Ctrl-C lost where it landed (a weakref's callback: Python ignores its KeyboardInterrupt)
+        # is noted (fibctl.cli.common): a watch, which never ends by itself, looks before each wait
+        stop_if_interrupted()
+        time.sleep(every)
+
     # Ctrl-C, the way out of --watch, ends it as it ends every command (fibctl.cli): one line, 130
     if not console.is_terminal:  # Live would print its first view alone: a log gets each view, dated
         while True:
             console.print(plain(f"{utcnow():%Y-%m-%d %H:%M:%S} UTC"), watched(), "")
-            time.sleep(every)
+            pause()
     with Live(watched(), console=console, auto_refresh=False) as live:
         while True:
-            time.sleep(every)
+            pause()
             live.update(watched(), refresh=True)
 
 

@@ -74,7 +74,7 @@ def model_cmd(preset: Preset = "paper", schedule: Schedule = "fixed", base: Base
     # the distances wrap between numbers, never inside one; a short header, as a field a line
     # reads it too (`  window + rungs: 0..8 + 13, 21`)
     console.print(fitted_view(["layer", "alpha", "distances", "window + rungs"], rows, whole=("window + rungs",),
-                              title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned"
+                              right=("alpha", "distances"), title="per layer" + (" (learned: alpha at initialisation)" if schedule == "learned"
                                                    else "")))
     _print_notes(schedule, cfg.n_layers)
 

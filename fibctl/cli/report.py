@@ -318,11 +318,16 @@ def compare_cmd(
                                                  frame, ""), console.width))
     else:
         console.print("no setting differs between these runs", markup=False, highlight=False)
-    shown = {k: v for k, v in c.trained.items() if k != "eval step"}  # said below where it is not the final step
+    # the last logged step's loss and tokens/s: columns of '-' where no run logged a step (the
+    # study's imported runs), which pushed a column of them into a continued table at 80 columns
+    logged = [k for k in ("loss", "tokens/s") if any(v is not None for v in c.trained[k])]
+    shown = {k: v for k, v in c.trained.items()
+             if k != "eval step" and (k in logged or k not in ("loss", "tokens/s"))}  # eval step: said below
     trained = pd.DataFrame({"run": c.runs, **shown}).rename(columns={"seconds": "time"})
     console.print(render.fitted(tables.Table("training", "Training", trained, "", formats={
         "step": _count, "tokens": _count, "time": duration, "loss": lambda x: f"{x:.4f}", "tokens/s": _count},
-        notes=["loss and tokens/s: the last logged step's"]), console.width))
+        notes=[f"{' and '.join(logged)}: the last logged step's" if logged else
+               "no training step logged: no loss or tokens/s"]), console.width))
     earlier = [f"{run}'s perplexities are of step {at:,}, before its final step {final:,}" if final is not None else
                f"{run}'s perplexities are of step {at:,} (it has not finished)"
                for run, at, final in zip(c.runs, c.trained["eval step"], c.trained["step"])
@@ -509,8 +514,8 @@ def import_study(
     # what this import wrote or changed: importing the same files again counts nothing
     counts = (s.runs, s.probe_runs, s.evaluations, s.aux_metrics, s.position_losses)
     if any(counts):
-        console.print(f"imported {s.runs} runs, {s.probe_runs} probe models, {s.evaluations} evaluations, "
-                      f"{s.aux_metrics} auxiliary metrics, {s.position_losses} per-position losses into "
+        console.print(f"imported {s.runs:,} runs, {s.probe_runs:,} probe models, {s.evaluations:,} evaluations, "
+                      f"{s.aux_metrics:,} auxiliary metrics, {s.position_losses:,} per-position losses into "
                       f"{shown(db)} (new or changed rows)", highlight=False, markup=False)
     else:
         console.print(f"nothing to import: {shown(db)} already holds every row of these files unchanged",

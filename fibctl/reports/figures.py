@@ -696,10 +696,14 @@ def _alphas_shown(panels: list[tuple[str, pd.DataFrame]]) -> str:
     all its runs (not each run's), a learned run's alpha over training. One learned run's is a
     column wide, its name over its panel: 'of each learned run' took the title to three lines."""
     kinds = {points["schedule"].iloc[0] == "learned" for _, points in panels}
+    # a learned run recorded at one step only (the study's imported probe: its final alphas) is
+    # drawn by layer at that step, not over training
+    over = {points["step"].nunique() > 1 for _, points in panels if points["schedule"].iloc[0] == "learned"}
+    how = " over training" if over == {True} else " by layer" if over == {False} else ""
     if kinds == {True, False}:
-        return ": each static schedule once, each learned run over training"
+        return f": each static schedule once, each learned run{how}"
     if True in kinds:
-        return " over training" if len(panels) == 1 else " of each learned run over training"
+        return how if len(panels) == 1 else f" of each learned run{how}"
     return " of each static schedule"
 
 

@@ -81,6 +81,7 @@ class Table:
     formats: dict[str, Formatter] = field(default_factory=dict)  # column -> formatter
     best: dict[str, str] = field(default_factory=dict)  # column -> "min" | "max": bolded
     notes: list[str] = field(default_factory=list)  # printed under the table, e.g. deviations
+    key: int = 1  # the leading columns that name a row (Table 5's base, schedule and W), in every part
 
 
 def dataset_label(name: str) -> str:
@@ -470,7 +471,7 @@ GROUP BY p.origin, p.steps, p.task, p.depth, p.staggered, m.metric"""
     return Table("table2", title, frame, sql_text, formats,
                  notes=described + ["Scored: held-out sequences per model (the study scored 2); accuracy is the mean "
                                     "over seeds; α min / max range over layers and seeds at the last step."]
-                 + _fewer_scored(wide, accs))
+                 + _fewer_scored(wide, accs), key=2)  # depth and init
 
 
 def _fewer_scored(wide: pd.DataFrame, accs: list[str]) -> list[str]:
@@ -688,7 +689,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
               "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset)
              + unfinished_notes(engine, long["run"]) + deviation_notes(engine, long["run"])
              + settings_notes(engine, long["run"]) + budget_notes(long))
-    return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes)
+    return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes, key=3)  # base, schedule, W
 
 
 def _one_run_each(long: pd.DataFrame, keys: list[str], cell: Callable[[dict], str], runs: Runs) -> None:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from fibctl.config import ATTENTION_IMPLS, ConfigError
+from fibctl.errors import unknown
 from fibctl.device import constant, synchronize
 
 NEG = -1e9  # invalid logits: large negative, never -inf, so no row is ever NaN
@@ -66,7 +67,7 @@ def default_impl(device: torch.device | str) -> str:
 
 def check_impl(impl: str) -> str:
     if impl not in ATTENTION_IMPLS:
-        raise ConfigError(f"unknown attention implementation {impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
+        raise ConfigError(unknown("attention implementation", impl, ATTENTION_IMPLS))
     return impl
 
 

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, unknown
 from fibctl.hashes import short_hash
 
 SCHEDULES = ("dense", "fixed", "learned", "stagger", "coprime")
@@ -71,9 +71,9 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+            raise ConfigError(unknown("schedule", self.schedule, SCHEDULES))
         if self.base not in BASES:
-            raise ConfigError(f"unknown base {self.base!r}; allowed: {', '.join(BASES)}")
+            raise ConfigError(unknown("base", self.base, BASES))
         if self.window < 0:
             raise ConfigError(f"window W={self.window} must be >= 0")
         if self.n_rungs < 1:
@@ -176,7 +176,7 @@ class TrainConfig:
         if not isinstance(self.optimizer, str):
             raise ConfigError(f"train.optimizer = {self.optimizer!r} must be a string")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+            raise ConfigError(unknown("optimizer", self.optimizer, OPTIMIZERS))
         return self
 
 
@@ -201,7 +201,7 @@ class ProbeConfig:
 
     def validate(self, model: "ModelConfig") -> "ProbeConfig":
         if self.init not in PROBE_INITS:
-            raise ConfigError(f"unknown probe init {self.init!r}; allowed: {', '.join(PROBE_INITS)}")
+            raise ConfigError(unknown("probe init", self.init, PROBE_INITS))
         if not self.distances or len(set(self.distances)) != len(self.distances):
             raise ConfigError(f"probe distances {list(self.distances)} must be distinct and at least one")
         for d in self.distances:
@@ -286,7 +286,7 @@ def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+        raise ConfigError(unknown("preset", name, PRESETS)) from None
 
 
 def check_seed(value, what: str) -> int:

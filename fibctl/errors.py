@@ -1,10 +1,12 @@
 """Errors a user can fix, and the helpers their messages quote with. The CLI prints them as
 one line and exits with code 2."""
 
+import difflib
 import os
 import re
 import shlex
 import textwrap
+from collections.abc import Iterable
 
 
 class FibctlError(Exception):
@@ -19,6 +21,15 @@ class DamagedDatabase(FibctlError):
 class WorkerError(FibctlError):
     """The worker's setup (its data, runs folder or database) is at fault, not the run it
     claimed: the run goes back to the queue as it was and the worker stops."""
+
+
+def unknown(what: str, value: object, allowed: Iterable[str]) -> str:
+    """'unknown WHAT VALUE; allowed: ...', with the closest allowed name first where one is
+    near (a typo: 'extrapolaton' names extrapolation)."""
+    allowed = list(allowed)
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {what} {value!r}{meant}; allowed: {', '.join(allowed)}"
 
 
 def first_line(e: BaseException, width: int = 160) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunConfig, TrainConfig, check_seed,
                            get_preset)
 from fibctl import tomls
-from fibctl.errors import FibctlError, printable, shown_path
+from fibctl.errors import FibctlError, printable, shown_path, unknown
 from fibctl.names import NAME_RULE, check_name, is_name
 from fibctl.probe.cells import PROBE_MATRIX
 
@@ -305,7 +305,7 @@ def _entry(i: int, run, bad) -> MatrixEntry:
     if not is_name(run["name"]):
         raise bad(f"{where}: run names use {NAME_RULE}")
     if run["schedule"] not in SCHEDULES:  # before the settings that depend on it
-        raise bad(f"{where}: unknown schedule {run['schedule']!r}; allowed: {', '.join(SCHEDULES)}")
+        raise bad(f"{where}: {unknown('schedule', run['schedule'], SCHEDULES)}")
     dense = run["schedule"] == "dense"
     if dense and ({"base", "window"} & set(run)):
         raise bad(f"{where}: a dense run has no base or window")

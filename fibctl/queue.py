@@ -22,7 +22,7 @@ from fibctl import durable
 from fibctl.config import RunConfig
 from fibctl.db.schema import RUN_STATUSES, Event, Run, RunStatus, TrainStep
 from fibctl.db.store import add_event, run_row, utcnow, write_retrying
-from fibctl.errors import FibctlError
+from fibctl.errors import FibctlError, unknown
 from fibctl.units import duration, eta_s
 
 LIST_COLUMNS = ("id", "name", "matrix", "preset", "base", "schedule", "window", "seed", "init_seed",
@@ -220,7 +220,7 @@ def _conflict(cfg: RunConfig, row) -> str | None:
 def list_runs(engine: Engine, status: str | None = None) -> list[dict]:
     """Runs in queue order (id), optionally of one status."""
     if status is not None and status not in RUN_STATUSES:
-        raise FibctlError(f"unknown status {status!r}; allowed: {', '.join(RUN_STATUSES)}")
+        raise FibctlError(unknown("status", status, RUN_STATUSES))
     q = select(*(Run.__table__.c[c] for c in LIST_COLUMNS)).order_by(Run.id)
     if status is not None:
         q = q.where(Run.status == status)

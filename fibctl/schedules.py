@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from fibctl.config import BASES, SCHEDULES, ConfigError
+from fibctl.errors import unknown
 
 FIB = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181, 6765]
 ALPHA_MIN, ALPHA_RANGE = 0.5, 1.0  # alpha = 0.5 + 1.0 * sigmoid(theta), in [0.5, 1.5]
@@ -31,7 +32,7 @@ def base_sequence(base: str, seq_len: int, n_rungs: int = 15) -> list[int]:
             out.append(b)
             b *= 2
         return out
-    raise ConfigError(f"unknown base {base!r}; allowed: {', '.join(BASES)}")
+    raise ConfigError(unknown("base", base, BASES))
 
 
 def built_base(base: str, seq_len: int, built_at: int | None, n_rungs: int = 15) -> list[int]:
@@ -98,7 +99,7 @@ def layer_alphas(schedule: str, n_layers: int) -> list[float]:
         return [ramp(l) for l in range(L)]
     if schedule == "coprime":
         return [ramp(s) for s in coprime_slots(L)]
-    raise ConfigError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    raise ConfigError(unknown("schedule", schedule, SCHEDULES))
 
 
 PROBE_ALPHA_CLAMP = (0.55, 1.45)  # a staggered probe start stays inside sigmoid's open range

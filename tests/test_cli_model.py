@@ -264,7 +264,9 @@ def test_a_measurement_whose_process_dies_is_one_error():
     (["bench", "probe", "--batch", "100000000", "--repeats", "1", "--warmup", "0"],
      "bench probe: reference at width 40, length 512, batch 100,000,000: out of memory"),
     (["model", "--schedule", "sliding"], "unknown schedule 'sliding'; allowed: dense, fixed, learned, stagger, coprime"),
-    (["model", "--base", "fib3"], "unknown base 'fib3'; allowed: fib, pow2"),
+    (["model", "--base", "fib3"], "unknown base 'fib3' (did you mean 'fib'?); allowed: fib, pow2"),
+    (["model", "--schedule", "stager"],
+     "unknown schedule 'stager' (did you mean 'stagger'?); allowed: dense, fixed, learned, stagger, coprime"),
     (["coverage", "--window", "-2"], "window W=-2 must be >= 0"),
     # queue add's bound: a sparse window leaves T - 1 to a rung (it printed W=99999999999999999999)
     (["model", "--window", "99999999999999999999"], "window W=99999999999999999999 is too large: at most "

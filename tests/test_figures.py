@@ -83,6 +83,9 @@ def test_cli_figure(db, tmp_path):
     assert (tmp_path / "e.png").read_bytes().startswith(PNG)
     r = runner.invoke(app, ["figure", "nope", "--db", db])
     assert isinstance(r.exception, FibctlError) and "unknown figure 'nope'" in str(r.exception)
+    r = runner.invoke(app, ["figure", "extrapolaton", "--db", db])  # a typo names the figure meant
+    assert str(r.exception) == ("unknown figure 'extrapolaton' (did you mean 'extrapolation'?); "
+                                "allowed: extrapolation, posloss, curves, alphas, coverage")
 
 
 # --- what a paper needs of them, checked on the matplotlib objects -----------------------

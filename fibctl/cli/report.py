@@ -23,7 +23,7 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_
                                raised_as_the_signal, seed_value, sqlite_int, stop_if_interrupted, typed)
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
-from fibctl.errors import DamagedDatabase, FibctlError, printable, shown_path
+from fibctl.errors import DamagedDatabase, FibctlError, printable, shown_path, unknown
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
@@ -258,7 +258,7 @@ def figure(
 
     Example: fibctl figure extrapolation --out extrap.pdf"""
     if name not in figures.FIGURES:
-        raise FibctlError(f"unknown figure {name!r}; allowed: {', '.join(figures.FIGURES)}")
+        raise FibctlError(unknown("figure", name, figures.FIGURES))
     _check_figure_options(ctx, name)
     path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-from fibctl.errors import FibctlError, printable
+from fibctl.errors import FibctlError, printable, unknown
 from fibctl.reports.tables import Table
 
 FORMATS = ("rich", "md", "latex", "csv", "json")
@@ -208,5 +208,5 @@ def render(table: Table, fmt: str) -> str:
     """`table` as text in `fmt` (rich: the terminal rendering without colour)."""
     renderers = {"rich": to_text, "md": to_markdown, "latex": to_latex, "csv": to_csv, "json": to_json}
     if fmt not in renderers:
-        raise FibctlError(f"unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
+        raise FibctlError(unknown("format", fmt, FORMATS))
     return renderers[fmt](table)

@@ -430,3 +430,41 @@ def test_eval_of_a_run_not_finished_says_which_step_it_measures(trained, tmp_pat
     work(engine, WorkerOptions(data_dir=data, runs_dir=tmp_path / "runs"), Quiet())  # now to its end
     code, err = fibctl_eval("half")
     assert code == 0 and err == "", err
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["removed", "removed-and-queued-again"])
+def test_a_run_removed_while_it_is_evaluated_ends_eval_in_one_line(trained, tmp_path, capsys, monkeypatch, again):
+    """`fibctl queue rm` of a run that eval was measuring (or rm, then `queue add` of its name
+    again: a new row) failed eval's next write on the missing row: a traceback of SQLite's
+    FOREIGN KEY constraint failed. One line names the run and what happened, exit 2; what was
+    measured of the run before it stays recorded."""
+    from fibctl import queue
+    from fibctl.cli import main
+    from fibctl.cli import train as train_cli
+    from fibctl.db.engine import connect
+
+    _, data, db = trained
+    mine = tmp_path / "r.db"
+    with sqlite3.connect(mine) as copy:  # with what the -wal file holds
+        sqlite3.connect(db).backup(copy)
+    real = train_cli.EvalProgress.start
+
+    def start(progress, item, total):  # the second run's first measurement: `queue rm` it
+        if item["run"] == "dense":
+            engine = connect(str(mine))
+            queue.remove(engine, "dense")
+            if again:
+                queue.add_runs(engine, [micro_run("dense", "dense", **SHORT)])
+            engine.dispose()
+        return real(progress, item, total)
+    monkeypatch.setattr(train_cli.EvalProgress, "start", start)
+    monkeypatch.setattr(sys, "argv", ["fibctl", "eval", "fixed", "dense", "--length", "48", "--db", str(mine),
+                                      "--data", str(data)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("error: run 'dense' was removed from the database (fibctl queue rm) "
+                                            "while eval measured it; nothing more of it can be recorded"), err
+    assert rows(mine, "select count(*) from evaluations e join runs r on r.id = e.run_id "
+                      "where r.name = 'fixed' and e.eval_length = 48")[0][0] == len(HELDOUT)

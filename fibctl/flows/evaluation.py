@@ -9,7 +9,8 @@ checkpoint, a vocabulary that does not match the data) is reported before any wo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pandas as pd
 import torch
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest, load_manifest
@@ -28,7 +30,7 @@ from fibctl.errors import FibctlError, shown_path
 from fibctl.flows.removal import aside_hint
 from fibctl.train import loggers
 from fibctl.metrics import eval_windows, inference_speed, load_model, stream_loss
-from fibctl.queue import no_run_named, stored_config
+from fibctl.queue import no_run_named, removed, stored_config
 from fibctl.train.checkpoint import DAMAGED, latest_checkpoint, load_checkpoint, resolve_path, stored_config_hash
 from fibctl.train.trainer import no_checkpoint_loads
 
@@ -217,17 +219,32 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
         on_note(f"run {t.run.name!r} is not finished (status {t.run.status}): measuring its checkpoint "
                 f"at step {step:,} of {t.config.train.steps:,}")
     recorder = RunRecorder(engine, t.run.id)
-    if not log_to:
-        return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
-                        on_result, on_start)
-    tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict(),
-                                                   data.heldout), light_tokens=t.config.train.eval_tokens)
+    with _kept_in_the_database(engine, t.run):
+        if not log_to:
+            return _measure(recorder, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
+                            on_result, on_start)
+        tee = loggers.Tee(recorder, loggers.open_sinks(log_to, t.checkpoint.parent, t.run.name, t.config.to_dict(),
+                                                       data.heldout), light_tokens=t.config.train.eval_tokens)
+        try:
+            tee.catch_up(step)  # a run trained without --log-to: its history first
+            return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
+                            on_result, on_start)
+        finally:
+            tee.close()
+
+
+@contextmanager
+def _kept_in_the_database(engine: Engine, run: Run) -> Iterator[None]:
+    """A run that `fibctl queue rm` removed while it was measured (its row gone, or made again
+    under its name: another id) fails the next write on the missing row, a FOREIGN KEY error:
+    said in one line."""
     try:
-        tee.catch_up(step)  # a run trained without --log-to: its history first
-        return _measure(tee, t, ckpt["model"], step, budget, lengths, streams, positions, speed, device,
-                        on_result, on_start)
-    finally:
-        tee.close()
+        yield
+    except IntegrityError:
+        if not removed(engine, run.id):
+            raise
+        raise FibctlError(f"run {run.name!r} was removed from the database (fibctl queue rm) while eval measured "
+                          "it; nothing more of it can be recorded") from None
 
 
 def _check_budget(engine: Engine, t: _Target, step: int, planned: dict[tuple[str, int], int]) -> None:

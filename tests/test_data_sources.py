@@ -414,8 +414,21 @@ def test_an_integer_longer_than_python_converts_is_read_as_a_number(tmp_path):
         recipe, source = _local(str(tmp_path / "rows.json"), "json")
         assert _docs(recipe, source, tmp_path) == ["a", "b"][:content.count('"text"')], content
     (tmp_path / "rows.json").write_text(f'{{"text": {big}}}\n')  # a number is still not text
-    with pytest.raises(FibctlError, match="text"):
+    with pytest.raises(FibctlError, match="field 'text' holds int values, not text"):  # was "float values"
         _docs(recipe, source, tmp_path)
+
+
+def test_an_integer_past_a_lowered_digit_limit_is_read_as_a_number(tmp_path):
+    """The limit is Python's setting (PYTHONINTMAXSTRDIGITS), not always 4,300: under a lower
+    one, a 1,000-digit integer beside the text made its line "not JSON"."""
+    (tmp_path / "rows.json").write_text(f'{{"text": "a", "id": {"9" * 1000}}}\n')
+    recipe, source = _local(str(tmp_path / "rows.json"), "json")
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        assert _docs(recipe, source, tmp_path) == ["a"]
+    finally:
+        sys.set_int_max_str_digits(before)
 
 
 @pytest.mark.parametrize("content, words", [

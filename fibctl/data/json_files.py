@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 from collections.abc import Iterator
 from typing import IO
 
@@ -26,15 +27,22 @@ _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may stand for ha
 _LONE = re.compile("[\ud800-\udfff]")
 
 
+class LongInt(float):
+    """An integer of more digits than Python converts (4,300 unless set otherwise: a guard
+    against slow parsing), held as its float: a message still names it an int, not a float
+    (a 5,000-digit text field was said to hold "float values")."""
+
+
 def _int(digits: str) -> int | float:
-    return int(digits) if len(digits) <= 4300 else float(digits)
+    limit = sys.get_int_max_str_digits()  # 0: no limit
+    return LongInt(digits) if limit and len(digits.lstrip("-")) > limit else int(digits)
 
 
 class _Decoder(json.JSONDecoder):
-    """json's decoder, except that an integer of more than 4,300 digits, which Python refuses
-    to convert (a guard against slow parsing), is read as its float: it is never text, and
-    the record reads on. Only a text holding one is parsed again with the Python-level hook:
-    a hook on every integer made records of many numbers three times slower to read."""
+    """json's decoder, except that an integer longer than Python converts is read as a LongInt:
+    it is never text, and the record reads on. Only a text holding one is parsed again with
+    the Python-level hook: a hook on every integer made records of many numbers three times
+    slower to read."""
 
     _long = json.JSONDecoder(parse_int=_int)
 
@@ -351,7 +359,7 @@ def _unpaired(value, escaped: object):
 
 # a value's kind as JSON names it (Python's names, `NoneType` and `list`, are not the file's)
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null", Unpaired: "a string"}
+               LongInt: "a number", bool: "a boolean", type(None): "null", Unpaired: "a string"}
 
 
 def _kind(value) -> str:

@@ -396,7 +396,8 @@ def _field_text(source: Source, field: str, value: object, file: str, where: str
         inside = (f" (or fields inside it: {field}.{next(iter(value))})" if isinstance(value, dict) and value else
                   f" (or an item's: {field}.0{_first_key(value[0])}, or every item's: {field}.*{_first_key(value[0])})"
                   if isinstance(value, list) and value else "")
-        raise FibctlError(f"source {source.name!r}: field {field!r} holds {type(value).__name__} "
+        held = "int" if isinstance(value, json_files.LongInt) else type(value).__name__
+        raise FibctlError(f"source {source.name!r}: field {field!r} holds {held} "
                           f"values, not text{_in(file, where)}; text = [...] must name string fields{inside}") from None
     if source.format == "text":  # a file's byte-order mark (the json and csv readers drop it)
         value = value.lstrip("\ufeff")

@@ -344,6 +344,9 @@ CASES = [
      "noheld has no held-out set (its manifest lists only 'train'): give a source of recipe"),
     (["eval", "runn", "--all", "--length", "64", "--db", "{good_db}", "--data", "{data}"],
      "name runs or pass --all, not both (got --all and 'runn')"),
+    # no run named is said first: the missing data (or database) had been, which is no use without one
+    (["eval", "--length", "64", "--db", "{good_db}", "--data", "{tmp}/nodata"], "name at least one run, or pass --all"),
+    (["eval", "--length", "64", "--db", "{tmp}/none.db"], "name at least one run, or pass --all"),
     (["import-study", "", "--db", "{tmp}/pub.db"], "an empty path where the study's SQLite database"),
     (["demo", "--quick", "--out", ""], "--out is empty; name the folder for the demo"),
     # Path('') is the current folder: a worker trained into it

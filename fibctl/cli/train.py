@@ -516,10 +516,12 @@ def eval_cmd(
     """Perplexity of trained runs at any length, from their final checkpoints, into the database.
 
     Example: fibctl eval fib_fixed_w8 dense --length 256 --length 512 --positions"""
+    from fibctl.flows.evaluation import check_chosen, evaluate, plan
+
+    check_chosen(names or [], all_runs)  # what to evaluate, before where from
     log_to = check_loggers(log_to or ())
     from fibctl.db.engine import current_revision, head_revision
     from fibctl.device import setup_process
-    from fibctl.flows.evaluation import evaluate, plan
     from fibctl.queue import check_named
 
     def check(reader) -> None:

@@ -67,17 +67,23 @@ def _load(t: _Target) -> dict:
             t.checkpoint = newer
 
 
+def check_chosen(names: list[str], all_runs: bool) -> None:
+    """Runs named, or --all, and not both: checked before the database and data are (`fibctl
+    eval` alone had said there was no data manifest, not that it names no run)."""
+    if all_runs and names:  # --all would evaluate every run, a misspelt name among them unnoticed
+        raise FibctlError(f"name runs or pass --all, not both (got --all and {', '.join(map(repr, names))})")
+    if not all_runs and not names:
+        raise FibctlError("name at least one run, or pass --all")
+
+
 def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None) -> list[_Target]:
     """Runs to evaluate, each with a checkpoint; every problem is reported before any work.
     Checkpoints are looked for under `runs_dir`, by default the folder each run trained in."""
-    if all_runs and names:  # --all would evaluate every run, a misspelt name among them unnoticed
-        raise FibctlError(f"name runs or pass --all, not both (got --all and {', '.join(map(repr, names))})")
+    check_chosen(names, all_runs)
     with engine.connect() as conn:
         if all_runs:
             rows = conn.execute(select(Run).where(Run.checkpoint_path.is_not(None)).order_by(Run.id)).all()
         else:
-            if not names:
-                raise FibctlError("name at least one run, or pass --all")
             rows = conn.execute(select(Run).where(Run.name.in_(names))).all()
             missing = sorted(set(names) - {r.name for r in rows})
             if missing:

@@ -403,6 +403,57 @@ def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else
 
 
 
+def test_a_second_report_all_into_a_folder_being_written_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Two `report all` into one new folder at once: the one with fewer tables removed the
+    other's files as stale (posloss.png), which then failed ("cannot write the report into
+    rep: No such file or directory") and, cleaning up, removed both reports' files. While one
+    process writes a report there, a second is refused, touching nothing; the first ends whole."""
+    import subprocess
+    from fibctl.reports import export
+
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    out = tmp_path / "rep"
+    # the first report, paused after its tables and figures (before its page) until stdin closes
+    first = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nfrom fibctl.reports import html\npage = html.page\n"
+        "def paused(*args, **kwargs):\n    print('paused', file=sys.stderr, flush=True)\n    sys.stdin.read()\n"
+        "    return page(*args, **kwargs)\nhtml.page = paused\n"
+        f"sys.argv = ['fibctl', 'report', 'all', '--all-runs', '--db', {str(db)!r}, '--out', {str(out)!r}]\n"
+        "from fibctl.__main__ import main\nmain()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr.readline() == "paused\n"
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+        after = {p.name: p.read_bytes() for p in out.iterdir()}
+    finally:
+        stdout, stderr = first.communicate(timeout=120)  # closes its stdin: it goes on
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{out}: another `fibctl report all` is writing a report there now" in err
+    assert after == before  # none of the first's files removed
+    assert first.returncode == 0 and stdout.startswith("wrote "), stderr
+    listed = (out / export.MANIFEST).read_text().split()
+    assert "posloss.png" in listed and all((out / name).is_file() for name in listed)
+    code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+    assert code in (0, None), err  # the folder is free once that one has ended
+
+
+def test_a_folder_that_cannot_be_locked_still_gets_its_report(tmp_path, capsys, monkeypatch):
+    """NFS may refuse to lock a folder opened read-only: the report is written unguarded, as
+    before there was a lock, rather than never."""
+    import errno
+    import fcntl
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", refused)
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    code, _, err = cli(["report", "all", "--db", str(db), "--out", str(tmp_path / "rep")], capsys, monkeypatch)
+    assert code in (0, None) and (tmp_path / "rep" / "index.html").is_file(), err
+
+
 def test_a_report_leaves_the_temporary_file_of_another_pid_space_alone(tmp_path):
     """A temporary's name held its writer's PID alone: a report in a container of the same
     host name, writing into the shared folder, took another's live one for a killed one's and

@@ -3,8 +3,12 @@ self-contained `index.html` into a folder."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import inspect
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
@@ -90,7 +94,15 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     or figure whose data is missing is skipped with the reason (listed on the page too).
     Coverage, drawn from the schedule alone, comes last and is left out too when nothing else
     had data: no report is written then."""
-    listed, made = _listed(out), _first_missing(out)
+    made = _first_missing(out)
+    with _only_writer(out, made):
+        return _write_all(engine, out, made, track=track, title=title, source=source, **kwargs)
+
+
+def _write_all(engine: Engine, out: Path, made: Path | None, *, track: Callable[[list[Job]], Iterable[Job]],
+               title: str, source: str, **kwargs) -> tuple[list[Path], list[tuple[str, str]]]:
+    """write_all's work, in `out` (made, from `made`, its first missing folder), held locked."""
+    listed = _listed(out)
     # before anything is drawn: a file of the user's named like one the report writes would be
     # replaced by it (report files are renamed onto their paths), and it is not the report's to replace
     theirs = [p.name for p in outputs(out) if (p.is_symlink() or p.exists()) and p.name not in listed]
@@ -150,6 +162,32 @@ def write_all(engine: Engine, out: Path, *, track: Callable[[list[Job]], Iterabl
     return written, skipped
 
 
+@contextmanager
+def _only_writer(out: Path, made: Path | None) -> Iterator[None]:
+    """`out` made (from `made`, its first missing folder) and held locked (flock on the
+    folder itself: no lock file left behind) while one report is written into it. A second
+    report into it is refused at once: it had removed the first one's files as stale (its
+    posloss.png, say), and that one then failed and, cleaning up, removed both reports'."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        _remove_made(out, made)
+        raise
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise FibctlError(f"{shown_path(out)}: another `fibctl report all` is writing a report there "
+                                  "now; wait for it to finish, or choose another --out") from None
+            # a file system that cannot lock a folder (NFS may refuse one opened read-only):
+            # the report is written unguarded, as it was before there was a lock
+        yield
+    finally:
+        os.close(fd)
+
+
 def _claim(out: Path, listed: list[str], names: list[str]) -> list[str]:
     """`listed` with `names` added, written to the folder's manifest if that adds any."""
     new = [n for n in names if n not in listed]
@@ -167,6 +205,11 @@ def _unclaim(out: Path, before: list[str], made: Path | None) -> None:
         write_text(out / MANIFEST, "\n".join(before))
         return
     (out / MANIFEST).unlink(missing_ok=True)
+    _remove_made(out, made)
+
+
+def _remove_made(out: Path, made: Path | None) -> None:
+    """Remove the folders from `out` up to `made` (the first one this report made), while empty."""
     if made is not None:
         for folder in [out, *out.parents]:
             if not folder.is_dir() or any(folder.iterdir()):

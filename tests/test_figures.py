@@ -919,6 +919,21 @@ def test_the_curves_legend_lists_the_runs_in_the_extrapolation_figure_s_order(st
     assert _in_reading_order(drawn[1]) == _in_reading_order(drawn[0])
 
 
+def test_the_curves_legend_says_what_a_thin_validation_line_is(study_like_db, drawn, tmp_path):
+    """A run's light evaluations (fewer tokens) are drawn thin and faint; the panel's title
+    said "(thin: light budget)", which the legend did not explain. One budget: nothing to say."""
+    from pathlib import Path
+
+    example = str(Path(__file__).parents[1] / "results.db.example")  # light and full evaluations
+    figures.curves(connect_readonly(example), tmp_path / "c.png")
+    figures.curves(connect_readonly(study_like_db), tmp_path / "one.png")
+    legend, one = (fig.legends[0] for fig in drawn)
+    assert legend.get_title().get_text() == figures.LIGHT_NOTE
+    assert "thin" in figures.LIGHT_NOTE and "fewer tokens" in figures.LIGHT_NOTE
+    assert [ax.get_title() for ax in drawn[0].axes[:1]] == ["validation"]
+    assert one.get_title().get_text() == ""
+
+
 def _in_reading_order(fig) -> list[str]:
     """A legend's labels as drawn, left to right along each row (matplotlib fills by columns)."""
     legend = fig.legends[0]

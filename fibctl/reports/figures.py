@@ -768,12 +768,23 @@ def alpha_grid(panels: int) -> tuple[int, int, float]:
     return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
+TITLE_LEAST_PT = 8  # a panel title is made no smaller to fit; past that it breaks over lines
+
+
 def _fit_titles(fig: Figure, axes) -> None:
     """Each panel's title (a run's name, or a static curve's 'stagger, 16 layers (10 runs)')
-    broken after its underscores and spaces into lines no wider than its panel: a probe run's
-    name (probe_d2_staggered_s0_300steps) ran into its neighbour's. Each line of a title of
+    fitted to its panel: a probe run's name (probe_d2_staggered_s0_300steps) ran into its
+    neighbour's. Where every title fits whole at one size no smaller than TITLE_LEAST_PT, all
+    take it ('probe_marked_d2_uniform_' over 's0' read as two names, beside whole ones); else
+    one too wide breaks after its underscores and spaces. Each line of a title of
     several is fitted alone (coverage's '133 distinct distances' ran into the next panel's)."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
+    widths = [(ax.title, ax.title.get_window_extent().width, ax.get_window_extent().width) for ax in axes]
+    sizes = [title.get_fontsize() * room / wide for title, wide, room in widths if title.get_text() and wide > room]
+    size = math.floor(min(sizes) * 10) / 10 if sizes else 0  # down to a tenth: widths are not quite linear
+    if size >= TITLE_LEAST_PT:  # else each kept at its size and broken (smaller and broken reads worse)
+        for ax in axes:
+            ax.title.set_fontsize(min(size, ax.title.get_fontsize()))
     for ax in axes:
         title, room = ax.title, ax.get_window_extent().width
         if title.get_window_extent().width <= room:

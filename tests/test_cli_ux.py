@@ -67,6 +67,14 @@ def test_flags_show_as_flags_and_help_paragraphs_wrap():
     assert re.search(r"--length +<int> ", help_text("eval"))
 
 
+def test_piped_help_ends_no_line_with_a_space():
+    """typer pads each help line to the width; through a pipe those spaces are noise that
+    `cat -A`, diffs and `grep ' $'` show."""
+    done = fibctl("import-study", "--help")
+    assert done.returncode == 0 and "Example:" in done.stdout, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.endswith(" ")] == []
+
+
 def test_the_top_help_lists_every_command_once_in_the_order_of_the_work():
     """Headings in the order of the work, each command's first sentence only (the whole of
     `train --help` made the list three screens long)."""

@@ -667,6 +667,27 @@ def _panel_titles(fig) -> list[str]:
             for ax in fig.axes if ax.get_visible() and ax.get_title()]
 
 
+def test_probe_run_names_stay_whole_in_alphas_panel_titles(tmp_path, drawn):
+    """The imported study's probe runs, three panels to a row: a name a little wider than its
+    panel broke after its last underscore ('probe_marked_d2_uniform_' over 's0'), beside
+    whole ones. The titles take one smaller size at which every name fits whole."""
+    engine = connect(str(tmp_path / "a.db"))
+    names = [f"probe_marked_d{d}_{kind}_s{s}" for d in (2, 4) for kind in ("stagger", "uniform") for s in (0, 1)]
+    with engine.begin() as conn:
+        for name in names:
+            rid = add_run(conn, name, "learned", window=8)
+            conn.execute(insert(schema.Alpha), [dict(run_id=rid, step=2500, layer=l, alpha=0.6 + 0.8 * l)
+                                                for l in range(2)])
+    engine.dispose()
+    figures.alphas(connect_readonly(str(tmp_path / "a.db")), tmp_path / "a.png")
+    panels = [ax for ax in drawn[0].axes if ax.get_visible() and ax.get_title()]
+    assert sorted(ax.get_title() for ax in panels) == sorted(names)  # not one broken over lines
+    assert len({ax.title.get_fontsize() for ax in panels}) == 1
+    assert panels[0].title.get_fontsize() >= figures.TITLE_LEAST_PT
+    _renderer(drawn[0])
+    assert all(ax.title.get_window_extent().width <= ax.get_window_extent().width for ax in panels)
+
+
 @pytest.mark.parametrize("runs, schedules, depths", [
     (1, PAPER_MIX, (16,)), (3, PAPER_MIX, (16,)), (9, PAPER_MIX, (16,)), (31, PAPER_MIX, (16,)),
     (13, ("learned",), (16,)), (50, ("learned",) * 4 + ("stagger",), (16,)),
@@ -917,6 +938,21 @@ def test_the_curves_legend_lists_the_runs_in_the_extrapolation_figure_s_order(st
     extrapolation, curves = ([t.get_text() for t in fig.legends[0].get_texts() if t.get_text()] for fig in drawn)
     assert sorted(curves) == sorted(extrapolation) and len(curves) == 5
     assert _in_reading_order(drawn[1]) == _in_reading_order(drawn[0])
+
+
+def test_the_curves_legend_says_what_a_thin_validation_line_is(study_like_db, drawn, tmp_path):
+    """A run's light evaluations (fewer tokens) are drawn thin and faint; the panel's title
+    said "(thin: light budget)", which the legend did not explain. One budget: nothing to say."""
+    from pathlib import Path
+
+    example = str(Path(__file__).parents[1] / "results.db.example")  # light and full evaluations
+    figures.curves(connect_readonly(example), tmp_path / "c.png")
+    figures.curves(connect_readonly(study_like_db), tmp_path / "one.png")
+    legend, one = (fig.legends[0] for fig in drawn)
+    assert legend.get_title().get_text() == figures.LIGHT_NOTE
+    assert "thin" in figures.LIGHT_NOTE and "fewer tokens" in figures.LIGHT_NOTE
+    assert [ax.get_title() for ax in drawn[0].axes[:1]] == ["validation"]
+    assert one.get_title().get_text() == ""
 
 
 def _in_reading_order(fig) -> list[str]:

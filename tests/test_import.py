@@ -526,6 +526,18 @@ def test_cli_import_study_and_its_bad_input_exit_code(tmp_path, db_url, monkeypa
     assert "not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_wrapped_summary_ends_no_line_with_a_space_in_a_pipe(tmp_path, monkeypatch, capsys):
+    """rich wraps a long line after a space and keeps that space at the line's end; piped
+    (capsys is no terminal), fibctl's console drops it."""
+    fib_db, extrap, posloss = make_study(tmp_path)
+    ok = fibctl(monkeypatch, capsys, "import-study", str(fib_db), "--lenextrap", str(extrap), "--posloss",
+                str(posloss), "--db", str(tmp_path / "results.db"))
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert len(lines[0]) > 60 and lines[1].startswith(("per-position", "2,046")), lines  # it wrapped
+    assert [line for line in lines if line.endswith(" ")] == []
+
+
 def test_the_summary_counts_rows_written_or_changed_not_rows_read(tmp_path, db_url, monkeypatch, capsys):
     fib_db, extrap, posloss = make_study(tmp_path)
     engine = connect(db_url)

@@ -1068,7 +1068,7 @@ def test_queue_show_gives_one_run_at_a_glance(db):
     assert out.startswith("r000: failed (matrix test, id 1, preset micro)")
     assert "model: fixed fib W=" in out and "attempt(s)" in out
     assert "error: step 20 gave a loss of [red]nan[/red]" in out  # as written, never markup
-    assert "last logged step 20: loss 4.2500, lr 5.00e-04, grad norm 0.500, 2,345 tok/s" in out
+    assert "last logged step 20: loss 4.250, lr 5.00e-04, grad norm 0.500, 2,345 tok/s" in out
     assert "perplexity at step 20" in out
     assert re.search(r"│ val +│ +73\.70 │ +81\.45 │", out)  # exp(4.3), exp(4.4): step 20's, not step 10's
     assert "claimed" in out and "failed" in out and all(len(line) <= 80 for line in out.splitlines())

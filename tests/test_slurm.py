@@ -870,3 +870,17 @@ def test_a_cancelled_ddp_job_stops_its_group_at_one_step_and_a_new_job_resumes_f
     path = sqlite3.connect(db).execute("select checkpoint_path from runs").fetchone()[0]
     reference, _ = one_process(config, data, tmp_path / "one")
     assert_close(load_checkpoint(tmp_path / "runs" / path)["model"], reference, 1e-5)
+
+
+def test_a_task_s_log_line_shows_the_loss_as_the_progress_line_does(monkeypatch, capsys):
+    """A SLURM task's log gave a step's loss to 4 decimals, `fibctl train` and `status` to 3."""
+    from fibctl.cli.train import progress_line
+    from fibctl.flows import slurm
+    from fibctl.train.trainer import Progress
+
+    monkeypatch.setattr(slurm, "note_job", lambda *args: None)
+    step = Progress(50, 100, 3.25, 4321.0, 60.0)
+    slurm.JobDisplay(None, "7", 0, 0, every=50).start("dense", 100)(step)
+    logged = capsys.readouterr().out.splitlines()[-1]
+    assert logged == "task 0: dense step 50/100 loss 3.250 4,321 tok/s", logged
+    assert " loss 3.250 " in progress_line("dense", step)

@@ -19,7 +19,7 @@ from typer.completion import completion_init, install_callback, show_callback
 from rich.console import Console
 from rich.markup import escape
 
-from fibctl.cli.common import (err_console, hold_interrupts, interrupted, noting_interrupts,
+from fibctl.cli.common import (PipeConsole, err_console, hold_interrupts, interrupted, noting_interrupts,
                                unencodable_shown_as_question_marks)
 from fibctl.errors import FibctlError, printable, shown_path
 from fibctl.flows.torchrun import launched  # here, not in main: an import there is a window for a Ctrl-C
@@ -32,8 +32,9 @@ def _help_fixes() -> None:
     option or a list of arguments shows the type of one value (`<int>`, not `<list[int]>`:
     Python's annotation, which the help's "repeat" already says); help text is
     wrapped to the terminal, not at its source line breaks (half-empty lines at 80 columns);
-    and it is shown as written, not read as rich markup (which took `pip install -e
-    '.[slurm]'` for a style tag and printed `'.'`)."""
+    it is shown as written, not read as rich markup (which took `pip install -e
+    '.[slurm]'` for a style tag and printed `'.'`); and piped, its lines end without the
+    spaces they were padded to the width with (PipeConsole)."""
     from typer import rich_utils
     from typer.core import TyperArgument, TyperOption
 
@@ -60,6 +61,14 @@ def _help_fixes() -> None:
             return shown_text(text=text, style=style, markup_mode=markup_mode)
 
         rich_utils._make_rich_text = make_rich_text
+    made_console = getattr(rich_utils, "_get_rich_console", None)
+    if made_console is not None:
+        def get_rich_console(*args, **kwargs):
+            made = made_console(*args, **kwargs)
+            made.__class__ = PipeConsole  # typer's console as made, its output trimmed in a pipe
+            return made
+
+        rich_utils._get_rich_console = get_rich_console
 
 
 _help_fixes()

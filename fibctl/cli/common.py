@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import signal
 import sys
 import threading
@@ -39,9 +40,24 @@ def _sane_columns() -> None:
         os.environ["COLUMNS"] = str(min(MAX_COLUMNS, max(MIN_COLUMNS, n)))
 
 
+# a line's trailing spaces, before any style codes that close it (FORCE_COLOR in a pipe)
+_TRAILING_SPACES = re.compile(r" +((?:\x1b\[[0-9;]*m)*)\n")
+
+
+class PipeConsole(Console):
+    """A rich console that, writing to a pipe or file, ends no line with spaces: rich keeps the
+    space a line was wrapped at, and pads help lines to the width, which `cat -A`, diffs and
+    `grep ' $'` all see. A terminal gets rich's output as it is (a live display redraws
+    over its own lines); a prompt's last space, before no line break, stays."""
+
+    def _render_buffer(self, buffer) -> str:
+        rendered = super()._render_buffer(buffer)
+        return rendered if self.is_terminal else _TRAILING_SPACES.sub(r"\1\n", rendered)
+
+
 _sane_columns()  # before the consoles read it
-console = Console()
-err_console = Console(stderr=True)
+console = PipeConsole()
+err_console = PipeConsole(stderr=True)
 
 DbOption = Annotated[
     str,

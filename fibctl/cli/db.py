@@ -19,6 +19,7 @@ from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
 from fibctl.errors import FibctlError, shown_path
+from fibctl.reports.tables import loss as loss_label
 from fibctl.matrix import load_matrix, parse_settings, shipped_matrices
 from fibctl.names import check_name
 
@@ -276,7 +277,7 @@ def status_cmd(
     def view():
         now = utcnow()
         rows = [[r["name"], r["host"] or "", r["device"] or "", step_of(r["step"], r["steps"]),
-                 f"{r['loss']:.3f}" if r["loss"] is not None else "-",
+                 loss_label(r["loss"]) if r["loss"] is not None else "-",
                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                  duration(r["eta_s"]) if r["eta_s"] is not None else "-",
                  f"{duration((now - r['heartbeat_at']).total_seconds())} ago" if r["heartbeat_at"] else "-"]
@@ -500,7 +501,7 @@ def queue_show(name: NameArg, db: DbOption = DEFAULT_DB,
         say(f"error: {r['error']}")
     if o.last_step:
         s = o.last_step
-        parts = [f"loss {s['loss']:.4f}", f"lr {s['lr']:.2e}"]
+        parts = [f"loss {loss_label(s['loss'])}", f"lr {s['lr']:.2e}"]
         parts += [f"grad norm {s['grad_norm']:.3f}"] if s["grad_norm"] is not None else []
         parts += [f"{s['tokens_per_s']:,.0f} tok/s"] if s["tokens_per_s"] else []
         say(f"last logged step {s['step']:,}: " + ", ".join(parts))

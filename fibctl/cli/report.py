@@ -325,7 +325,7 @@ def compare_cmd(
              if k != "eval step" and (k in logged or k not in ("loss", "tokens/s"))}  # eval step: said below
     trained = pd.DataFrame({"run": c.runs, **shown}).rename(columns={"seconds": "time"})
     console.print(render.fitted(tables.Table("training", "Training", trained, "", formats={
-        "step": _count, "tokens": _count, "time": duration, "loss": lambda x: f"{x:.4f}", "tokens/s": _count},
+        "step": _count, "tokens": _count, "time": duration, "loss": tables.loss, "tokens/s": _count},
         notes=[f"{' and '.join(logged)}: the last logged step's" if logged else
                "no training step logged: no loss or tokens/s"]), console.width))
     earlier = [f"{run}'s perplexities are of step {at:,}, before its final step {final:,}" if final is not None else

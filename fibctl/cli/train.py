@@ -19,7 +19,7 @@ from fibctl.cli.common import DEFAULT_DB, DbOption, console, data_dir_value, err
 from fibctl.cli.common import plain as as_written  # `plain` is also the --plain option here
 from fibctl.db.engine import connect
 from fibctl.errors import FibctlError, shown_path
-from fibctl.reports.tables import ppl  # perplexity as every table prints it
+from fibctl.reports.tables import loss as loss_label, ppl  # as every table prints them
 from fibctl.train.loggers import LOGGERS, check_loggers
 from fibctl.units import duration
 
@@ -203,7 +203,7 @@ def progress_line(name: str, p: trainer.Progress) -> str:
     # in ms below what rounds to 1000 ms: `.3g` wrote a step of 0.9997 s as '1e+03ms'
     step = f"{_3g(p.step_s * 1000)}ms" if p.step_s < 0.9995 else f"{p.step_s:.2f}s"
     eta = f" ETA {duration(p.eta_s)}" if p.eta_s is not None and p.step < p.steps else ""
-    return (f"{name} {p.step}/{p.steps} loss {p.loss:.3f} lr {_lr(p.lr)} {step} {_si(p.tokens_per_s)} tok/s{eta}")
+    return (f"{name} {p.step}/{p.steps} loss {loss_label(p.loss)} lr {_lr(p.lr)} {step} {_si(p.tokens_per_s)} tok/s{eta}")
 
 
 def _lr(lr: float) -> str:

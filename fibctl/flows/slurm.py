@@ -48,6 +48,7 @@ from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError, printable, shown_path, unprintable
 from fibctl.flows.torchrun import JOB_TASK, REQUEUE
+from fibctl.reports.tables import loss as loss_label
 
 try:
     from submitit.helpers import Checkpointable
@@ -595,7 +596,7 @@ class JobDisplay:
 
         def line(p) -> None:
             if p.step % self.every == 0 or p.step == p.steps:
-                self._say(f"{name} step {p.step}/{p.steps} loss {p.loss:.4f} {p.tokens_per_s:,.0f} tok/s")
+                self._say(f"{name} step {p.step}/{p.steps} loss {loss_label(p.loss)} {p.tokens_per_s:,.0f} tok/s")
         return line
 
     def warn(self, message: str) -> None:

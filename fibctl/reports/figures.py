@@ -284,18 +284,20 @@ def _tick_ends(ax) -> None:
         ax.yaxis.set_major_locator(FixedLocator(sorted(set(ticks) | added)))
 
 
-def _runs_legend(fig: Figure, source, styles: list[dict]) -> None:
+def _runs_legend(fig: Figure, source, styles: list[dict], note: str | None = None) -> None:
     """The runs drawn on `source`, as a legend below the panels. `styles` holds each run's
     schedule, base and W: past RUN_LEGEND_MAX runs the legend keys them (a row each for
     schedule colours, base line styles and W markers) rather than listing 20 entries, and says
-    how many runs are drawn alike (a sweep's, which fewer runs tell apart: run_styles)."""
+    how many runs are drawn alike (a sweep's, which fewer runs tell apart: run_styles). `note`,
+    what else the lines' looks mean, heads the legend."""
     handles, labels = source.get_legend_handles_labels()
-    title = None
+    title = note
     if len(labels) > RUN_LEGEND_MAX:
         handles, labels, ncol = _style_key(styles)
         keys = {(s["schedule"], s["base"] or None, s["window"]) for s in styles}
         if len(keys) < len(styles):  # a sweep's runs look alike: said, where 20 names broke the layout
-            title = f"{len(styles)} runs; {len(styles) - len(keys)} drawn as another of their schedule, base and W"
+            alike = f"{len(styles)} runs; {len(styles) - len(keys)} drawn as another of their schedule, base and W"
+            title = "\n".join(filter(None, (alike, note)))
     else:  # as many columns as fit the width, at about 5 pt a character plus the line sample
         ncol = max(1, min(len(labels), int(fig.get_figwidth() * 72 / (5 * max(map(len, labels)) + 40))))
     fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False, title=title,
@@ -559,17 +561,20 @@ ORDER BY r.name, t.step""", **params)
     _zoom_late(left)
     left.set_xlabel("training step")
     left.set_ylabel(f"{dataset_label(dataset)} perplexity")
-    left.set_title("validation" + (" (thin: light budget)" if light_shown else ""))
+    left.set_title("validation")
     if right is not None:
         right.set_xlabel("training step")
         right.set_ylabel("training loss (nats)")
         right.set_title(f"training (line: centred mean, {SMOOTH_SHARE * 100:.0f} % of a run)")
     _title(fig, f"Training curves ({dataset_label(dataset)})"
            + ("" if right is not None else "; no training steps recorded"))
-    _runs_legend(fig, left, styles)
+    # said under the panels, with the runs: "(thin: light budget)" in the panel's title left
+    # a reader to guess what a light budget is and which lines were thin
+    _runs_legend(fig, left, styles, LIGHT_NOTE if light_shown else None)
     return _save(fig, path)
 
 
+LIGHT_NOTE = "thin, faint validation lines: the light evaluations, on fewer tokens than the full one"
 SMOOTH_SHARE = 0.1  # of a run's logged steps, averaged around each one
 
 
@@ -763,12 +768,23 @@ def alpha_grid(panels: int) -> tuple[int, int, float]:
     return ncols, nrows, min(ALPHA_ROW, (PAGE_HEIGHT - ALPHA_TITLE) / nrows)
 
 
+TITLE_LEAST_PT = 8  # a panel title is made no smaller to fit; past that it breaks over lines
+
+
 def _fit_titles(fig: Figure, axes) -> None:
     """Each panel's title (a run's name, or a static curve's 'stagger, 16 layers (10 runs)')
-    broken after its underscores and spaces into lines no wider than its panel: a probe run's
-    name (probe_d2_staggered_s0_300steps) ran into its neighbour's. Each line of a title of
+    fitted to its panel: a probe run's name (probe_d2_staggered_s0_300steps) ran into its
+    neighbour's. Where every title fits whole at one size no smaller than TITLE_LEAST_PT, all
+    take it ('probe_marked_d2_uniform_' over 's0' read as two names, beside whole ones); else
+    one too wide breaks after its underscores and spaces. Each line of a title of
     several is fitted alone (coverage's '133 distinct distances' ran into the next panel's)."""
     fig.draw_without_rendering()  # lays the panels out: their widths as saved
+    widths = [(ax.title, ax.title.get_window_extent().width, ax.get_window_extent().width) for ax in axes]
+    sizes = [title.get_fontsize() * room / wide for title, wide, room in widths if title.get_text() and wide > room]
+    size = math.floor(min(sizes) * 10) / 10 if sizes else 0  # down to a tenth: widths are not quite linear
+    if size >= TITLE_LEAST_PT:  # else each kept at its size and broken (smaller and broken reads worse)
+        for ax in axes:
+            ax.title.set_fontsize(min(size, ax.title.get_fontsize()))
     for ax in axes:
         title, room = ax.title, ax.get_window_extent().width
         if title.get_window_extent().width <= room:

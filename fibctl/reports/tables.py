@@ -59,6 +59,9 @@ def ppl(x: float) -> str:
 
 
 def loss(x: float) -> str:
+    """A loss as every command shows it, a training step's included (`status`, `queue show`,
+    `compare`, the progress line): 3 decimals, as nanoGPT's log line. One step's loss is one
+    batch's and moves in its second decimal from step to step, so a fourth would be noise."""
     return f"{x:.3f}"
 
 

@@ -27,15 +27,17 @@ Implementations (`impl`):
   `flex_unavailable` says why.
 - `auto`: the fastest of gather, mask and flex for these inputs, measured on first use per
   device, shape, columns (for learned rungs, their number) and grad mode, and remembered
-  for the process.
+  for the process; under DDP (`agreeing`), rank 0's choice is every rank's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -340,6 +342,22 @@ AUTO_REPEATS = 3  # timed calls per candidate, after one warm-up call (which als
 _chosen: dict[tuple, str] = {}
 traced_defaults = 0  # settings torch.compile traced before any measurement: they took gather
 skipped: dict[str, str] = {}  # path -> why its last measurement failed; `auto` went on without it
+_agree: Callable[[str], str] | None = None  # inside `agreeing`: the group's path from this rank's
+_agreed: dict[tuple, str] = {}  # the settings the group agreed on, in the same order on every rank
+
+
+@contextlib.contextmanager
+def agreeing(agree: Callable[[str], str]) -> Iterator[None]:
+    """Within it, a setting `auto` has not agreed on yet takes the path that `agree` returns
+    for this process's choice: under DDP, rank 0's (a broadcast), so that every rank runs one
+    path and the group's timings are one path's. Every rank must meet the same settings in the
+    same order, as their training steps do; what rank 0 runs alone (evaluations) stays outside."""
+    global _agree
+    before, _agree = _agree, agree
+    try:
+        yield
+    finally:
+        _agree = before
 
 
 def choose_impl(q, k, v, cols: Columns) -> str:
@@ -347,12 +365,23 @@ def choose_impl(q, k, v, cols: Columns) -> str:
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     # learned rungs move with alpha; their count, not their place, sets the work
     key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), tuple(cols.dist), len(cols.lo), backward)
-    if key in _chosen:
-        return _chosen[key]
+    # agreeing, look up what the group agreed: rank 0's own measurements (its evaluations) must
+    # not let it skip a broadcast that the other ranks make
+    known = _chosen if _agree is None else _agreed
+    if key in known:
+        return known[key]
     if torch.compiler.is_compiling():  # a measurement cannot be traced (FibLM.choose_paths measures first)
         global traced_defaults
         traced_defaults += 1
         return "gather"
+    if key not in _chosen:
+        _chosen[key] = _fastest(q, k, v, cols, backward)
+    if _agree is not None:
+        _chosen[key] = _agreed[key] = _agree(_chosen[key])
+    return _chosen[key]
+
+
+def _fastest(q, k, v, cols: Columns, backward: bool) -> str:
     flex = flex_fits(q) and flex_unavailable(q.device.type, backward) is None
     candidates = ["gather", "mask"] + (["flex"] if flex else [])
     times = {"gather": _measure("gather", q, k, v, cols, backward)}  # the path that always runs
@@ -364,8 +393,7 @@ def choose_impl(q, k, v, cols: Columns) -> str:
             skipped[impl] = f"{type(e).__name__}: {lines[0] if lines else ''}"
             if q.device.type == "cuda":
                 torch.cuda.empty_cache()
-    _chosen[key] = min(times, key=times.get)
-    return _chosen[key]
+    return min(times, key=times.get)
 
 
 def chosen_impls() -> dict[str, int]:

@@ -141,6 +141,22 @@ def test_auto_measures_once_per_setting_and_picks_an_available_path(monkeypatch)
     assert choose_impl(q, k, v, learned.columns(200)) == chosen and len(measured) == n + 2 + runs_flex
 
 
+def test_agreeing_ranks_take_the_agreed_path_and_none_skips_the_exchange_by_its_own_measurement(monkeypatch):
+    """Under DDP every rank must pass each setting through `agree` (a broadcast) in the same
+    order: rank 0, having measured it alone (an evaluation), must not skip it."""
+    monkeypatch.setattr(attention_module, "_chosen", {})
+    monkeypatch.setattr(attention_module, "_agreed", {})
+    monkeypatch.setattr(attention_module, "_measure", lambda impl, *a: 0.0 if impl == "gather" else 1.0)
+    q, k, v = qkv(100)
+    cols = Attention(layer_cfg("stagger", "fib", 8), 1).columns(100)
+    assert choose_impl(q, k, v, cols) == "gather"  # alone: its own measurement
+    asked = []
+    with attention_module.agreeing(lambda mine: asked.append(mine) or "mask"):
+        assert choose_impl(q, k, v, cols) == "mask" and choose_impl(q, k, v, cols) == "mask"
+    assert asked == ["gather"]  # once per setting, from what this rank measured
+    assert choose_impl(q, k, v, cols) == "mask"  # and kept: the group's path
+
+
 def test_auto_goes_on_without_a_path_that_fails_to_run(monkeypatch):
     """A candidate that raises while measured (a T x T mask out of memory at a long length, a
     compiler error) is left out and said why; auto still chooses among the others."""

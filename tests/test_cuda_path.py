@@ -38,6 +38,23 @@ def test_the_cpu_optimizer_is_plain_adamw_and_batches_are_unpinned():
     assert not x.is_pinned() and torch.equal(x[:, 1:], y[:, :-1])
 
 
+def test_bench_train_copies_its_batches_as_training_does(monkeypatch):
+    """On CUDA training pins each batch and copies it without blocking; `bench train` copied
+    from pageable memory, timing another copy than training's. Both go through `batch_to`:
+    here it is told to pin (as on CUDA) and every pin is noted (a CPU has none to make)."""
+    from fibctl.flows.bench import TrainBench, _measure_train
+    from fibctl.train import sampler as sampler_module
+
+    pinned = []
+    monkeypatch.setattr(sampler_module, "pinned_copy", lambda device: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(tuple(t.shape)) or t)
+    WindowSampler(np.arange(1000, dtype=np.uint16), 16, 2, seed=0).next_batch("cpu")  # the trainer's
+    assert pinned == [(2, 17)]
+    bench = TrainBench("micro", seq_len=16, batch_size=2, grad_accum=2, steps=1, warmup=0)
+    assert _measure_train(bench, "fixed")["step_ms"] > 0
+    assert pinned == [(2, 17)] * 3  # and each of the bench's micro-batches
+
+
 @needs_cuda
 def test_on_cuda_adamw_is_fused_and_batches_arrive_equal_to_the_cpu_ones():
     model = FibLM(get_preset("micro").model).cuda()

@@ -650,3 +650,52 @@ def test_a_rank_the_group_s_stop_ended_first_is_the_stop_not_a_failure(data, tmp
         for s, h in handlers.items():
             signal.signal(s, h)
     assert sqlite3.connect(db).execute("select status from runs").fetchall() == [("queued",)]
+
+
+def _rank_measuring_its_own_fastest_path(rank: int, port: int, data: Path, run_dir: Path, out: Path) -> None:
+    """A rank of a 2-rank gloo group whose `auto` measures another path fastest than the other
+    rank's (rank 0: mask, rank 1: gather), as two GPUs' timings may; it notes the path each of
+    its training forwards ran."""
+    import json
+
+    from fibctl import attention
+    from fibctl.train import trainer as trainer_module
+    from fibctl.train.distributed import join
+    from train_helpers import NullReporter
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    fastest = "mask" if rank == 0 else "gather"
+    attention._measure = lambda impl, *a: 0.0 if impl == fastest else 1.0
+    trainer_module.default_impl = lambda device: "auto"  # the CUDA default, here on the CPU
+    ran = []
+    for impl in ("_gather", "_masked"):
+        def noted(*a, _impl=impl, _real=getattr(attention, impl)):
+            if torch.is_grad_enabled():  # a training forward (rank 0's evaluations run without grad)
+                ran.append(_impl)
+            return _real(*a)
+        setattr(attention, impl, noted)
+    group, device = join("cpu", 1, 60)
+    try:
+        result = Trainer(micro_run("run", "stagger", steps=3), load_manifest(data), run_dir, NullReporter(),
+                         device=device, group=group).run()
+        (out / f"rank{rank}.json").write_text(json.dumps({"status": result.status, "ran": sorted(set(ran))}))
+    finally:
+        group.close()
+
+
+@needs_two_cpus
+def test_every_rank_takes_rank_0_s_choice_of_attention_path_where_their_measurements_disagree(data, tmp_path):
+    """On CUDA each rank measured `auto` alone: ranks could train on different paths, their
+    timings and records disagreeing. Rank 0's choice is the group's."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(_rank_measuring_its_own_fastest_path, args=(port, data, tmp_path / "run", tmp_path), nprocs=2)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"status": "done", "ran": ["_masked"]}

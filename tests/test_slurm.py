@@ -209,6 +209,10 @@ BAD_OPTIONS = [
     (["--ddp", "--nproc", "3"], ["--ddp, a group of 3 process(es): run 'a' accumulates 2 micro-batches per step, "
                                  "which 3 processes cannot share evenly"]),
     (["--ddp", "--nproc", "1", "--tasks-per-node", "3"], ["a group of 3 process(es)", "3 processes"]),
+    # the rendezvous's port: only a group has one, and only a port a user may listen on
+    (["--rdzv-port", "29400"], ["--rdzv-port 29400 goes with --ddp"]),
+    (["--ddp", "--nproc", "1", "--rdzv-port", "80"], ["--rdzv-port 80: a TCP port from 1024 to 65535"]),
+    (["--ddp", "--nproc", "1", "--rdzv-port", "65536"], ["--rdzv-port 65536: a TCP port from 1024 to 65535"]),
 ]
 
 
@@ -307,7 +311,7 @@ def test_a_ddp_dry_run_shows_each_task_s_torchrun_of_the_one_group(data, tmp_pat
     lines = cpu.stdout.splitlines()
     for line in ["#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=1", "#SBATCH --signal=USR2@120",
                  "# one DDP group of 2 process(es): each of the job's 2 task(s) starts torchrun on its node,",
-                 "# FIRST_NODE the job's first, PORT 20000 + the job id % 10000:",
+                 "# FIRST_NODE the job's first host, PORT 20000 + the job id % 10000 (--rdzv-port):",
                  "#   torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=FIRST_NODE:PORT "
                  "--rdzv-id=$SLURM_JOB_ID -m fibctl worker --ddp --plain --device cpu --data $FIBCTL_DATA "
                  "--runs-dir $FIBCTL_RUNS_DIR --heartbeat-timeout 600.0 --max-attempts 3 --max-runs 5"]:
@@ -318,6 +322,11 @@ def test_a_ddp_dry_run_shows_each_task_s_torchrun_of_the_one_group(data, tmp_pat
     for line in ["#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=1"]:
         assert line in gpu.stdout.splitlines(), (line, gpu.stdout)
     assert "--nproc-per-node=2" in gpu.stdout and "--device cuda" in gpu.stdout and "cpus-per-task" not in gpu.stdout
+    # a port of the user's choice: in the torchrun line itself, no job id's port
+    port = cli_done(monkeypatch, capsys, *base, "--nproc", "1", "--rdzv-port", "29400")
+    assert port.returncode == 0, port.stderr
+    assert "# FIRST_NODE the job's first host (--rdzv-port):" in port.stdout.splitlines(), port.stdout
+    assert " --rdzv-endpoint=FIRST_NODE:29400 " in port.stdout and "PORT" not in port.stdout, port.stdout
     # a probe run trains in one process: a group would put it back in the queue and stop
     queued_db(tmp_path / "probe.db", *probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10))
     probe = cli_done(monkeypatch, capsys, *base[:2], "--db", str(tmp_path / "probe.db"), *base[4:], "--nproc", "1")
@@ -331,6 +340,7 @@ def test_a_ddp_job_s_rendezvous_is_its_first_host_at_a_port_from_its_id(monkeypa
 
     assert rendezvous_endpoint(["gpu07", "gpu08"], "1234567") == "gpu07:24567"
     assert rendezvous_endpoint(["vm"], "3") == "vm:20003"
+    assert rendezvous_endpoint(["gpu07", "gpu08"], "1234567", 29400) == "gpu07:29400"  # --rdzv-port
     # the ranks' note of their task: as the task sets it, else a line saying what is wrong
     display = object()
     assert in_job(None, display) == (None, display)
@@ -862,8 +872,12 @@ def test_a_cancelled_ddp_job_stops_its_group_at_one_step_and_a_new_job_resumes_f
     # rank 0's hint says how the run goes on: not "run the same command", nor a requeue
     assert f"hint: queued again; a new job (fibctl slurm submit) or any worker resumes long from step {stopped}" \
         in log, log
-    again = submit(db, data, tmp_path, *DDP)
+    with socket.socket() as free:  # the new job at a port of the user's choice (--rdzv-port)
+        free.bind(("", 0))
+        port = free.getsockname()[1]
+    again = submit(db, data, tmp_path, *DDP, "--rdzv-port", str(port))
     assert wait_for(again, 110) == "COMPLETED", job_log(tmp_path, again)
+    assert f"--rdzv-endpoint={socket.gethostname().split('.')[0]}:{port} " in job_log(tmp_path, again)
     resumed = [m for _, m, _ in events(db, "resumed")]
     assert len(resumed) == 1 and f"step {stopped}" in resumed[0], resumed
     assert [r[1] for r in runs(db)] == ["done"]

@@ -51,6 +51,9 @@ def submit_cmd(
         "and the group trains each run on all of them.")] = False,
     nproc: Annotated[Optional[int], typer.Option(
         "--nproc", help="With --ddp on a CPU-only cluster: gloo processes per task.")] = None,
+    rdzv_port: Annotated[Optional[int], typer.Option(
+        "--rdzv-port", help="With --ddp: the port (1024-65535) of the group's c10d rendezvous on the job's first "
+        "host (default: 20000 + the job id % 10000).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")] = False,
 ) -> None:
     """Submit a SLURM job whose tasks each run a worker against the database until the queue is
@@ -66,7 +69,7 @@ def submit_cmd(
     check_worker_limits(heartbeat_timeout, max_attempts, max_runs)
     spec = JobSpec(nodes=nodes, gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
                    cpus_per_task=cpus_per_task, partition=partition, account=account, time=time,
-                   max_requeues=max_requeues, ddp=ddp, nproc=nproc)
+                   max_requeues=max_requeues, ddp=ddp, nproc=nproc, rdzv_port=rdzv_port)
     worker = WorkerSettings(db=db, data_dir=data, runs_dir=runs_dir, threads=threads,
                             heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts, max_runs=max_runs)
     sub = submit(worker, spec, folder, dry_run=dry_run)

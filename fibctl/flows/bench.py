@@ -28,6 +28,7 @@ from fibctl.flops import mfu, peak_flops, training_flops_per_token
 from fibctl.lazy import pandas as pd  # not in the measured processes: they never build a frame
 from fibctl.model import Attention, FibLM
 from fibctl.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from fibctl.train.sampler import batch_to
 
 PATHS = ("dense", "mask", "gather", "learned")
 
@@ -334,9 +335,9 @@ def _measure_train(bench: TrainBench, schedule: str) -> dict:
         set_lr(optimizer, lr_at(step, tc))
         total = torch.zeros((), dtype=torch.float64, device=device)  # as the trainer sums a step's loss
         for batch in batches:
-            batch = batch.to(device, non_blocking=True)
+            x, y = batch_to(batch, device)  # the trainer's copy: pinned on CUDA, as its sampler's
             with autocast(device):
-                micro = step_model(batch[:, :-1], batch[:, 1:]) / bench.grad_accum
+                micro = step_model(x, y) / bench.grad_accum
             micro.backward()
             total += micro.detach()
         clip_gradients(model, tc.clip_bound)

@@ -112,6 +112,7 @@ class JobSpec:
     signal_delay_s: int = SIGNAL_DELAY_S
     ddp: bool = False  # the job is one torchrun group: each task starts torchrun on its node
     nproc: int | None = None  # with ddp on a CPU-only cluster: gloo processes a task
+    rdzv_port: int | None = None  # with ddp: the c10d rendezvous's port (default: from the job id)
 
     def tasks(self) -> int:
         """Tasks a node: without ddp, one worker each; with it, one torchrun each (one a node,
@@ -137,6 +138,9 @@ class JobSpec:
             raise FibctlError(f"--tasks-per-node {self.tasks()} must be >= 1")
         if self.nproc is not None and not self.ddp:
             raise FibctlError(f"--nproc {self.nproc} goes with --ddp (one group of processes trains each run)")
+        if self.rdzv_port is not None and not self.ddp:
+            raise FibctlError(f"--rdzv-port {self.rdzv_port} goes with --ddp (the port where the group's "
+                              "tasks meet)")
         if self.ddp:
             self._check_ddp()
         elif self.gpus_per_node and self.tasks() != self.gpus_per_node:
@@ -168,6 +172,9 @@ class JobSpec:
                               "with --nproc N")
         if self.nproc is not None and self.nproc < 1:
             raise FibctlError(f"--nproc {self.nproc} must be >= 1")
+        # below 1024 only root may listen: the rendezvous would fail on the first host, in its log
+        if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
+            raise FibctlError(f"--rdzv-port {self.rdzv_port}: a TCP port from 1024 to 65535")
         if not self.gpus_per_node and self.cpus_per_task is not None and self.cpus_per_task < self.nproc:
             raise FibctlError(f"--cpus-per-task {self.cpus_per_task} with --ddp --nproc {self.nproc}: each gloo "
                               f"process needs a CPU; give at least {self.nproc}")
@@ -362,13 +369,15 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     setup = [f"export FIBCTL_DATA={shlex.quote(str(settings.data_dir))}",
              f"export FIBCTL_RUNS_DIR={shlex.quote(str(settings.runs_dir))}"]
     if spec.ddp:  # what each task runs, said in the script (the task itself is submitit's pickle)
-        rdzv = torchrun_args(spec.nodes * spec.tasks(), spec.per_task(), "FIRST_NODE:PORT", "$SLURM_JOB_ID")
+        port = "PORT" if spec.rdzv_port is None else str(spec.rdzv_port)
+        rdzv = torchrun_args(spec.nodes * spec.tasks(), spec.per_task(), f"FIRST_NODE:{port}", "$SLURM_JOB_ID")
         setup += [f"# one DDP group of {spec.world()} process(es): each of the job's {spec.nodes * spec.tasks()} "
                   "task(s) starts torchrun on its node,",
-                  f"# FIRST_NODE the job's first, PORT {PORT_BASE} + the job id % {PORTS}:",
+                  "# FIRST_NODE the job's first host" + (f", PORT {PORT_BASE} + the job id % {PORTS} (--rdzv-port):"
+                                                         if spec.rdzv_port is None else " (--rdzv-port):"),
                   "#   torchrun " + " ".join(rdzv) + " -m fibctl " + " ".join(
                       group_args(settings, bool(spec.gpus_per_node), "$FIBCTL_DATA", "$FIBCTL_RUNS_DIR"))]
-        task = GroupTask(settings, spec.gpus_per_node, spec.per_task(), folder)
+        task = GroupTask(settings, spec.gpus_per_node, spec.per_task(), folder, rdzv_port=spec.rdzv_port)
     else:
         task = WorkerTask(settings, spec.gpus_per_node, folder)
     params = spec.parameters(setup)
@@ -754,14 +763,14 @@ def _node_path(variable: str, given: Path) -> Path:
     return Path(os.environ.get(variable) or given)
 
 
-# the rendezvous port of a --ddp job: PORT_BASE + the job id % PORTS, below Linux's ephemeral
-# ports (32768 and up), so that two jobs on a node collide only 10,000 job ids apart
+# the rendezvous port of a --ddp job without --rdzv-port: PORT_BASE + the job id % PORTS, below
+# Linux's ephemeral ports (32768 and up), so that two jobs on a node collide only 10,000 job ids apart
 PORT_BASE, PORTS = 20000, 10000
 
 
-def rendezvous_endpoint(hosts: list[str], job_id: str) -> str:
-    """The c10d rendezvous of a --ddp job: the job's first host, a port from its id."""
-    return f"{hosts[0]}:{PORT_BASE + int(re.match(r'[0-9]+', job_id)[0]) % PORTS}"
+def rendezvous_endpoint(hosts: list[str], job_id: str, port: int | None = None) -> str:
+    """The c10d rendezvous of a --ddp job: the job's first host, at --rdzv-port or a port from its id."""
+    return f"{hosts[0]}:{port if port is not None else PORT_BASE + int(re.match(r'[0-9]+', job_id)[0]) % PORTS}"
 
 
 def torchrun_args(nnodes: int, per_node: int, endpoint: str, rdzv_id: str) -> list[str]:
@@ -792,10 +801,12 @@ class GroupTask(WorkerTask):
     stop (`stop_on_signals`). Task 0's checkpoint, as for workers, waits for every task's
     group to end, then requeues the job."""
 
+    rdzv_port: int | None = None  # a task pickled before --rdzv-port existed has none: the job id's
+
     def __init__(self, worker: WorkerSettings, gpus_per_node: int, per_task: int, folder: Path,
-                 stop_wait_s: float = STOP_WAIT_S):
+                 stop_wait_s: float = STOP_WAIT_S, rdzv_port: int | None = None):
         super().__init__(worker, gpus_per_node, folder, stop_wait_s)
-        self.per_task = per_task
+        self.per_task, self.rdzv_port = per_task, rdzv_port
         self._group: tuple[subprocess.Popen, str] | None = None
         self._group_stopped = False
         self._why = ""  # what the stop mark tells rank 0 (REQUEUE: the job requeues itself)
@@ -811,7 +822,7 @@ class GroupTask(WorkerTask):
         # every node sees it (the job folder is shared): a rank of another node that ends still
         # starting, by this stop, is read as the stop, not as a rank that died
         mark = str(self.folder / job_id / f"stopping.{restart}")
-        endpoint = rendezvous_endpoint(env.hostnames, os.environ.get("SLURM_JOB_ID") or job_id)
+        endpoint = rendezvous_endpoint(env.hostnames, os.environ.get("SLURM_JOB_ID") or job_id, self.rdzv_port)
         rdzv = torchrun_args(env.num_tasks, self.per_task, endpoint, job_id)
         args = group_args(self.worker, bool(self.gpus_per_node), str(_node_path("FIBCTL_DATA", self.worker.data_dir)),
                           str(_node_path("FIBCTL_RUNS_DIR", self.worker.runs_dir)))

@@ -23,7 +23,9 @@ from fibctl.device import resolve_device, setup_process
 from fibctl.errors import FibctlError
 
 class PeerLost(FibctlError):
-    """Another rank of the group died or stopped answering: this rank stops too."""
+    """Another rank of the group died or stopped answering: this rank stops too. Exit code 2,
+    as for a worker's setup (the run goes back to the queue), not 1: that says a run failed,
+    after which a SLURM task ends as done (GroupTask._ended), the queue not drained."""
 
 
 def check_split(grad_accum: int, world: int, name: str) -> None:

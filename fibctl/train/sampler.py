@@ -21,6 +21,16 @@ def pinned_copy(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def batch_to(batch: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of T+1 tokens (B, T+1), on `device` as inputs and next-token targets, each
+    (B, T): training's copy, which `fibctl bench train` times too."""
+    if pinned_copy(device):  # page-locked: the copy runs asynchronously with the GPU's work
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    else:
+        batch = batch.to(device)
+    return batch[:, :-1], batch[:, 1:]
+
+
 class WindowSampler:
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int):
         if len(stream) < seq_len + 2:
@@ -41,12 +51,7 @@ class WindowSampler:
         """Inputs and next-token targets, each (batch_size, seq_len) int64."""
         starts = self._starts()
         windows = np.stack([self.stream[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(windows)
-        if pinned_copy(device):  # page-locked: the copy runs asynchronously with the GPU's work
-            batch = batch.pin_memory().to(device, non_blocking=True)
-        else:
-            batch = batch.to(device)
-        return batch[:, :-1], batch[:, 1:]
+        return batch_to(torch.from_numpy(windows), device)
 
     def _starts(self) -> list[int]:
         """The next batch's window starts: one call of batch_size draws per micro-batch, as the

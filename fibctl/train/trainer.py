@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from fibctl.attention import default_impl
+from fibctl.attention import agreeing, default_impl
 from fibctl.config import RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
@@ -201,7 +201,8 @@ class Trainer:
         self.model = FibLM(config.model, default_impl(device)).to(device)
         self.compiled, self.ddp = compile, None
         if compile:  # before DDP's hooks: a traced layer cannot measure which path is fastest
-            self.model.choose_paths(self.tc.batch_size, config.model.seq_len, device)
+            with self._agreeing():
+                self.model.choose_paths(self.tc.batch_size, config.model.seq_len, device)
         self.step_model: torch.nn.Module = self.model
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -221,6 +222,11 @@ class Trainer:
         built = build_optimizer(self.model, self.tc, device)
         self.optimizer, self.optimizer_name, self.optimizer_warning = built.optimizer, built.name, built.warning
         self.optimizer_fused = built.fused
+
+    def _agreeing(self) -> contextlib.AbstractContextManager:
+        """Where every rank runs the model alike (its training steps): each rank takes rank 0's
+        choice of attention path (`auto`), which they could otherwise measure differently."""
+        return agreeing(self.group.broadcast) if self.group is not None else contextlib.nullcontext()
 
     @property
     def tokens_per_step(self) -> int:
@@ -333,7 +339,7 @@ class Trainer:
             # gradients are exchanged once, after this rank's last micro-batch
             sync = self.ddp is None or i == mine[-1]
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                with autocast(self.device):
+                with autocast(self.device), self._agreeing():
                     loss = self.step_model(x, y) / share
                 loss.backward()
             total += loss.detach()

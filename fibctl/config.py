@@ -19,6 +19,11 @@ ATTENTION_IMPLS = ("gather", "mask", "reference", "flex", "auto")
 # adamw: torch.optim.AdamW, full-precision state; adamw8bit: bitsandbytes' 8-bit AdamW (CUDA
 # only), what the study trained its published runs with
 OPTIMIZERS = ("adamw", "adamw8bit")
+# what drew a run's training windows (runs.sampler): numpy's legacy generator, as the study
+# drew them, or torch's, which fibctl's sampler drew from before 2026-12-06 and a run resumed
+# from a checkpoint of then keeps (fibctl/train/sampler.py): same seed, other windows
+SAMPLERS = {"numpy": "numpy's generator, as the study drew them",
+            "torch": "torch's generator, as fibctl drew them before 2026-12-06"}
 SEED_MAX = 2**32 - 1  # numpy's global generator, seeded with every run's seeds, takes no more
 DEFAULT_SEED = 42  # a matrix run's seed when it names none; the seed the reports show by default
 # the database stores step and token counts in Integer columns: 32-bit on PostgreSQL

@@ -39,12 +39,15 @@ class ClaimedRun:
     checkpoint_path: str | None  # set when an earlier attempt saved one: resume from it
 
 
-def add_runs(engine: Engine, configs: Sequence[RunConfig], *, seeded: bool = False) -> tuple[list[str], list[str]]:
+def add_runs(engine: Engine, configs: Sequence[RunConfig], *, seeded: bool = False,
+             before_commit: Callable[[], None] | None = None) -> tuple[list[str], list[str]]:
     """Queue `configs`; returns (names added, names already present with the same config).
 
     All or nothing: a name that exists with a different config is an error naming the
     fields that differ, and nothing is added; so, for runs `seeded` by `queue add --seed`, is
-    one whose config a run of another name has.
+    one whose config a run of another name has. `before_commit` is called last before the
+    commit (`queue add` holds a Ctrl-C from there: one raised after the commit would leave
+    it unable to tell whether the runs were queued).
     """
     names = [c.name for c in configs]
     with engine.begin() as conn:
@@ -54,6 +57,8 @@ def add_runs(engine: Engine, configs: Sequence[RunConfig], *, seeded: bool = Fal
         new = [c for c in configs if c.name not in existing]
         if new:
             conn.execute(insert(Run), [run_row(c) for c in new])
+        if before_commit is not None:
+            before_commit()
     return [c.name for c in new], [n for n in names if n in existing]
 
 

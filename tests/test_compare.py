@@ -69,6 +69,31 @@ def test_compare_shows_the_settings_that_differ_how_each_trained_and_its_perplex
     assert "model.d_model" in every and "Settings that differ" not in every
 
 
+def test_compare_says_when_other_samplers_drew_the_runs_windows(tmp_path):
+    """Runs of one seed whose windows torch's generator drew (a run resumed from a checkpoint of
+    an earlier fibctl) and numpy's (as the study) read other windows: no setting shows it, so
+    compare says it under the training table and in --json, and records each run's sampler."""
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    with engine.begin() as conn:
+        for name, sampler in (("fixed", "torch"), ("stagger", "numpy")):
+            rid = add_run(conn, name, name)
+            conn.execute(update(schema.Run).where(schema.Run.id == rid).values(sampler=sampler))
+            add_eval(conn, rid, 128, 20.0)
+    engine.dispose()
+    said = ("Windows drawn by different samplers, so that runs of one seed read other windows: numpy's "
+            "generator, as the study drew them (stagger); torch's generator, as fibctl drew them before "
+            "2026-12-06 (fixed).")
+    out = compared("fixed", "stagger", "--db", db)
+    assert said in " ".join(out.split("Perplexity")[0].split()), out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert json.loads(compared("fixed", "stagger", "--db", db, "--json"))["notes"] == [said]
+    assert json.loads(compared("fixed", "stagger", "--db", db, "--json"))["trained"]["sampler"] == ["torch", "numpy"]
+    with connect(db).begin() as conn:
+        conn.execute(update(schema.Run).values(sampler="numpy"))
+    assert "Windows drawn" not in compared("fixed", "stagger", "--db", db)
+
+
 def test_compare_json_holds_every_number(sweep):
     out = json.loads(compared("fixed_lr1e-3", "fixed", "--db", sweep, "--json"))
     assert out["runs"] == ["fixed_lr1e-3", "fixed"]

@@ -122,6 +122,34 @@ def test_seeds_and_counts_past_32_bits_are_recorded_after_an_upgrade(db_url):
         ("old", 7, 7, None, None), ("wide", 2**32 - 1, 2**32 - 1, 2**40, 3 * 10**9)]]
 
 
+def test_upgrade_records_the_studys_runs_as_drawn_by_its_sampler(db_url):
+    """Revision 0009: runs.sampler, what drew a run's windows. The study's imported runs drew
+    from numpy's generator; its probe models draw no windows, and fibctl's runs trained before
+    the revision may have drawn from either (NULL: not recorded). Downgrading drops it."""
+    db = db_url
+    upgrade(db, "0008")
+    from fibctl.db.store import run_row
+    from fibctl.probe.cells import probe_runs
+
+    [probe] = probe_runs(depths=(2,), inits=("uniform",), seeds=(0,), steps=10, length=64, distances=(35, 20))
+    lm = RunConfig.resolve("f11__fib_stagger_w8", "paper", "micro", schedule="stagger", window=8)
+    ours = RunConfig.resolve("ours", "m", "micro", schedule="stagger", window=8)
+    engine = connect_at(db)
+    with engine.begin() as conn:
+        for config, source in ((lm, "fib.db"), (probe, "fib.db"), (ours, "fibctl")):
+            conn.execute(Base.metadata.tables["runs"].insert().values(
+                {k: v for k, v in run_row(config, source=source, status="done").items() if k != "sampler"}))
+    engine.dispose()
+    assert upgrade(db) == ("0008", head_revision())
+    assert _inspect(db, "SELECT name, sampler FROM runs ORDER BY id") == [[
+        ("f11__fib_stagger_w8", "numpy"), (probe.name, None), ("ours", None)]]
+    engine = create_engine(resolve_url(db), poolclass=NullPool)
+    with engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0008")
+    engine.dispose()
+    assert "sampler" not in {c["name"] for c in inspect(connect_at(db)).get_columns("runs")}
+
+
 def connect_at(db: str):
     """An engine on `db` as it is, not upgraded (fibctl's `connect` brings it to the head)."""
     return create_engine(resolve_url(db), poolclass=NullPool)

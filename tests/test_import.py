@@ -165,6 +165,10 @@ def test_import_maps_runs_and_keeps_the_last_done_attempt(tmp_path, db_url):
                         "AND e.eval_length = 1024 ORDER BY e.step") == [(500, 45.5, 262144), (FINAL, 42.5, 1048576)]
     config = json.loads(rows(engine, "SELECT config_json FROM runs WHERE name = 'f11__fib_stagger_w8'")[0][0])
     assert (config["model"]["schedule"], config["model"]["window"], config["model"]["n_layers"]) == ("stagger", 8, 16)
+    # the study drew its windows from numpy's generator, as fibctl does (runs.sampler); a probe
+    # model draws none
+    assert rows(engine, "SELECT DISTINCT matrix, sampler FROM runs ORDER BY matrix") == [
+        ("paper", "numpy"), ("probe", None)]
 
 
 def _without_keys(fib_db: Path, table: str) -> None:

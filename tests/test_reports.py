@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from sqlalchemy import insert, text
+from sqlalchemy import insert, text, update
 from typer.testing import CliRunner
 
 from fibctl.cli import app
@@ -579,6 +579,48 @@ def test_settings_that_differ_between_a_tables_runs_are_said_under_it(tmp_path):
     assert notes[:2] == ["Differs between these runs: preset: micro (fixed); tiny (dense, stagger).",
                          "Differs between these runs: model.d_model: 64 (fixed); 192 (dense, stagger)."]
     assert len(notes) == tables.MAX_SETTINGS_SAID + 1 and "9 more setting(s) (model.seq_len" in notes[-1] and "queue show" in notes[-1]
+
+
+def test_runs_whose_windows_other_samplers_drew_are_said_under_every_table_that_compares_them(tmp_path):
+    """A matrix half-trained before fibctl drew windows as the study did: a run resumed from a
+    checkpoint of torch's generator keeps its order, so same-seed runs read other windows.
+    Tables 1, 3, 4 and 5 say so (runs.sampler); a run never claimed has drawn none."""
+    db = str(tmp_path / "r.db")
+    engine = connect(db)
+    drawn = {"fixed": "torch", "stagger": "numpy", "dense": None}
+    with engine.begin() as conn:
+        for name, sampler in drawn.items():
+            rid = add_run(conn, name, name)
+            conn.execute(update(schema.Run).where(schema.Run.id == rid).values(
+                sampler=sampler, started_at=datetime(2026, 1, 1)))
+            for length in DEMO_LENGTHS:
+                add_eval(conn, rid, length, 20.0)
+            conn.execute(insert(schema.PositionLoss), [dict(run_id=rid, step=600, dataset="docs_val", eval_length=128,
+                                                            position=p, mean_loss=3.0, windows=4) for p in range(127)])
+            for seed in (43, 44):  # Table 5's replicates, at W=12
+                rid = add_run(conn, f"{name}_w12_s{seed}", name, window=12, seed=seed)
+                conn.execute(update(schema.Run).where(schema.Run.id == rid).values(
+                    sampler="numpy" if seed == 43 else sampler, started_at=datetime(2026, 1, 1)))
+                add_eval(conn, rid, 128, 20.0)
+    engine.dispose()
+    mixed = ("Windows drawn by different samplers, so that runs of one seed read other windows: "
+             "numpy's generator, as the study drew them (stagger); torch's generator, as fibctl drew them "
+             "before 2026-12-06 (fixed).")
+    assert mixed in tables.table1(ro(db)).notes
+    assert mixed in tables.table4(ro(db)).notes
+    assert ("Windows drawn by different samplers, so that runs of one seed read other windows: "
+            "not recorded, trained before fibctl kept it (dense); numpy's generator, as the study drew them "
+            "(stagger); torch's generator, as fibctl drew them before 2026-12-06 (fixed).") \
+        in tables.table3(ro(db)).notes
+    assert [n for n in tables.table5(ro(db)).notes if n.startswith("Windows")] == [
+        "Windows drawn by different samplers, so that runs of one seed read other windows: torch's generator, "
+        "as fibctl drew them before 2026-12-06 (fixed_w12_s44); numpy's generator, as the study drew them "
+        "(the other 3 runs)."]
+    with connect(db).begin() as conn:  # one sampler, and a run never claimed (no windows drawn): no note
+        conn.execute(update(schema.Run).values(sampler="numpy"))
+        conn.execute(update(schema.Run).where(schema.Run.name == "dense").values(sampler=None, started_at=None))
+    for table in (tables.table1(ro(db)), tables.table3(ro(db)), tables.table4(ro(db)), tables.table5(ro(db))):
+        assert not [n for n in table.notes if n.startswith("Windows")], table.notes
 
 
 def test_the_shown_sql_reproduces_the_numbers(study):

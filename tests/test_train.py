@@ -492,6 +492,28 @@ def test_injected_stop_checkpoints_requeues_and_resumes_bit_exact(data, tmp_path
     assert "released" in kinds and "resumed" in kinds
 
 
+def test_a_run_resumed_in_torchs_older_order_says_so_once_and_records_its_sampler(data, tmp_path):
+    """A run checkpointed while fibctl's sampler drew from torch's generator keeps that order
+    when resumed (one run, one order), so its windows are not those of same-seed runs begun
+    since: the worker says so once, as a warning and a deviation event, and runs.sampler
+    records which generator drew each run's windows (what the reports compare)."""
+    engine = queued_db(tmp_path / "r.db", micro_run("old", **LONG), micro_run("new", **LONG))
+    stop = threading.Event()
+    work(engine, opts(data, tmp_path, max_runs=1), Quiet(on_step=lambda p: p.step == 10 and stop.set()), stop=stop)
+    path = tmp_path / "runs" / "old" / "step_00000010.pt"
+    older = torch.Generator().manual_seed(42)  # as an earlier fibctl's sampler saved it
+    save_checkpoint(path.parent, 10, {**load_checkpoint(path), "sampler": {"generator": older.get_state()}}, keep=3)
+    shown = Quiet()
+    assert [o.status for o in work(engine, opts(data, tmp_path), shown)] == ["done", "done"]
+    [line] = shown.warnings
+    assert line.startswith("old: resumed in its checkpoint's data order: windows from torch's generator"), line
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("select name, sampler from runs order by name").fetchall() == [("new", "numpy"),
+                                                                                    ("old", "torch")]
+    assert db.execute("select r.name, e.data from events e join runs r on r.id = e.run_id "
+                      "where e.kind = 'deviation'").fetchall() == [("old", '{"sampler": "torch"}')]
+
+
 def _spawn(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "fibctl", *args], cwd=tmp_path, env=env,

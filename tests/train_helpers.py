@@ -55,13 +55,13 @@ class Quiet:
     """A display that shows nothing and remembers outcomes."""
 
     def __init__(self, on_step=None):
-        self.on_step, self.outcomes, self.notes = on_step, [], []
+        self.on_step, self.outcomes, self.notes, self.warnings = on_step, [], [], []
 
     def start(self, name, steps):
         return self.on_step or (lambda p: None)
 
     def warn(self, message):
-        pass
+        self.warnings.append(message)
 
     def note(self, message):
         self.notes.append(message)

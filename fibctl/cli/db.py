@@ -13,8 +13,8 @@ from fibctl import queue
 from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
-                               goes_with, interactive, model_line, plain, runs_dir_value, split_label, step_of,
-                               stop_if_interrupted, unbroken)
+                               goes_with, hold_interrupts, interactive, interrupted, model_line, plain,
+                               runs_dir_value, split_label, step_of, stop_if_interrupted, unbroken)
 from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -206,8 +206,22 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
     Example: fibctl queue add demo --set train.lr=1e-3 --suffix _lr1e-3"""
     configs = load_matrix(matrix).resolve(preset, only, parse_settings(set_ or []), suffix, seed or ())
     engine = db_engine.connect(db, check=queue.check_add(configs, seeded=bool(seed)))  # a conflict leaves it as it was
-    added, present = queue.add_runs(engine, configs, seeded=bool(seed))
-    console.print(queue.added_line(added, present))
+    committing: list = []
+    try:
+        # a Ctrl-C from just before the commit is held (noted, not raised) to the command's
+        # end: raised inside the commit, or just after it, it said only "interrupted" of runs
+        # that were all queued
+        added, present = queue.add_runs(engine, configs, seeded=bool(seed),
+                                        before_commit=lambda: committing.append(hold_interrupts()))
+    except KeyboardInterrupt:  # before the commit, its transaction rolled back (unless none could be held)
+        err_console.print("interrupted; " + ("`fibctl queue ls` shows whether the runs were queued" if committing
+                                             else "nothing was queued"), markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    line = queue.added_line(added, present)
+    if interrupted.is_set():  # held during the commit, which was made
+        err_console.print(f"interrupted after the commit: {line}", markup=False, highlight=False)
+        raise typer.Exit(128 + interrupted.signal)
+    console.print(line)
 
 
 @queue_app.command("ls")

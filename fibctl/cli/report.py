@@ -306,7 +306,7 @@ def compare_cmd(
 
     c = compare(connect_readonly(db), names, every=every)
     if json_out:
-        return print_json({"runs": c.runs, "settings": c.settings, "trained": c.trained,
+        return print_json({"runs": c.runs, "settings": c.settings, "trained": c.trained, "notes": c.notes,
                            "perplexity": [{"dataset": d, "length": n, "values": values}
                                           for (d, n), values in c.perplexity.items()]})
     import pandas as pd
@@ -321,13 +321,14 @@ def compare_cmd(
     # the last logged step's loss and tokens/s: columns of '-' where no run logged a step (the
     # study's imported runs), which pushed a column of them into a continued table at 80 columns
     logged = [k for k in ("loss", "tokens/s") if any(v is not None for v in c.trained[k])]
+    # eval step: said below; sampler: in a note where it differs (a column would not fit 80 columns)
     shown = {k: v for k, v in c.trained.items()
-             if k != "eval step" and (k in logged or k not in ("loss", "tokens/s"))}  # eval step: said below
+             if k not in ("eval step", "sampler") and (k in logged or k not in ("loss", "tokens/s"))}
     trained = pd.DataFrame({"run": c.runs, **shown}).rename(columns={"seconds": "time"})
     console.print(render.fitted(tables.Table("training", "Training", trained, "", formats={
         "step": _count, "tokens": _count, "time": duration, "loss": tables.loss, "tokens/s": _count},
         notes=[f"{' and '.join(logged)}: the last logged step's" if logged else
-               "no training step logged: no loss or tokens/s"]), console.width))
+               "no training step logged: no loss or tokens/s", *c.notes]), console.width))
     earlier = [f"{run}'s perplexities are of step {at:,}, before its final step {final:,}" if final is not None else
                f"{run}'s perplexities are of step {at:,} (it has not finished)"
                for run, at, final in zip(c.runs, c.trained["eval step"], c.trained["step"])

@@ -322,8 +322,9 @@ def _run_values(run: StudyRun, source: str, final_step: int, **details) -> dict:
             window=run.window if run.window is not None else 8, seed=run.seed, init_seed=STUDY_INIT_SEED)
     # The study seeded its runs after building the model: data_seed is its run seed, and its
     # initial weights came from whatever state the generator had: no init seed (NULL).
+    # its windows: numpy's global generator, the sampler fibctl records as numpy
     return run_row(config, init_seed=None, status=schema.RunStatus.DONE,
-                   final_step=final_step, source=source, **details)
+                   final_step=final_step, source=source, sampler="numpy", **details)
 
 
 @dataclass(frozen=True)

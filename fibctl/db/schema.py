@@ -69,6 +69,9 @@ class Run(Base):
     data_hash: Mapped[str | None] = mapped_column(String(64))  # the data's content hash (DataManifest.data_hash)
     tokenizer_hash: Mapped[str | None] = mapped_column(String(64))
     optimizer: Mapped[str | None] = mapped_column(String(20))  # actually used (config_json: requested)
+    # what drew its training windows: numpy (the study's) | torch (fibctl before 2026-12-06);
+    # NULL: not recorded (trained before revision 0009, or a probe run, which draws no windows)
+    sampler: Mapped[str | None] = mapped_column(String(20))
     heartbeat_at: Mapped[datetime | None] = mapped_column(Time)
     created_at: Mapped[datetime] = mapped_column(Time)
     started_at: Mapped[datetime | None] = mapped_column(Time)

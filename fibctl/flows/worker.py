@@ -503,6 +503,8 @@ def train_claimed(engine: Engine, claimed: queue.ClaimedRun, opts: WorkerOptions
             display.warn(f"{claimed.name}: {trainer.optimizer_warning}")
         trainer.on_warning = lambda message: display.warn(f"{claimed.name}: {message}")
         trainer.on_resumed = lambda step, path: display.note(f"{claimed.name}: resumed from step {step} ({shown_path(path)})")
+        if isinstance(trainer, Trainer):  # a probe run draws no windows: no sampler recorded
+            trainer.on_sampler = lambda kind: recorder.update_run(sampler=kind)
         trainer.on_progress = display.start(claimed.name, claimed.config.train.steps)
         outcome = _settle(engine, claimed, recorder, opts, trainer.run(), worker)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the checkpoint the first one asked for

@@ -3,13 +3,14 @@ then how each trained and what it scored at its final step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
 from fibctl.config import differing, flatten
 from fibctl.errors import FibctlError
 from fibctl.reports.overview import Overview, overview
+from fibctl.reports.tables import sampler_notes
 
 MAX_RUNS = 12  # side by side; more would not be read as a comparison (Table 1 lists many)
 
@@ -20,6 +21,7 @@ class Comparison:
     settings: dict[str, list]  # dotted setting -> each run's value (every setting with `every`)
     trained: dict[str, list]  # status, step, eval step, tokens, seconds, loss, tokens/s -> each run's
     perplexity: dict[tuple[str, int], list]  # (held-out set, length) -> each run's at its evaluated step
+    notes: list[str] = field(default_factory=list)  # what no column shows: windows drawn otherwise
 
 
 def compare(engine: Engine, names: list[str], *, every: bool = False) -> Comparison:
@@ -28,7 +30,8 @@ def compare(engine: Engine, names: list[str], *, every: bool = False) -> Compari
     if not 2 <= len(names) <= MAX_RUNS:
         raise FibctlError(f"compare takes 2 to {MAX_RUNS} different run names, got {len(names)}")
     found = [overview(engine, name, events=0) for name in names]
-    return Comparison(names, _settings(found, every), _trained(found), _perplexity(found))
+    return Comparison(names, _settings(found, every), _trained(found), _perplexity(found),
+                      sampler_notes(engine, names))
 
 
 # what a dense run's config carries but dense attention does not use (a window of 0 read as
@@ -62,6 +65,7 @@ def _trained(found: list[Overview]) -> dict[str, list]:
         "seconds": [r["wall_seconds"] for r in runs],
         "loss": [s.get("loss") for s in last],  # the last logged step's, as tokens/s
         "tokens/s": [s.get("tokens_per_s") for s in last],
+        "sampler": [r["sampler"] for r in runs],  # what drew its windows (runs.sampler)
     }
 
 

@@ -20,7 +20,7 @@ from fibctl.lazy import pandas as pd
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 
-from fibctl.config import DEFAULT_SEED, BASES, SCHEDULES, differing, flatten
+from fibctl.config import DEFAULT_SEED, BASES, SAMPLERS, SCHEDULES, differing, flatten
 from fibctl.db.schema import NUMBERS
 from fibctl.errors import FibctlError
 from fibctl.schedules import deviations
@@ -201,6 +201,27 @@ def deviation_notes(engine: Engine, runs) -> list[str]:
             + [f"Deviation: {', '.join(sorted(who))}: {note}." for note, who in sorted(defined.items())])
 
 
+# a run whose sampler is not recorded: a fibctl run trained before revision 0009
+UNRECORDED_SAMPLER = "not recorded, trained before fibctl kept it"
+
+
+def sampler_notes(engine: Engine, runs) -> list[str]:
+    """A note where these runs' windows were drawn by different samplers (runs.sampler: a run
+    resumed from a checkpoint of torch's generator keeps it, fibctl.config.SAMPLERS): runs of
+    one seed then read other windows, which no setting shows. A probe run draws no windows; a
+    run never claimed has drawn none yet."""
+    names = set(runs)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, preset, sampler, started_at FROM runs")).all()
+    drawn = {name: {"sampler": SAMPLERS.get(sampler, sampler) if sampler is not None else UNRECORDED_SAMPLER}
+             for name, preset, sampler, started_at in rows
+             if name in names and preset != "probe" and (sampler is not None or started_at is not None)}
+    if len({d["sampler"] for d in drawn.values()}) < 2:
+        return []
+    return [f"Windows drawn by different samplers, so that runs of one seed read other windows: "
+            f"{_by_value(drawn, 'sampler')}."]
+
+
 def unfinished_notes(engine: Engine, runs) -> list[str]:
     """A note naming the runs read before they finished: with no final step recorded (queued
     again after a stop, running, failed), a run's numbers are its latest evaluation's at the
@@ -333,7 +354,8 @@ ORDER BY r.name, e.dataset"""
         formats.update(extra)
         title += f", beside {compare_label}"
     notes = (unfinished_notes(engine, frame["Run"]) + deviation_notes(engine, frame["Run"])
-             + settings_notes(engine, frame["Run"]) if "Run" in frame else []) + budgets
+             + sampler_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"])
+             if "Run" in frame else []) + budgets
     if not dense and _has_dense(engine, seed, runs):  # said, or the reader looks for it in vain
         notes.append("the dense baseline is left out, as in the paper; --dense adds it")
     return Table("table1", title, frame, sql_text, formats, {c: "min" for c in cols}, notes)
@@ -553,7 +575,8 @@ ORDER BY r.name, e.eval_length"""
     frame = _run_labels(wide[cols].rename(columns={n: length_label(n) for n in lengths}))
     title = f"Table 3: {dataset_label(dataset)} perplexity by evaluation length (seed {seed})"
     notes = (left_out + unfinished_notes(engine, frame["Run"]) + deviation_notes(engine, frame["Run"])
-             + settings_notes(engine, frame["Run"]) + budget_notes(multi[multi["run"].isin(frame["Run"])]))
+             + sampler_notes(engine, frame["Run"]) + settings_notes(engine, frame["Run"])
+             + budget_notes(multi[multi["run"].isin(frame["Run"])]))
     return Table("table3", title, frame, sql_text, formats, {"Δ at 4x": "min"}, notes)
 
 
@@ -637,7 +660,8 @@ GROUP BY r."window" HAVING COUNT(DISTINCT r.schedule) = 2""", runs.params(datase
     title = (f"Table 4: mean {dataset_label(dataset)} loss by position bin "
              f"(fib, W={window}, seed {seed})")
     return Table("table4", title, frame, sql_text, {c: loss for c in labels.values()},
-                 notes=unfinished_notes(engine, long["run"]) + settings_notes(engine, long["run"]))
+                 notes=unfinished_notes(engine, long["run"]) + sampler_notes(engine, long["run"])
+                 + settings_notes(engine, long["run"]))
 
 
 def table5(engine: Engine, *, dataset: str | None = None, window: int = 12,
@@ -691,7 +715,7 @@ GROUP BY r."window", r.base, r.schedule HAVING COUNT(DISTINCT r.seed) > 1""", ru
     notes = (["Varied: which seeds differ between the replicates (init: the initial weights; "
               "data: the batches and their order)."] + _fewer_seeds(per_seed, seeds, dataset)
              + unfinished_notes(engine, long["run"]) + deviation_notes(engine, long["run"])
-             + settings_notes(engine, long["run"]) + budget_notes(long))
+             + sampler_notes(engine, long["run"]) + settings_notes(engine, long["run"]) + budget_notes(long))
     return Table("table5", title, frame, sql_text, formats, {"Mean": "min"}, notes, key=3)  # base, schedule, W
 
 

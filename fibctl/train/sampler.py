@@ -47,6 +47,11 @@ class WindowSampler:
         # them (numpy's randint(0, len - seq_len - 1)): the stream's last window is never read.
         self.n_starts = len(stream) - seq_len - 1
 
+    @property
+    def kind(self) -> str:
+        """What draws the windows, as runs.sampler records it (fibctl.config.SAMPLERS)."""
+        return "numpy" if self.torch_generator is None else "torch"
+
     def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len) int64."""
         starts = self._starts()

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fibctl.attention import agreeing, default_impl
-from fibctl.config import RunConfig
+from fibctl.config import SAMPLERS, RunConfig
 from fibctl.data.streams import DataManifest
 from fibctl.device import autocast
 from fibctl.errors import FibctlError, WorkerError, first_line, shell_word, shown_path
@@ -178,6 +178,8 @@ class Trainer:
         self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
         self.on_warning: Callable[[str], None] | None = None  # a line for the user, beside the event
         self.on_resumed: Callable[[int, Path], None] | None = None  # told the step and checkpoint resumed from
+        # told, once resumed or not, what draws this attempt's windows (runs.sampler records it)
+        self.on_sampler: Callable[[str], None] | None = None
         self.lost = False
         self.group, self.main = group, group is None or group.main
         self.step, self.elapsed_s = 0, 0.0
@@ -257,6 +259,8 @@ class Trainer:
         for note in deviations(self.config.model.schedule, self.config.model.n_layers):
             self.reporter.event("deviation", note)
         last = self.resume()
+        if self.on_sampler:
+            self.on_sampler(self.sampler.kind)
         if self.group is not None:
             self._check_same_start()
         self._attempt_start, self._elapsed_before = time.perf_counter(), self.elapsed_s
@@ -450,6 +454,8 @@ class Trainer:
             self.reporter.event("resumed", f"resumed from step {self.step}: {shown_path(path)}", {"step": self.step})
             if self.on_resumed:
                 self.on_resumed(self.step, path)
+            if self.sampler.kind == "torch":
+                self._say_older_order()
             return path
         if damaged:
             self._set_aside(damaged, "and no checkpoint is left to resume from", None)
@@ -478,6 +484,17 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError, TypeError) as e:  # this run's, yet a part missing or unreadable
             raise ckpt.DamagedCheckpoint(f"checkpoint {shown_path(path)} is damaged ({type(e).__name__}: "
                                          f"{first_line(e)})") from None
+
+    def _say_older_order(self) -> None:
+        """A run resumed from a checkpoint of torch's generator keeps drawing from it (one run,
+        one order), so its windows are not those its same-seed runs begun since read: said
+        once, as an event and a line, before anyone compares them."""
+        message = (f"resumed in its checkpoint's data order: windows from {SAMPLERS['torch']}, not "
+                   "from numpy's as the study drew them; same-seed runs begun since read other windows "
+                   "(docs/cli.md, \"Checkpoints, crashes and stopping\")")
+        self.reporter.event("deviation", message, {"sampler": "torch"})
+        if self.on_warning:
+            self.on_warning(message)
 
     def _set_aside(self, damaged: list[tuple[Path, str]], then: str, left: Path | None) -> None:
         """Move the damaged checkpoints out of the run's list, saying which and why. The run's

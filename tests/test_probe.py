@@ -524,6 +524,7 @@ def test_quick_probe_end_to_end_queue_worker_table2(tmp_path):
     db = sqlite3.connect(tmp_path / "r.db")
     assert db.execute("select name, status from runs order by id").fetchall() == [
         ("probe_d2_uniform_s0_40steps", "done"), ("probe_d2_staggered_s0_40steps", "done")]
+    assert db.execute("select distinct sampler from runs").fetchall() == [(None,)]  # a probe draws no windows
     assert db.execute("select count(*) from events where kind = 'claimed'").fetchone() == (2,)  # each once
     assert db.execute("select count(distinct step) from alphas").fetchone() == (2,)  # steps 0 and 40 (the last)
     table = _fibctl(tmp_path, "report", "table2", "--db", "r.db")

@@ -65,6 +65,8 @@ class MarkedBatches:
     """Fresh training batches from a seeded generator; its state is part of a checkpoint (the
     interface of fibctl.train.sampler.WindowSampler)."""
 
+    kind = None  # draws no windows from a stream: runs.sampler stays NULL for a probe run
+
     def __init__(self, task: MarkedCopy, batch_size: int, seed: int):
         self.task, self.batch_size = task, batch_size
         self.generator = torch.Generator().manual_seed(seed)

@@ -259,7 +259,7 @@ class Trainer:
         for note in deviations(self.config.model.schedule, self.config.model.n_layers):
             self.reporter.event("deviation", note)
         last = self.resume()
-        if self.on_sampler:
+        if self.on_sampler and self.sampler.kind:
             self.on_sampler(self.sampler.kind)
         if self.group is not None:
             self._check_same_start()

@@ -510,7 +510,7 @@ def test_data_prepare_into_the_current_folder_is_refused_naming_the_option(folde
     """`--data .` (or an empty one) has no name to put the lock and work folder beside it
     under: it was refused for holding its own lock file ('..lock')."""
     from fibctl.cli import main
-    path = recipe(tmp_path, "r.toml")
+    path = recipe(tmp_path, "r.toml", source='heldout = "g_val"')
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
     monkeypatch.setattr(sys, "argv", ["fibctl", "data", "prepare", path, "--data", folder])

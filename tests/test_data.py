@@ -280,6 +280,7 @@ tokenizer_sample_chars = 20000
 name = "local"
 kind = "generated"
 share = 0.5
+heldout = "local_val"
 
 [[sources]]
 name = "stories"

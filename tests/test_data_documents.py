@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import string
+import unicodedata
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
+from fibctl.data import local_files, sources
 from fibctl.data import prepare as prep
 from fibctl.data.prepare import prepare
 from fibctl.data.recipe import parse_recipe
@@ -41,33 +44,116 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return tok
 
 
-def test_a_long_document_is_encoded_in_pieces_with_the_whole_documents_ids(tokenizer, monkeypatch):
-    """One 30 MB document took 4.7 GB to encode whole: the encoder sees pieces, a bounded number
-    of characters per call, cut where the pre-tokenizer ends a token (the slow reference: each
-    document encoded whole)."""
-    docs = _odd_documents(200)
-    whole = [np.array(tokenizer.encode(d).ids + [0], dtype=np.uint16) for d in docs]
+def _adversarial(n: int = 40, seed: int = 2) -> list[str]:
+    """Text a cut may break: whitespace runs of every kind, CRLF, Chinese without spaces, emoji,
+    words and numbers longer than the pieces, base64, minified code, contractions after
+    punctuation ('!!'s'), a character of each Unicode category from each block of the plane."""
+    rng = random.Random(seed)
+    samples, seen = [], set()
+    for c in map(chr, range(0x30000)):
+        if not 0xD800 <= ord(c) < 0xE000 and (unicodedata.category(c), ord(c) >> 8) not in seen:
+            seen.add((unicodedata.category(c), ord(c) >> 8))
+            samples.append(c)
+    every = "".join(f"{c} {c}a{c}1{c}!{c}\n{c}'{c}  {c}\t{c}" for c in samples)
+    han = "".join(chr(rng.randrange(0x4E00, 0x4E00 + 3000)) for _ in range(500))
+    base64 = "".join(rng.choice(string.ascii_letters + string.digits + "+/") for _ in range(700))
+    code = "function f(a,b){return a+b;};var x=f(1,2)+\"it's\"+'don''t'!!'s;" * 8
+    fixed = [every, han, base64, code, "word" * 100 + " " + "7" * 90, "a\r\n\r\n b \r\n\t\n  c   \n\n\nd",
+             "😀👨‍👩‍👧🇯🇵" * 30 + " 🏳️‍🌈" * 20, " " * 70 + "x" + "\n" * 70 + "y" + " \u3000\u00a0 " * 20 + "z ",
+             "we'll they're I'm it's 'tis !!'s ''s '''ve x'" * 10]
+    return fixed + _odd_documents(n, seed)
+
+
+def _pretokens(text: str) -> list[str]:
+    return [t for t, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 8, 24, 100])
+def test_a_long_document_in_pieces_gives_the_whole_documents_ids(tokenizer, size):
+    """A document is encoded in pieces (one 30 MB document took 4.7 GB whole), cut where the
+    pre-tokenizer always ends a token. A stretch without such a place was cut at the piece
+    size, which changed its ids; it now runs on to the next place. Every piece's pre-tokens
+    are the whole text's, and so are its ids, however small the pieces."""
+    for doc in _adversarial():
+        pieces = list(prep._encode_pieces(doc, size))
+        assert "".join(pieces) == doc and all(pieces)
+        assert [t for p in pieces for t in _pretokens(p)] == _pretokens(doc)
+        assert [i for p in pieces for i in tokenizer.encode(p).ids] == tokenizer.encode(doc).ids
+        # a piece runs past `size` only where no place lies within it
+        assert all(len(p) <= size or not any(m.start() <= size for m in prep._PIECE_END.finditer(p, 1, size + 2))
+                   for p in pieces)
+
+
+def test_pieces_stay_within_their_size_where_the_text_has_places(tokenizer, monkeypatch):
+    """The bound: no piece handed to the encoder is longer than ENCODE_PIECE_CHARS (English,
+    Chinese with punctuation, base64), and a call holds about ENCODE_CHARS, whatever the
+    document's length; the ids are the whole document's."""
+    rng = random.Random(3)
+    docs = [" ".join(rng.choice(["sun", "moon's", "7.5", "漢字。", "(x)"]) for _ in range(3000)),
+            "".join(rng.choice(string.ascii_letters + string.digits + "+/") for _ in range(9000))]
     calls = []
     encode_batch = tokenizer.encode_batch
     monkeypatch.setattr(prep, "ENCODE_CHARS", 400)
-    for size in (24, 40, 100):
-        monkeypatch.setattr(prep, "ENCODE_PIECE_CHARS", size)
-        pieces = [p for d in docs for p in prep._encode_pieces(d, size)]
-        assert max(map(len, pieces)) <= size and len(pieces) > 2 * len(docs)
-        # where no place to cut lies within `size` characters, a hard cut may change the ids:
-        # compare the documents cut only at those places
-        soft = [all(prep._PIECE_END.match(d, c)
-                    for c in np.cumsum([len(p) for p in prep._encode_pieces(d, size)])[:-1]) for d in docs]
-        assert sum(soft) > len(docs) // 3
-        wrapper = type("T", (), {"encode_batch": lambda self, b: calls.append(sum(map(len, b))) or encode_batch(b)})()
-        got = prep.encode(wrapper, docs, 0)
-        assert [g.dtype for g in got] == [np.uint16] * len(docs)
-        for g, w, ok in zip(got, whole, soft):
-            if ok:
-                assert g.tolist() == w.tolist()
-            assert g[-1] == 0 and (g[:-1] != 0).all()  # one end-of-text, the document's end
-        assert max(calls) < 400 + size
-        calls.clear()
+    monkeypatch.setattr(prep, "ENCODE_PIECE_CHARS", 40)
+    wrapper = type("T", (), {"encode_batch": lambda self, b: calls.append(list(b)) or encode_batch(b)})()
+    got = prep.encode(wrapper, docs, 0)
+    assert [g.tolist() for g in got] == [tokenizer.encode(d).ids + [0] for d in docs]
+    assert max(len(p) for call in calls for p in call) <= 40
+    assert max(sum(map(len, call)) for call in calls) < 400 + 40
+
+
+def _text_documents(tmp_path, files: dict[str, str]) -> list:
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text.encode())
+    recipe = parse_recipe({"vocab_size": 300, "train_tokens": 100, "sources": [
+        {"name": "a", "kind": "local", "format": "text", "files": [str(tmp_path / "*.txt")], "share": 1}]})
+    return list(sources.documents(recipe, recipe.sources[0], tmp_path))
+
+
+def test_a_long_text_file_is_read_in_pieces_as_it_is_read_whole(tmp_path, monkeypatch):
+    """A text file's document was read whole (a 1 GB dump, twice its size in memory): one
+    longer than LONG_TEXT_CHARS is read in pieces, each time its text is needed, and is the
+    same document: its text stripped alike (byte-order marks and whitespace across the
+    pieces' ends, CRLF), its key hashed alike; one of whitespace only is none."""
+    files = {"a.txt": "\ufeff\ufeff \r\n\t  word  \r\nit's 漢字漢字\r\n😀  \n\n  \t\r\n  ",
+             "b.txt": "\ufeff  \ufeff x\r\ry" + " " * 20, "c.txt": " \r\n" * 9, "d.txt": "x" * 40,
+             "e.txt": "\n".join(_adversarial(3)), "f.txt": "\ufeff" * 9 + "z"}
+    held = _text_documents(tmp_path, files)
+    assert all(isinstance(d, str) for d in held) and len(held) == 5  # c.txt holds none
+    monkeypatch.setattr(local_files, "LONG_TEXT_CHARS", 5)
+    monkeypatch.setattr(local_files, "READ_CHARS", 3)
+    long = _text_documents(tmp_path, files)
+    assert [type(d) for d in long] == [local_files.LongText] * 5
+    assert ["".join(prep._chunks(d)) for d in long] == held
+    assert max(len(c) for d in long for c in d.chunks()) == 3
+    assert [(len(d), d.key_hash) for d in long] == [(len(d), local_files.text_hash(d)) for d in held]
+
+
+def test_a_giant_document_is_encoded_in_bounded_pieces_as_far_as_it_is_used(tmp_path, monkeypatch):
+    """One 23 MB text file took 17 s and 0.46 GB to prepare 300,000 tokens of it: all of it
+    was read into memory, and all of it encoded. Now it is read and encoded in pieces no
+    longer than ENCODE_PIECE_CHARS, and only as far as the source's share takes it; the
+    stream is the whole document's ids, cut there, as before."""
+    rng = random.Random(5)
+    text = "\r\n".join(" ".join(rng.choice(["sun", "moon's", "7.5", "漢字。", "(x)", "  "]) for _ in range(100))
+                       for _ in range(400))
+    (tmp_path / "big.txt").write_text(text)
+    monkeypatch.setattr(local_files, "LONG_TEXT_CHARS", 1000)
+    monkeypatch.setattr(local_files, "READ_CHARS", 700)
+    monkeypatch.setattr(prep, "ENCODE_PIECE_CHARS", 300)
+    monkeypatch.setattr(prep, "ENCODE_CHARS", 2000)
+    pieces = []
+    encode_long = prep._encode_long
+    monkeypatch.setattr(prep, "_encode_long", lambda tok, ps: encode_long(tok, (pieces.append(p) or p for p in ps)))
+    recipe = parse_recipe({"vocab_size": 300, "train_tokens": 3000, "tokenizer_sample_chars": 10_000, "sources": [
+        {"name": "a", "kind": "local", "format": "text", "files": [str(tmp_path / "big.txt")], "share": 1}]})
+    manifest = prepare(recipe, tmp_path / "out").manifest
+    tok = Tokenizer.from_file(str(manifest.tokenizer_path))
+    tok.encode_special_tokens = True
+    whole = tok.encode(text.replace("\r\n", "\n").strip()).ids
+    assert len(whole) > 10 * 3000
+    assert np.asarray(manifest.stream("train")).tolist() == whole[:2999] + [manifest.eos_id]
+    assert max(map(len, pieces)) <= 300 and sum(map(len, pieces)) < len(text) / 5
 
 
 def test_the_tokenizer_sample_holds_a_long_document_in_pieces(tmp_path, monkeypatch):
@@ -142,6 +228,18 @@ def test_a_source_that_runs_out_is_exhausted(tmp_path):
     assert manifest.sources["a"]["exhausted"] and manifest.sources["a"]["train_documents"] == 3
 
 
+HELD = "held out words 8"  # hashed below 0.1: the held-out set of a recipe's first source
+
+
+def _recipe_toml(recipe) -> str:
+    """A recipe of _local_recipe as a file, its first source holding HELD out (`prepare`
+    refuses a recipe without a held-out set)."""
+    return "vocab_size = 300\ntrain_tokens = 4000\n" + "".join(
+        f'[[sources]]\nname = "{s.name}"\nkind = "local"\nformat = "json"\nfiles = ["{s.files[0]}"]\n'
+        f"share = {s.share}\n" + (f'heldout = "{s.name}_val"\nheldout_fraction = 0.1\n' if n == 0 else "")
+        for n, s in enumerate(recipe.sources))
+
+
 def test_a_source_that_runs_out_is_said_with_the_mixture_it_leaves(tmp_path):
     """The note said only that the source ran out, not that the others kept their targets: the
     shares are then not the recipe's."""
@@ -150,11 +248,8 @@ def test_a_source_that_runs_out_is_said_with_the_mixture_it_leaves(tmp_path):
 
     rng = random.Random(0)
     big = [" ".join(rng.choice(["sun", "moon", "star", "sky"]) for _ in range(40)) for _ in range(300)]
-    recipe = _local_recipe(tmp_path, {"big": big, "small": ["a few words only"] * 3}, 4000)
-    (tmp_path / "r.toml").write_text(
-        "vocab_size = 300\ntrain_tokens = 4000\n" + "".join(
-            f'[[sources]]\nname = "{s.name}"\nkind = "local"\nformat = "json"\nfiles = ["{s.files[0]}"]\n'
-            f"share = {s.share}\n" for s in recipe.sources))
+    recipe = _local_recipe(tmp_path, {"big": big + [HELD], "small": ["a few words only"] * 3}, 4000)
+    (tmp_path / "r.toml").write_text(_recipe_toml(recipe))
     done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out", "--plain"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -175,7 +270,7 @@ def test_an_error_logged_from_prepare_is_one_line_alone(tmp_path):
 
     (tmp_path / "out").write_text("not a folder")
     (tmp_path / "r.toml").write_text('vocab_size = 300\ntrain_tokens = 100\n[[sources]]\nname = "g"\n'
-                                     'kind = "generated"\nshare = 1\n')
+                                     'kind = "generated"\nshare = 1\nheldout = "g_val"\n')
     done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -225,11 +320,8 @@ def test_sources_that_run_out_in_proportion_are_noted_on_one_line_each(tmp_path)
     import subprocess
     import sys
 
-    recipe = _local_recipe(tmp_path, {"a": ["a few words only"] * 3, "b": ["a few other words"] * 3}, 4000)
-    (tmp_path / "r.toml").write_text(
-        "vocab_size = 300\ntrain_tokens = 4000\n" + "".join(
-            f'[[sources]]\nname = "{s.name}"\nkind = "local"\nformat = "json"\nfiles = ["{s.files[0]}"]\n'
-            f"share = {s.share}\n" for s in recipe.sources))
+    recipe = _local_recipe(tmp_path, {"a": ["a few words only"] * 3 + [HELD], "b": ["a few other words"] * 3}, 4000)
+    (tmp_path / "r.toml").write_text(_recipe_toml(recipe))
     out = tmp_path / ("a_long_data_folder_name_" * 3)
     done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", str(out), "--plain"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -167,3 +167,31 @@ def test_a_data_folder_given_as_a_loop_of_links_is_refused_before_the_build(tmp_
                    "--plain")
     assert line.strip() == f"error: --data {tmp_path / 'o1'} is a symlink loop; name the data folder itself"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.toml", "o1", "o2"]
+
+
+def test_a_recipe_without_a_held_out_set_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """A recipe without a held-out set was prepared (hours, for a corpus) into data that `train`
+    and `eval` then refused, having nothing to evaluate on: `prepare` refuses it at once,
+    naming the key to add, and builds nothing."""
+    recipe = _recipe(tmp_path)
+    recipe.write_text("\n".join(line for line in recipe.read_text().splitlines() if not line.startswith("heldout")))
+    line = refused(monkeypatch, capsys, "data", "prepare", str(recipe), "--data", str(tmp_path / "d"), "--plain")
+    assert line.strip() == ("error: recipe 'gen' has no held-out set, which fibctl train and eval need: add "
+                            "heldout = \"NAME\" to a source (e.g. heldout = \"stories_val\" in source 'stories')")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.toml"]
+
+
+def test_a_quoted_tilde_on_the_command_line_is_the_home_folder(tmp_path, monkeypatch):
+    """A recipe's globs read `~/corpus/*.txt` as the home folder, `fibctl slurm` its folders
+    too, but `--data '~/d'` (or FIBCTL_DATA="~/d", which no shell expands) made a folder named
+    `~` in the current one, and the recipe `'~/gen.toml'` was not found."""
+    _recipe(tmp_path)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "cwd")
+    done = CliRunner().invoke(app, ["data", "prepare", "~/gen.toml", "--data", "~/d", "--plain"])
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "d" / "manifest.json").is_file() and not any((tmp_path / "cwd").iterdir())
+    monkeypatch.setenv("FIBCTL_DATA", "~/d")
+    done = CliRunner().invoke(app, ["data", "show"])
+    assert done.exit_code == 0 and "gen" in done.output, done.output

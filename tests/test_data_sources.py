@@ -1101,7 +1101,7 @@ def test_records_not_found_names_the_file_and_what_is_there(tmp_path, monkeypatc
 def test_records_missing_from_a_file_is_one_line_exit_2(tmp_path):
     (tmp_path / "d.json").write_text('{"version": "1.1", "rows": []}')
     (tmp_path / "r.toml").write_text(RECIPE.replace('format = "text"\nfiles = ["notes/*.txt"]',
-                                                    'format = "json"\nfiles = ["d.json"]\nrecords = "data"'))
+                                                    'format = "json"\nfiles = ["d.json"]\nrecords = "data"\nheldout = "v"'))
     done = subprocess.run([sys.executable, "-m", "fibctl", "data", "prepare", "r.toml", "--data", "out", "--plain"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -304,13 +304,19 @@ def test_documents_are_encoded_in_batches_bounded_in_characters(monkeypatch):
     ENCODE_CHARS too, and every document comes once, whole, in order."""
     monkeypatch.setattr(prep, "ENCODE_CHARS", 100)
     given = ["x" * 60] * 5 + ["y"] * 600
-    docs, batches = iter(given), []
-    while batch := prep._batch(docs):
-        batches.append(batch)
-    assert [len(b) for b in batches] == [2, 2, 41, 100, 100, 100, 100, 100, 60]
-    assert [d for b in batches for d in b] == given
+
+    def batches(docs: list[str]) -> list[list[str]]:
+        feed, found = prep._Feed(None, iter(docs), None, 1, 0, 0.0), []
+        while batch := feed._batch():
+            found.append(batch)
+        return found
+
+    assert [len(b) for b in batches(given)] == [2, 2, 41, 100, 100, 100, 100, 100, 60]
+    assert [d for b in batches(given) for d in b] == given
+    # a document longer than ENCODE_CHARS comes alone, encoded only as far as it is written
+    assert batches(["y", "x" * 101, "y"]) == [["y"], ["x" * 101], ["y"]]
     monkeypatch.setattr(prep, "ENCODE_CHARS", 10**9)
-    assert len(prep._batch(iter(given))) == prep.ENCODE_BATCH
+    assert len(batches(given)[0]) == prep.ENCODE_BATCH
 
 
 def test_the_held_out_hash_is_the_one_docs_data_md_states(tmp_path):

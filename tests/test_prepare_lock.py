@@ -31,6 +31,8 @@ name = "stories"
 kind = "generated"
 documents = 400
 share = 1
+heldout = "stories_val"
+heldout_fraction = 0.5
 """
 
 # the hub source stops the build at its first request, to a socket the test holds unanswered
@@ -45,6 +47,7 @@ name = "local"
 kind = "generated"
 documents = 400
 share = 0.5
+heldout = "local_val"
 
 [[sources]]
 name = "stories"

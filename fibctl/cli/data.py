@@ -106,6 +106,7 @@ def prepare_cmd(
     from fibctl.data.prepare import data_folder, prepare  # tokenizers and datasets load when a recipe is prepared
 
     r = load_recipe(recipe)
+    r.check_heldout()  # before the build, not by `train` after it
     out = data_folder(out or Path("data"))
     start = time.perf_counter()
     made = _missing_parents(out)

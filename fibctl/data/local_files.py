@@ -13,6 +13,7 @@ JSON files have their own reader, fibctl.data.json_files.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 from collections.abc import Iterator
 
@@ -31,7 +32,9 @@ def text_rows(path: str, sample_by: str) -> Iterator[tuple[str, dict]]:
     (''): its text is never refused."""
     with open_text(path, newline=None) as f:
         if sample_by == "document":
-            yield "", {"text": f.read()}
+            head = f.read(LONG_TEXT_CHARS + 1)
+            # a longer file is read again, in pieces, each time its text is needed
+            yield "", {"text": head if len(head) <= LONG_TEXT_CHARS else LongText(path)}
         elif sample_by == "line":
             for line in f:
                 yield "", {"text": line}
@@ -45,6 +48,67 @@ def text_rows(path: str, sample_by: str) -> Iterator[tuple[str, dict]]:
                     paragraph = []
             if paragraph:
                 yield "", {"text": "".join(paragraph)}
+
+
+LONG_TEXT_CHARS = 1 << 22  # a text file's document longer than this is never held whole (LongText)
+READ_CHARS = 1 << 18  # read at a time from such a file
+
+
+def text_hash(text: str) -> int:
+    """The hash that decides whether a text (a document's key) is held out: its UTF-8 bytes'
+    8-byte BLAKE2b digest, read as a big-endian integer (below 2**64)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class LongText:
+    """A text file's whole document (sample_by = "document") longer than LONG_TEXT_CHARS,
+    never held whole: a 1 GB dump would not fit in memory as one string (it took twice its
+    size, and encoding it more). One pass over the file when it is found measures its text
+    as a held document's is taken (byte-order marks, then whitespace, stripped from its start,
+    whitespace from its end), and hashes it as `text_hash` hashes a held text: `key_hash`,
+    the document being its own key (a text file has the one field). `chunks` reads that text
+    again, a piece at a time; `len` is its length in characters (0: an empty document)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.lead = self.length = 0  # characters dropped before the text; the text's length
+        whole = hashlib.blake2b(digest_size=8)  # of everything after `lead` read so far
+        kept = whole.copy()  # of the text up to its last non-space character read so far
+        read = 0  # characters after `lead`
+        dropping = "\ufeff"  # at the start: byte-order marks, then whitespace (" "); "": in the text
+        with open_text(path, newline=None) as f:
+            for chunk in iter(lambda: f.read(READ_CHARS), ""):
+                if dropping == "\ufeff":
+                    rest = chunk.lstrip("\ufeff")
+                    self.lead, chunk = self.lead + len(chunk) - len(rest), rest
+                    dropping = " " if chunk else dropping
+                if dropping == " ":
+                    rest = chunk.lstrip()
+                    self.lead, chunk = self.lead + len(chunk) - len(rest), rest
+                    dropping = "" if chunk else dropping
+                body = chunk.rstrip()
+                if body:  # the text reaches this far; the whitespace after it only if more text follows
+                    whole.update(body.encode())
+                    kept, self.length = whole.copy(), read + len(body)
+                whole.update(chunk[len(body):].encode())
+                read += len(chunk)
+        self.key_hash = int.from_bytes(kept.digest(), "big")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def chunks(self) -> Iterator[str]:
+        """The text, read again from the file, READ_CHARS characters at a time."""
+        with open_text(self.path, newline=None) as f:
+            skip, left = self.lead, self.length
+            while skip:  # a piece at a time: a file may open with any amount of whitespace
+                skip -= len(f.read(min(skip, READ_CHARS))) or skip
+            while left:
+                chunk = f.read(min(left, READ_CHARS))
+                if not chunk:
+                    raise FibctlError(f"{shown_path(self.path)} changed while it was read; prepare again")
+                left -= len(chunk)
+                yield chunk
 
 
 def csv_rows(path: str, delimiter: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:

@@ -31,7 +31,7 @@ import secrets
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,8 @@ import numpy as np
 from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from fibctl.data import installed_docs, sources
+from fibctl.data import installed_docs, local_files, sources
+from fibctl.data.local_files import LongText
 from fibctl.data.recipe import file_identity, Recipe, Source
 from fibctl.data.streams import EOS, MANIFEST, TOKENIZER, DataManifest, load_manifest
 from fibctl.errors import FibctlError, shown_path
@@ -181,12 +182,14 @@ def _sample(recipe: Recipe, scratch: Path, progress: Progress, task) -> Iterator
         for doc in sources.documents(recipe, source, scratch, progress):
             if taken >= quota:
                 break
-            if not _hashed_below(doc.key, cut):
+            if not _below(doc, cut):
                 taken += len(doc)
                 progress.advance(task, len(doc))
-                # in pieces, as the streams encode it: BPE training counts the same words in
-                # them, without holding a huge document's words at once (30 MB took 2.7 GB)
-                for piece in _encode_pieces(doc, ENCODE_PIECE_CHARS):
+                # in pieces: BPE training counts the same words in them, without holding a huge
+                # document's words at once (30 MB took 2.7 GB). Cut as they always were (not
+                # exact: the pieces' long runs are cut below anyway), so tokenizers trained
+                # before are what they were
+                for piece in _cut(_chunks(doc), ENCODE_PIECE_CHARS, exact=False):
                     yield from _pieces(piece)
 
 
@@ -209,8 +212,12 @@ def _pieces(doc: str) -> Iterator[str]:
 def _hashed_below(text: str, fraction: float) -> bool:
     """Whether a text's hash (a document's key) falls below `fraction` of the range: every
     copy of a text falls alike."""
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    return h < fraction * 2**64
+    return local_files.text_hash(text) < fraction * 2**64
+
+
+def _below(doc: sources.Document | LongText, fraction: float) -> bool:
+    """_hashed_below for a document's key (a long one's hashed as it was read)."""
+    return doc.key_hash < fraction * 2**64
 
 
 def _training_cut(recipe: Recipe) -> float:
@@ -304,34 +311,88 @@ class _Writer:
         return self.hash.hexdigest()[:16]  # short_hash of the file's bytes
 
 
-class _Feed:
-    """One source while streams are written: its documents, routed and encoded a batch at a time."""
+Doc = sources.Document | LongText
 
-    def __init__(self, source: Source, docs: Iterator[sources.Document], tokenizer: Tokenizer, target: int, eos: int,
+
+class _Feed:
+    """One source while streams are written: its documents, routed and encoded a batch at a
+    time; a long one alone (_long), and only as far as it is written."""
+
+    def __init__(self, source: Source, docs: Iterator[Doc], tokenizer: Tokenizer, target: int, eos: int,
                  cut: float):
         self.source, self.docs, self.tokenizer, self.target, self.eos = source, docs, tokenizer, target, eos
         self.cut = cut  # documents whose key hashes below it are not trained on (_training_cut)
-        self.queue: deque[tuple[str, np.ndarray]] = deque()
+        self.queue: deque[tuple[str, Iterator[np.ndarray]]] = deque()
+        self.ahead: Doc | None = None  # a long document read while batching the ones before it
         self.train = self.train_documents = self.read = 0
         self.held_out = 0  # documents read that hashed below the training cut: trained on by no source
         self.exhausted = False  # ran out of documents before its share was full
 
-    def next(self) -> tuple[str, np.ndarray] | None:
-        """(where it goes: 'heldout', 'train' or 'neither', token ids ending in end-of-text) of
-        the next document; None when run out."""
+    def next(self) -> tuple[str, Iterator[np.ndarray]] | None:
+        """(where it goes: 'heldout', 'train' or 'neither'; its text's token ids, in parts,
+        without the end-of-text) of the next document; None when run out. A document going
+        nowhere is not encoded, nor a long one's parts that are not taken."""
         if not self.queue:
-            batch = _batch(self.docs)
-            self.queue.extend(zip(map(self._route, batch), encode(self.tokenizer, batch, self.eos)))
+            batch = self._batch()
+            routes = [self._route(doc) for doc in batch]
+            if len(batch) == 1 and _long(batch[0]):
+                self.queue.append((routes[0], _encode_long(self.tokenizer, _cut(_chunks(batch[0]), ENCODE_PIECE_CHARS))))
+            else:
+                ids = iter(encode(self.tokenizer, [d for d, r in zip(batch, routes) if r != "neither"], self.eos))
+                self.queue.extend((r, iter(()) if r == "neither" else iter([next(ids)[:-1]])) for r in routes)
         if not self.queue:
             self.exhausted = True
             return None
         self.read += 1
         return self.queue.popleft()
 
-    def _route(self, doc: sources.Document) -> str:
-        if self.source.heldout and _hashed_below(doc.key, self.source.heldout_fraction):
+    def _batch(self) -> list[Doc]:
+        """The next documents to encode together: ENCODE_BATCH of them, or fewer that reach
+        ENCODE_CHARS (the encoder's memory grows with the characters it holds); a long one
+        alone."""
+        batch, chars = [], 0
+        while len(batch) < ENCODE_BATCH and chars < ENCODE_CHARS:
+            doc, self.ahead = self.ahead if self.ahead is not None else next(self.docs, None), None
+            if doc is None:
+                break
+            if _long(doc):
+                if batch:
+                    self.ahead = doc
+                    break
+                return [doc]
+            batch.append(doc)
+            chars += len(doc)
+        return batch
+
+    def unread(self) -> bool:
+        """Whether documents are left that were not read."""
+        return bool(self.queue) or self.ahead is not None or next(self.docs, None) is not None
+
+    def _route(self, doc: Doc) -> str:
+        if self.source.heldout and _below(doc, self.source.heldout_fraction):
             return "heldout"
-        return "neither" if _hashed_below(doc.key, self.cut) else "train"  # another source holds it out
+        return "neither" if _below(doc, self.cut) else "train"  # another source holds it out
+
+
+def _long(doc: Doc) -> bool:
+    """A document encoded alone, only as far as it is written: a text file's that is read in
+    pieces, or one longer than the encoder takes at once (a share full a part of the way
+    into it leaves the rest unencoded)."""
+    return isinstance(doc, LongText) or len(doc) > ENCODE_CHARS
+
+
+def _encode_long(tokenizer: Tokenizer, pieces: Iterator[str]) -> Iterator[np.ndarray]:
+    """A long document's ids, its pieces encoded a group at a time as they are taken: groups
+    of ENCODE_PIECE_CHARS characters at first, doubling up to ENCODE_CHARS, so that a document
+    of which little is taken is encoded little beyond it, and one taken whole in parallel."""
+    group, chars, limit = [], 0, ENCODE_PIECE_CHARS
+    for piece in itertools.chain(pieces, [None]):
+        if piece is not None:
+            group.append(piece)
+            chars += len(piece)
+        if group and (piece is None or chars >= limit):
+            yield from (np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(group))
+            group, chars, limit = [], 0, min(2 * limit, ENCODE_CHARS)
 
 
 def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Path,
@@ -345,6 +406,7 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
              for s, target in zip(recipe.sources, recipe.train_targets())]
     train = _Writer(work / "train.bin")
     heldout = {name: _Writer(work / f"{name}.bin") for name in recipe.heldout}
+    end = np.array([eos], dtype=np.uint16)
     train_task = progress.add_task("train tokens", total=recipe.train_tokens, unit="tokens")
     heldout_tasks = {n: progress.add_task(f"{n} tokens", total=recipe.heldout_tokens, unit="tokens")
                      for n in heldout}
@@ -355,29 +417,38 @@ def _write_streams(recipe: Recipe, tokenizer: Tokenizer, work: Path, scratch: Pa
         if item is None:
             active.remove(feed)
             continue
-        route, ids = item
+        route, parts = item
         if route != "train":
             feed.held_out += 1
         if route == "heldout":
             writer = heldout[feed.source.heldout]
             if writer.tokens < recipe.heldout_tokens:  # full: the document is dropped, not trained on
-                writer.write(ids)
+                for ids in (*parts, end):
+                    writer.write(ids)
+                    progress.advance(heldout_tasks[feed.source.heldout], len(ids))
                 writer.documents += 1
-                progress.advance(heldout_tasks[feed.source.heldout], len(ids))
             continue
         if route == "neither":
             continue
-        room = feed.target - feed.train
-        if len(ids) >= room:  # the source's share is full with this document
+        # as many of its ids as fit with the end-of-text, which ends every document: those past
+        # `room` are not encoded (a long document's parts)
+        room, text, written = feed.target - feed.train, 0, 0
+        for ids in parts:
+            text += len(ids)
+            ids = ids[:room - 1 - written]
+            train.write(ids)
+            written += len(ids)
+            progress.advance(train_task, len(ids))
+            if text >= room:
+                break
+        if text + 1 >= room:  # the source's share is full with this document
             active.remove(feed)
-        if len(ids) > room:  # cut, and ended with end-of-text as every document is
-            if room == 1:  # no token of its text would be left: the source stops one token short
-                continue
-            ids = np.append(ids[:room - 1], ids[-1])
-        train.write(ids)
-        feed.train += len(ids)
+        if text >= room and room == 1:  # cut to no token of its text: the source stops one token short
+            continue
+        train.write(end)
+        progress.advance(train_task, 1)
+        feed.train += written + 1
         feed.train_documents += 1
-        progress.advance(train_task, len(ids))
     for writer in (train, *heldout.values()):
         writer.close()
     for name, task in heldout_tasks.items():
@@ -424,36 +495,66 @@ def encode(tokenizer: Tokenizer, docs: list[str], eos: int) -> list[np.ndarray]:
     return [np.concatenate([*parts, end]) for parts in ids]
 
 
-# where a pre-token always ends: before a space, tab or line break that a non-space character
-# follows (the byte-level pre-tokenizer's GPT-2 pattern ends a run of whitespace one character
-# before a non-space one, and lets no token run from a non-space character into whitespace)
-_PIECE_END = re.compile(r"(?=[ \t\n\r\f\v]\S)")
+# Places where the byte-level pre-tokenizer always ends a pre-token, whatever text lies on either
+# side. Its pattern (GPT-2's) is 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
+# \s+(?!\S)|\s+, matched from where the last match ended, looking back at nothing: so a piece
+# that starts where a pre-token starts, and ends where one ends, gives the ids of that stretch
+# of the whole document. The places:
+# - before an ASCII space, tab or line break that a non-space character follows: a run of
+#   whitespace ends one character before a non-space (\s+(?!\S)), that last character going
+#   with it (' x') or alone ('\n'), and no pre-token runs from a non-space into whitespace
+#   (Python's \S is narrower than the tokenizer's: every character it calls whitespace is);
+# - between ASCII letters, digits and punctuation where the class changes: \p{L}+, \p{N}+ and
+#   [^\s\p{L}\p{N}]+ each stop there, except after an apostrophe, which may open a
+#   contraction ('s). ASCII only: the class of other characters may differ between Python's
+#   Unicode tables and the tokenizer's.
+_ASCII_PUNCT = r"!-/:-@\[-`{-~"
+_PIECE_END = re.compile(rf"(?=[ \t\n\r\f\v]\S)|(?<=[A-Za-z])(?=[0-9{_ASCII_PUNCT}])|(?<=[0-9])(?=[A-Za-z{_ASCII_PUNCT}])"
+                        r"|(?<=[!-&(-/:-@\[-`{-~])(?=[A-Za-z0-9])")
+_SPACE_END = re.compile(r"(?=[ \t\n\r\f\v]\S)")  # the first kind alone: the tokenizer's sample is cut there
+
+
+def _chunks(doc: str | LongText, size: int | None = None) -> Iterator[str]:
+    """A document's text, `size` (ENCODE_PIECE_CHARS) characters at a time (a long one's as
+    it reads them)."""
+    if isinstance(doc, LongText):
+        return doc.chunks()
+    size = size or ENCODE_PIECE_CHARS
+    return (doc[i:i + size] for i in range(0, len(doc), size))
+
+
+def _cut(chunks: Iterable[str], size: int, exact: bool = True) -> Iterator[str]:
+    """The text of `chunks`, joined, in pieces of at most `size` characters, each cut at the
+    last place in them where a pre-token always ends (_PIECE_END), so that their ids, encoded
+    one by one, are the whole text's. Where `size` characters hold no such place (a long run of
+    Chinese, a word of 20 MB), an exact piece runs on to the next place: the ids stay the whole
+    text's, only the encoder's memory grows, with that stretch. Not `exact` (the tokenizer's
+    sample), pieces are cut at _SPACE_END's places, and where `size` characters hold none, at
+    `size`: as they always were."""
+    places = _PIECE_END if exact else _SPACE_END
+    buffer, beyond = "", 0  # the text not cut yet; where the next place after `size` may lie
+    for chunk in itertools.chain(chunks, [None]):
+        buffer += chunk or ""
+        # a place at `size` is known once the character after it is read
+        while len(buffer) > size and (chunk is None or len(buffer) >= size + 2):
+            cut = max((m.start() for m in places.finditer(buffer, 1, size + 2) if m.start() <= size), default=None)
+            if cut is None and not exact:
+                cut = size
+            if cut is None:
+                found = places.search(buffer, max(beyond, size + 1))
+                if found is None and chunk is not None:  # read on: it lies further
+                    beyond = len(buffer) - 1
+                    break
+                cut = found.start() if found else len(buffer)
+            yield buffer[:cut]
+            buffer, beyond = buffer[cut:], 0
+    if buffer:
+        yield buffer
 
 
 def _encode_pieces(doc: str, size: int) -> Iterator[str]:
-    """`doc` in pieces of at most `size` characters, each cut where a pre-token ends, so that
-    their ids, encoded one by one, are the whole document's. A stretch of `size` characters
-    without such a place (one huge word) is cut at `size`; only there can the ids differ."""
-    start = 0
-    while len(doc) - start > size:
-        end = start + size
-        # the last place in the stretch (the match looks at the character after it)
-        cut = max((m.start() for m in _PIECE_END.finditer(doc, start + 1, end + 2)), default=end)
-        yield doc[start:cut]
-        start = cut
-    yield doc[start:]
-
-
-def _batch(docs: Iterator[str]) -> list[str]:
-    """The next documents to encode: ENCODE_BATCH of them, or fewer that reach ENCODE_CHARS
-    (the encoder's memory grows with the characters it holds; one document is never split)."""
-    batch, chars = [], 0
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc)
-        if len(batch) == ENCODE_BATCH or chars >= ENCODE_CHARS:
-            break
-    return batch
+    """`doc` in exact pieces of about `size` characters (_cut)."""
+    return _cut(_chunks(doc, size), size)
 
 
 def _check_nonempty(recipe: Recipe, train: _Writer, heldout: dict[str, _Writer], feeds: list[_Feed]) -> None:
@@ -489,7 +590,7 @@ def _why_none_held_out(feed: _Feed) -> str:
     out (its share full with its last document: looked for one more); one document can never be
     both trained on and held out."""
     s, fraction = feed.source, feed.source.heldout_fraction
-    if feed.queue or next(feed.docs, None) is not None:  # documents not read: more training tokens read them
+    if feed.unread():  # documents not read: more training tokens read them
         return (f"none of the {feed.read:,} document(s) read before its training share was full hashed below its "
                 f"heldout_fraction {fraction}; raise heldout_fraction, or train_tokens (more of its documents are "
                 "read)")

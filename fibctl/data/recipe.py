@@ -80,6 +80,15 @@ class Recipe:
         """Held-out set names in recipe order."""
         return list(dict.fromkeys(s.heldout for s in self.sources if s.heldout))
 
+    def check_heldout(self) -> None:
+        """Refuse a recipe without a held-out set: `fibctl train` (and `worker`) evaluates every
+        run on the held-out sets and `eval` scores them, so its data could train nothing, which
+        `train` said only after the prepare (hours, for a corpus) was done."""
+        if not self.heldout:
+            source = self.sources[0].name
+            raise FibctlError(f"recipe {self.name!r} has no held-out set, which fibctl train and eval need: add "
+                              f"heldout = \"NAME\" to a source (e.g. heldout = \"{source}_val\" in source {source!r})")
+
     def train_targets(self) -> list[int]:
         """Each source's training tokens: its share of train_tokens, rounded, the last source
         taking what is left so that they sum exactly to it."""
@@ -179,8 +188,9 @@ def shipped_for_vocab(vocab_size: int) -> str | None:
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """A shipped recipe by name (`demo`) or a TOML file by path."""
-    path = Path(name_or_path)
+    """A shipped recipe by name (`demo`) or a TOML file by path (`~` opening it: the home
+    folder, as in its globs)."""
+    path = Path(os.path.expanduser(name_or_path))
     if not path.is_file():
         path = RECIPES_DIR / f"{name_or_path}.toml"
         if not path.is_file():

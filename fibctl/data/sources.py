@@ -36,6 +36,10 @@ class Document(str):
     def key(self) -> str:
         return self if self._key is None else self._key
 
+    @property
+    def key_hash(self) -> int:
+        return local_files.text_hash(self.key)
+
 
 def documents(recipe: Recipe, source: Source, scratch: Path,
               progress: Progress | None = None) -> Iterator[Document]:
@@ -332,6 +336,10 @@ def _texts(source: Source, rows: Iterable[Row],
         raise FibctlError(f"source {source.name!r}: {which} has field {', '.join(missing)}; fields: "
                           f"{', '.join(first)}; set text = [...] in the recipe")
     for file, where, row in itertools.chain(ahead, rows):
+        if isinstance(row.get("text"), local_files.LongText):  # a text file's document, too long to hold
+            if row["text"]:  # its one field, stripped, its own key (heldout_by can name only it)
+                yield row["text"]
+            continue
         values = {f: _lookup(row, f) for f in source.text}
         texts = {f: _field_text(source, f, None if v is _ABSENT else v, file, where) for f, v in values.items()}
         text = "\n\n".join(t for t in texts.values() if t)

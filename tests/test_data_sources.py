@@ -67,6 +67,14 @@ def test_a_tilde_in_a_recipes_files_is_the_home_folder(tmp_path, monkeypatch):
     assert _docs(recipe, recipe.sources[0], tmp_path)[0] == "note 0 river stone lantern"
 
 
+@pytest.mark.parametrize("files", ["~a\0b/*.txt", "notes\0/*.txt", "/notes/\0.txt"])
+def test_a_nul_in_a_recipes_files_is_refused_in_one_line(files):
+    """TOML's "\u0000" puts one in a string: expanduser (a `~user`) and resolve raised a
+    ValueError, a traceback from data prepare."""
+    with pytest.raises(FibctlError, match=re.escape(f"source 'notes': files {files!r} holds a NUL character")):
+        _local(files)
+
+
 def test_a_glob_skips_hidden_names_as_a_shell_does_unless_it_names_the_dot(tmp_path):
     """As docs/data.md says: `*` and `**` do not reach `.git` or `.notes.txt`; a glob naming
     the dot does."""

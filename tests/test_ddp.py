@@ -473,7 +473,8 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR"
     (["--ddp", "--nproc", "2"], TORCHRUN_ENV, "--nproc under torchrun"),
     # a rank started by hand: int('abc') and a world of 0 were tracebacks, rank 2 of 2 waited for its group
     *[(["--ddp"], {**TORCHRUN_ENV, name: value}, f"{name}={value!r}") for name, value in
-      (("RANK", "abc"), ("WORLD_SIZE", "0"), ("RANK", "2"), ("LOCAL_RANK", "-1"))],
+      (("RANK", "abc"), ("WORLD_SIZE", "0"), ("RANK", "2"), ("LOCAL_RANK", "-1"),
+       ("MASTER_PORT", "notaport"), ("MASTER_PORT", "70000"))],  # the port's were torch's ValueError
     (["--ddp", "--nproc", "1", "--compile"], {"CXX": "/no-such-g++"}, "--compile: torch.compile cannot run on cpu"),
 ])
 def test_worker_ddp_bad_input_is_one_line_exit_2_and_the_runs_stay_queued(data, tmp_path, monkeypatch, capsys, args,

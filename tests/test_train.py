@@ -232,6 +232,22 @@ def test_a_run_resumed_from_a_torch_generator_checkpoint_keeps_its_order():
     assert torch.equal(again.next_batch()[0][:, 0], torch.randint(0, len(stream) - 17, (4,), generator=before))
 
 
+@pytest.mark.parametrize("edit", [
+    {"pos": 625}, {"pos": -1}, {"pos": 10 ** 30}, {"pos": True}, {"has_gauss": 2}, {"kind": "PCG64"},
+    {"keys": torch.zeros(624, dtype=torch.int64)}, {"keys": torch.zeros(3, dtype=torch.int64)},
+    {"keys": torch.full((624,), 2 ** 32)}, {"keys": torch.ones(624)}, {"keys": [1] * 624},
+])
+def test_a_sampler_state_that_is_no_mt19937_state_is_refused(edit):
+    """numpy's set_state checks none of these: a position past the keys read beyond them (a
+    segfault at 10**6), short keys raised an IndexError, all-zero keys drew start 0 forever.
+    A ValueError is what Trainer._load names a damaged checkpoint."""
+    stream = np.arange(1000, dtype=np.uint16)
+    state = WindowSampler(stream, 16, 4, seed=1).state_dict()
+    state["numpy"].update(edit)
+    with pytest.raises(ValueError, match="numpy generator"):
+        WindowSampler(stream, 16, 4, seed=2).load_state_dict(state)
+
+
 def test_checkpoints_are_atomic_and_only_the_last_few_kept(tmp_path):
     for step in (10, 20, 30):
         save_checkpoint(tmp_path, step, {"step": step, "model": {}}, keep=2)

@@ -263,6 +263,9 @@ def _parse_source(raw: dict, base_dir: Path, number: int) -> Source:
             fields[key] = float(fields[key])
     _check_applies(where, raw)
     if "files" in fields:  # relative to the recipe, stored absolute so the hash sees where they are
+        # a TOML string may hold one ("\u0000"); expanduser and resolve raised ValueError, a traceback
+        if nul := next((f for f in fields["files"] if "\0" in f), None):
+            raise FibctlError(f"{where}: files {nul!r} holds a NUL character, which no path can")
         # `~` is the home folder, as in a shell (a file named `~` is `./~`)
         expanded = (os.path.expanduser(f) for f in fields["files"])
         fields["files"] = tuple(str((base_dir / f).resolve()) if not Path(f).is_absolute() else f

@@ -245,10 +245,32 @@ def numpy_state_dict(state: tuple) -> dict:
 
 
 def numpy_state(s) -> tuple:
-    """The tuple `set_state()` takes, from numpy_state_dict's dict."""
+    """The tuple `set_state()` takes, from numpy_state_dict's dict; ValueError for one that
+    is not an MT19937 state."""
     if not isinstance(s, dict):  # an older checkpoint: numpy's own tuple
+        kind, keys, pos, has_gauss, gauss = s
+        _check_mt19937(kind, np.asarray(keys), pos, has_gauss)
         return s
-    return (s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+    keys = s["keys"]
+    if not torch.is_tensor(keys):  # .numpy() below raised an AttributeError: a traceback
+        raise ValueError(f"numpy generator keys are {_a(keys)}, not a tensor")
+    keys = keys.numpy()
+    _check_mt19937(s["kind"], keys, s["pos"], s["has_gauss"])
+    return (s["kind"], keys.astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+
+
+def _check_mt19937(kind, keys: np.ndarray, pos, has_gauss) -> None:
+    """numpy's set_state checks none of this: a position past the keys read memory beyond them
+    (wrong draws, or a segfault), short keys raised an IndexError, all-zero keys draw zeros."""
+    if kind != "MT19937":
+        raise ValueError(f"numpy generator kind is {kind!r}, not 'MT19937'")
+    if keys.shape != (624,) or keys.dtype.kind not in "iu" or not ((keys >= 0) & (keys < 2 ** 32)).all() \
+            or not keys.any():
+        raise ValueError(f"numpy generator keys are not 624 32-bit words, not all 0 (shape {keys.shape}, {keys.dtype})")
+    if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool) or not 0 <= pos <= 624:
+        raise ValueError(f"numpy generator position is {pos!r}, not 0 to 624")
+    if has_gauss not in (0, 1):
+        raise ValueError(f"numpy generator has_gauss is {has_gauss!r}, not 0 or 1")
 
 
 def _python_state(s) -> tuple:

@@ -90,6 +90,10 @@ def _rank() -> tuple[int, int, int]:
     given = [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
     if all(v.strip().isdecimal() for v in given):  # int() takes '+1' and '1_0' too
         rank, world, local = map(int, given)
+        port = os.environ["MASTER_PORT"]
+        # torch's rendezvous raised ValueError for it, a traceback, as for int('abc') above
+        if not (port.strip().isdecimal() and int(port) <= 65535):
+            raise FibctlError(f"--ddp: MASTER_PORT={port!r} is not a port (0 to 65535); start the ranks with torchrun")
         if rank < world:
             return rank, world, local
     raise FibctlError(f"--ddp: RANK={given[0]!r} WORLD_SIZE={given[1]!r} LOCAL_RANK={given[2]!r} is not a rank "

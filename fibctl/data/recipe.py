@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from fibctl.errors import FibctlError, shown_path
+from fibctl.errors import FibctlError, printable, shown_path
 from fibctl.names import check_name
 from fibctl.hashes import short_hash
 from fibctl import tomls
@@ -85,9 +85,10 @@ class Recipe:
         run on the held-out sets and `eval` scores them, so its data could train nothing, which
         `train` said only after the prepare (hours, for a corpus) was done."""
         if not self.heldout:
-            source = self.sources[0].name
+            first = self.sources[0].name  # a source's name, the recipe's text: shown escaped
             raise FibctlError(f"recipe {self.name!r} has no held-out set, which fibctl train and eval need: add "
-                              f"heldout = \"NAME\" to a source (e.g. heldout = \"{source}_val\" in source {source!r})")
+                              f"heldout = \"NAME\" to a source (e.g. heldout = \"{printable(first)}_val\" in "
+                              f"source {first!r})")
 
     def train_targets(self) -> list[int]:
         """Each source's training tokens: its share of train_tokens, rounded, the last source

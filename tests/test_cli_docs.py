@@ -235,3 +235,24 @@ def test_no_prose_line_of_the_docs_is_wider_than_95_columns():
             elif not fenced and not line.lstrip().startswith(("|", "#")) and len(line) > DOCS_WIDTH:
                 wide.append(f"{page.name}:{number}: {len(line)} columns")
     assert not wide
+
+
+def test_every_command_and_option_is_in_cli_md_s_command_table():
+    """docs/cli.md ends with every command, its options and where it is described: a command
+    or option added since (worker --max-attempts, probe --vocab) must find its row there."""
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    table = cli.split("\n## Every command\n", 1)[1]
+    rows = {m.group(1): line for line in table.splitlines()
+            if (m := re.match(r"\| `fibctl ([a-z][a-z0-9 -]*?)(?: [A-Z_\[\].]+)*` \|", line))}
+    missing = []
+    for path, command in COMMANDS.items():
+        row = rows.get(path)
+        if row is None:
+            missing.append(f"fibctl {path}")
+            continue
+        for param in command.params:
+            if param.name != "help" and getattr(param, "param_type_name", "") == "option":
+                missing += [f"fibctl {path} {o}" for o in param.opts + param.secondary_opts
+                            if o.startswith("--") and f"`{o}`" not in row]
+    assert not missing
+    assert not set(rows) - set(COMMANDS), "cli.md's command table names a command fibctl lacks"

@@ -75,7 +75,9 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     Example: fibctl db upgrade --db results.db"""
     from fibctl.db.whole import upgraded_or_created
 
-    before, after = upgraded_or_created(db)  # a new SQLite file appears only whole: a failed upgrade leaves none
+    # a new SQLite file appears only whole: a failed upgrade leaves none; one already at the
+    # latest revision is left as it is, its journal mode included
+    before, after = upgraded_or_created(db, wal_if_current=False)
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:

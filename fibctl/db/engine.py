@@ -476,12 +476,14 @@ def _timed_out(e: DatabaseError) -> bool:
     return isinstance(e.orig, ConnectionTimeout)
 
 
-def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str | None, str]:
+def upgrade(db: str, revision: str = "head", option: str = "--db", *,
+            wal_if_current: bool = True) -> tuple[str | None, str]:
     """Bring `db` to `revision`; returns (revision before, revision after).
 
     The whole upgrade is one transaction. SQLite runs it with foreign keys off: batch
     migrations rebuild tables, and dropping a parent table with them on would cascade-delete
-    its children's rows.
+    its children's rows. A SQLite database is switched to WAL mode, one already at `revision`
+    too unless not `wal_if_current` (`db upgrade` with nothing to do changes nothing).
     """
     url = resolve_url(db, option)
     path = _sqlite_path(url)
@@ -491,9 +493,10 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     engine = _engine(url, option, db, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
-        if path is not None:  # a fibctl database (or a new one): now it may change mode
-            _set_wal(engine)
         target = head_revision() if revision == "head" else revision
+        # a fibctl database (or a new one): now it may change mode
+        if path is not None and (before != target or wal_if_current):
+            _set_wal(engine)
         if before != target:
             try:
                 with engine.begin() as conn:

@@ -262,7 +262,9 @@ def figure(
     _check_figure_options(ctx, name)
     path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:
-        with figures.untitled() if no_title else nullcontext():
+        # before anything is drawn: refused at once while a report all writes the folder
+        with figures.writing_into(path.parent) if path.parent.is_dir() else nullcontext(), \
+                figures.untitled() if no_title else nullcontext():
             if name == "coverage":
                 model = get_preset(preset).model
                 bad = [f"--{option} >= {least} (got {value})" for option, value, least in

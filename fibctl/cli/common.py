@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError, printable
+from fibctl.paths import expanded
 from fibctl.reports.render import NAME_WIDTH, title_line
 from fibctl.reports.tables import length_label
 
@@ -429,7 +430,7 @@ def folder_value(option: str, what: str) -> Callable[[object], Path]:
     def parse(value) -> Path:
         if isinstance(value, str) and not value.strip():
             raise FibctlError(f"{option} is empty; name {what}")
-        return Path(os.path.expanduser(value))
+        return Path(expanded(value))
     return parse
 
 

@@ -34,6 +34,7 @@ from sqlalchemy.pool import NullPool
 
 import fibctl
 from fibctl.errors import DamagedDatabase, FibctlError, shell_word, shown_path
+from fibctl.paths import expanded
 from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -58,6 +59,7 @@ def resolve_url(db: str, option: str = "--db") -> URL:
     if not db.strip():  # '' would be an in-memory SQLite database, not the one meant
         raise FibctlError(f"{option} is empty; name a database (a file path or a URL)")
     if "://" not in db:
+        db = expanded(db)  # `--db '~/r.db'` quoted, or FIBCTL_DB=~/r.db: the home folder's, as --data's
         if db.endswith(os.sep) and not os.path.isdir(db):  # a file of the folder's name would be made
             raise FibctlError(f"{option} {shown_path(db)} ends with {os.sep!r}: name a database file, not a folder "
                               f"(e.g. {os.path.join(db, 'results.db')})")
@@ -68,6 +70,8 @@ def resolve_url(db: str, option: str = "--db") -> URL:
         except (ArgumentError, ValueError):  # ValueError: a port that is not a number
             raise FibctlError(f"{option} {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
                               "postgresql://user@host/db) or a file path") from None
+        if url.get_backend_name() == "sqlite" and url.database:  # sqlite:///~/r.db: as the bare path
+            url = url.set(database=expanded(url.database))
     if _in_memory(url):
         raise FibctlError(f"{option} {shown(url) if has_password(url) else db} is an in-memory database: "
                           "it keeps nothing between commands; name a file (e.g. results.db)")

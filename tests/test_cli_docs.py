@@ -235,3 +235,24 @@ def test_no_prose_line_of_the_docs_is_wider_than_95_columns():
             elif not fenced and not line.lstrip().startswith(("|", "#")) and len(line) > DOCS_WIDTH:
                 wide.append(f"{page.name}:{number}: {len(line)} columns")
     assert not wide
+
+
+CODE_WIDTH = 120  # the code's own lines, which its docstrings' prose keeps within
+
+
+def test_no_docstring_line_is_wider_than_the_code():
+    """A sentence added to a docstring without rewrapping it ran on to 145 columns
+    (`token_progress`'s) beside the 90-odd of its paragraph."""
+    import ast
+
+    wide = []
+    for path in sorted((ROOT / "fibctl").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                for number in range(body[0].lineno, body[0].end_lineno + 1):
+                    if len(lines[number - 1]) > CODE_WIDTH:
+                        wide.append(f"{path.relative_to(ROOT)}:{number}: {len(lines[number - 1])} columns")
+    assert not wide

@@ -398,8 +398,8 @@ def sql(
 ) -> None:
     """Run a read-only SQL query on the results database.
 
-    Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
-    returns them: NULL as NULL, integers as integers.
+    Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values
+    are printed as the database returns them: NULL as NULL, integers as integers.
 
     Example: fibctl sql "SELECT name, status FROM runs" --format csv"""
     from fibctl.reports.sql import csv_lines, json_lines

@@ -32,6 +32,7 @@ from fibctl.config import (DEFAULT_SEED, SCHEDULES, SEED_MAX, ConfigError, RunCo
 from fibctl import tomls
 from fibctl.errors import FibctlError, printable, shown_path, unknown
 from fibctl.names import NAME_RULE, check_name, is_name
+from fibctl.paths import expanded
 from fibctl.probe.cells import PROBE_MATRIX
 
 # each key and the type its value must have (train's own keys: TrainConfig.validate checks them)
@@ -206,8 +207,9 @@ def shipped_matrices() -> list[str]:
 
 
 def load_matrix(name_or_path: str) -> Matrix:
-    """A shipped matrix by name, or a matrix file by path; validated (errors name the file)."""
-    path = Path(name_or_path)
+    """A shipped matrix by name, or a matrix file by path (`~` opening it: the home folder, as
+    a recipe's); validated (errors name the file)."""
+    path = Path(expanded(name_or_path))
     # a shipped name wins over a folder or file of that name in the working directory
     if path.suffix == ".toml" or len(path.parts) > 1 or (path.is_file() and name_or_path not in shipped_matrices()):
         if path.is_dir():

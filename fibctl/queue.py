@@ -682,8 +682,8 @@ def remove(engine: Engine, name: str, check: Callable[[str | None, str | None], 
     """Delete a run that is not running. Its train steps, evaluations, position losses,
     alphas, auxiliary metrics and events go with it (ON DELETE CASCADE); its checkpoints are
     files, left to the caller. A running run is refused: cancel it first. `check(runs_dir,
-    checkpoint_path)` (the folder it last trained in, its recorded checkpoint) runs before the delete, `deleted()` after it and before
-    the commit; what either raises keeps the run."""
+    checkpoint_path)` (the folder it last trained in, its recorded checkpoint) runs before the
+    delete, `deleted()` after it and before the commit; what either raises keeps the run."""
     from sqlalchemy import delete
 
     with engine.begin() as conn:

@@ -256,3 +256,24 @@ def test_every_command_and_option_is_in_cli_md_s_command_table():
                             if o.startswith("--") and f"`{o}`" not in row]
     assert not missing
     assert not set(rows) - set(COMMANDS), "cli.md's command table names a command fibctl lacks"
+
+
+CODE_WIDTH = 120  # the code's own lines, which its docstrings' prose keeps within
+
+
+def test_no_docstring_line_is_wider_than_the_code():
+    """A sentence added to a docstring without rewrapping it ran on to 145 columns
+    (`token_progress`'s) beside the 90-odd of its paragraph."""
+    import ast
+
+    wide = []
+    for path in sorted((ROOT / "fibctl").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                for number in range(body[0].lineno, body[0].end_lineno + 1):
+                    if len(lines[number - 1]) > CODE_WIDTH:
+                        wide.append(f"{path.relative_to(ROOT)}:{number}: {len(lines[number - 1])} columns")
+    assert not wide

@@ -1106,3 +1106,47 @@ def test_a_row_shown_a_field_a_line_leaves_out_its_empty_fields():
     assert console.export_text().splitlines() == [
         "2026-12-05 18:28:36", "  event: checkpoint", "  message: step 30: runs/dense/step_00000030.pt",
         "2026-12-05 18:28:37", "  event: finished"]
+
+
+MATRIX = '[matrix]\npreset = "micro"\n\n[[runs]]\nname = "r1"\nschedule = "stagger"\nwindow = 8\n'
+TILDE = {  # a command with every path in it quoted as `~/...`, and what it makes in the home folder
+    "--db": (["db", "upgrade", "--db", "~/r.db"], "r.db"),
+    "FIBCTL_DB": (["db", "upgrade"], "r.db"),
+    "sqlite:///": (["db", "upgrade", "--db", "sqlite:///~/r.db"], "r.db"),
+    "--from --to": (["db", "copy", "--from", "~/e.db", "--to", "~/c.db"], "c.db"),
+    "--compare": (["report", "table1", "--db", "~/e.db", "--compare", "~/e.db", "--format", "csv"], "e.db"),
+    "report all -o": (["report", "all", "--db", "~/e.db", "-o", "~/rep"], "rep/index.html"),
+    "figure --out": (["figure", "coverage", "--preset", "micro", "--out", "~/c.png"], "c.png"),
+    "matrix file": (["queue", "add", "~/m.toml", "--db", "~/q.db"], "q.db"),
+    "import-study": (["import-study", "~/fib.db", "--lenextrap", "~/lenextrap.json", "--posloss", "~/posloss.json",
+                      "--db", "~/s.db"], "s.db"),
+    "demo --out": (["demo", "--out", "~/demo"], "demo"),
+}
+
+
+@pytest.mark.parametrize("case", TILDE)
+def test_a_quoted_tilde_opening_any_path_is_the_home_folder(case, tmp_path, monkeypatch, capsys):
+    """`--data '~/d'` meant the home folder, but `--db '~/r.db'`, FIBCTL_DB="~/r.db" (no shell
+    expands it), `--out '~/rep'` and the rest made or looked for a file or folder named `~` in
+    the current one: every path option reads `~` alike now (fibctl.paths.expanded)."""
+    import shutil
+
+    from cli_helpers import ran
+    from test_import import make_study
+
+    args, made = TILDE[case]
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", home / "e.db")
+    (home / "m.toml").write_text(MATRIX)
+    make_study(home)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    if case == "FIBCTL_DB":
+        monkeypatch.setenv("FIBCTL_DB", "~/r.db")
+    if case == "demo --out":  # where it would train (minutes), it makes the folder and stops
+        monkeypatch.setattr("fibctl.flows.demo.run_demo", lambda out, *_: out.mkdir() or 0)
+    code, out, err = ran(monkeypatch, capsys, *args)
+    assert code == 0, out + err
+    assert (home / made).exists() and not any(cwd.iterdir()), sorted(p.name for p in cwd.iterdir())

@@ -403,40 +403,100 @@ def test_report_all_removes_what_a_report_killed_mid_write_left_and_nothing_else
 
 
 
+def _paused(module: str, function: str, args: list[str]):
+    """`fibctl ARGS` in a process of its own, paused in `module.function` (say
+    `fibctl.reports.html.page`) until its stdin closes: returned once it has said so."""
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, "-c", (
+        f"import sys\nimport {module} as module\nwrapped = module.{function}\n"
+        "def paused(*args, **kwargs):\n    print('paused', file=sys.stderr, flush=True)\n    sys.stdin.read()\n"
+        f"    return wrapped(*args, **kwargs)\nmodule.{function} = paused\n"
+        f"sys.argv = ['fibctl', *{args!r}]\n"
+        "from fibctl.__main__ import main\nmain()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stderr.readline()
+    if line != "paused\n":
+        process.kill()
+        raise AssertionError(line + process.stderr.read())
+    return process
+
+
+def _example(tmp_path: Path) -> Path:
+    db = tmp_path / "r.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    return db
+
+
+REPORT_BUSY = "another `fibctl report all`, or a `fibctl figure`, is writing there now"
+
+
 def test_a_second_report_all_into_a_folder_being_written_is_refused_at_once(tmp_path, capsys, monkeypatch):
     """Two `report all` into one new folder at once: the one with fewer tables removed the
     other's files as stale (posloss.png), which then failed ("cannot write the report into
     rep: No such file or directory") and, cleaning up, removed both reports' files. While one
     process writes a report there, a second is refused, touching nothing; the first ends whole."""
-    import subprocess
     from fibctl.reports import export
 
-    db = tmp_path / "r.db"
-    shutil.copy(Path(__file__).resolve().parent.parent / "results.db.example", db)
+    db = _example(tmp_path)
     out = tmp_path / "rep"
     # the first report, paused after its tables and figures (before its page) until stdin closes
-    first = subprocess.Popen([sys.executable, "-c", (
-        "import sys\nfrom fibctl.reports import html\npage = html.page\n"
-        "def paused(*args, **kwargs):\n    print('paused', file=sys.stderr, flush=True)\n    sys.stdin.read()\n"
-        "    return page(*args, **kwargs)\nhtml.page = paused\n"
-        f"sys.argv = ['fibctl', 'report', 'all', '--all-runs', '--db', {str(db)!r}, '--out', {str(out)!r}]\n"
-        "from fibctl.__main__ import main\nmain()\n")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _paused("fibctl.reports.html", "page",
+                    ["report", "all", "--all-runs", "--db", str(db), "--out", str(out)])
     try:
-        assert first.stderr.readline() == "paused\n"
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
         after = {p.name: p.read_bytes() for p in out.iterdir()}
     finally:
         stdout, stderr = first.communicate(timeout=120)  # closes its stdin: it goes on
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert f"{out}: another `fibctl report all` is writing a report there now" in err
+    assert f"{out}: {REPORT_BUSY}" in err
     assert after == before  # none of the first's files removed
     assert first.returncode == 0 and stdout.startswith("wrote "), stderr
     listed = (out / export.MANIFEST).read_text().split()
     assert "posloss.png" in listed and all((out / name).is_file() for name in listed)
     code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
     assert code in (0, None), err  # the folder is free once that one has ended
+
+
+@pytest.mark.parametrize("name", ["posloss.png", "mine.svg"])
+def test_a_figure_into_a_folder_a_report_all_is_writing_is_refused_at_once(name, tmp_path, capsys, monkeypatch):
+    """`figure --out rep/posloss.png` while `report all --out rep` ran: the report replaced the
+    figure with its own, or removed it as stale. Refused at once, one line; the report ends whole."""
+    db = _example(tmp_path)
+    out = tmp_path / "rep"
+    report = _paused("fibctl.reports.html", "page", ["report", "all", "--db", str(db), "--out", str(out)])
+    try:
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        code, _, err = cli(["figure", "posloss", "--db", str(db), "--out", str(out / name)], capsys, monkeypatch)
+        after = {p.name: p.read_bytes() for p in out.iterdir()}
+    finally:
+        stdout, stderr = report.communicate(timeout=120)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{out}: a `fibctl report all` is writing a report there now" in err
+    assert after == before
+    assert report.returncode == 0 and stdout.startswith("wrote "), stderr
+    code, _, err = cli(["figure", "posloss", "--db", str(db), "--out", str(out / name)], capsys, monkeypatch)
+    assert code in (0, None) and (out / name).is_file(), err  # free once the report has ended
+
+
+def test_a_report_all_into_a_folder_a_figure_is_writing_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """The other way round: a report started while a figure is written into its folder is
+    refused, touching nothing, and the figure ends whole."""
+    db = _example(tmp_path)
+    out = tmp_path / "rep"
+    out.mkdir()
+    figure = _paused("fibctl.reports.figures", "replace_file",
+                     ["figure", "coverage", "--preset", "micro", "--out", str(out / "coverage.png")])
+    try:
+        code, _, err = cli(["report", "all", "--db", str(db), "--out", str(out)], capsys, monkeypatch)
+        after = sorted(p.name for p in out.iterdir())
+    finally:
+        stdout, stderr = figure.communicate(timeout=120)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{out}: {REPORT_BUSY}" in err
+    assert after == []
+    assert figure.returncode == 0 and (out / "coverage.png").is_file(), stderr
 
 
 def test_a_folder_that_cannot_be_locked_still_gets_its_report(tmp_path, capsys, monkeypatch):

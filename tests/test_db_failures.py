@@ -242,6 +242,33 @@ def test_a_command_that_succeeds_still_upgrades(tmp_path, monkeypatch, capsys):
     engine.dispose()
 
 
+def test_db_upgrade_with_nothing_to_do_leaves_the_database_as_it_was(tmp_path, monkeypatch, capsys):
+    """`db upgrade` on a database at the latest revision switched it to WAL mode (its header's
+    bytes changed) though it upgraded nothing."""
+    from cli_helpers import ran
+
+    db = _rollback_db(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _state(tmp_path)
+    code, out, _ = ran(monkeypatch, capsys, "db", "upgrade", "--db", "t.db")
+    assert code == 0 and f"t.db: already at revision {head_revision()}" in out
+    assert _state(tmp_path) == before and _journal_mode(db) == "delete"
+
+
+def test_db_upgrade_of_an_older_database_switches_it_to_wal(tmp_path, monkeypatch, capsys):
+    """The control: an upgrade that has work to do still leaves it in WAL mode."""
+    from cli_helpers import ran
+
+    db = _old_db(tmp_path)
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.close()
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = ran(monkeypatch, capsys, "db", "upgrade", "--db", "o.db")
+    assert code == 0 and "upgraded from revision 0004" in out
+    assert _journal_mode(db) == "wal"
+
+
 def _damaged(tmp_path: Path) -> Path:
     """The example database with a page of its aux_metrics overwritten: it opens, and its
     first queries work; reading that table finds the damage."""

@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -313,10 +314,11 @@ def test_cancelled_running_run_stops_its_worker(db):
     assert queue.release(engine, run.id) is False  # stays cancelled
 
 
-# `fibctl queue add demo` in a new Python, a real SIGINT sent to it at one point of the
-# add: once the commit is made (SQLAlchemy's do_commit returned; SIGINT's handler runs at the
-# next bytecode, inside SQLAlchemy), or while the runs' rows are built, before any insert
-SIGINT_AT = """import os, signal, sys
+# `fibctl queue add demo` in a new Python, a real SIGINT (or SIGTERM) sent to it at one point
+# of the add: once the commit is made (SQLAlchemy's do_commit returned; the signal's handler
+# runs at the next bytecode, inside SQLAlchemy), or while the runs' rows are built, before any
+# insert
+SIGNAL_AT = """import os, signal, sys
 from sqlalchemy.engine import default
 import fibctl.queue as q
 rows, commit = q.run_row, default.DefaultDialect.do_commit
@@ -324,12 +326,12 @@ built = []
 def run_row(config):
     built.append(config.name)
     if AT == 'rows':
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), SIGNAL)
     return rows(config)
 def do_commit(self, connection):
     commit(self, connection)
     if AT == 'commit' and built:
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), SIGNAL)
 q.run_row, default.DefaultDialect.do_commit = run_row, do_commit
 sys.argv = ['fibctl', 'queue', 'add', 'demo', '--db', DB]
 from fibctl.__main__ import program
@@ -337,16 +339,22 @@ program()
 """
 
 
+@pytest.mark.parametrize("signum, stopped", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")],
+                         ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("at, said, queued", [
-    ("commit", "interrupted after the commit: queued 3 run(s); 0 already present", 3),
-    ("rows", "interrupted; nothing was queued", 0)])
-def test_a_ctrl_c_as_queue_add_commits_says_whether_the_runs_were_queued(db, at, said, queued):
+    ("commit", "{} after the commit: queued 3 run(s); 0 already present", 3),
+    ("rows", "{}; nothing was queued", 0)])
+def test_a_ctrl_c_or_sigterm_as_queue_add_commits_says_whether_the_runs_were_queued(db, at, said, queued, signum,
+                                                                                     stopped):
     """A Ctrl-C just after `queue add` committed said only "interrupted", though every run was
-    queued (the same command again said so). It is held from just before the commit, and the
-    command says what it did; one before the commit leaves nothing queued, and says that."""
-    script = SIGINT_AT.replace("AT ==", f"{at!r} ==").replace("DB]", f"{db!r}]")
+    queued (the same command again said so), and a SIGTERM nothing at all (exit 143). Either is
+    held from just before the commit, and the command says what it did; one before the commit
+    leaves nothing queued, and says that. Exit 130 after a Ctrl-C, 143 after a SIGTERM."""
+    script = SIGNAL_AT.replace("AT ==", f"{at!r} ==").replace("DB]", f"{db!r}]").replace(
+        "SIGNAL)", f"signal.{signum.name})")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout, done.stderr) == (130, "", said + "\n"), done.stderr[-2000:]
+    assert (done.returncode, done.stdout, done.stderr) == (128 + signum, "", said.format(stopped) + "\n"), \
+        done.stderr[-2000:]
     assert len(queue.list_runs(connect(db))) == queued
 
 

@@ -780,6 +780,28 @@ def test_a_long_compare_label_wraps_headers_and_cuts_no_cell(study):
         assert text.count(" +0.00 │") == 2 * len(t.frame) == 14 and label in text, label
 
 
+@pytest.mark.parametrize("width", [20, 24, 30, 36])
+def test_a_value_too_wide_beside_the_run_names_folds_and_the_names_stay_readable(width):
+    """At 30 columns a value of 24 characters in a later column drew the run column 0 or 1
+    wide (a fuzz found it): the value folds now, sharing the room with the names, and every
+    character of both is still there."""
+    for length in (12, 20, 24, 40):
+        value = "".join(chr(ord("a") + k % 26) for k in range(length))
+        names = ["fib_fixed_w8", "f06__fib_stagger_w8"]
+        frame = pd.DataFrame({"Run": names, "Note": [value, "-"], "ppl": [28.01, 27.8]})
+        text = render.to_text(tables.Table("t", "t", frame, "SELECT 1", formats={"ppl": "{:.2f}".format}), width)
+        lines = text.splitlines()
+        assert max(map(len, lines)) <= width, text
+        top = next(line for line in lines if line.startswith("┏"))
+        run_width = len(top.split("┳")[0]) - 3  # less the corner and the cell's two spaces
+        assert run_width >= min(max(map(len, names)), (width - 7) // 2), text
+        first = lines[:[n for n, line in enumerate(lines) if line.startswith("┏")][1:2][0]] \
+            if text.count("┏") > 1 else lines  # the part that holds the Note column
+        rows = [line.split("│") for line in first if line.startswith("│")]
+        assert "".join(cells[1].strip() for cells in rows) == "".join(names), text
+        assert "".join(cells[2].strip() for cells in rows).startswith(value), text
+
+
 def test_cli_report_on_a_database_without_the_data_exits_2(demo):
     r = subprocess.run([sys.executable, "-m", "fibctl", "report", "table2", "--db", demo],
                        capture_output=True, text=True)

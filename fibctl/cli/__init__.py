@@ -324,6 +324,9 @@ def _terminated(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
+_terminated.holds = True  # noting first: `hold_interrupts(terminate=True)` may hold it
+
+
 def build():
     """The command line as click runs it: typer builds every command's options, reading their
     annotations (`fibctl.__main__` holds a Ctrl-C until this is done)."""

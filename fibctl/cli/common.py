@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fibctl.errors import FibctlError, printable
+from fibctl.paths import expanded
 from fibctl.reports.render import NAME_WIDTH, title_line
 from fibctl.reports.tables import length_label
 
@@ -153,7 +154,7 @@ def noting_interrupts() -> Iterator[None]:
     (a callback of the garbage collector) is not printed as "Exception ignored": the command
     stops at its next check."""
     interrupted.clear()
-    handler = signal.getsignal(signal.SIGINT)
+    handler, terminated = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     noting = None
     if callable(handler) and threading.current_thread() is threading.main_thread():  # not where it is ignored
         def noting(signum, frame):
@@ -175,22 +176,29 @@ def noting_interrupts() -> Iterator[None]:
         sys.unraisablehook = hook
         if noting is not None and signal.getsignal(signal.SIGINT) in (noting, _note):
             signal.signal(signal.SIGINT, handler)
+        if signal.getsignal(signal.SIGTERM) is _note:  # held (`hold_interrupts(terminate=True)`)
+            signal.signal(signal.SIGTERM, terminated)
 
 
 def _note(signum, frame) -> None:
     interrupted.note(signum)
 
 
-def hold_interrupts() -> Callable[[], None]:
+def hold_interrupts(*, terminate: bool = False) -> Callable[[], None]:
     """From here a Ctrl-C is only noted in `interrupted`, not raised (the work is over, or
-    nearly: what is left is to say how it ended). Returns what puts SIGINT's handler back
-    (`noting_interrupts` does at its end). Only inside `noting_interrupts`, whose handler is
-    SIGINT's: not where Ctrl-C is ignored, nor where a command set its own handler."""
-    handler = signal.getsignal(signal.SIGINT)
-    if not getattr(handler, "holds", False) or threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    signal.signal(signal.SIGINT, _note)
-    return lambda: signal.signal(signal.SIGINT, handler) if signal.getsignal(signal.SIGINT) is _note else None
+    nearly: what is left is to say how it ended); with `terminate`, a SIGTERM too. Returns what
+    puts the handlers back (`noting_interrupts` does at its end). Only inside
+    `noting_interrupts`, whose handler is SIGINT's (SIGTERM's: fibctl.cli's): not where a
+    signal is ignored, nor where a command set its own handler."""
+    restores = []
+    for signum in (signal.SIGINT, signal.SIGTERM) if terminate else (signal.SIGINT,):
+        handler = signal.getsignal(signum)
+        if not getattr(handler, "holds", False) or threading.current_thread() is not threading.main_thread():
+            continue
+        signal.signal(signum, _note)
+        restores.append(lambda signum=signum, handler=handler:
+                        signal.signal(signum, handler) if signal.getsignal(signum) is _note else None)
+    return lambda: [restore() for restore in restores] and None
 
 
 @contextmanager
@@ -429,7 +437,7 @@ def folder_value(option: str, what: str) -> Callable[[object], Path]:
     def parse(value) -> Path:
         if isinstance(value, str) and not value.strip():
             raise FibctlError(f"{option} is empty; name {what}")
-        return Path(os.path.expanduser(value))
+        return Path(expanded(value))
     return parse
 
 

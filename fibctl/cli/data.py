@@ -79,8 +79,8 @@ BESIDE_THE_BAR = 70
 def token_progress(plain: bool = False) -> Progress:
     """Progress bars with counts and rates, for `prepare(..., progress=...)`; none when plain,
     nor when stderr is not a terminal (a log: stopped there, the bars left a blank line before
-    the error or summary), where a line now and then says how far each task is. The bar is as wide as the terminal leaves (none below 5), so that
-    a line fits 80 columns."""
+    the error or summary), where a line now and then says how far each task is. The bar is
+    as wide as the terminal leaves (none below 5), so that a line fits 80 columns."""
     room = min(20, err_console.width - BESIDE_THE_BAR)
     logged = not plain and not err_console.is_terminal
     return (_LoggedProgress if logged else Progress)(

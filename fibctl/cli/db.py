@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
@@ -75,7 +76,9 @@ def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
     Example: fibctl db upgrade --db results.db"""
     from fibctl.db.whole import upgraded_or_created
 
-    before, after = upgraded_or_created(db)  # a new SQLite file appears only whole: a failed upgrade leaves none
+    # a new SQLite file appears only whole: a failed upgrade leaves none; one already at the
+    # latest revision is left as it is, its journal mode included
+    before, after = upgraded_or_created(db, wal_if_current=False)
     if before == after:
         console.print(f"{db_engine.shown(db)}: already at revision {after}", markup=False)
     else:
@@ -208,18 +211,23 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
     engine = db_engine.connect(db, check=queue.check_add(configs, seeded=bool(seed)))  # a conflict leaves it as it was
     committing: list = []
     try:
-        # a Ctrl-C from just before the commit is held (noted, not raised) to the command's
-        # end: raised inside the commit, or just after it, it said only "interrupted" of runs
-        # that were all queued
+        # a Ctrl-C or SIGTERM from just before the commit is held (noted, not raised) to the
+        # command's end: raised inside the commit, or just after it, it said only "interrupted"
+        # (SIGTERM: nothing) of runs that were all queued
         added, present = queue.add_runs(engine, configs, seeded=bool(seed),
-                                        before_commit=lambda: committing.append(hold_interrupts()))
-    except KeyboardInterrupt:  # before the commit, its transaction rolled back (unless none could be held)
-        err_console.print("interrupted; " + ("`fibctl queue ls` shows whether the runs were queued" if committing
-                                             else "nothing was queued"), markup=False, highlight=False)
-        raise typer.Exit(130) from None
+                                        before_commit=lambda: committing.append(hold_interrupts(terminate=True)))
+    except (KeyboardInterrupt, SystemExit) as e:  # before the commit, rolled back (unless none could be held)
+        terminated = isinstance(e, SystemExit)
+        if terminated and not (interrupted.is_set() and interrupted.signal == signal.SIGTERM):
+            raise
+        err_console.print(("terminated; " if terminated else "interrupted; ")
+                          + ("`fibctl queue ls` shows whether the runs were queued" if committing
+                             else "nothing was queued"), markup=False, highlight=False)
+        raise typer.Exit(128 + (signal.SIGTERM if terminated else signal.SIGINT)) from None
     line = queue.added_line(added, present)
     if interrupted.is_set():  # held during the commit, which was made
-        err_console.print(f"interrupted after the commit: {line}", markup=False, highlight=False)
+        stopped = "interrupted" if interrupted.signal == signal.SIGINT else "terminated"
+        err_console.print(f"{stopped} after the commit: {line}", markup=False, highlight=False)
         raise typer.Exit(128 + interrupted.signal)
     console.print(line)
 

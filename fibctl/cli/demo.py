@@ -9,10 +9,9 @@ from typing import Annotated
 import typer
 
 from fibctl.cli import OUTPUT_CLOSED, app, stopped_by_closed_output
-from fibctl.cli.common import console, err_console, raised_as_the_signal, stop_if_interrupted
+from fibctl.cli.common import console, err_console, folder_value, raised_as_the_signal, stop_if_interrupted
 from fibctl.cli.data import token_progress
 from fibctl.cli.train import EvalProgress, RunDisplay
-from fibctl.errors import FibctlError
 
 
 class RichView:
@@ -49,9 +48,9 @@ class RichView:
 
 @app.command("demo")
 def demo_cmd(
-    out: Annotated[str, typer.Option("--out", metavar="<path>",
-                                     help="Folder for the data, checkpoints, database and figures.")]
-    = "fibctl-demo",
+    out: Annotated[Path, typer.Option("--out", metavar="<path>", parser=folder_value("--out", "the folder for the demo"),
+                                      help="Folder for the data, checkpoints, database and figures.")]
+    = Path("fibctl-demo"),
     quick: Annotated[bool, typer.Option(
         "--quick", help="A tiny budget: every step of the pipeline in seconds rather than minutes, with too "
         "little training to show the length effect (what the tests run).")] = False,
@@ -67,13 +66,11 @@ def demo_cmd(
     Example: fibctl demo --quick --out demo-quick"""
     from fibctl.flows.demo import run_demo  # torch, pandas and matplotlib load here
 
-    if not out.strip():  # Path('') is the current folder
-        raise FibctlError("--out is empty; name the folder for the demo")
     try:
         # Ctrl-C and SIGTERM as every command takes them (fibctl.cli): noted, so that one lost
         # where it landed still stops the demo at its next step, with this line
         with raised_as_the_signal():
-            code = run_demo(Path(out), quick, RichView(plain), stop_if_interrupted)
+            code = run_demo(out, quick, RichView(plain), stop_if_interrupted)
     except KeyboardInterrupt:
         err_console.print("interrupted; run the same command again to resume", markup=False, highlight=False)
         raise typer.Exit(130) from None

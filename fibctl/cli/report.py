@@ -24,6 +24,7 @@ from fibctl.cli.common import (DEFAULT_DB, DbOption, console, err_console, hold_
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.db.engine import connect, shown
 from fibctl.errors import DamagedDatabase, FibctlError, printable, shown_path, unknown
+from fibctl.paths import expanded
 from fibctl.reports import export, figures, render, tables  # matplotlib loads when a figure is drawn
 from fibctl.db.importer import check_inputs, import_study as run_import
 from fibctl.db.whole import created_whole
@@ -54,7 +55,7 @@ def _output(value: str, *, folder: bool) -> Path:
     file where a folder should be ("afile/x.png") failed as "File exists"."""
     if not value.strip():
         raise FibctlError("--out is empty; name the " + ("folder to write into" if folder else "image file"))
-    path = Path(value)
+    path = Path(expanded(value))  # `--out '~/report'`, quoted: the home folder's, as --data's
     start = path if folder else path.parent
     for above in (start, *start.parents):  # the nearest that exists must be a folder
         if above.exists():
@@ -262,7 +263,9 @@ def figure(
     _check_figure_options(ctx, name)
     path = figures.check_path(Path(f"{name}.png") if out is None else _output(out, folder=False))
     try:
-        with figures.untitled() if no_title else nullcontext():
+        # before anything is drawn: refused at once while a report all writes the folder
+        with figures.writing_into(path.parent) if path.parent.is_dir() else nullcontext(), \
+                figures.untitled() if no_title else nullcontext():
             if name == "coverage":
                 model = get_preset(preset).model
                 bad = [f"--{option} >= {least} (got {value})" for option, value, least in
@@ -395,8 +398,8 @@ def sql(
 ) -> None:
     """Run a read-only SQL query on the results database.
 
-    Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values are printed as the database
-    returns them: NULL as NULL, integers as integers.
+    Writes, ATTACH, VACUUM and PRAGMA settings are refused; rows and time are bounded. Values
+    are printed as the database returns them: NULL as NULL, integers as integers.
 
     Example: fibctl sql "SELECT name, status FROM runs" --format csv"""
     from fibctl.reports.sql import csv_lines, json_lines
@@ -503,6 +506,7 @@ def import_study(
     """Load the published study into the database (matrix 'paper'); importing twice changes nothing.
 
     Example: fibctl import-study fib.db --posloss posloss.json --db study.db"""
+    fib_db, lenextrap, posloss = (None if p is None else expanded(p) for p in (fib_db, lenextrap, posloss))
     check_inputs(fib_db, lenextrap, posloss)  # as typed ('' is not the current folder), before `connect`
     fib_db, lenextrap, posloss = (None if p is None else Path(p) for p in (fib_db, lenextrap, posloss))
     with created_whole(db) as into:  # a new SQLite file appears only whole

@@ -324,9 +324,9 @@ def worker_cmd(
 ) -> None:
     """Claim queued runs and train them until the queue is empty.
 
-    Ctrl-C checkpoints and requeues. Exits 1 when a run it trained failed, 2 (the runs left queued) when its data, runs folder
-    or database is at fault, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal: the
-    queue may not be finished).
+    Ctrl-C checkpoints and requeues. Exits 1 when a run it trained failed, 2 (the runs left
+    queued) when its data, runs folder or database is at fault, 130 after Ctrl-C and 143
+    after SIGTERM (128 + the signal: the queue may not be finished).
 
     Example: fibctl worker --data data/demo --max-runs 2"""
     from fibctl.flows.worker import StopRequest, WorkerOptions, launch_per_gpu, parse_gpus, work

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fibctl.errors import FibctlError, printable, shown_path
 from fibctl.names import check_name
+from fibctl.paths import expanded
 from fibctl.hashes import short_hash
 from fibctl import tomls
 
@@ -191,7 +192,7 @@ def shipped_for_vocab(vocab_size: int) -> str | None:
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """A shipped recipe by name (`demo`) or a TOML file by path (`~` opening it: the home
     folder, as in its globs)."""
-    path = Path(os.path.expanduser(name_or_path))
+    path = Path(expanded(name_or_path))
     if not path.is_file():
         path = RECIPES_DIR / f"{name_or_path}.toml"
         if not path.is_file():
@@ -268,9 +269,8 @@ def _parse_source(raw: dict, base_dir: Path, number: int) -> Source:
         if nul := next((f for f in fields["files"] if "\0" in f), None):
             raise FibctlError(f"{where}: files {nul!r} holds a NUL character, which no path can")
         # `~` is the home folder, as in a shell (a file named `~` is `./~`)
-        expanded = (os.path.expanduser(f) for f in fields["files"])
         fields["files"] = tuple(str((base_dir / f).resolve()) if not Path(f).is_absolute() else f
-                                for f in expanded)
+                                for f in map(expanded, fields["files"]))
     try:
         return Source(**fields)
     except TypeError as e:

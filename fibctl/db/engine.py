@@ -34,6 +34,7 @@ from sqlalchemy.pool import NullPool
 
 import fibctl
 from fibctl.errors import DamagedDatabase, FibctlError, shell_word, shown_path
+from fibctl.paths import expanded
 from fibctl.db.stored import sql_literal
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -58,6 +59,7 @@ def resolve_url(db: str, option: str = "--db") -> URL:
     if not db.strip():  # '' would be an in-memory SQLite database, not the one meant
         raise FibctlError(f"{option} is empty; name a database (a file path or a URL)")
     if "://" not in db:
+        db = expanded(db)  # `--db '~/r.db'` quoted, or FIBCTL_DB=~/r.db: the home folder's, as --data's
         if db.endswith(os.sep) and not os.path.isdir(db):  # a file of the folder's name would be made
             raise FibctlError(f"{option} {shown_path(db)} ends with {os.sep!r}: name a database file, not a folder "
                               f"(e.g. {os.path.join(db, 'results.db')})")
@@ -68,6 +70,8 @@ def resolve_url(db: str, option: str = "--db") -> URL:
         except (ArgumentError, ValueError):  # ValueError: a port that is not a number
             raise FibctlError(f"{option} {shown(db)} is not a database URL (e.g. sqlite:///results.db, "
                               "postgresql://user@host/db) or a file path") from None
+        if url.get_backend_name() == "sqlite" and url.database:  # sqlite:///~/r.db: as the bare path
+            url = url.set(database=expanded(url.database))
     if _in_memory(url):
         raise FibctlError(f"{option} {shown(url) if has_password(url) else db} is an in-memory database: "
                           "it keeps nothing between commands; name a file (e.g. results.db)")
@@ -476,12 +480,14 @@ def _timed_out(e: DatabaseError) -> bool:
     return isinstance(e.orig, ConnectionTimeout)
 
 
-def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str | None, str]:
+def upgrade(db: str, revision: str = "head", option: str = "--db", *,
+            wal_if_current: bool = True) -> tuple[str | None, str]:
     """Bring `db` to `revision`; returns (revision before, revision after).
 
     The whole upgrade is one transaction. SQLite runs it with foreign keys off: batch
     migrations rebuild tables, and dropping a parent table with them on would cascade-delete
-    its children's rows.
+    its children's rows. A SQLite database is switched to WAL mode, one already at `revision`
+    too unless not `wal_if_current` (`db upgrade` with nothing to do changes nothing).
     """
     url = resolve_url(db, option)
     path = _sqlite_path(url)
@@ -491,9 +497,10 @@ def upgrade(db: str, revision: str = "head", option: str = "--db") -> tuple[str 
     engine = _engine(url, option, db, foreign_keys=False, poolclass=NullPool)
     try:
         before = _check_revision(engine, db)
-        if path is not None:  # a fibctl database (or a new one): now it may change mode
-            _set_wal(engine)
         target = head_revision() if revision == "head" else revision
+        # a fibctl database (or a new one): now it may change mode
+        if path is not None and (before != target or wal_if_current):
+            _set_wal(engine)
         if before != target:
             try:
                 with engine.begin() as conn:

@@ -137,7 +137,8 @@ def created_whole(db: str, option: str = "--db") -> Iterator[str]:
         os.close(fd)
 
 
-def upgraded_or_created(db: str, option: str = "--db") -> tuple[str | None, str]:
+def upgraded_or_created(db: str, option: str = "--db", *,
+                        wal_if_current: bool = True) -> tuple[str | None, str]:
     """`upgrade(db)` (its revisions before and after), where a new SQLite file comes into being
     only whole, as `created_whole` makes it (`connect`'s: `queue add --db new.db` on a full
     disk left an empty new.db). Processes creating one at once (workers started together)
@@ -145,6 +146,6 @@ def upgraded_or_created(db: str, option: str = "--db") -> tuple[str | None, str]
     then upgrade as any."""
     try:
         with created_whole(db, option) as into:
-            return upgrade(into, option=option)
+            return upgrade(into, option=option, wal_if_current=wal_if_current)
     except CreatedMeanwhile:
-        return upgrade(db, option=option)
+        return upgrade(db, option=option, wal_if_current=wal_if_current)

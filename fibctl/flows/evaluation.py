@@ -129,10 +129,11 @@ def evaluate(engine: Engine, names: list[str], lengths: list[int], *, data_dir: 
     Perplexity rows replace earlier ones with the same (run, step, dataset, length) key.
     `tokens` defaults to each run's full evaluation budget (`final_eval_tokens`).
     Returns one row per run x length x dataset, with the run's inference tokens/s at that
-    length when `speed` measured it, the mean and its slowest and fastest pass (else NaN); `on_result(row, total)` sees each as it is
-    written, with the number of rows to expect, and `on_start(item, total)` each (its run,
-    dataset and eval_length) as its measurement begins. `log_to` back-ends (fibctl.train.loggers) get
-    a copy of each result, their files in the folder of the run's checkpoint. `on_note` hears
+    length when `speed` measured it, the mean and its slowest and fastest pass (else NaN);
+    `on_result(row, total)` sees each as it is written, with the number of rows to expect,
+    and `on_start(item, total)` each (its run, dataset and eval_length) as its measurement
+    begins. `log_to` back-ends (fibctl.train.loggers) get a copy of each result, their files
+    in the folder of the run's checkpoint. `on_note` hears
     of each run measured before it finished (its checkpoint is not its final step's).
     """
     log_to = loggers.check_loggers(log_to)

@@ -48,6 +48,7 @@ from fibctl.db.schema import Event, Run, RunStatus
 from fibctl.db.store import add_event, write_retrying
 from fibctl.errors import FibctlError, printable, shown_path, unprintable
 from fibctl.flows.torchrun import JOB_TASK, REQUEUE
+from fibctl.paths import expanded
 from fibctl.reports.tables import loss as loss_label
 
 try:
@@ -232,7 +233,7 @@ def absolute_db(db: str) -> str:
     url = resolve_url(db)
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return db
-    path = str(Path(url.database).expanduser().resolve())
+    path = str(Path(url.database).resolve())  # `~` expanded by resolve_url
     return path if "://" not in db else url.set(database=path).render_as_string(hide_password=False)
 
 
@@ -348,10 +349,10 @@ def submit(worker: WorkerSettings, spec: JobSpec, folder: Path, *, dry_run: bool
     queued = len(configs)
     if not queued:  # a dry run too: it shows what would be submitted
         raise FibctlError(f"no queued runs in {shown(db)}: nothing for the workers to do (fibctl queue add)")
-    settings = WorkerSettings(db, worker.data_dir.expanduser().resolve(), worker.runs_dir.expanduser().resolve(),
+    settings = WorkerSettings(db, Path(expanded(worker.data_dir)).resolve(), Path(expanded(worker.runs_dir)).resolve(),
                               worker.threads, worker.heartbeat_timeout_s, worker.max_attempts, worker.max_runs)
     check_worker(settings, spec, configs)
-    folder = folder.expanduser().resolve()
+    folder = Path(expanded(folder)).resolve()
     if unprintable(str(folder)):  # submitit writes it into #SBATCH lines unescaped: a line break ends one
         raise FibctlError(f"--folder {shown_path(folder)}: a control or bidi character (a line break, say) in "
                           "its path would break or disguise the job script's lines; choose another folder")

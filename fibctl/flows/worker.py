@@ -13,9 +13,10 @@ worker moves on.
 A failure that is the worker's, not the run's (`WorkerError`: data that does not fit, a runs
 folder without the run's checkpoint, with another run's or with one the database does not
 account for, a database that keeps refusing writes), puts the run back in the queue and
-stops the worker with that one line: one wrong option must not fail a whole queue. The data and runs folder are checked before any claim,
-and the data again against each claimed run (its windows, its held-out sets) before anything
-of it is written; a run claimed by name is checked before the claim.
+stops the worker with that one line: one wrong option must not fail a whole queue. The
+data and runs folder are checked before any claim, and the data again against each claimed
+run (its windows, its held-out sets) before anything of it is written; a run claimed by name
+is checked before the claim.
 
 One run can also span several processes (`train_distributed`, under torchrun; `launch_ddp`
 starts torchrun): rank 0 claims the run and does everything the single process does with

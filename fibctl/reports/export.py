@@ -3,12 +3,9 @@ self-contained `index.html` into a folder."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import inspect
-import os
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
@@ -16,7 +13,7 @@ from sqlalchemy.engine import Engine
 from fibctl.config import DEFAULT_SEED, get_preset
 from fibctl.errors import DamagedDatabase, FibctlError, shown_path
 from fibctl.reports import figures, html, render, tables
-from fibctl.reports.output import remove_leftovers, write_text
+from fibctl.reports.output import holding, remove_leftovers, write_text
 
 Job = tuple[str, Callable[[], list[Path]]]
 FIGURE_FORMATS = (".png", ".pdf")
@@ -164,28 +161,20 @@ def _write_all(engine: Engine, out: Path, made: Path | None, *, track: Callable[
 
 @contextmanager
 def _only_writer(out: Path, made: Path | None) -> Iterator[None]:
-    """`out` made (from `made`, its first missing folder) and held locked (flock on the
-    folder itself: no lock file left behind) while one report is written into it. A second
-    report into it is refused at once: it had removed the first one's files as stale (its
-    posloss.png, say), and that one then failed and, cleaning up, removed both reports'."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        _remove_made(out, made)
-        raise
-    try:
+    """`out` made (from `made`, its first missing folder) and held locked while one report is
+    written into it. A second report into it is refused at once: it had removed the first
+    one's files as stale (its posloss.png, say), and that one then failed and, cleaning up,
+    removed both reports'. So is a report into a folder where `fibctl figure` is writing."""
+    with ExitStack() as held:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise FibctlError(f"{shown_path(out)}: another `fibctl report all` is writing a report there "
-                                  "now; wait for it to finish, or choose another --out") from None
-            # a file system that cannot lock a folder (NFS may refuse one opened read-only):
-            # the report is written unguarded, as it was before there was a lock
+            out.mkdir(parents=True, exist_ok=True)
+            held.enter_context(holding(out, exclusive=True, busy=(
+                f"{shown_path(out)}: another `fibctl report all`, or a `fibctl figure`, is writing there "
+                "now; wait for it to finish, or choose another --out")))
+        except OSError:
+            _remove_made(out, made)
+            raise
         yield
-    finally:
-        os.close(fd)
 
 
 def _claim(out: Path, listed: list[str], names: list[str]) -> list[str]:

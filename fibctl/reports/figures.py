@@ -30,7 +30,7 @@ from sqlalchemy.engine import Engine
 
 from fibctl.config import DEFAULT_SEED, PRESETS, SCHEDULES, ModelConfig, check_length
 from fibctl.errors import FibctlError, shown_path
-from fibctl.reports.output import replace_file
+from fibctl.reports.output import holding, replace_file
 from fibctl.reports.tables import (
     Table, dataset_label, default_dataset, pick_runs, read_sql, sort_runs, table3, table4,
 )
@@ -147,7 +147,16 @@ def _save(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # a PDF or SVG otherwise records when it was written: the same data would give other bytes
     metadata = {".pdf": {"CreationDate": None}, ".svg": {"Date": None}}.get(path.suffix.lower())
-    return replace_file(path, lambda tmp: fig.savefig(tmp, metadata=metadata))
+    with writing_into(path.parent):  # a folder it made just now too
+        return replace_file(path, lambda tmp: fig.savefig(tmp, metadata=metadata))
+
+
+def writing_into(folder: Path):
+    """`folder` held while a figure is written there: a `report all` writing its report there
+    could replace the figure, or remove it as stale; refused, one line, while one does."""
+    return holding(folder, exclusive=False, busy=(
+        f"{shown_path(folder)}: a `fibctl report all` is writing a report there now; wait for it "
+        "to finish, or choose another --out"))
 
 
 # off for `figure --no-title`: a paper's caption says what the title would

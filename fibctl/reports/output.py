@@ -4,14 +4,18 @@ replaced, never written through; and a reader never sees half of a file."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fibctl import durable
+from fibctl.errors import FibctlError
 
 
 def replace_file(path: Path, write: Callable[[Path], None]) -> Path:
@@ -51,3 +55,45 @@ def remove_leftovers(paths: Iterable[Path]) -> list[Path]:
                 tmp.unlink(missing_ok=True)
                 gone.append(tmp)
     return gone
+
+
+# the folders this process holds exclusively (report all's), by device and inode: the report's
+# own figures are saved into one without a second lock, which flock would refuse them
+_held: set[tuple[int, int]] = set()
+
+
+@contextmanager
+def holding(folder: Path, *, exclusive: bool, busy: str) -> Iterator[None]:
+    """`folder` held by flock on the folder itself (no lock file left behind): exclusively by
+    `report all` while it writes a report there, which removes an earlier report's files as
+    stale; shared by `figure` while it writes a figure there. Where the other kind holds it,
+    FibctlError(`busy`) at once, nothing done."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:
+        if exclusive:
+            raise
+        yield  # a figure into a folder it may write but not read (-wx): as before, unguarded
+        return
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        if key in _held:
+            yield
+            return
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise FibctlError(busy) from None
+            # a file system that cannot lock a folder (NFS may refuse one opened read-only):
+            # the files are written unguarded, as they were before there was a lock
+        if exclusive:
+            _held.add(key)
+        try:
+            yield
+        finally:
+            if exclusive:
+                _held.discard(key)
+    finally:
+        os.close(fd)

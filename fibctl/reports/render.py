@@ -79,8 +79,9 @@ def fitted(table: Table, width: int):
     base, schedule and W, where base alone named none). A name (the first column's, or a
     header's: `compare` heads a column with each run) longer than NAME_WIDTH folds within its
     column where the table would not fit with it whole: a 60-character name took 62 of 80
-    columns, leaving Table 3 in seven parts and cutting `compare`'s setting names. The title
-    and notes wrap at `width`."""
+    columns, leaving Table 3 in seven parts and cutting `compare`'s setting names. A value
+    too wide for the room beside the names even alone folds too, it and the names sharing
+    that room. The title and notes wrap at `width`."""
     from rich.cells import cell_len
     from rich.console import Group
     from rich.text import Text
@@ -88,9 +89,9 @@ def fitted(table: Table, width: int):
     texts = [[printable(cell(table, c, v), lines=True) for c, v in zip(table.frame.columns, row)]
              for row in table.frame.itertuples(index=False)]
     headers = [printable(str(c), lines=True) for c in table.frame.columns]
-    least = [max([min(cell_len(w), NAME_WIDTH) for w in h.split()]
-                 + [cell_len(row[i]) if i else min(cell_len(row[i]), NAME_WIDTH) for row in texts] + [1])
-             for i, h in enumerate(headers)]
+    words = [max([min(cell_len(w), NAME_WIDTH) for w in h.split()] + [1]) for h in headers]  # a header's longest
+    least = [max([words[i]] + [cell_len(row[i]) if i else min(cell_len(row[i]), NAME_WIDTH) for row in texts])
+             for i in range(len(headers))]
     key = range(min(table.key, len(headers)))
 
     def lead(i: int) -> list[int]:  # the key columns before column i that fit beside it, in a continued part
@@ -118,6 +119,15 @@ def fitted(table: Table, width: int):
             cut = min(max(excess, 0), natural[i] - least[i])
             widths[i] -= cut
             excess -= cut
+        # a value too wide to sit whole beside the runs' names (a 24-character one at 30 columns
+        # left them 0 or 1 wide): it folds, as do the names, the widest first, none narrower
+        # than its header's longest word
+        while excess > 0:
+            i = max(chunk, key=lambda i: (widths[i] > words[i], widths[i], i != 0))
+            if widths[i] <= words[i]:
+                break
+            widths[i] -= 1
+            excess -= 1
         if excess > 0:  # a long run name and one column: the names fold (rich cut 'Schedul'/'e')
             widths[0] = max(1, widths[0] - excess)
         # the notes as lines of their own too: a table's own wrapped under a narrow continued

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import os
@@ -54,6 +55,9 @@ ENCODE_CHARS = 1 << 22  # and at most about this many characters: 256 books took
 # 850 bytes per token, and one 30 MB document took 4.7 GB encoded whole
 ENCODE_PIECE_CHARS = 1 << 18
 FLUSH_TOKENS = 1 << 20
+# the tokenizer's pre-tokenizer (GPT-2's split, no prefix space); long documents are also cut
+# where it ends a token (_pretoken_ends)
+PRE_TOKENIZER = pre_tokenizers.ByteLevel(add_prefix_space=False)
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ def _build(recipe: Recipe, inputs_hash: str, work: Path, progress: Progress) -> 
 def train_tokenizer(recipe: Recipe, scratch: Path, progress: Progress) -> Tokenizer:
     """Byte-level BPE trained on `tokenizer_sample_chars` of training text, split by share."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = PRE_TOKENIZER
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size, special_tokens=[EOS], show_progress=False,
@@ -526,30 +530,61 @@ def _chunks(doc: str | LongText, size: int | None = None) -> Iterator[str]:
 def _cut(chunks: Iterable[str], size: int, exact: bool = True) -> Iterator[str]:
     """The text of `chunks`, joined, in pieces of at most `size` characters, each cut at the
     last place in them where a pre-token always ends (_PIECE_END), so that their ids, encoded
-    one by one, are the whole text's. Where `size` characters hold no such place (a long run of
-    Chinese, a word of 20 MB), an exact piece runs on to the next place: the ids stay the whole
-    text's, only the encoder's memory grows, with that stretch. Not `exact` (the tokenizer's
-    sample), pieces are cut at _SPACE_END's places, and where `size` characters hold none, at
-    `size`: as they always were."""
+    one by one, are the whole text's. Where `size` characters hold no such place (Chinese or
+    Japanese without ASCII spaces), an exact piece is cut at the last end of a pre-token the
+    pre-tokenizer itself finds in them (_pretoken_ends); where they hold none either (a run of
+    Chinese without punctuation, longer than `size`: one pre-token), the piece runs on to the
+    end of that pre-token: the ids stay the whole text's, only the encoder's memory grows, with
+    that one pre-token. Not `exact` (the tokenizer's sample), pieces are cut at _SPACE_END's
+    places, and where `size` characters hold none, at `size`: as they always were."""
     places = _PIECE_END if exact else _SPACE_END
-    buffer, beyond = "", 0  # the text not cut yet; where the next place after `size` may lie
+    buffer, tried = "", 0  # the text not cut yet; its length when its first pre-token's end was looked for
     for chunk in itertools.chain(chunks, [None]):
         buffer += chunk or ""
-        # a place at `size` is known once the character after it is read
-        while len(buffer) > size and (chunk is None or len(buffer) >= size + 2):
+        # a place at `size` is known once the characters after it are read (_pretoken_ends: 3)
+        while len(buffer) > size and (chunk is None or len(buffer) >= size + 3):
             cut = max((m.start() for m in places.finditer(buffer, 1, size + 2) if m.start() <= size), default=None)
             if cut is None and not exact:
                 cut = size
             if cut is None:
-                found = places.search(buffer, max(beyond, size + 1))
-                if found is None and chunk is not None:  # read on: it lies further
-                    beyond = len(buffer) - 1
+                rest = chunk is None and len(buffer) <= size + 3  # the window is the rest of the text
+                cut = max((p for p in _pretoken_ends(buffer[:size + 3], rest) if p <= size), default=None)
+            if cut is None:  # a pre-token longer than `size` lies across it: the piece ends after it
+                if chunk is not None and len(buffer) < 2 * tried:  # looked at half as much: read on first
                     break
-                cut = found.start() if found else len(buffer)
+                tried = len(buffer)
+                cut = next(_pretoken_ends(buffer, chunk is None), None)
+                if cut is None and chunk is not None:  # read on: it ends further
+                    break
+                cut = cut or len(buffer)
             yield buffer[:cut]
-            buffer, beyond = buffer[cut:], 0
+            buffer, tried = buffer[cut:], 0
     if buffer:
         yield buffer
+
+
+def _pretoken_ends(text: str, complete: bool) -> Iterator[int]:
+    r"""The places in `text`, which starts where a pre-token starts, where a piece of the
+    document may end (all of them where `text` is `complete`, the rest of the document), in
+    order: where the pre-tokenizer ends a token whatever text follows `text`, but for the end of
+    a run of whitespace (a piece ending '\t\t' before 'x' keeps the run whole, where the
+    document splits it: '\t', '\t', 'x'). Which of the pattern's branches matches a token,
+    and how far, depends on the text at most up to the character after the token ('ab|c') and
+    the third from its start ("'re"): a place three characters or more before the end of
+    `text` is one in the whole document. The tokenizer's own split, not Python's Unicode
+    tables: those may class a character otherwise."""
+    last = len(text) if complete else len(text) - 3
+    for _, (start, _) in PRE_TOKENIZER.pre_tokenize_str(text)[1:]:
+        if start > last:
+            return
+        if not _space(text[start - 1]) or _space(text[start]):
+            yield start
+
+
+@functools.lru_cache(maxsize=4096)
+def _space(c: str) -> bool:
+    r"""Whether the pre-tokenizer takes `c` for whitespace (\s): after a tab, it joins its run."""
+    return len(PRE_TOKENIZER.pre_tokenize_str("\t" + c)) == 1
 
 
 def _encode_pieces(doc: str, size: int) -> Iterator[str]:

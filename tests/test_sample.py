@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -137,7 +138,8 @@ def test_json_shape(trained):
     assert len(out["samples"]) == 3
     for s in out["samples"]:
         assert set(s) == {"text", "ids"} and len(s["ids"]) == 5 and isinstance(s["text"], str)
-        assert s["text"] == tokenizer(trained).decode([eos] + s["ids"], skip_special_tokens=False)[len("<|endoftext|>"):]
+        whole = tokenizer(trained).decode([eos] + s["ids"], skip_special_tokens=False)
+        assert s["text"] == whole.removeprefix("<|endoftext|>")
     assert sampled(trained, "fixed", "--prompt", "", "--tokens", "1")["prompt"]["ids"] == [eos]
 
 
@@ -271,3 +273,17 @@ def test_draws_keep_to_the_top_k_and_the_tokenizers_ids_and_the_context():
                         generator=g)) == {2, 3}
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0, vocab=4) == [3, 3, 3]
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0) == [4, 4, 4]
+
+
+def test_a_run_not_finished_is_sampled_at_its_newest_checkpoint_with_evals_note(trained, tmp_path):
+    db = tmp_path / "r.db"
+    shutil.copy(trained / "r.db", db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE runs SET status = 'queued' WHERE name = 'fixed'")
+    con.close()
+    result = CliRunner().invoke(app, ["sample", "fixed", "--tokens", "2", "--json", "--db", str(db),
+                                      "--data", str(trained / "data")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["status"] == "queued"
+    assert "note: run 'fixed' is not finished (status queued): sampling its checkpoint at step 20 of 20" \
+        in " ".join(result.stderr.split())

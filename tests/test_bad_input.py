@@ -228,6 +228,11 @@ CASES = [
     (["eval", "run", "--length", "64", "--db", "{zero_ckpt_db}", "--data", "{data}"], "damaged or not a checkpoint"),
     (["eval", "run", "--length", "64", "--db", "{truncated_ckpt_db}", "--data", "{data}"], "damaged or not a"),
     (["eval", "run", "--length", "64", "--db", "{random_ckpt_db}", "--data", "{data}"], "checkpoint"),
+    (["sample", "run", "--db", "{good_db}", "--data", "{data}"], "run 'run' has no checkpoint yet (status queued)"),
+    (["sample", "runn", "--db", "{good_db}", "--data", "{data}"], "did you mean 'run'?"),
+    (["sample", "run", "--db", "{old_db}", "--data", "{data}"], "schema revision 0001"),
+    # the tests' stand-in tokenizer ("{}"), which training never reads: no text to decode with
+    (["sample", "run", "--db", "{random_ckpt_db}", "--data", "{data}"], "tokenizer.json no longer matches the hash"),
     # a hash that is not text: comparing it with the run's was a RuntimeError traceback
     (["eval", "run", "--length", "64", "--db", "{hash_ckpt_db}", "--data", "{data}"],
      "is damaged or not a checkpoint (its config_hash is a Tensor, not text)"),

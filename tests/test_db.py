@@ -447,7 +447,8 @@ def test_read_only_commands_leave_a_wal_database_and_its_folder_as_they_were(tmp
     before = state()
     assert list(before) == ["r.db"]
     for args in (["queue", "ls"], ["status"], ["db", "current"], ["report", "table1"], ["sql", "select 1"],
-                 ["sql", "select * from nope"], ["figure", "alphas", "--out", str(tmp_path / "no" / "a.png")]):
+                 ["sql", "select * from nope"], ["figure", "alphas", "--out", str(tmp_path / "no" / "a.png")],
+                 ["sample", "a"]):
         done = subprocess.run([sys.executable, "-m", "fibctl", *args, "--db", str(db)], capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert state() == before, (args, done.stderr)

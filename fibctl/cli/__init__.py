@@ -109,7 +109,7 @@ _one_line_usage_errors()
 PANELS = {
     "Start here": ["demo"],
     "Data and training": ["data", "matrix", "queue", "worker", "train", "status", "slurm", "probe"],
-    "Results": ["eval", "report", "figure", "compare", "sql", "import-study"],
+    "Results": ["eval", "sample", "report", "figure", "compare", "sql", "import-study"],
     "Inspect and measure": ["model", "coverage", "bench", "db"],
 }
 ORDER = [name for names in PANELS.values() for name in names]
@@ -295,6 +295,7 @@ def _register() -> None:
     from fibctl.cli import demo  # noqa: F401
     from fibctl.cli import slurm  # noqa: F401
     from fibctl.cli import probe  # noqa: F401
+    from fibctl.cli import sample  # noqa: F401
 
 
 _register()

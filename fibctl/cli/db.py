@@ -24,7 +24,7 @@ from fibctl.reports.tables import loss as loss_label
 from fibctl.matrix import load_matrix, parse_settings, shipped_matrices
 from fibctl.names import check_name
 
-db_app = typer.Typer(help="The results database: its schema revision, upgrades and copies.", no_args_is_help=True)
+db_app = typer.Typer(help="The results database: schema revision, upgrades, copies.", no_args_is_help=True)
 matrix_app = typer.Typer(help="Run matrices: the shipped ones (paper, demo) or your own TOML file.",
                          no_args_is_help=True)
 queue_app = typer.Typer(help="The run queue: add a matrix; list runs or show one; cancel, retry and remove runs.",

@@ -49,6 +49,9 @@ CompileOption = Annotated[bool, typer.Option(
 HeartbeatOption = Annotated[float, typer.Option(
     "--heartbeat-timeout", help="Seconds without a heartbeat after which a running run counts as abandoned "
     "(at least 1).")]
+CheckpointsDirOption = Annotated[Optional[Path], typer.Option(  # eval's and sample's: they read checkpoints
+    "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
+    help="Where the checkpoints are (default: the folder each run trained in).")]
 DEFAULT_DATA, DEFAULT_RUNS = Path("data"), Path("runs")
 
 
@@ -506,9 +509,7 @@ def eval_cmd(
         "sequences, the mean of 5 after 2 untimed, and the slowest and fastest of the 5.")] = False,
     db: DbOption = DEFAULT_DB,
     data: DataOption = DEFAULT_DATA,
-    runs_dir: Annotated[Optional[Path], typer.Option(
-        "--runs-dir", envvar="FIBCTL_RUNS_DIR", parser=runs_dir_value, metavar="<path>",
-        help="Where the checkpoints are (default: the folder each run trained in).")] = None,
+    runs_dir: CheckpointsDirOption = None,
     device: DeviceOption = None,
     threads: ThreadsOption = None,
     log_to: LogToOption = None,

@@ -684,7 +684,7 @@ def _mismatch(manifest: DataManifest) -> str | None:
             return f"{path.name} holds {size:,} bytes where its manifest records {recorded:,}"
     if set(manifest.stream_hashes) != set(manifest.splits):  # a manifest from before they were recorded
         return "its manifest records no stream hashes to check its files against (an older fibctl wrote it)"
-    if short_hash(manifest.tokenizer_path.read_bytes()) != manifest.tokenizer_hash:
+    if manifest.tokenizer_changed:
         return f"{TOKENIZER} no longer matches the hash its manifest records"
     for split in manifest.splits:
         if file_hash(manifest.split_path(split)) != manifest.stream_hashes[split]:

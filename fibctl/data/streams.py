@@ -119,6 +119,29 @@ class DataManifest:
             raise FibctlError(f"{shown_path(self.data_dir)}: its tokenizer {TOKENIZER} is missing; "
                               "prepare the data again")
 
+    @property
+    def tokenizer_changed(self) -> bool:
+        """Whether the tokenizer file is no longer the one its manifest records (its hash)."""
+        return short_hash(self.tokenizer_path.read_bytes()) != self.tokenizer_hash
+
+    def load_tokenizer(self):
+        """The folder's tokenizer (`tokenizers.Tokenizer`), refused where it is missing, changed
+        since it was prepared (it would decode the streams' ids as other text) or unreadable.
+        It encodes a text's own "<|endoftext|>" byte by byte, as prepare encoded documents."""
+        from tokenizers import Tokenizer  # its import only where a command reads or writes text
+
+        self.check_tokenizer()
+        if self.tokenizer_changed:
+            raise FibctlError(f"{shown_path(self.tokenizer_path)} no longer matches the hash its manifest records "
+                              "(changed since it was prepared); prepare the data again")
+        try:
+            tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
+        except Exception as e:  # tokenizers raises its own Exception for a file it cannot parse
+            raise FibctlError(f"{shown_path(self.tokenizer_path)} is not a tokenizer file ({str(e)[:120]}); "
+                              "prepare the data again") from None
+        tokenizer.encode_special_tokens = True
+        return tokenizer
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT_VERSION, "recipe": self.recipe, "recipe_hash": self.recipe_hash,

@@ -175,12 +175,17 @@ def plan(engine: Engine, names: list[str], lengths: list[int], *, data_dir: Path
                           f"held-out sets: {', '.join(manifest.heldout)}")
     targets = find_runs(engine, names, all_runs, runs_dir)
     for t in targets:
-        if t.config.model.vocab_size != manifest.vocab_size:
-            raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
-                              f"{shown_path(data_dir)} has vocab {manifest.vocab_size:,}")
+        check_vocab(t, manifest)
     streams = {d: manifest.stream(d) for d in datasets}
     _check_fits(streams, lengths, datasets_given=datasets != manifest.heldout)
     return targets, manifest, datasets, streams
+
+
+def check_vocab(t: _Target, manifest: DataManifest) -> None:
+    """Refuse data whose vocabulary is not the run's: its ids are another tokenizer's."""
+    if t.config.model.vocab_size != manifest.vocab_size:
+        raise FibctlError(f"run {t.run.name!r} has vocab {t.config.model.vocab_size:,} but the data in "
+                          f"{shown_path(manifest.data_dir)} has vocab {manifest.vocab_size:,}")
 
 
 def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_given: bool) -> None:
@@ -195,10 +200,11 @@ def _check_fits(streams: dict[str, np.ndarray], lengths: list[int], datasets_giv
             + (f", or leave it out: --dataset {' --dataset '.join(fit)}" if fit and not datasets_given else ""))
 
 
-def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
-                  log_to: tuple[str, ...] = (), *, data: DataManifest,
-                  on_note: Callable[[str], None] | None = None,
-                  on_start: Callable[[dict], None] | None = None) -> list[dict]:
+def checked_checkpoint(t: _Target, data: DataManifest,
+                       other_data: str = "its results would replace the recorded ones") -> dict:
+    """The target's checkpoint, refused unless it holds this run's weights, trained on `data`
+    (`other_data`: what reading it with other data would do), at its final step (a finished
+    run) and finite: what eval measures and sample samples."""
     ckpt = _load(t)
     theirs = stored_config_hash(ckpt)
     if theirs != t.config.config_hash:  # a runs folder reused by another run: not these weights
@@ -211,14 +217,33 @@ def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed
                           "(was the file replaced?)")
     if not data.holds(ckpt.get("data_hash", data.data_hash)):  # its held-out sets are other text
         raise FibctlError(f"run {t.run.name!r} was trained on data {ckpt['data_hash']} but "
-                          f"{shown_path(data.data_dir)} has data {data.data_hash}: its results would replace the "
-                          "recorded ones; give the --data it was trained on")
+                          f"{shown_path(data.data_dir)} has data {data.data_hash}: {other_data}; give the --data it "
+                          "was trained on")
     # before any is measured, for every schedule: a learned layer cannot even place its rungs
     # at a NaN alpha (floor(nan) raised a ValueError traceback), where the others score NaN
     bad = next((name for name, w in ckpt["model"].items() if not bool(torch.isfinite(w).all())), None)
     if bad is not None:
         raise FibctlError(f"run {t.run.name!r} has no loss to score: its checkpoint {shown_path(t.checkpoint)} holds "
                           f"weights that are not finite ({bad} among them)")
+    return ckpt
+
+
+def model_at(t: _Target, weights: dict, length: int, device: torch.device):
+    """The run's weights in its model rebuilt at `length` (fibctl.metrics.load_model), a file
+    that does not fit it said in one line."""
+    try:
+        return load_model(t.config, weights, length, device)
+    except RuntimeError as e:  # shapes or names that are not the run's model: a file changed by hand
+        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} does not fit run {t.run.name!r}'s model "
+                          f"({detail[:160]})") from None
+
+
+def _evaluate_run(engine, t: _Target, lengths, streams, tokens, positions, speed, device, on_result,
+                  log_to: tuple[str, ...] = (), *, data: DataManifest,
+                  on_note: Callable[[str], None] | None = None,
+                  on_start: Callable[[dict], None] | None = None) -> list[dict]:
+    ckpt = checked_checkpoint(t, data)
     step, budget = ckpt["step"], tokens or t.config.train.final_eval_tokens
     _check_budget(engine, t, step, {(d, length): len(eval_windows(s, length, budget)) * length
                                     for length in lengths for d, s in streams.items()})
@@ -274,12 +299,7 @@ def _measure(recorder, t: _Target, weights: dict, step, budget, lengths, streams
              on_result, on_start=None) -> list[dict]:
     rows = []
     for length in lengths:
-        try:
-            model = load_model(t.config, weights, length, device)
-        except RuntimeError as e:  # shapes or names that are not the run's model: a file changed by hand
-            detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            raise FibctlError(f"checkpoint {shown_path(t.checkpoint)} does not fit run {t.run.name!r}'s model "
-                              f"({detail[:160]})") from None
+        model = model_at(t, weights, length, device)
         for dataset, stream in streams.items():
             if on_start:
                 on_start({"run": t.run.name, "dataset": dataset, "eval_length": length})

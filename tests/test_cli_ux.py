@@ -382,11 +382,25 @@ def test_shell_completion_completes_commands_and_options():
                                    ("fibctl report table1 --com", "3", ["--compare"])):
         done = fibctl(env={**ENV80, "_FIBCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword})
         assert (done.returncode, done.stdout.split(), done.stderr) == (0, expected, ""), words
-    # the shell named: typer finds it among the test's ancestors otherwise, and a suite started
-    # from no shell (a detached job) has none
-    script = subprocess.run([Path(sys.executable).parent / "fibctl", "--show-completion", "bash"],
-                            capture_output=True, text=True, env=ENV80, timeout=120)
+    script = subprocess.run([Path(sys.executable).parent / "fibctl", "--show-completion"], capture_output=True,
+                            text=True, env={**ENV80, "SHELL": "/bin/bash"}, timeout=120)
     assert script.returncode == 0 and "_FIBCTL_COMPLETE=complete_bash" in script.stdout, script.stdout
+
+
+def test_completion_started_from_no_shell_completes_for_the_shell_in_SHELL(monkeypatch):
+    """typer looks for the shell among fibctl's ancestors: a suite started detached from its
+    shell printed `Shell  not supported.` for --show-completion; $SHELL names it then."""
+    import shellingham
+    from typer.testing import CliRunner
+
+    from fibctl.cli import app
+
+    def no_shell():
+        raise shellingham.ShellDetectionFailure()
+
+    monkeypatch.setattr(shellingham, "detect_shell", no_shell)
+    done = CliRunner().invoke(app, ["--show-completion"], env={"SHELL": "/usr/bin/zsh"})
+    assert done.exit_code == 0 and "compdef _fibctl_completion fibctl" in done.output, done.output
 
 
 @pytest.mark.parametrize("args,line", [

@@ -211,10 +211,10 @@ def test_a_new_sqlite_file_another_process_put_in_place_first_is_upgraded_as_it_
     add_runs(theirs, [RunConfig.resolve("theirs", "m", "micro", schedule="fixed")])
     theirs.dispose()  # closed: its rows in the file, none in a -wal beside it
 
-    def first_elsewhere(into, option="--db"):
+    def first_elsewhere(into, option="--db", **how):
         if into != db:  # this process's temporary: another's file appears meanwhile
             os.rename(other, db)
-        return upgrade(into, option=option)
+        return upgrade(into, option=option, **how)
 
     monkeypatch.setattr(whole, "upgrade", first_elsewhere)
     engine = connect(db)

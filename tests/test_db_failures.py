@@ -440,8 +440,9 @@ def test_a_database_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, capsys)
         conn.execute("PRAGMA journal_mode=WAL")  # its readers need a -shm file, its writers a -wal
         conn.close()
         _fill(disk)
-        # a rollback-journal database to switch to WAL mode; WAL ones to read and to write; a new one
-        for args, db in ((["db", "upgrade"], "r.db"), (["db", "upgrade"], "wal.db"), (["queue", "ls"], "wal.db"),
+        # a rollback-journal database a write switches to WAL mode (`db upgrade` leaves a current
+        # one as it is); WAL ones to read and to write; a new one
+        for args, db in ((["queue", "add", "demo"], "r.db"), (["db", "upgrade"], "wal.db"), (["queue", "ls"], "wal.db"),
                          (["queue", "cancel", "dense"], "wal.db"), (["db", "upgrade"], "new.db"),
                          (["queue", "add", "paper"], "new.db")):
             err = refused(monkeypatch, capsys, *args, "--db", db)

@@ -272,15 +272,31 @@ def _print_version(asked: bool) -> None:
 completion_init()  # the shells typer completes for: bash, zsh, fish, PowerShell
 
 
+def _in_this_shell(callback):
+    """typer's completion callback, told the shell where typer cannot find it: it looks among
+    fibctl's ancestor processes, and one started from no shell (a detached job, an editor) found
+    none and printed `Shell  not supported.`; $SHELL names the user's shell then."""
+    def call(ctx: typer.Context, param, value):
+        if value is True:
+            import shellingham
+
+            try:
+                shellingham.detect_shell()
+            except shellingham.ShellDetectionFailure:
+                value = os.path.basename(os.environ.get("SHELL", "")) or value
+        return callback(ctx, param, value)
+    return call
+
+
 @app.callback()
 def _top(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                                help="Print fibctl's version (and git commit), Python's "
                                                     "and torch's, and exit.")] = False,
          install_completion: Annotated[bool, typer.Option(
-             "--install-completion", callback=install_callback, is_eager=True, expose_value=False,
+             "--install-completion", callback=_in_this_shell(install_callback), is_eager=True, expose_value=False,
              help="Install tab completion for this shell.")] = False,
          show_completion: Annotated[bool, typer.Option(  # docs/cli.md has it
-             "--show-completion", callback=show_callback, is_eager=True, expose_value=False, hidden=True)] = False,
+             "--show-completion", callback=_in_this_shell(show_callback), is_eager=True, expose_value=False, hidden=True)] = False,
          ) -> None:
     pass  # the top command's own options (its help is app's)
 

@@ -148,11 +148,12 @@ def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
     assert done.returncode == 0, out
     lines = [line for line in out.splitlines() if line.strip()]
     # steps 1 and 10, an evaluation line per held-out set, the outcome with its checkpoint,
-    # the worker's summary: each whole, on its line
-    assert [line.split(" ")[0] for line in lines] == [name] * (2 + len(HELDOUT)) + [f"{name}:", "worker:"], out
+    # the worker's summary, what to run next (sampling the run): each whole, on its line
+    assert [line.split(" ")[0] for line in lines] == ([name] * (2 + len(HELDOUT))
+                                                      + [f"{name}:", "worker:", "next:"]), out
     assert all(name in line for line in lines), out
-    assert lines[-2].startswith(f"{name}: done at step 10 in ")
-    assert lines[-2].endswith(f" (runs/{name}/step_00000010.pt)")
+    assert lines[-3].startswith(f"{name}: done at step 10 in ")
+    assert lines[-3].endswith(f" (runs/{name}/step_00000010.pt)")
 
 
 def test_plain_log_lines_say_what_the_database_records(tmp_path):

@@ -358,6 +358,21 @@ def test_a_ctrl_c_or_sigterm_as_queue_add_commits_says_whether_the_runs_were_que
     assert len(queue.list_runs(connect(db))) == queued
 
 
+def test_queue_add_says_the_command_that_trains_what_it_queued(tmp_path, monkeypatch, capsys):
+    """`queued 3 run(s); 0 already present` left a new user at the count, where `fibctl probe`
+    names the worker to start: queue add says it too, with its database, and only when it
+    queued something (the runs of a second add are the first one's)."""
+    from cli_helpers import ran
+
+    db = str(tmp_path / "my results.db")
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "demo", "--db", db, "--preset", "micro")
+    assert code == 0, err
+    assert out.splitlines() == ["queued 3 run(s); 0 already present. Train them with:",
+                                f"  fibctl worker --db '{db}'"], out
+    code, out, err = ran(monkeypatch, capsys, "queue", "add", "demo", "--db", db, "--preset", "micro")
+    assert (code, out) == (0, "queued 0 run(s); 3 already present\n"), err
+
+
 def test_cli_queue_add_ls_cancel(db):
     from fibctl.cli import app
 

@@ -148,11 +148,12 @@ def test_plain_log_lines_stay_one_line_in_a_file(tmp_path):
     assert done.returncode == 0, out
     lines = [line for line in out.splitlines() if line.strip()]
     # steps 1 and 10, an evaluation line per held-out set, the outcome with its checkpoint,
-    # the worker's summary: each whole, on its line
-    assert [line.split(" ")[0] for line in lines] == [name] * (2 + len(HELDOUT)) + [f"{name}:", "worker:"], out
+    # the worker's summary, what to run next (sampling the run): each whole, on its line
+    assert [line.split(" ")[0] for line in lines] == ([name] * (2 + len(HELDOUT))
+                                                      + [f"{name}:", "worker:", "next:"]), out
     assert all(name in line for line in lines), out
-    assert lines[-2].startswith(f"{name}: done at step 10 in ")
-    assert lines[-2].endswith(f" (runs/{name}/step_00000010.pt)")
+    assert lines[-3].startswith(f"{name}: done at step 10 in ")
+    assert lines[-3].endswith(f" (runs/{name}/step_00000010.pt)")
 
 
 def test_plain_log_lines_say_what_the_database_records(tmp_path):
@@ -346,3 +347,33 @@ def test_the_worker_s_last_line_is_folded_on_a_terminal_and_whole_in_a_file(monk
         lines = out.getvalue().splitlines()
         assert (len(lines) > 1 and all(len(line) <= 80 for line in lines)) if terminal else len(lines) == 1, lines
         assert " ".join(out.getvalue().split()).startswith("worker: 4 run(s): f00__fib_stagger_w12 done, f01__")
+
+
+def test_training_that_empties_the_queue_ends_with_the_next_commands(tmp_path, monkeypatch, capsys):
+    """`worker: 2 run(s): a done, b done` ended the command, and a user who came from nanoGPT
+    had to find eval, the reports and sample in the docs: once the queue is trained (not
+    before: --max-runs), the worker names them, at 4x the runs' training length (micro: 64),
+    and `train NAME` names them for its run; after probe runs, Table 2."""
+    from cli_helpers import ran
+
+    data = write_data(tmp_path / "data")
+    db = tmp_path / "r.db"
+    short = dict(steps=2, warmup_steps=1, eval_interval=2, checkpoint_interval=2)
+    queued_db(db, micro_run("a", **short), micro_run("b", **short)).dispose()
+    common = ["--db", str(db), "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--plain"]
+    code, out, err = ran(monkeypatch, capsys, "worker", "--max-runs", "1", *common)
+    assert code == 0 and out.splitlines()[-1] == "worker: 1 run(s): a done", err + out  # b waits
+    code, out, err = ran(monkeypatch, capsys, "worker", *common)
+    assert code == 0, err
+    assert out.splitlines()[-1] == ("next: `fibctl eval --all --length 256` measures past the training length "
+                                    "(4x), then `fibctl report table3`; `fibctl sample b` writes text"), out
+    queued_db(db, micro_run("c", **short)).dispose()
+    code, out, err = ran(monkeypatch, capsys, "train", "c", *common)
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith("next: `fibctl eval c --length 256` measures past"), out
+    # probe runs have no text to measure or sample: Table 2 reads them
+    assert ran(monkeypatch, capsys, "probe", "--db", str(db), "--depth", "2", "--init", "uniform", "--seed", "0",
+               "--steps", "2", "--length", "64", "--distance", "20", "--distance", "35",
+               "--eval-sequences", "2")[0] == 0
+    code, out, err = ran(monkeypatch, capsys, "worker", *common)
+    assert (code, out.splitlines()[-1]) == (0, "next: `fibctl report table2` reads the probe's runs"), err + out

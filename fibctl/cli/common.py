@@ -72,6 +72,18 @@ DbOption = Annotated[
 DEFAULT_DB = "results.db"
 
 
+def say_queued(line: str, db: str) -> None:
+    """What `queue add` and `probe` print of the runs they queued: the count, then the command
+    that trains them, on a line of its own and never folded (folded at 80 columns it split
+    from its path), with the database it names: the worker's default one may be another."""
+    from fibctl.db import engine as db_engine
+    from fibctl.errors import shell_word
+
+    console.print(f"{line}. Train them with:", highlight=False, markup=False)
+    console.print(f"  fibctl worker --db {shell_word(db_engine.shown(db))}", highlight=False, markup=False,
+                  soft_wrap=True)
+
+
 def plain(value, style: str = "") -> Text:
     """A table cell or line shown as written: names, paths and errors from data are never rich
     markup, nor control codes a terminal would obey (an error text holding ESC [2J clears the

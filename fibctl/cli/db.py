@@ -15,7 +15,7 @@ from fibctl.cli import app
 from fibctl.config import PRESETS
 from fibctl.cli.common import (DEFAULT_DB, DbOption, confirmed, console, err_console, fitted_table, fitted_view,
                                goes_with, hold_interrupts, interactive, interrupted, model_line, plain,
-                               runs_dir_value, split_label, step_of, stop_if_interrupted, unbroken)
+                               runs_dir_value, say_queued, split_label, step_of, stop_if_interrupted, unbroken)
 from fibctl.db import engine as db_engine, schema
 from fibctl.db.store import utcnow
 from fibctl.units import duration
@@ -229,7 +229,10 @@ def queue_add(matrix: MatrixArg, db: DbOption = DEFAULT_DB, preset: PresetOption
         stopped = "interrupted" if interrupted.signal == signal.SIGINT else "terminated"
         err_console.print(f"{stopped} after the commit: {line}", markup=False, highlight=False)
         raise typer.Exit(128 + interrupted.signal)
-    console.print(line)
+    if added:  # what to run next, as `fibctl probe` says it: a new user was left at the count
+        say_queued(line, db)
+    else:
+        console.print(line)
 
 
 @queue_app.command("ls")

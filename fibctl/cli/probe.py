@@ -7,9 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console
+from fibctl.cli.common import DEFAULT_DB, DbOption, say_queued
 from fibctl.db import engine as db_engine
-from fibctl.errors import shell_word
 
 
 @app.command("probe")
@@ -52,7 +51,4 @@ def probe_cmd(
     configs = probe_runs(tuple(depth or DEPTHS), tuple(init or ("uniform", "staggered")), tuple(seed or SEEDS),
                          steps, tuple(distance) if distance else None, length, vocab, eval_sequences)
     added, present = queue.add_runs(db_engine.connect(db), configs)
-    console.print(f"{queue.added_line(added, present, 'probe run')}. Train them with:",
-                  highlight=False, markup=False)
-    # the command on a line of its own, never folded: folded at 80 columns it split from its path
-    console.print(f"  fibctl worker --db {shell_word(db_engine.shown(db))}", highlight=False, markup=False, soft_wrap=True)
+    say_queued(queue.added_line(added, present, 'probe run'), db)

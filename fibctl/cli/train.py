@@ -297,6 +297,7 @@ def train_cmd(
     else:
         outcome = train_named(connect(db, must_exist=True, check=known), name, opts, RunDisplay(plain, stop=stop), stop)
     _resume_hint([outcome])
+    _next_steps([outcome], db, whole_queue=False)
     _exit_after_signal(stop)
     if outcome.status == "failed":
         raise typer.Exit(1)
@@ -373,6 +374,7 @@ def worker_cmd(
         outcomes = work(connect(db, must_exist=True), opts, RunDisplay(plain, stop=stop), stop)
     _summary(outcomes, db, opts.heartbeat_timeout_s)
     _resume_hint(outcomes)
+    _next_steps(outcomes, db, whole_queue=True)
     _exit_after_signal(stop)
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
@@ -416,6 +418,38 @@ def _resume_hint(outcomes: list[Outcome]) -> None:
                    "a new job (fibctl slurm submit) or any worker resumes")
         err_console.print(as_written(f"hint: queued again; {how} {said}"),
                           highlight=False, soft_wrap=not err_console.is_terminal)
+
+
+def _next_steps(outcomes: list[Outcome], db: str, *, whole_queue: bool) -> None:
+    """After training, what a user does next: "worker: 3 run(s): dense done, ..." ended the
+    command, and one who came from nanoGPT was left to find eval, the reports and sample in
+    the docs. Said once every run it trained is done and, for a worker, nothing is left to
+    train (not after --max-runs, nor while another worker trains); the length is 4x the
+    runs' training length where they share one, the study's question (Table 3). Probe runs,
+    which have no text to measure or sample, are read by Table 2."""
+    done = [o.name for o in outcomes if o.status == "done"]
+    if not done or len(done) < len(outcomes):
+        return
+    from sqlalchemy import select
+
+    from fibctl import queue
+    from fibctl.db.engine import connect_readonly
+    from fibctl.db.schema import Run
+
+    engine = connect_readonly(db)
+    if whole_queue and any(queue.status_counts(engine).get(s) for s in ("queued", "running")):
+        return
+    with engine.connect() as conn:
+        rows = conn.execute(select(Run.matrix, Run.train_length).where(Run.name.in_(done))).all()
+    if any(matrix == "probe" for matrix, _ in rows):
+        said = "`fibctl report table2` reads the probe's runs"
+    else:
+        lengths = {length for _, length in rows}
+        length = 4 * lengths.pop() if len(lengths) == 1 else "LENGTH"
+        which = "--all" if whole_queue else " ".join(done)
+        said = (f"`fibctl eval {which} --length {length}` measures past the training length (4x), "
+                f"then `fibctl report table3`; `fibctl sample {done[0]}` writes text")
+    console.print(as_written(f"next: {said}"), highlight=False, soft_wrap=not console.is_terminal)
 
 
 def _exit_after_signal(stop) -> None:

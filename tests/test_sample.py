@@ -275,6 +275,17 @@ def test_draws_keep_to_the_top_k_and_the_tokenizers_ids_and_the_context():
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0) == [4, 4, 4]
 
 
+def test_a_tiny_temperature_draws_the_likeliest_token():
+    """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
+    traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""
+    from fibctl.sampling import generate
+
+    model = _Fixed([0.0, 1.0, 2.0, 3.0, 9.0])
+    for temperature in (1e-300, 5e-324, 1e-30):
+        for top_k in (None, 2):
+            assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=temperature, top_k=top_k) == [4] * 3
+
+
 def test_a_run_not_finished_is_sampled_at_its_newest_checkpoint_with_evals_note(trained, tmp_path):
     db = tmp_path / "r.db"
     shutil.copy(trained / "r.db", db)

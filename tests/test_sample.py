@@ -153,10 +153,14 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_so(trai
         in " ".join(result.stderr.split())
 
 
-def test_the_prompt_comes_from_a_file_as_it_is(trained, tmp_path):
-    (tmp_path / "p.txt").write_text(PROMPT + "\n")
-    out = sampled(trained, "fixed", "--prompt-file", str(tmp_path / "p.txt"), "--tokens", "3")
-    assert out["prompt"]["text"] == PROMPT + "\n"
+def test_the_prompt_comes_from_a_file_as_it_is(trained, tmp_path, monkeypatch):
+    """Its line breaks as they are (\\r\\n was read as \\n), and a quoted `~` opening the
+    path is the home folder, as in every path option (it was looked for in a folder named `~`)."""
+    (tmp_path / "p.txt").write_bytes(f"{PROMPT}\r\nand\n".encode())
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for path in (str(tmp_path / "p.txt"), "~/p.txt"):
+        out = sampled(trained, "fixed", "--prompt-file", path, "--tokens", "3")
+        assert out["prompt"]["text"] == PROMPT + "\r\nand\n"
 
 
 def test_text_output_shows_the_prompt_then_each_sample_under_a_rule_within_80_columns(trained):
@@ -220,6 +224,9 @@ def no_eos(trained):
     (["fixed", "--prompt", "a", "--prompt-file", "p.txt"], "give --prompt or --prompt-file, not both"),
     (["fixed", "--prompt-file", "{bad}"], "is not UTF-8 text (byte 1)"),
     (["fixed", "--prompt-file", "{missing}"], "No such file or directory"),
+    (["fixed", "--prompt-file", "{huge}"], "holds more than 64 MiB; give the prompt's end"),  # was read whole
+    (["fixed", "--prompt-file", "/dev/zero"], "holds more than 64 MiB"),  # was a MemoryError
+    (["fixed", "--prompt-file", ""], "--prompt-file is empty; name a file holding the prompt"),
     (["fixed", "--data", "{no_eos}"], "tokenizer.json has no <|endoftext|> token to start a sample from; give a "
                                       "prompt (--prompt or --prompt-file)"),
     (["fixed", "--data", "{no_eos}", "--prompt", "Once"], "was trained on data"),  # another tokenizer
@@ -231,7 +238,10 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(trained, no_eos, tmp_p
     from fibctl.cli import main
 
     (tmp_path / "bad.txt").write_bytes(b"a\xff")
+    with open(tmp_path / "huge.txt", "wb") as f:  # sparse: 64 MiB and a byte of NULs, written in no time
+        f.truncate(64 * 2**20 + 1)
     paths = {"bad": str(tmp_path / "bad.txt"), "missing": str(tmp_path / "missing.txt"), "no_eos": str(no_eos),
+             "huge": str(tmp_path / "huge.txt"),
              "nowhere": str(tmp_path / "runs")}
     before = _digests(trained, readers=True)
     monkeypatch.chdir(trained)

@@ -285,6 +285,19 @@ def test_draws_keep_to_the_top_k_and_the_tokenizers_ids_and_the_context():
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0) == [4, 4, 4]
 
 
+def test_an_imported_run_is_said_to_have_no_weights_not_to_need_training(trained, tmp_path):
+    """A run import-study recorded (its source the study's file, no checkpoint) was told "train
+    it first", which it cannot be: it was trained elsewhere."""
+    db = tmp_path / "r.db"
+    shutil.copy(trained / "r.db", db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE runs SET checkpoint_path = NULL, source = 'fib.db' WHERE name = 'fixed'")
+    con.close()
+    result = CliRunner().invoke(app, ["sample", "fixed", "--db", str(db), "--data", str(trained / "data")])
+    assert str(result.exception) == ("run 'fixed' was imported from fib.db, its numbers without its weights: "
+                                     "it has no checkpoint"), result.output  # main says it in one line, exit 2
+
+
 def test_a_tiny_temperature_draws_the_likeliest_token():
     """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
     traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""

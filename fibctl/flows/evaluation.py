@@ -99,6 +99,9 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
                 continue
             raise FibctlError(f"run {r.name!r} is a probe run: its worker scored it on the probe's task "
                               "(fibctl report table2); fibctl eval measures text")
+        if not r.checkpoint_path and r.source != "fibctl":  # not "train it first": it was trained elsewhere
+            raise FibctlError(f"run {r.name!r} was imported from {r.source}, its numbers without its weights: "
+                              "it has no checkpoint")
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = _current(resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name), r)

@@ -224,6 +224,7 @@ def no_eos(trained):
     (["fixed", "--prompt", "a", "--prompt-file", "p.txt"], "give --prompt or --prompt-file, not both"),
     (["fixed", "--prompt-file", "{bad}"], "is not UTF-8 text (byte 1)"),
     (["fixed", "--prompt-file", "{missing}"], "No such file or directory"),
+    (["fixed", "--prompt", "ab\udcffc"], "--prompt is not UTF-8 text (byte 2)"),  # $'ab\xffc': was a traceback
     (["fixed", "--prompt-file", "{huge}"], "holds more than 64 MiB; give the prompt's end"),  # was read whole
     (["fixed", "--prompt-file", "/dev/zero"], "holds more than 64 MiB"),  # was a MemoryError
     (["fixed", "--prompt-file", ""], "--prompt-file is empty; name a file holding the prompt"),

@@ -24,6 +24,8 @@ def _prompt(text: str | None, file: Path | None) -> str | None:
     if text is not None and file is not None:
         raise FibctlError("give --prompt or --prompt-file, not both")
     if file is None:
+        if text is not None:
+            _check_utf8(text)
         return text
     with open(file, "rb") as f:  # bytes: a \r\n stays, as the help says "as it is"
         raw = f.read(PROMPT_FILE_MAX + 1)
@@ -34,6 +36,16 @@ def _prompt(text: str | None, file: Path | None) -> str | None:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FibctlError(f"--prompt-file {shown_path(file)} is not UTF-8 text (byte {e.start:,})") from None
+
+
+def _check_utf8(text: str) -> None:
+    """Bytes not UTF-8 in the command line reach Python as lone surrogates, which the
+    tokenizer refused with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = len(text[:e.start].encode("utf-8", "surrogateescape"))  # in the command line's bytes
+        raise FibctlError(f"--prompt is not UTF-8 text (byte {at:,})") from None
 
 
 @app.command("sample")

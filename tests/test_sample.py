@@ -299,6 +299,17 @@ def test_an_imported_run_is_said_to_have_no_weights_not_to_need_training(trained
                                      "it has no checkpoint"), result.output  # main says it in one line, exit 2
 
 
+def test_a_prompt_ending_in_a_replacement_character_keeps_it_out_of_the_samples(trained):
+    """The prompt's text and a sample's read as the decoded ids: a prompt ending in a real
+    U+FFFD gave it to each sample's text as well (taken for a character cut short)."""
+    for prompt in ("Once upon a time", "Iris \ufffd", "\ufffd\ufffd"):
+        out = sampled(trained, "fixed", "--prompt", prompt, "--tokens", "4", "--temperature", "0")
+        assert out["prompt"]["text"] == prompt
+        for s in out["samples"]:
+            whole = tokenizer(trained).decode(out["prompt"]["ids"] + s["ids"], skip_special_tokens=False)
+            assert out["prompt"]["text"] + s["text"] == whole
+
+
 def test_a_tiny_temperature_draws_the_likeliest_token():
     """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
     traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""

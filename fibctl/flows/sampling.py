@@ -110,5 +110,7 @@ def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
     """The new tokens' text as it reads after the prompt's: a character whose bytes the
     byte-level tokens split between prompt and sample is decoded whole, with the sample."""
     whole = tokenizer.decode(prompt + new, skip_special_tokens=False)
-    head = tokenizer.decode(prompt, skip_special_tokens=False).rstrip("\ufffd")  # a character cut short
+    head = tokenizer.decode(prompt, skip_special_tokens=False)
+    if not whole.startswith(head):  # a character cut short; not before: a prompt ending in a real U+FFFD lost it
+        head = head.rstrip("\ufffd")
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=False)

@@ -310,6 +310,41 @@ def test_a_prompt_ending_in_a_replacement_character_keeps_it_out_of_the_samples(
             assert out["prompt"]["text"] + s["text"] == whole
 
 
+def test_a_long_prompt_is_encoded_in_pieces_as_prepare_encodes_a_document(trained, monkeypatch):
+    """Only its last --context tokens are used, but a prompt is encoded whole-text exact: in
+    data prepare's pieces, the encoder's memory bounded (a 13 MB prompt encoded at once took
+    4.9 GB); its ids are the whole text's."""
+    import fibctl.data.prepare as prep
+    from fibctl.data.streams import DataManifest
+
+    texts = []
+
+    class Recording:  # the tokenizer, noting each text it is given
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+        def encode(self, text, *args, **kwargs):
+            texts.append(text)
+            return self.tokenizer.encode(text, *args, **kwargs)
+
+        def encode_batch(self, batch, *args, **kwargs):
+            texts.extend(batch)
+            return self.tokenizer.encode_batch(batch, *args, **kwargs)
+
+    load = DataManifest.load_tokenizer
+    monkeypatch.setattr(DataManifest, "load_tokenizer", lambda self: Recording(load(self)))
+    monkeypatch.setattr(prep, "ENCODE_PIECE_CHARS", 40)
+    monkeypatch.setattr(prep, "ENCODE_CHARS", 400)
+    prompt = " ".join(f"{PROMPT} said {k}." for k in range(60))
+    out = sampled(trained, "fixed", "--prompt", prompt, "--tokens", "2", "--context", "1000")
+    assert max(map(len, texts)) <= 40
+    ids = tokenizer(trained).encode(prompt).ids
+    assert len(ids) < 1000 and out["prompt"]["ids"] == ids
+
+
 def test_a_tiny_temperature_draws_the_likeliest_token():
     """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
     traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""

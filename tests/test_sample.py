@@ -345,6 +345,16 @@ def test_a_long_prompt_is_encoded_in_pieces_as_prepare_encodes_a_document(traine
     assert len(ids) < 1000 and out["prompt"]["ids"] == ids
 
 
+def test_a_probe_run_is_refused_in_samples_words(tmp_path):
+    """A probe run has no tokenizer nor text: refused, naming sample (it named eval)."""
+    db = str(tmp_path / "p.db")
+    assert CliRunner().invoke(app, ["probe", "--quick", "--db", db]).exit_code == 0
+    result = CliRunner().invoke(app, ["sample", "probe_d2_uniform_s0_200steps", "--db", db])
+    assert str(result.exception) == ("run 'probe_d2_uniform_s0_200steps' is a probe run: its worker scored it on "
+                                     "the probe's task (fibctl report table2); fibctl sample writes text, with a "
+                                     "text model")
+
+
 def test_a_tiny_temperature_draws_the_likeliest_token():
     """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
     traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""

@@ -68,7 +68,7 @@ def sample(engine: Engine, name: str, *, data_dir: Path, prompt: str | None = No
     sample in turn, so a seed gives the same texts. `on_note` hears of a run not finished and
     of a prompt cut to the context; `on_token(id)` of each token drawn, sample after sample."""
     check_options(tokens, temperature, top_k, samples, context)
-    target = find_runs(engine, [name], False, runs_dir)[0]
+    target = find_runs(engine, [name], False, runs_dir, reads="fibctl sample writes text, with a text model")[0]
     manifest = load_manifest(data_dir)
     check_vocab(target, manifest)
     tokenizer = manifest.load_tokenizer()

@@ -27,7 +27,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     logits = logits.float().cpu()  # drawn on the CPU: the same seed gives the same text on any device
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / temperature
+    # the likeliest at 0 before dividing, and a temperature float32 can hold: a tiny one
+    # (1e-300) sent the logits to +-inf (or 0/0) and softmax to nan, a traceback from
+    # multinomial; now the others go to -inf, as greedy
+    logits = (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
     if top_k is not None and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

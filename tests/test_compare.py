@@ -92,6 +92,11 @@ def test_compare_says_when_other_samplers_drew_the_runs_windows(tmp_path):
     with connect(db).begin() as conn:
         conn.execute(update(schema.Run).values(sampler="numpy"))
     assert "Windows drawn" not in compared("fixed", "stagger", "--db", db)
+    with connect(db).begin() as conn:  # edited by hand into a BLOB: shown as it is (it was a traceback)
+        conn.execute(update(schema.Run).where(schema.Run.name == "fixed").values(sampler=b"\x00\xff"))
+    said = " ".join(compared("fixed", "stagger", "--db", db).split())
+    assert "read other windows: b'\\x00\\xff' (fixed); numpy's" in said, said
+    assert json.loads(compared("fixed", "stagger", "--db", db, "--json"))["trained"]["sampler"][0] == "b'\\x00\\xff'"
 
 
 def test_compare_json_holds_every_number(sweep):

@@ -153,10 +153,14 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_so(trai
         in " ".join(result.stderr.split())
 
 
-def test_the_prompt_comes_from_a_file_as_it_is(trained, tmp_path):
-    (tmp_path / "p.txt").write_text(PROMPT + "\n")
-    out = sampled(trained, "fixed", "--prompt-file", str(tmp_path / "p.txt"), "--tokens", "3")
-    assert out["prompt"]["text"] == PROMPT + "\n"
+def test_the_prompt_comes_from_a_file_as_it_is(trained, tmp_path, monkeypatch):
+    """Its line breaks as they are (\\r\\n was read as \\n), and a quoted `~` opening the
+    path is the home folder, as in every path option (it was looked for in a folder named `~`)."""
+    (tmp_path / "p.txt").write_bytes(f"{PROMPT}\r\nand\n".encode())
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for path in (str(tmp_path / "p.txt"), "~/p.txt"):
+        out = sampled(trained, "fixed", "--prompt-file", path, "--tokens", "3")
+        assert out["prompt"]["text"] == PROMPT + "\r\nand\n"
 
 
 def test_text_output_shows_the_prompt_then_each_sample_under_a_rule_within_80_columns(trained):
@@ -220,6 +224,10 @@ def no_eos(trained):
     (["fixed", "--prompt", "a", "--prompt-file", "p.txt"], "give --prompt or --prompt-file, not both"),
     (["fixed", "--prompt-file", "{bad}"], "is not UTF-8 text (byte 1)"),
     (["fixed", "--prompt-file", "{missing}"], "No such file or directory"),
+    (["fixed", "--prompt", "ab\udcffc"], "--prompt is not UTF-8 text (byte 2)"),  # $'ab\xffc': was a traceback
+    (["fixed", "--prompt-file", "{huge}"], "holds more than 64 MiB; give the prompt's end"),  # was read whole
+    (["fixed", "--prompt-file", "/dev/zero"], "holds more than 64 MiB"),  # was a MemoryError
+    (["fixed", "--prompt-file", ""], "--prompt-file is empty; name a file holding the prompt"),
     (["fixed", "--data", "{no_eos}"], "tokenizer.json has no <|endoftext|> token to start a sample from; give a "
                                       "prompt (--prompt or --prompt-file)"),
     (["fixed", "--data", "{no_eos}", "--prompt", "Once"], "was trained on data"),  # another tokenizer
@@ -231,7 +239,10 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(trained, no_eos, tmp_p
     from fibctl.cli import main
 
     (tmp_path / "bad.txt").write_bytes(b"a\xff")
+    with open(tmp_path / "huge.txt", "wb") as f:  # sparse: 64 MiB and a byte of NULs, written in no time
+        f.truncate(64 * 2**20 + 1)
     paths = {"bad": str(tmp_path / "bad.txt"), "missing": str(tmp_path / "missing.txt"), "no_eos": str(no_eos),
+             "huge": str(tmp_path / "huge.txt"),
              "nowhere": str(tmp_path / "runs")}
     before = _digests(trained, readers=True)
     monkeypatch.chdir(trained)
@@ -273,6 +284,86 @@ def test_draws_keep_to_the_top_k_and_the_tokenizers_ids_and_the_context():
                         generator=g)) == {2, 3}
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0, vocab=4) == [3, 3, 3]
     assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=0.0) == [4, 4, 4]
+
+
+def test_an_imported_run_is_said_to_have_no_weights_not_to_need_training(trained, tmp_path):
+    """A run import-study recorded (its source the study's file, no checkpoint) was told "train
+    it first", which it cannot be: it was trained elsewhere."""
+    db = tmp_path / "r.db"
+    shutil.copy(trained / "r.db", db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE runs SET checkpoint_path = NULL, source = 'fib.db' WHERE name = 'fixed'")
+    con.close()
+    result = CliRunner().invoke(app, ["sample", "fixed", "--db", str(db), "--data", str(trained / "data")])
+    assert str(result.exception) == ("run 'fixed' was imported from fib.db, its numbers without its weights: "
+                                     "it has no checkpoint"), result.output  # main says it in one line, exit 2
+
+
+def test_a_prompt_ending_in_a_replacement_character_keeps_it_out_of_the_samples(trained):
+    """The prompt's text and a sample's read as the decoded ids: a prompt ending in a real
+    U+FFFD gave it to each sample's text as well (taken for a character cut short)."""
+    for prompt in ("Once upon a time", "Iris \ufffd", "\ufffd\ufffd"):
+        out = sampled(trained, "fixed", "--prompt", prompt, "--tokens", "4", "--temperature", "0")
+        assert out["prompt"]["text"] == prompt
+        for s in out["samples"]:
+            whole = tokenizer(trained).decode(out["prompt"]["ids"] + s["ids"], skip_special_tokens=False)
+            assert out["prompt"]["text"] + s["text"] == whole
+
+
+def test_a_long_prompt_is_encoded_in_pieces_as_prepare_encodes_a_document(trained, monkeypatch):
+    """Only its last --context tokens are used, but a prompt is encoded whole-text exact: in
+    data prepare's pieces, the encoder's memory bounded (a 13 MB prompt encoded at once took
+    4.9 GB); its ids are the whole text's."""
+    import fibctl.data.prepare as prep
+    from fibctl.data.streams import DataManifest
+
+    texts = []
+
+    class Recording:  # the tokenizer, noting each text it is given
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+        def encode(self, text, *args, **kwargs):
+            texts.append(text)
+            return self.tokenizer.encode(text, *args, **kwargs)
+
+        def encode_batch(self, batch, *args, **kwargs):
+            texts.extend(batch)
+            return self.tokenizer.encode_batch(batch, *args, **kwargs)
+
+    load = DataManifest.load_tokenizer
+    monkeypatch.setattr(DataManifest, "load_tokenizer", lambda self: Recording(load(self)))
+    monkeypatch.setattr(prep, "ENCODE_PIECE_CHARS", 40)
+    monkeypatch.setattr(prep, "ENCODE_CHARS", 400)
+    prompt = " ".join(f"{PROMPT} said {k}." for k in range(60))
+    out = sampled(trained, "fixed", "--prompt", prompt, "--tokens", "2", "--context", "1000")
+    assert max(map(len, texts)) <= 40
+    ids = tokenizer(trained).encode(prompt).ids
+    assert len(ids) < 1000 and out["prompt"]["ids"] == ids
+
+
+def test_a_probe_run_is_refused_in_samples_words(tmp_path):
+    """A probe run has no tokenizer nor text: refused, naming sample (it named eval)."""
+    db = str(tmp_path / "p.db")
+    assert CliRunner().invoke(app, ["probe", "--quick", "--db", db]).exit_code == 0
+    result = CliRunner().invoke(app, ["sample", "probe_d2_uniform_s0_200steps", "--db", db])
+    assert str(result.exception) == ("run 'probe_d2_uniform_s0_200steps' is a probe run: its worker scored it on "
+                                     "the probe's task (fibctl report table2); fibctl sample writes text, with a "
+                                     "text model")
+
+
+def test_a_tiny_temperature_draws_the_likeliest_token():
+    """Logits divided by 1e-300 overflowed to inf, softmax gave nan and multinomial raised (a
+    traceback from `fibctl sample --temperature 1e-300`); the likeliest token is drawn instead."""
+    from fibctl.sampling import generate
+
+    model = _Fixed([0.0, 1.0, 2.0, 3.0, 9.0])
+    for temperature in (1e-300, 5e-324, 1e-30):
+        for top_k in (None, 2):
+            assert generate(model, [0], 3, 4, torch.device("cpu"), temperature=temperature, top_k=top_k) == [4] * 3
 
 
 def test_a_run_not_finished_is_sampled_at_its_newest_checkpoint_with_evals_note(trained, tmp_path):

@@ -441,9 +441,9 @@ def confirmed(question: str) -> bool:
 
 
 def folder_value(option: str, what: str) -> Callable[[object], Path]:
-    """Option parser of a folder: a typed `OPTION ''` is refused, as `--db ''` is (Path('') is
-    the current folder: a worker trained into it, a SLURM job kept its logs in it); `what`
-    names the folder in the message. An empty environment variable is unset, as FIBCTL_DB.
+    """Option parser of a folder (or a file: --prompt-file): a typed `OPTION ''` is refused,
+    as `--db ''` is (Path('') is the current folder: a worker trained into it, a SLURM job
+    kept its logs in it); `what` names the folder in the message. An empty environment variable is unset, as FIBCTL_DB.
     A `~` opening it is the home folder, as in a recipe's globs and `fibctl slurm`'s folders:
     quoted (`--data '~/data'`, FIBCTL_DATA="~/data") it made a folder named `~` here."""
     def parse(value) -> Path:

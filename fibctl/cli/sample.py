@@ -11,20 +11,41 @@ from rich.rule import Rule
 from rich.text import Text
 
 from fibctl.cli import app
-from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, plain, seed_value
+from fibctl.cli.common import DEFAULT_DB, DbOption, console, err_console, folder_value, plain, seed_value
 from fibctl.cli.train import DEFAULT_DATA, CheckpointsDirOption, DataOption, DeviceOption, ThreadsOption
 from fibctl.errors import FibctlError, shown_path
+
+
+# far past any context's worth of text (MAX_LENGTH tokens): /dev/zero read whole was a MemoryError
+PROMPT_FILE_MAX = 64 * 2**20
 
 
 def _prompt(text: str | None, file: Path | None) -> str | None:
     if text is not None and file is not None:
         raise FibctlError("give --prompt or --prompt-file, not both")
     if file is None:
+        if text is not None:
+            _check_utf8(text)
         return text
+    with open(file, "rb") as f:  # bytes: a \r\n stays, as the help says "as it is"
+        raw = f.read(PROMPT_FILE_MAX + 1)
+    if len(raw) > PROMPT_FILE_MAX:
+        raise FibctlError(f"--prompt-file {shown_path(file)} holds more than {PROMPT_FILE_MAX // 2**20} MiB; "
+                          "give the prompt's end (the samples see only its last --context tokens)")
     try:
-        return file.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FibctlError(f"--prompt-file {shown_path(file)} is not UTF-8 text (byte {e.start:,})") from None
+
+
+def _check_utf8(text: str) -> None:
+    """Bytes not UTF-8 in the command line reach Python as lone surrogates, which the
+    tokenizer refused with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = len(text[:e.start].encode("utf-8", "surrogateescape"))  # in the command line's bytes
+        raise FibctlError(f"--prompt is not UTF-8 text (byte {at:,})") from None
 
 
 @app.command("sample")
@@ -34,7 +55,8 @@ def sample_cmd(
         "--prompt", help="Text the samples continue (default: the start of a document, after the tokenizer's "
         "end-of-text).")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
-        "--prompt-file", metavar="<path>", help="Read the prompt from this UTF-8 file, as it is.")] = None,
+        "--prompt-file", metavar="<path>", parser=folder_value("--prompt-file", "a file holding the prompt"),
+        help="Read the prompt from this UTF-8 file, as it is.")] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="New tokens per sample.")] = 100,
     temperature: Annotated[float, typer.Option(
         "--temperature", help="Divides the logits before the draw; 0 takes the most likely token (greedy).")] = 0.8,

@@ -76,9 +76,11 @@ def check_chosen(names: list[str], all_runs: bool) -> None:
         raise FibctlError("name at least one run, or pass --all")
 
 
-def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None) -> list[_Target]:
+def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path | None = None, *,
+              reads: str = "fibctl eval measures text") -> list[_Target]:
     """Runs to evaluate, each with a checkpoint; every problem is reported before any work.
-    Checkpoints are looked for under `runs_dir`, by default the folder each run trained in."""
+    Checkpoints are looked for under `runs_dir`, by default the folder each run trained in.
+    `reads`: what the command asks of a run, said to a probe run's name."""
     check_chosen(names, all_runs)
     with engine.connect() as conn:
         if all_runs:
@@ -98,7 +100,10 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
             if all_runs:
                 continue
             raise FibctlError(f"run {r.name!r} is a probe run: its worker scored it on the probe's task "
-                              "(fibctl report table2); fibctl eval measures text")
+                              f"(fibctl report table2); {reads}")
+        if not r.checkpoint_path and r.source != "fibctl":  # not "train it first": it was trained elsewhere
+            raise FibctlError(f"run {r.name!r} was imported from {r.source}, its numbers without its weights: "
+                              "it has no checkpoint")
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")
         path = _current(resolve_path(r.checkpoint_path, runs_dir or Path(r.runs_dir or "runs"), r.name), r)

@@ -213,13 +213,20 @@ def sampler_notes(engine: Engine, runs) -> list[str]:
     names = set(runs)
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT name, preset, sampler, started_at FROM runs")).all()
-    drawn = {name: {"sampler": SAMPLERS.get(sampler, sampler) if sampler is not None else UNRECORDED_SAMPLER}
-             for name, preset, sampler, started_at in rows
+    drawn = {name: {"sampler": _sampler_said(sampler)} for name, preset, sampler, started_at in rows
              if name in names and preset != "probe" and (sampler is not None or started_at is not None)}
     if len({d["sampler"] for d in drawn.values()}) < 2:
         return []
     return [f"Windows drawn by different samplers, so that runs of one seed read other windows: "
             f"{_by_value(drawn, 'sampler')}."]
+
+
+def _sampler_said(sampler) -> str:
+    """runs.sampler as a note says it; a value edited by hand as it is, a str (a BLOB was a
+    TypeError traceback where the note's join took it for JSON)."""
+    if sampler is None:
+        return UNRECORDED_SAMPLER
+    return SAMPLERS.get(sampler, sampler) if isinstance(sampler, str) else str(sampler)
 
 
 def unfinished_notes(engine: Engine, runs) -> list[str]:

@@ -261,6 +261,12 @@ def progress(engine: Engine) -> list[dict]:
     return out
 
 
+def matrices_and_lengths(engine: Engine, names: Sequence[str]) -> list[tuple[str, int]]:
+    """Each named run's matrix and training length: what the worker's closing hint names."""
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(select(Run.matrix, Run.train_length).where(Run.name.in_(names)))]
+
+
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return dict(conn.execute(select(Run.status, func.count()).group_by(Run.status)).all())

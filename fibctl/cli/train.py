@@ -430,17 +430,13 @@ def _next_steps(outcomes: list[Outcome], db: str, *, whole_queue: bool) -> None:
     done = [o.name for o in outcomes if o.status == "done"]
     if not done or len(done) < len(outcomes):
         return
-    from sqlalchemy import select
-
     from fibctl import queue
     from fibctl.db.engine import connect_readonly
-    from fibctl.db.schema import Run
 
     engine = connect_readonly(db)
     if whole_queue and any(queue.status_counts(engine).get(s) for s in ("queued", "running")):
         return
-    with engine.connect() as conn:
-        rows = conn.execute(select(Run.matrix, Run.train_length).where(Run.name.in_(done))).all()
+    rows = queue.matrices_and_lengths(engine, done)
     if any(matrix == "probe" for matrix, _ in rows):
         said = "`fibctl report table2` reads the probe's runs"
     else:

@@ -295,7 +295,7 @@ def test_an_imported_run_is_said_to_have_no_weights_not_to_need_training(trained
         con.execute("UPDATE runs SET checkpoint_path = NULL, source = 'fib.db' WHERE name = 'fixed'")
     con.close()
     result = CliRunner().invoke(app, ["sample", "fixed", "--db", str(db), "--data", str(trained / "data")])
-    assert str(result.exception) == ("run 'fixed' was imported from fib.db, its numbers without its weights: "
+    assert str(result.exception) == ("run 'fixed' was imported from 'fib.db', its numbers without its weights: "
                                      "it has no checkpoint"), result.output  # main says it in one line, exit 2
 
 

@@ -102,7 +102,7 @@ def find_runs(engine: Engine, names: list[str], all_runs: bool, runs_dir: Path |
             raise FibctlError(f"run {r.name!r} is a probe run: its worker scored it on the probe's task "
                               f"(fibctl report table2); {reads}")
         if not r.checkpoint_path and r.source != "fibctl":  # not "train it first": it was trained elsewhere
-            raise FibctlError(f"run {r.name!r} was imported from {r.source}, its numbers without its weights: "
+            raise FibctlError(f"run {r.name!r} was imported from {r.source!r}, its numbers without its weights: "
                               "it has no checkpoint")
         if not r.checkpoint_path:
             raise FibctlError(f"run {r.name!r} has no checkpoint yet (status {r.status}); train it first")

@@ -288,3 +288,29 @@ def test_report_all_stops_at_a_sigterm_wherever_it_lands(patch, tmp_path):
     out = tmp_path / "rep"
     _quiet_143(_fibctl_with(patch.replace("SIGINT", "SIGTERM"), "report", "all", "--db", EXAMPLE, "--out", str(out)))
     assert not out.exists()  # a folder the report made holds no part of one (export.write_all)
+
+
+# the Ctrl-C comes while pandas' JSON writer (C) asks an object of the table for its value
+IN_THE_JSON_WRITER = """
+from fibctl.reports import tables
+class Pressed:
+    def toDict(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return {}
+def pressed(build):
+    def built(*args, **kwargs):
+        table = build(*args, **kwargs)
+        table.frame = table.frame.assign(pressed=[Pressed() for _ in range(len(table.frame))])
+        return table
+    return built
+tables.TABLES['table1'] = pressed(tables.TABLES['table1'])
+"""
+
+
+def test_a_ctrl_c_inside_pandas_json_writer_ends_the_command_after_it():
+    """A KeyboardInterrupt raised inside pandas' JSON writer (ujson, C) was swallowed there (the
+    table was printed whole before `interrupted`) or crashed `report all` with a segmentation
+    fault (exit -11, nothing said; about one Ctrl-C in 75): the Ctrl-C now waits until the
+    writer is done."""
+    done = _fibctl_with(IN_THE_JSON_WRITER, "report", "table1", "--db", EXAMPLE, "--format", "json")
+    assert _one_line(done) == "interrupted" and done.stdout == ""

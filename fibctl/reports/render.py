@@ -6,9 +6,13 @@ columns the paper bolds; CSV and JSON carry the raw numbers.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import numbers
 import re
+import signal
+import threading
+from collections.abc import Iterator
 
 from fibctl.lazy import pandas as pd
 from rich.console import Console
@@ -211,7 +215,26 @@ def to_csv(table: Table) -> str:
 
 
 def to_json(table: Table) -> str:
-    return table.frame.to_json(orient="records", indent=2, force_ascii=False) + "\n"
+    with _ctrl_c_after():
+        return table.frame.to_json(orient="records", indent=2, force_ascii=False) + "\n"
+
+
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """A Ctrl-C waits until pandas' JSON writer (ujson, C) is done, then acts: its
+    KeyboardInterrupt raised inside the writer was swallowed there, or crashed the process with a
+    segmentation fault (`report all` sent a Ctrl-C, about one in 75)."""
+    if threading.current_thread() is not threading.main_thread():  # only its handler runs
+        yield
+        return
+    pressed = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if pressed:
+            signal.raise_signal(signal.SIGINT)  # to the handler that was there
 
 
 def render(table: Table, fmt: str) -> str:
